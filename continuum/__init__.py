@@ -1,0 +1,31 @@
+"""continuum: continuous generation with language models.
+
+Generate, slice, add, fork and resume token sequences without recomputing what the model has
+already seen. See ``docs/`` for the state model and ``README.md`` for a quick start.
+"""
+
+from . import generate, models, samplers
+from .errors import (
+    BatchMismatch,
+    ContinuumError,
+    IncompleteGenerationError,
+    SampleMismatch,
+    SlicingError,
+)
+from .generate import continuous
+from .state import SequenceState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "models",
+    "generate",
+    "samplers",
+    "continuous",
+    "SequenceState",
+    "ContinuumError",
+    "SampleMismatch",
+    "BatchMismatch",
+    "SlicingError",
+    "IncompleteGenerationError",
+]

@@ -1,0 +1,235 @@
+"""The decoding loop: one loop for every generator, from any ``SequenceState``.
+
+::
+
+    state ──▶ prefill the uncached suffix (ONE forward) ──▶ logits
+                 ▲                                            │ log-softmax, guide mask
+                 │                                            ▼
+           forward the new column ◀── append, advance guides ◀── sampler: ids, ancestors, scores
+                                      check EOS / stop strings     reorder ALL per-row state (_Rows.reorder)
+
+The loop is a Python generator: it yields a :class:`Step` after every token (streaming reads
+them) and returns the final ``SequenceState``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Generator, Optional, Sequence
+
+import torch
+
+from . import cache as kvcache
+from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
+from .guides import Guide, build_mask
+from .samplers import Sampler
+from .state import LastStep, SequenceState
+from .text import Detokenizer
+
+__all__ = ["decode", "Step", "check_max_tokens"]
+
+
+@dataclass
+class Step:
+    """What one decoding step did: the generated text of every row so far (when tracked)."""
+
+    texts: Optional[list[str]]
+    reordered: bool
+
+
+def check_max_tokens(max_tokens: Optional[int]) -> None:
+    if max_tokens is None:
+        return
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise GeneratorArgumentError(f"max_tokens must be an int or None, got {type(max_tokens).__name__}")
+    if max_tokens < 0:
+        raise GeneratorArgumentError(f"max_tokens must be >= 0 (0 = prefill only), got {max_tokens}")
+
+
+def _stop_list(stop_at) -> list[str]:
+    if stop_at is None:
+        return []
+    stops = [stop_at] if isinstance(stop_at, str) else list(stop_at)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise GeneratorArgumentError(f"stop_at must be a non-empty string or a list of them, got {stop_at!r}")
+    return stops
+
+
+class _Rows:
+    """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
+
+    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool):
+        R, L = state._ids.shape
+        dev = state._ids.device
+        self.ids = torch.full((R, L + capacity), state._model.tokenizer.pad_token_id, dtype=torch.long, device=dev)
+        self.mask = torch.zeros((R, L + capacity), dtype=state._mask.dtype, device=dev)
+        self.lp = torch.full((R, L + capacity), float("nan"), dtype=torch.float32, device=dev)
+        self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
+        self.width = L
+        self.kv = state._kv
+        self.weights = state._weights.to(torch.float32).clone()
+        self.scores = self.weights.clone()
+        self.finished = [False] * R
+        self.complete = [guide is None] * R
+        self.stop_cut: list[Optional[int]] = [None] * R
+        self.guide_states = [guide.initial_state] * R if guide is not None else None
+        texts = state.texts
+        self.start_chars = [len(t) for t in texts]
+        real = state._real_rows() if track_text else None
+        self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
+
+    def reorder(self, ancestors: torch.Tensor) -> None:
+        idx = ancestors.tolist()
+        a = ancestors.to(self.ids.device)
+        self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
+        self.kv = kvcache.select_rows(self.kv, ancestors)
+        self.weights = self.weights.index_select(0, a)
+        for name in ("finished", "complete", "stop_cut", "guide_states", "start_chars"):
+            values = getattr(self, name)
+            if values is not None:
+                setattr(self, name, [values[i] for i in idx])
+        if self.detoks is not None:
+            self.detoks = [self.detoks[i].copy() for i in idx]
+
+
+def decode(
+    state: SequenceState,
+    sampler: Sampler,
+    *,
+    guide: Optional[Guide] = None,
+    max_tokens: Optional[int] = None,
+    stop_at=None,
+    rng: Optional[torch.Generator] = None,
+    kind: str = "text",
+    parse: Optional[Callable[[str], object]] = None,
+    track_text: bool = False,
+) -> Generator[Step, None, SequenceState]:
+    """Continue ``state`` with ``sampler`` (and ``guide``); yields a :class:`Step` per token, returns the new state."""
+    check_max_tokens(max_tokens)
+    stops = _stop_list(stop_at)
+    model, tok = state._model, state._model.tokenizer
+    group, n = state.samples, sampler.samples
+    if group not in (1, n):
+        raise SampleMismatch(
+            f"this state has {group} samples per batch row but the generator produces {n}: use a generator with "
+            f"{'samplers.beam_search' if sampler.is_beam_search else 'samplers.multinomial'}({group}), or select one "
+            f"sample first (state[:, i, :]) so the generator can fork it into {n}")
+    lengths = state._mask.sum(1)
+    if bool((lengths == 0).any()):
+        rows = (lengths == 0).nonzero().flatten().tolist()
+        raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
+    longest = int(lengths.max())
+    ctx = model.context_length
+    if ctx is not None and longest > ctx:
+        raise ContextLengthError(f"the input has {longest} tokens but the model's context is {ctx}: cut it, e.g. state[..., -N:]")
+    steps = max_tokens if max_tokens is not None else (ctx - longest if ctx is not None else 2**31)
+    if ctx is not None:
+        steps = min(steps, ctx - longest)
+
+    rows = _Rows(state, steps, guide, track_text or bool(stops))
+    C, W = kvcache.length(rows.kv), rows.width
+    eos, pad = tok.eos_token_ids, tok.pad_token_id
+
+    def forward(start: int, end: int, want_logits: bool = True):
+        pos = (rows.mask[:, :end].cumsum(1) - 1).clamp(min=0)[:, start:end]
+        return model.forward(rows.ids[:, start:end], rows.mask[:, :end], pos, rows.kv, logits=want_logits)
+
+    if steps == 0:  # prefill only: everything but the last token, which stays uncached
+        if W - 1 > C:
+            _, rows.kv = forward(C, W - 1, want_logits=False)
+        if n != group:
+            rows.reorder(torch.arange(state.rows).repeat_interleave(n))
+        return _finish(state, rows, W - 1 if W - 1 > C else C, n, guide, kind, parse, max_tokens, sampler)
+
+    logits, rows.kv = forward(C, W)
+    fed = W
+    vocab = logits.shape[-1]
+    for step in range(steps):
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if guide is not None:
+            for r, s in enumerate(rows.guide_states):
+                if not rows.finished[r] and guide.is_done(s):
+                    rows.finished[r] = rows.complete[r] = True
+            logprobs = logprobs + build_mask(guide, [None if f else s for f, s in zip(rows.finished, rows.guide_states)],
+                                             vocab, logprobs.device)
+        if all(rows.finished):
+            break
+        if any(rows.finished):
+            done = torch.tensor(rows.finished, device=logprobs.device)
+            logprobs = logprobs.masked_fill(done[:, None], float("-inf"))
+            logprobs[done, pad] = 0.0
+        ids, ancestors, rows.scores = sampler(logprobs, rows.scores, group, rng)
+        reordered = ancestors.shape[0] != logprobs.shape[0] or not torch.equal(
+            ancestors, torch.arange(ancestors.shape[0], device=ancestors.device))
+        if reordered:
+            rows.reorder(ancestors)
+            group = n
+        step_lp = logprobs[ancestors, ids]
+        col = W + step
+        id_list, lp_list = ids.tolist(), step_lp.tolist()
+        keep = [False] * len(id_list)
+        for r, (t, l) in enumerate(zip(id_list, lp_list)):
+            if rows.finished[r]:
+                continue
+            if t in eos or l == -math.inf:
+                rows.finished[r] = True
+                if l == -math.inf:  # a beam with no allowed continuation: dead
+                    rows.weights[r] = -math.inf
+                elif rows.guide_states is not None:
+                    rows.complete[r] = guide.is_final(rows.guide_states[r])
+                continue
+            keep[r] = True
+            rows.weights[r] += l
+            if rows.guide_states is not None:
+                rows.guide_states[r] = guide.advance(rows.guide_states[r], t)
+                rows.complete[r] = guide.is_final(rows.guide_states[r])
+            if rows.detoks is not None:
+                before = len(rows.detoks[r].text)
+                text = rows.detoks[r].push(t)
+                for s in stops:
+                    at = text.find(s, max(0, before - len(s) + 1))
+                    if at >= 0 and (rows.stop_cut[r] is None or at + len(s) < rows.stop_cut[r]):
+                        rows.stop_cut[r] = at + len(s)
+                if rows.stop_cut[r] is not None:
+                    rows.finished[r] = True
+        keep_t = torch.tensor(keep, device=rows.ids.device)
+        rows.ids[:, col] = torch.where(keep_t, ids.to(rows.ids.device), pad)
+        rows.mask[:, col] = keep_t.to(rows.mask.dtype)
+        rows.lp[:, col] = torch.where(keep_t, step_lp.to(torch.float32), float("nan"))
+        rows.width = col + 1
+        yield Step([d.stable_text() for d in rows.detoks] if rows.detoks is not None else None, reordered)
+        if all(rows.finished) or step == steps - 1:
+            break
+        logits, rows.kv = forward(col, col + 1)
+        fed = col + 1
+    return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler)
+
+
+def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler) -> SequenceState:
+    """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
+    R = rows.ids.shape[0]
+    raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
+                        logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kvcache.crop(rows.kv, fed),
+                        batch=state.batch, samples=samples)
+    real, cached = raw._real_rows(), raw._cached_real()
+    tails = [(ids[c:], lps[c:]) for (ids, lps), c in zip(real, cached)]
+    out = raw._rebuild(cached, tails, rows.weights, None)
+    order = list(range(R))
+    if sampler.is_beam_search:  # best first, by the score the search ranked with
+        scores = rows.scores.tolist()
+        order = [b * samples + i for b in range(state.batch)
+                 for i in sorted(range(samples), key=lambda i: -scores[b * samples + i])]
+        if order != list(range(R)):
+            out = out._select(order, state.batch, samples)
+    texts = out.texts
+    starts = [rows.start_chars[r] for r in order]
+    cuts = [rows.stop_cut[r] for r in order]
+    ends = [s + c if c is not None else len(t) for s, c, t in zip(starts, cuts, texts)]
+    complete = tuple(rows.complete[r] or (guide is not None and guide.is_final(rows.guide_states[r]))
+                     if rows.guide_states is not None else True for r in order)
+    last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse, max_tokens=max_tokens)
+    if any(c is not None for c in cuts):
+        out = out._truncate(ends)
+    return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,
+                         kv=out._kv, batch=out.batch, samples=out.samples, last=last)

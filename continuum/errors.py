@@ -1,0 +1,81 @@
+"""Exceptions raised by continuum.
+
+Every error derives from :class:`ContinuumError`. Errors about bad arguments also derive
+from ``ValueError`` (or ``IndexError`` for indexing), so ``except ValueError`` keeps working
+for callers that do not know this library.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ContinuumError",
+    "SampleMismatch",
+    "BatchMismatch",
+    "SlicingError",
+    "GeneratorArgumentError",
+    "InvalidRegexError",
+    "EmptyChoicesError",
+    "UnsupportedSchemaError",
+    "IncompleteGenerationError",
+    "ContextLengthError",
+    "TokenizerError",
+    "StateFileError",
+]
+
+
+class ContinuumError(Exception):
+    """Base class of every error raised by continuum."""
+
+
+class SampleMismatch(ContinuumError, ValueError):
+    """Two things disagree on the number of samples (or beams) per batch row."""
+
+
+class BatchMismatch(ContinuumError, ValueError):
+    """Two things disagree on the number of batch rows."""
+
+
+class SlicingError(ContinuumError, IndexError):
+    """A ``SequenceState`` index that cannot be honoured (step != 1, empty selection...)."""
+
+
+class GeneratorArgumentError(ContinuumError, ValueError):
+    """A generator was created or called with an invalid argument."""
+
+
+class InvalidRegexError(GeneratorArgumentError):
+    """The regular expression cannot be compiled into a token-level index."""
+
+
+class EmptyChoicesError(GeneratorArgumentError):
+    """``generate.choice`` was given no options."""
+
+
+class UnsupportedSchemaError(GeneratorArgumentError):
+    """The JSON schema is invalid or uses features the regex compiler does not support."""
+
+
+class ContextLengthError(ContinuumError, ValueError):
+    """The input is longer than the model's context window."""
+
+
+class TokenizerError(ContinuumError, ValueError):
+    """The tokenizer cannot be used as given (no pad/eos token, another tokenizer's state...)."""
+
+
+class StateFileError(ContinuumError, ValueError):
+    """A saved ``SequenceState`` file is missing, corrupt, or was saved with another tokenizer."""
+
+
+class IncompleteGenerationError(ContinuumError, RuntimeError):
+    """A constrained generation stopped (``max_tokens`` or context limit) before its pattern matched.
+
+    Attributes:
+        rows: the flat row indices (batch-major) whose output is incomplete.
+        max_tokens: the ``max_tokens`` value of the call, if any.
+    """
+
+    def __init__(self, message: str, rows: list[int] | None = None, max_tokens: int | None = None):
+        super().__init__(message)
+        self.rows = rows or []
+        self.max_tokens = max_tokens

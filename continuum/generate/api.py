@@ -1,0 +1,79 @@
+"""The generator constructors: ``text``, ``choice``, ``regex`` and ``json``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from ..errors import GeneratorArgumentError
+from ..guides import choice_regex, regex_guide, schema_to_regex
+from ..samplers import Sampler
+from .generator import Generator
+
+__all__ = ["text", "choice", "regex", "json"]
+
+
+def _check_model(model) -> None:
+    if not hasattr(model, "tokenizer") or not hasattr(model, "forward"):
+        raise GeneratorArgumentError(
+            f"expected a continuum model (models.transformers(...) or models.Transformers(hf_model, hf_tokenizer)), "
+            f"got {type(model).__name__}")
+
+
+def text(model, sampler: Optional[Sampler] = None) -> Generator:
+    """Free text. Returns the continuation only (not the prompt).
+
+    Example:
+        >>> gen = text(model, samplers.greedy())              # doctest: +SKIP
+        >>> gen("Once upon a time", max_tokens=10)            # doctest: +SKIP
+        ' there was a little girl named Lily.'
+    """
+    _check_model(model)
+    return Generator(model, sampler, kind="text")
+
+
+def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
+    """Text matching ``pattern`` (outlines-core regex syntax); invalid patterns raise ``InvalidRegexError``.
+
+    Example:
+        >>> regex(model, r"[0-9]{3}-[a-z]+")("Code: ", max_tokens=12)  # doctest: +SKIP
+        '042-ab'
+    """
+    _check_model(model)
+    if not isinstance(pattern, str):
+        raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
+    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="regex", description=repr(pattern))
+
+
+def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None) -> Generator:
+    """One of ``choices``, decoded token by token under the constraint.
+
+    Options are matched as text, so ``" yes"`` and ``"yes"`` differ. Empty lists raise ``EmptyChoicesError``.
+
+    Example:
+        >>> choice(model, ["Positive", "Negative"])("Review: great!\\nSentiment: ")  # doctest: +SKIP
+        'Positive'
+    """
+    _check_model(model)
+    pattern = choice_regex(choices)
+    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
+                     description=repr(list(choices)))
+
+
+def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?") -> Generator:
+    """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
+
+    The schema is compiled to a regex by outlines-core (``build_regex_from_schema``);
+    unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
+    ``whitespace_pattern`` bounds the whitespace allowed between tokens (default: one optional space).
+
+    Example:
+        >>> class User(BaseModel):
+        ...     name: str
+        ...     age: int
+        >>> json(model, User)("A user: ", max_tokens=40)   # doctest: +SKIP
+        User(name='Ann', age=31)
+    """
+    _check_model(model)
+    pattern, parse = schema_to_regex(schema, whitespace_pattern)
+    name = getattr(schema, "__name__", "schema")
+    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="json", parse=parse, description=name)

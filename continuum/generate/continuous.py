@@ -1,0 +1,74 @@
+"""``continuous(generator)``: the same generator, from and to ``SequenceState``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..decoding import check_max_tokens
+from ..errors import GeneratorArgumentError
+from ..state import SequenceState
+from .generator import Generator, Stream
+
+__all__ = ["continuous", "ContinuousGenerator"]
+
+Input = Union[str, Sequence[str], SequenceState, Sequence[SequenceState]]
+
+
+class ContinuousGenerator:
+    """Wraps a generator so it takes and returns :class:`~continuum.SequenceState`.
+
+    Call it with a prompt, a list of prompts, a state, or a list of states (stacked along the
+    batch axis). The returned state keeps its KV cache, so feeding it (or a slice of it, or
+    ``it + "more text"``) to any continuous generator computes only what the model has not seen.
+
+    Example:
+        >>> text_c = continuous(generate.text(model, samplers.greedy()))      # doctest: +SKIP
+        >>> s = text_c("Review: great phone.", max_tokens=30)                 # doctest: +SKIP
+        >>> s2 = continuous(generate.choice(model, ["Positive", "Negative"]))(s + "\\nSentiment: ")  # doctest: +SKIP
+        >>> s2.value                                                           # doctest: +SKIP
+        'Positive'
+    """
+
+    def __init__(self, generator: Generator):
+        if not isinstance(generator, Generator):
+            raise TypeError(f"continuous() takes a generator from continuum.generate, got {type(generator).__name__}")
+        self.generator = generator
+
+    def __repr__(self) -> str:
+        return f"continuous({self.generator!r})"
+
+    def _state(self, inputs: Input) -> SequenceState:
+        if isinstance(inputs, SequenceState):
+            state = inputs
+        elif isinstance(inputs, (list, tuple)) and inputs and all(isinstance(s, SequenceState) for s in inputs):
+            state = SequenceState.stack(inputs)
+        elif isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and all(isinstance(s, str) for s in inputs)):
+            state = SequenceState.from_prompts(self.generator.model, inputs)
+        else:
+            raise GeneratorArgumentError("expected a prompt, a list of prompts, a SequenceState or a list of states")
+        if state._model.tokenizer.fingerprint != self.generator.model.tokenizer.fingerprint:
+            raise GeneratorArgumentError("this state was made with another tokenizer than the generator's model")
+        return state
+
+    def __call__(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+                 rng: Optional[torch.Generator] = None) -> SequenceState:
+        """Generate from ``inputs`` and return the new state (the input is never modified)."""
+        check_max_tokens(max_tokens)
+        return self.generator._run(self._state(inputs), max_tokens, stop_at, rng)
+
+    def stream(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+               rng: Optional[torch.Generator] = None) -> Stream:
+        """Yield text chunks; once exhausted, ``stream.state`` is the new state."""
+        check_max_tokens(max_tokens)
+        state = self._state(inputs)
+        samples = self.generator.sampler.samples
+        shape = Generator._shape_for("x" if state.batch == 1 else ["x"] * state.batch, samples)
+        return Stream(self.generator._steps(state, max_tokens, stop_at, rng, True), shape,
+                      self.generator.sampler.is_beam_search, lambda s: s)
+
+
+def continuous(generator: Generator) -> ContinuousGenerator:
+    """Make ``generator`` take and return :class:`~continuum.SequenceState` (see :class:`ContinuousGenerator`)."""
+    return ContinuousGenerator(generator)

@@ -1,0 +1,145 @@
+"""``Generator``: one callable per (model, constraint, sampler), built on the decoding loop."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from ..decoding import Step, check_max_tokens, decode
+from ..guides import Guide
+from ..samplers import Sampler, multinomial
+from ..state import SequenceState
+
+__all__ = ["Generator", "Stream"]
+
+Prompt = Union[str, Sequence[str]]
+
+
+class Stream:
+    """An iterator of text chunks; after it is exhausted, :attr:`state` holds the final state.
+
+    Chunks are shaped like the generator's output: a ``str`` for one prompt and one sample, a
+    list (per prompt) otherwise, and a list of lists for several prompts and samples. Beam search
+    reorders beams at every step, so it streams one chunk: the final texts.
+    """
+
+    def __init__(self, steps: Iterator[Step], shape: Callable[[list[str]], Any], beams: bool, finalize: Callable[[SequenceState], Any]):
+        self._steps, self._shape, self._beams, self._finalize = steps, shape, beams, finalize
+        self._state: Optional[SequenceState] = None
+        self._emitted: Optional[list[str]] = None
+        self._iter = self._run()
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self):
+        return next(self._iter)
+
+    def _run(self):
+        gen = self._steps
+        while True:
+            try:
+                step = next(gen)
+            except StopIteration as stop:
+                self._state = stop.value
+                break
+            if self._beams or step.texts is None:
+                continue
+            emitted = self._emitted or [""] * len(step.texts)
+            chunks = [t[len(e):] if t.startswith(e) else t for t, e in zip(step.texts, emitted)]
+            self._emitted = step.texts
+            if any(chunks):
+                yield self._shape(chunks)
+        final = self._state.last_text
+        flat = final if isinstance(final, list) else [final]
+        if flat and isinstance(flat[0], list):
+            flat = [x for row in flat for x in row]
+        emitted = self._emitted or [""] * len(flat)
+        rest = [f[len(e):] if f.startswith(e) else f for f, e in zip(flat, emitted)]
+        if self._beams or any(rest):  # the tail held back (partial characters) or cut at a stop string
+            yield self._shape(rest)
+
+    @property
+    def state(self) -> SequenceState:
+        """The final state (available once the stream is exhausted)."""
+        if self._state is None:
+            raise RuntimeError("the stream is not finished yet: iterate over it first")
+        return self._state
+
+    @property
+    def result(self):
+        """The final value, as the (non-streaming) generator call would return it."""
+        return self._finalize(self.state)
+
+
+class Generator:
+    """A reusable generator: ``gen(prompts, max_tokens=None, stop_at=None, rng=None)``.
+
+    Calls never share mutable state, so a generator can be called again (and from several
+    threads, each call with its own ``rng``).
+    """
+
+    def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
+                 parse: Optional[Callable[[str], Any]] = None, description: str = ""):
+        self.model = model
+        self.sampler = sampler if sampler is not None else multinomial()
+        if not isinstance(self.sampler, Sampler):
+            raise TypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
+        self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
+
+    def __repr__(self) -> str:
+        what = f", {self.description}" if self.description else ""
+        return f"generate.{self.kind}({self.model!r}{what}, sampler={self.sampler!r})"
+
+    # the plumbing shared with continuous()
+    def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
+        return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
+                      kind=self.kind, parse=self.parse, track_text=track_text)
+
+    def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
+        gen = self._steps(state, max_tokens, stop_at, rng, False)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def _prompt_state(self, prompts: Prompt) -> SequenceState:
+        return SequenceState.from_prompts(self.model, prompts)
+
+    @staticmethod
+    def _shape_for(prompts: Prompt, samples: int) -> Callable[[list[str]], Any]:
+        single = isinstance(prompts, str)
+
+        def shape(flat: list[str]):
+            if samples == 1:
+                return flat[0] if single else flat
+            nested = [flat[i:i + samples] for i in range(0, len(flat), samples)]
+            return nested[0] if single else nested
+
+        return shape
+
+    def _value(self, prompts: Prompt, state: SequenceState):
+        value = state.value
+        if isinstance(prompts, str) or state.batch != 1:
+            return value
+        return [value]  # a list of one prompt gives a list
+
+    def __call__(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+                 rng: Optional[torch.Generator] = None):
+        """Generate for one prompt (returns a value) or a list of prompts (returns a list).
+
+        With several samples or beams, each prompt gets a list of values (beams best first).
+        """
+        check_max_tokens(max_tokens)
+        state = self._run(self._prompt_state(prompts), max_tokens, stop_at, rng)
+        return self._value(prompts, state)
+
+    def stream(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+               rng: Optional[torch.Generator] = None) -> Stream:
+        """Like calling the generator, but yields text chunks as they are generated."""
+        check_max_tokens(max_tokens)
+        state = self._prompt_state(prompts)
+        return Stream(self._steps(state, max_tokens, stop_at, rng, True), self._shape_for(prompts, self.sampler.samples),
+                      self.sampler.is_beam_search, lambda s: self._value(prompts, s))

@@ -1,0 +1,162 @@
+"""Tokenizer adapter: batch encoding, exact decoding, pad handling and the outlines-core vocabulary.
+
+Two facts drive this module:
+
+* The text of a row is ``decode(all its tokens)``, never the concatenation of decoded tokens
+  (byte-level BPE splits UTF-8 characters across tokens; SentencePiece drops the leading space
+  of the first token). Everything that needs text decodes whole rows.
+* Text appended to a row must be tokenized *as a continuation*: a SentencePiece tokenizer
+  turns ``"ing"`` into ``"▁ing"`` when it is encoded on its own. :meth:`Tokenizer.encode_continuation`
+  encodes the text behind a sentinel character whose tokens never merge with what follows, then
+  drops the sentinel's tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from functools import cached_property
+from typing import Any, Sequence
+
+from ..errors import TokenizerError
+
+logger = logging.getLogger("continuum")
+
+__all__ = ["Tokenizer"]
+
+# Sentinels tried in order by encode_continuation; "\n" is a byte token in every common tokenizer.
+_SENTINELS = ("\n", "\u00a7", "#")
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (used by every byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class Tokenizer:
+    """Wraps a Hugging Face tokenizer with the operations the decoding loop needs.
+
+    A tokenizer without a pad token gets its EOS token as pad token (logged once); a tokenizer
+    with neither raises :class:`~continuum.errors.TokenizerError`.
+
+    Example:
+        >>> tok = Tokenizer(AutoTokenizer.from_pretrained("gpt2"))  # doctest: +SKIP
+        >>> tok.encode_continuation(" world")                     # doctest: +SKIP
+        [995]
+    """
+
+    def __init__(self, hf_tokenizer: Any, generation_eos: int | Sequence[int] | None = None):
+        self.hf = hf_tokenizer
+        eos = hf_tokenizer.eos_token_id
+        if hf_tokenizer.pad_token_id is None:
+            if eos is None:
+                raise TokenizerError(
+                    "The tokenizer has neither a pad token nor an EOS token; set one, e.g. "
+                    "`tokenizer.pad_token = '<pad>'` after adding it to the vocabulary."
+                )
+            logger.info("The tokenizer has no pad token; using its EOS token %r as pad token.", hf_tokenizer.eos_token)
+        self.pad_token_id: int = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else eos
+        eos_ids = set()
+        if eos is not None:
+            eos_ids.add(int(eos))
+        if generation_eos is not None:
+            eos_ids.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
+        self.eos_token_id: int | None = int(eos) if eos is not None else (min(eos_ids) if eos_ids else None)
+        self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in eos_ids)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids) | self.eos_token_ids
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self.index_cache: dict[str, Any] = {}  # compiled outlines-core indexes, keyed by regex
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab={len(self.hf)})"
+
+    # -- identity -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return getattr(self.hf, "name_or_path", "") or type(self.hf).__name__
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hash of the vocabulary and special tokens: equal fingerprints tokenize alike."""
+        vocab = sorted(self.hf.get_vocab().items(), key=lambda kv: kv[1])
+        payload = json.dumps([vocab, sorted(self.eos_token_ids), self.bos_token_id, self.pad_token_id])
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    # -- encoding ---------------------------------------------------------------------------
+    def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
+        """Tokenize prompts like HF does (with the tokenizer's default special tokens, e.g. BOS)."""
+        return [list(ids) for ids in self.hf(list(prompts), add_special_tokens=True)["input_ids"]]
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Tokens of ``text`` appended to an existing row (no special tokens, no SentencePiece prefix)."""
+        if not text:
+            return []
+        for sentinel in _SENTINELS:
+            head = self._encode_plain(sentinel)
+            ids = self._encode_plain(sentinel + text)
+            if ids[: len(head)] == head and self.decode(ids) == self.decode(head) + text:
+                return ids[len(head) :]
+        return self._encode_plain(text)  # pragma: no cover - no sentinel stays separate
+
+    # -- decoding ---------------------------------------------------------------------------
+    def decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=True)
+        return self.hf.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        if self._backend is not None:
+            return self._backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
+        return [self.decode(r) for r in rows]
+
+    # -- outlines-core vocabulary -------------------------------------------------------------
+    @cached_property
+    def is_byte_level(self) -> bool:
+        decoder = getattr(self._backend, "decoder", None)
+        return decoder is not None and "ByteLevel" in repr(decoder)
+
+    def token_bytes(self, token: str) -> bytes | None:
+        """The bytes a vocabulary entry stands for, or ``None`` if it cannot be known."""
+        if self.is_byte_level:
+            try:
+                return bytes(_UNICODE_TO_BYTE[c] for c in token)
+            except KeyError:
+                return token.encode()  # an added (non byte-level) token
+        m = _BYTE_TOKEN.match(token)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
+
+    @cached_property
+    def vocabulary(self):
+        """The outlines-core ``Vocabulary`` (token bytes -> ids), without special tokens."""
+        from outlines_core import Vocabulary
+
+        if self.eos_token_id is None:
+            raise TokenizerError("Constrained generation needs a tokenizer with an EOS token.")
+        mapping: dict[bytes, list[int]] = {}
+        for token, idx in self.hf.get_vocab().items():
+            if idx in self.special_ids:
+                continue
+            data = self.token_bytes(token)
+            if data:
+                mapping.setdefault(data, []).append(idx)
+        return Vocabulary(self.eos_token_id, mapping)

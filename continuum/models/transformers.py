@@ -1,0 +1,108 @@
+"""Model adapter around a Hugging Face causal LM.
+
+The adapter owns exactly one job: run the model on the uncached columns of a batch, with an
+explicit attention mask and explicit ``position_ids`` (GPT-2 gives wrong logits for
+left-padded rows without them), and hand back the last position's logits and the new KV tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..cache import KV, to_dynamic_cache, from_dynamic_cache
+from ..errors import ContinuumError
+from .tokenizer import Tokenizer
+
+__all__ = ["Transformers", "transformers"]
+
+
+class Transformers:
+    """A Hugging Face causal language model and its tokenizer.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` with a causal LM head (GPT-2, Llama, Mistral, Qwen...).
+        tokenizer: its ``PreTrainedTokenizer``; given no pad token, its EOS token is used.
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+        >>> hf = AutoModelForCausalLM.from_pretrained("gpt2")          # doctest: +SKIP
+        >>> model = Transformers(hf, AutoTokenizer.from_pretrained("gpt2"))  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, tokenizer: Any):
+        self.model = model.eval()
+        gen_cfg = getattr(model, "generation_config", None)
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(
+            tokenizer, getattr(gen_cfg, "eos_token_id", None)
+        )
+        self.config = model.config
+        text_cfg = self.config.get_text_config(decoder=True) if hasattr(self.config, "get_text_config") else self.config
+        self.context_length: int | None = getattr(text_cfg, "max_position_embeddings", None) or getattr(
+            text_cfg, "n_positions", None
+        )
+        self.tokens_computed = 0  # total positions passed to forward: benchmarks read it
+        self.forward_calls = 0
+
+    def __repr__(self) -> str:
+        return f"Transformers({type(self.model).__name__}, {self.tokenizer!r})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KV | None,
+        *,
+        logits: bool = True,
+    ) -> tuple[torch.Tensor | None, KV]:
+        """Run ``input_ids`` (the uncached columns) on top of ``cache``.
+
+        ``attention_mask`` covers cached + new columns (zeros anywhere are fine).
+        Returns the logits of the last column (float32, ``(rows, vocab)``), or ``None`` when
+        ``logits=False``, and the KV tensors covering all columns. ``cache`` is not modified.
+        """
+        past = to_dynamic_cache(cache, self.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.tokens_computed += input_ids.numel()
+        self.forward_calls += 1
+        last = out.logits[:, -1, :].float() if logits else None
+        return last, from_dynamic_cache(out.past_key_values)
+
+
+def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, **kwargs: Any) -> Transformers:
+    """Load a causal LM and its tokenizer with ``from_pretrained`` and wrap them.
+
+    Args:
+        model_name: a hub id or a local folder.
+        device: where to put the model (default: CPU).
+        dtype: the weights' dtype (default: the checkpoint's).
+        **kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name)
+        model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype if dtype is not None else "auto", **kwargs)
+    except OSError as exc:
+        raise ContinuumError(f"Could not load {model_name!r}: {exc}") from exc
+    if device is not None:
+        model = model.to(device)
+    return Transformers(model, tokenizer)

@@ -1,0 +1,171 @@
+"""Samplers: pick the next token of every row, and the row each new row descends from.
+
+A sampler is called once per decoding step with
+
+* ``logprobs``: ``(rows, vocab)`` log-softmax of the raw logits, ``-inf`` where a constraint
+  forbids a token (masks remove tokens, they do not renormalise);
+* ``scores``: ``(rows,)`` cumulative log-probs of each row so far (beam search ranks by them);
+* ``group``: how many rows each batch item has *now* (1 on a fresh prompt, ``samples`` later);
+* ``rng``: an optional ``torch.Generator``.
+
+and returns ``(next_ids, ancestors, scores)``, each of length ``batch * samples``.
+``ancestors[i]`` is the current row that new row ``i`` extends: the decoding loop reorders all
+per-row state by it in one place. When ``group == 1`` and ``samples > 1`` the sampler forks:
+several new rows share one ancestor, so a prompt is prefilled once whatever the sample count.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "Sampler",
+    "GreedySampler",
+    "MultinomialSampler",
+    "BeamSearchSampler",
+    "greedy",
+    "multinomial",
+    "beam_search",
+]
+
+
+class Sampler:
+    """Base class. ``samples`` is the number of rows per batch item the sampler produces."""
+
+    samples: int = 1
+    #: Beam search keeps rows sorted best first and ranks finished rows with live ones.
+    is_beam_search: bool = False
+
+    def __call__(
+        self, logprobs: torch.Tensor, scores: torch.Tensor, group: int, rng: Optional[torch.Generator] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+def _fork_ancestors(rows: int, group: int, samples: int, device) -> torch.Tensor:
+    if group == samples:
+        return torch.arange(rows, device=device)
+    return torch.arange(rows, device=device).repeat_interleave(samples)
+
+
+class GreedySampler(Sampler):
+    """Always the most likely allowed token.
+
+    Example:
+        >>> GreedySampler()(torch.log_softmax(torch.tensor([[0.1, 2.0, 0.3]]), -1), torch.zeros(1), 1)[0]
+        tensor([1])
+    """
+
+    samples = 1
+
+    def __repr__(self) -> str:
+        return "GreedySampler()"
+
+    def __call__(self, logprobs, scores, group, rng=None):
+        best, ids = logprobs.max(dim=-1)
+        return ids, torch.arange(logprobs.shape[0], device=logprobs.device), scores + best
+
+
+class MultinomialSampler(Sampler):
+    """Ancestral sampling, with optional temperature, top-k and top-p (nucleus) filtering.
+
+    Args:
+        samples: independent samples per batch item (the prompt is prefilled once, then forked).
+        top_k: keep the ``top_k`` most likely tokens.
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
+        temperature: divide the log-probs by it (``0`` means greedy).
+
+    Example:
+        >>> sampler = MultinomialSampler(4, temperature=0.7, top_k=50, top_p=0.9)
+        >>> sampler.samples
+        4
+    """
+
+    def __init__(self, samples: int = 1, *, top_k: int | None = None, top_p: float | None = None, temperature: float | None = None):
+        if not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be a positive int, got {samples!r}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if temperature is not None and temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.samples, self.top_k, self.top_p, self.temperature = samples, top_k, top_p, temperature
+
+    def __repr__(self) -> str:
+        args = [str(self.samples)] + [f"{k}={v}" for k, v in (("top_k", self.top_k), ("top_p", self.top_p), ("temperature", self.temperature)) if v is not None]
+        return f"MultinomialSampler({', '.join(args)})"
+
+    def _filter(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature is not None and self.temperature > 0:
+            logits = logits / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the token that crosses top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return logits
+
+    def __call__(self, logprobs, scores, group, rng=None):
+        rows = logprobs.shape[0]
+        ancestors = _fork_ancestors(rows, group, self.samples, logprobs.device)
+        if self.temperature == 0:
+            ids = logprobs.argmax(-1).index_select(0, ancestors)
+        else:
+            probs = self._filter(logprobs).softmax(-1)
+            draws = 1 if group == self.samples else self.samples
+            ids = torch.multinomial(probs, draws, replacement=True, generator=rng).reshape(-1)
+        return ids, ancestors, scores.index_select(0, ancestors) + logprobs[ancestors, ids]
+
+
+class BeamSearchSampler(Sampler):
+    """Beam search: keep the ``beams`` best rows per batch item by cumulative log-prob.
+
+    On a fresh prompt (one row per batch item) only that row is expanded, so the first step
+    yields ``beams`` distinct beams, never duplicates. Rows come out best first.
+
+    Example:
+        >>> BeamSearchSampler(3).samples
+        3
+    """
+
+    is_beam_search = True
+
+    def __init__(self, beams: int = 1):
+        if not isinstance(beams, int) or beams < 1:
+            raise ValueError(f"beams must be a positive int, got {beams!r}")
+        self.samples = beams
+
+    def __repr__(self) -> str:
+        return f"BeamSearchSampler({self.samples})"
+
+    def __call__(self, logprobs, scores, group, rng=None):
+        rows, vocab = logprobs.shape
+        batch = rows // group
+        candidates = (scores[:, None] + logprobs).reshape(batch, group * vocab)
+        k = self.samples
+        if k > group * vocab:  # pragma: no cover - tiny vocabularies only
+            raise ValueError(f"{k} beams exceed the {group * vocab} candidates")
+        top, flat = candidates.topk(k, dim=-1)
+        ancestors = (flat // vocab + torch.arange(batch, device=logprobs.device)[:, None] * group).reshape(-1)
+        return (flat % vocab).reshape(-1), ancestors, top.reshape(-1)
+
+
+def greedy() -> GreedySampler:
+    """The greedy sampler: one sample, the argmax at every step."""
+    return GreedySampler()
+
+
+def multinomial(samples: int = 1, *, top_k: int | None = None, top_p: float | None = None, temperature: float | None = None) -> MultinomialSampler:
+    """A multinomial sampler (see :class:`MultinomialSampler`)."""
+    return MultinomialSampler(samples, top_k=top_k, top_p=top_p, temperature=temperature)
+
+
+def beam_search(beams: int = 1) -> BeamSearchSampler:
+    """A beam-search sampler with ``beams`` beams (see :class:`BeamSearchSampler`)."""
+    return BeamSearchSampler(beams)

@@ -1,0 +1,546 @@
+"""``SequenceState``: an immutable batch of token sequences with weights and a reusable KV cache.
+
+Layout (private; the public properties present it left-padded)
+--------------------------------------------------------------
+Rows are ``(batch, sample)`` pairs, batch-major: row ``b * samples + s``. Per row the state keeps
+token ids, an attention mask and per-token log-probs in ``(rows, columns)`` matrices. The KV
+cache covers the first ``C`` columns of every row; columns ``C:`` are the *uncached suffix*, which
+the next forward pass prefills in one call. Masked columns (left padding, or *holes* left where
+a row was cut or finished early) may appear anywhere; positions are always
+``cumsum(mask) - 1``, so holes never shift a token's position.
+
+Two invariants keep continuing cheap and exact:
+
+* the last column is a real token of every non-empty row, and it is never cached, so the next
+  step's logits come from prefilling the suffix (at most ``new tokens + 1`` positions computed);
+* tensors are never written in place after construction, so states share tensors (and cache
+  views) freely: slicing, adding and continuing never change another state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+
+from . import cache as kvcache
+from .errors import BatchMismatch, IncompleteGenerationError, SampleMismatch, SlicingError, StateFileError
+from .text import longest_token_prefix, token_char_ends
+
+__all__ = ["SequenceState", "LastStep"]
+
+_NAN = float("nan")
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LastStep:
+    """Where the last generation step's output lies in each row's text (character offsets)."""
+
+    kind: str  # "text", "choice", "regex" or "json"
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    complete: tuple[bool, ...]  # False: cut by max_tokens/context before the pattern matched
+    parse: Callable[[str], Any] | None = None
+    max_tokens: int | None = None
+
+    def select(self, rows: Sequence[int]) -> "LastStep":
+        return replace(self, starts=tuple(self.starts[r] for r in rows), ends=tuple(self.ends[r] for r in rows),
+                       complete=tuple(self.complete[r] for r in rows))
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+class SequenceState:
+    """Token sequences, their log-prob weights and a KV cache, for ``batch x samples`` rows.
+
+    States are immutable: every operation returns a new state, sharing what it can.
+
+    * ``state[batch, sample, chars]`` selects rows and cuts text (shorthands: ``state[chars]``
+      when batch == samples == 1, ``state[sample, chars]`` when batch == 1,
+      ``state[batch, chars]`` when samples == 1). Cutting from the start keeps the KV cache of
+      the longest token prefix that lies inside the kept text.
+    * ``state + "text"``, ``state + ["per", "batch row"]``, ``state + other_state``,
+      ``"text" + state``.
+    * ``list(state)`` gives the full texts, batch-major.
+    * Feed a state to any ``continuous(...)`` generator to continue it.
+
+    Example:
+        >>> s = continuous(generate.text(model))("Once upon a time", max_tokens=10)  # doctest: +SKIP
+        >>> s2 = choice_c(s + ". The end? ")                                          # doctest: +SKIP
+        >>> s3 = text_c(s2[:20])                                                     # doctest: +SKIP
+    """
+
+    __slots__ = ("_model", "_ids", "_mask", "_logprobs", "_weights", "_kv", "batch", "samples", "_last", "_cache")
+
+    def __init__(self, *, model, ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor,
+                 kv: kvcache.KV | None, batch: int, samples: int, last: LastStep | None = None):
+        if ids.shape[0] != batch * samples:
+            raise ValueError(f"{ids.shape[0]} rows for batch={batch} x samples={samples}")
+        self._model, self._ids, self._mask, self._logprobs = model, ids, mask, logprobs
+        self._weights, self._kv, self.batch, self.samples, self._last = weights, kv, batch, samples, last
+        self._cache: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_prompts(cls, model, prompts: Union[str, Sequence[str]]) -> "SequenceState":
+        """A state holding tokenized prompts (no cache, zero weights, one sample)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise BatchMismatch("no prompts given: pass a string or a non-empty list of strings")
+        bad = [type(p).__name__ for p in prompts if not isinstance(p, str)]
+        if bad:
+            raise TypeError(f"prompts must be strings, got {bad[0]}")
+        rows = model.tokenizer.encode_prompts(prompts)
+        return cls._from_rows(model, rows, [[_NAN] * len(r) for r in rows], torch.zeros(len(rows)), len(rows), 1, None)
+
+    @classmethod
+    def _from_rows(cls, model, rows: list[list[int]], lps: list[list[float]], weights: torch.Tensor, batch: int,
+                   samples: int, last: LastStep | None) -> "SequenceState":
+        ids, mask, lp = _right_aligned(rows, lps, model.tokenizer.pad_token_id, model.device)
+        return cls(model=model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=None, batch=batch,
+                   samples=samples, last=last)
+
+    def _rebuild(self, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], list[float]]], weights: torch.Tensor,
+                 last: LastStep | None) -> "SequenceState":
+        """A state keeping, per row, its first ``keep_cached[r]`` cached tokens, followed by ``tails[r]``.
+
+        The kept cached columns stay where they are (a view of the cache; cut tokens become holes);
+        the tails form a right-aligned uncached suffix. A row left with an empty tail gets its last
+        kept token moved into the suffix, so every row ends on an uncached real token.
+        """
+        C = kvcache.length(self._kv)
+        keep = list(keep_cached)
+        tails = [(list(t), list(l)) for t, l in tails]
+        real = self._real_rows()
+        for r in range(self.rows):
+            if not tails[r][0] and keep[r] > 0:
+                keep[r] -= 1
+                tails[r] = ([real[r][0][keep[r]]], [real[r][1][keep[r]]])
+        device = self._ids.device
+        if C:
+            region = self._mask[:, :C]
+            rank = region.cumsum(1)
+            kept = region.bool() & (rank <= torch.tensor(keep, device=device)[:, None])
+            cols = torch.arange(C, device=device)
+            last_col = torch.where(kept, cols, -1).amax(1)
+            C2 = int(last_col.max()) + 1
+        else:
+            C2 = 0
+        tail_ids, tail_mask, tail_lp = _right_aligned([t for t, _ in tails], [l for _, l in tails],
+                                                      self._model.tokenizer.pad_token_id, device)
+        if C2:
+            ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
+            mask = torch.cat([kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
+            lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
+        else:
+            ids, mask, lp = tail_ids, tail_mask, tail_lp
+        return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
+                             kv=kvcache.crop(self._kv, C2), batch=self.batch, samples=self.samples, last=last)
+
+    # ------------------------------------------------------------------ per-row views (memoised)
+    @property
+    def rows(self) -> int:
+        return self.batch * self.samples
+
+    def _real_rows(self) -> list[tuple[list[int], list[float]]]:
+        """Per row: (real token ids, their log-probs) in order."""
+        if "real" not in self._cache:
+            mask = self._mask.bool().tolist()
+            ids, lps = self._ids.tolist(), self._logprobs.tolist()
+            self._cache["real"] = [
+                ([t for t, m in zip(ri, rm) if m], [l for l, m in zip(rl, rm) if m]) for ri, rl, rm in zip(ids, lps, mask)
+            ]
+        return self._cache["real"]
+
+    def _cached_real(self) -> list[int]:
+        C = kvcache.length(self._kv)
+        return self._mask[:, :C].sum(1).tolist() if C else [0] * self.rows
+
+    @property
+    def texts(self) -> list[str]:
+        """The full decoded text of every row (prompt included), batch-major."""
+        if "texts" not in self._cache:
+            self._cache["texts"] = self._model.tokenizer.decode_batch([ids for ids, _ in self._real_rows()])
+        return list(self._cache["texts"])
+
+    # ------------------------------------------------------------------ public properties
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(batch, samples)``."""
+        return (self.batch, self.samples)
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def tokenizer(self):
+        """The Hugging Face tokenizer of the model this state belongs to."""
+        return self._model.tokenizer.hf
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """``(batch * samples, length)`` token ids, batch-major, left-padded with the pad token."""
+        return self._compact()[0]
+
+    @property
+    def attention_masks(self) -> torch.Tensor:
+        """``(batch * samples, length)`` attention masks matching :attr:`token_ids`."""
+        return self._compact()[1]
+
+    @property
+    def token_logprobs(self) -> torch.Tensor:
+        """Log-prob of each generated token, aligned with :attr:`token_ids`; NaN for prompt/added text and padding."""
+        return self._compact()[2]
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """``(batch, samples)``: sum of the model's raw log-probs of the generated tokens of each row."""
+        return self._weights.reshape(self.batch, self.samples).clone()
+
+    @property
+    def cached_tokens(self) -> torch.Tensor:
+        """``(batch, samples)``: how many of each row's tokens the KV cache covers."""
+        return torch.tensor(self._cached_real(), dtype=torch.long).reshape(self.batch, self.samples)
+
+    @property
+    def kv_cache(self):
+        """A transformers ``DynamicCache`` over the cached columns (a fresh object), or ``None``.
+
+        Its columns follow the private layout (see the module docstring), not :attr:`token_ids`.
+        """
+        return None if self._kv is None else kvcache.to_dynamic_cache(self._kv, self._model.config)
+
+    @property
+    def last_text(self):
+        """The text the last generation step produced, shaped like a generator's output."""
+        if self._last is None:
+            raise ValueError("this state was not produced by a generator (no last step to read)")
+        texts = self.texts
+        out = [texts[r][s:e] for r, (s, e) in enumerate(zip(self._last.starts, self._last.ends))]
+        return self._shape_output(out)
+
+    @property
+    def value(self):
+        """The last step's value: its text (text/regex), the option (choice) or the parsed JSON.
+
+        Raises :class:`~continuum.errors.IncompleteGenerationError` when a constrained step was cut
+        by ``max_tokens`` (or the context length) before its pattern matched.
+        """
+        if self._last is None:
+            raise ValueError("this state was not produced by a generator (no last step to read)")
+        texts = self.texts
+        out, bad = [], []
+        for r, (s, e) in enumerate(zip(self._last.starts, self._last.ends)):
+            text = texts[r][s:e]
+            if self._last.kind != "text" and not self._last.complete[r]:
+                bad.append(r)
+                continue
+            out.append(self._last.parse(text) if self._last.parse else text)
+        if bad:
+            where = ", ".join(f"row {r} (batch {r // self.samples}, sample {r % self.samples})" for r in bad)
+            hint = f"max_tokens={self._last.max_tokens}" if self._last.max_tokens is not None else "the context length"
+            raise IncompleteGenerationError(
+                f"the {self._last.kind} output of {where} is incomplete: generation stopped at {hint} before the "
+                f"pattern was matched. Raise max_tokens, or continue this state with the same generator.",
+                rows=bad, max_tokens=self._last.max_tokens)
+        return self._shape_output(out)
+
+    def _shape_output(self, flat: list) -> Any:
+        if self.samples == 1:
+            return flat[0] if self.batch == 1 else flat
+        nested = [flat[b * self.samples:(b + 1) * self.samples] for b in range(self.batch)]
+        return nested[0] if self.batch == 1 else nested
+
+    def _compact(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if "compact" not in self._cache:
+            real = self._real_rows()
+            self._cache["compact"] = _right_aligned([r for r, _ in real], [l for _, l in real],
+                                                    self._model.tokenizer.pad_token_id, self._ids.device)
+        return self._cache["compact"]
+
+    # ------------------------------------------------------------------ python protocol
+    def __len__(self) -> int:
+        return self.rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.texts)
+
+    def __str__(self) -> str:
+        texts = self.texts
+        return texts[0] if len(texts) == 1 else "\n".join(f"[{r // self.samples},{r % self.samples}] {t}" for r, t in enumerate(texts))
+
+    def __repr__(self) -> str:
+        def short(t: str) -> str:
+            return repr(t if len(t) <= 60 else t[:25] + " ... " + t[-30:])
+        texts = self.texts
+        shown = ", ".join(short(t) for t in texts[:4]) + (f", ... (+{len(texts) - 4})" if len(texts) > 4 else "")
+        w = [round(x, 3) for x in self._weights.tolist()[:4]]
+        cached = self._cached_real()
+        return (f"SequenceState(batch={self.batch}, samples={self.samples}, tokens={[len(r) for r, _ in self._real_rows()][:4]}, "
+                f"cached={cached[:4]}, weights={w}, texts=[{shown}])")
+
+    # ------------------------------------------------------------------ row selection
+    def _select(self, rows: Sequence[int], batch: int, samples: int) -> "SequenceState":
+        idx = torch.tensor(list(rows), dtype=torch.long)
+        dev = idx.to(self._ids.device)
+        return SequenceState(model=self._model, ids=self._ids.index_select(0, dev), mask=self._mask.index_select(0, dev),
+                             logprobs=self._logprobs.index_select(0, dev), weights=self._weights.index_select(0, idx.to(self._weights.device)),
+                             kv=kvcache.select_rows(self._kv, idx), batch=batch, samples=samples,
+                             last=self._last.select(rows) if self._last else None)
+
+    # ------------------------------------------------------------------ indexing
+    def __getitem__(self, key) -> Union["SequenceState", str, list[str]]:
+        key = key if isinstance(key, tuple) else (key,)
+        forms = {3: "state[batch, sample, chars]"}
+        if self.batch == 1 and self.samples == 1:
+            forms[1] = "state[chars]"
+        elif self.batch == 1:
+            forms[2] = "state[sample, chars]"
+        elif self.samples == 1:
+            forms[2] = "state[batch, chars]"
+        if len(key) not in forms:
+            raise IndexError(
+                f"a state of shape (batch={self.batch}, samples={self.samples}) takes "
+                + " or ".join(sorted(set(forms.values()), key=len)) + f"; got {len(key)} index(es)")
+        if len(key) == 3:
+            bkey, skey, ckey = key
+        elif len(key) == 1:
+            bkey, skey, ckey = 0, 0, key[0]
+        elif self.batch == 1:
+            bkey, skey, ckey = 0, key[0], key[1]
+        else:
+            bkey, skey, ckey = key[0], 0, key[1]
+        bsel = _axis(bkey, self.batch, "batch")
+        ssel = _axis(skey, self.samples, "sample")
+        rows = [b * self.samples + s for b in bsel for s in ssel]
+        state = self if rows == list(range(self.rows)) else self._select(rows, len(bsel), len(ssel))
+        if isinstance(ckey, int):
+            texts = state.texts
+            try:
+                chars = [t[ckey] for t in texts]
+            except IndexError:
+                raise IndexError(f"character index {ckey} out of range for row texts of lengths {[len(t) for t in texts]}") from None
+            return chars[0] if len(chars) == 1 else chars
+        if not isinstance(ckey, slice):
+            raise IndexError(f"the chars index must be an int or a slice, got {type(ckey).__name__}")
+        if ckey.step not in (None, 1):
+            raise SlicingError(f"the chars slice must have step 1 (got {ckey.step}); text cannot be cut with gaps")
+        return state._slice_chars(ckey.start, ckey.stop)
+
+    def _slice_chars(self, start: int | None, stop: int | None) -> "SequenceState":
+        texts = self.texts
+        bounds = [slice(start, stop).indices(len(t))[:2] for t in texts]
+        if all(s == 0 for s, _ in bounds):
+            if all(e >= len(t) for (_, e), t in zip(bounds, texts)):
+                return self
+            return self._truncate([max(e, 0) for _, e in bounds])
+        return self._resegment(bounds)
+
+    def _truncate(self, ends: Sequence[int]) -> "SequenceState":
+        """Keep the first ``ends[r]`` characters of each row, reusing the cache of what stays."""
+        texts, real, cached = self.texts, self._real_rows(), self._cached_real()
+        tok = self._model.tokenizer
+        keep, tails, weights = [], [], []
+        for r in range(self.rows):
+            ids, lps = real[r]
+            target = texts[r][:ends[r]]
+            k, n = longest_token_prefix(tok, ids, target)
+            leftover = tok.encode_continuation(target[n:])
+            c = min(k, cached[r])
+            keep.append(c)
+            tails.append((ids[c:k] + leftover, lps[c:k] + [_NAN] * len(leftover)))
+            weights.append(math.fsum(x for x in lps[:k] if x == x))
+        last = None
+        if self._last is not None:
+            ends_ = tuple(min(e, ends[r]) for r, e in enumerate(self._last.ends))
+            starts = tuple(min(s, ends[r]) for r, s in enumerate(self._last.starts))
+            complete = tuple(c and e <= ends[r] for r, (c, e) in enumerate(zip(self._last.complete, self._last.ends)))
+            last = replace(self._last, starts=starts, ends=ends_, complete=complete)
+        return self._rebuild(keep, tails, torch.tensor(weights, dtype=self._weights.dtype), last)
+
+    def _resegment(self, bounds: Sequence[tuple[int, int]]) -> "SequenceState":
+        """Cut ``text[start:stop]`` per row: re-tokenized as fresh prompts, no cache."""
+        tok = self._model.tokenizer
+        texts, real = self.texts, self._real_rows()
+        new_texts, weights = [], []
+        for r, (s, e) in enumerate(bounds):
+            ids, lps = real[r]
+            ends = token_char_ends(tok, ids)
+            starts = [0] + ends[:-1]
+            weights.append(math.fsum(l for l, a, b in zip(lps, starts, ends) if l == l and a >= s and b <= max(e, s)))
+            new_texts.append(texts[r][s:max(e, s)])
+        rows = tok.encode_prompts(new_texts)
+        last = None
+        if self._last is not None:
+            clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
+            last = replace(self._last, starts=tuple(clip(x, r) for r, x in enumerate(self._last.starts)),
+                           ends=tuple(clip(x, r) for r, x in enumerate(self._last.ends)),
+                           complete=tuple(c and self._last.ends[r] <= bounds[r][1] for r, c in enumerate(self._last.complete)))
+        return SequenceState._from_rows(self._model, rows, [[_NAN] * len(x) for x in rows],
+                                        torch.tensor(weights, dtype=self._weights.dtype), self.batch, self.samples, last)
+
+    # ------------------------------------------------------------------ adding
+    def _per_row_texts(self, other: Union[str, Sequence[str]], op: str) -> list[str]:
+        if isinstance(other, str):
+            return [other] * self.rows
+        other = list(other)
+        if len(other) != self.batch:
+            raise BatchMismatch(f"{op} a list of {len(other)} strings to a state with batch={self.batch}: "
+                                f"give one string per batch row, or a single string for all rows")
+        if not all(isinstance(t, str) for t in other):
+            raise TypeError("only strings can be added to a state")
+        return [other[r // self.samples] for r in range(self.rows)]
+
+    def __add__(self, other) -> "SequenceState":
+        if isinstance(other, SequenceState):
+            self._check_compatible(other)
+            appended = other.texts
+            weights = self._weights + other._weights.to(self._weights.device)
+        elif isinstance(other, (str, list, tuple)):
+            appended = self._per_row_texts(other, "adding")
+            weights = self._weights
+        else:
+            return NotImplemented
+        tok, real, cached = self._model.tokenizer, self._real_rows(), self._cached_real()
+        tails = []
+        for r in range(self.rows):
+            ids, lps = real[r]
+            extra = tok.encode_continuation(appended[r])
+            tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
+        return self._rebuild(cached, tails, weights, self._last)
+
+    def __radd__(self, other) -> "SequenceState":
+        if not isinstance(other, (str, list, tuple)):
+            return NotImplemented
+        prefixes = self._per_row_texts(other, "prepending")
+        texts = self.texts
+        rows = self._model.tokenizer.encode_prompts([p + t for p, t in zip(prefixes, texts)])
+        last = None
+        if self._last is not None:
+            last = replace(self._last, starts=tuple(s + len(prefixes[r]) for r, s in enumerate(self._last.starts)),
+                           ends=tuple(e + len(prefixes[r]) for r, e in enumerate(self._last.ends)))
+        return SequenceState._from_rows(self._model, rows, [[_NAN] * len(x) for x in rows], self._weights,
+                                        self.batch, self.samples, last)
+
+    def _check_compatible(self, other: "SequenceState") -> None:
+        if other._model.tokenizer.fingerprint != self._model.tokenizer.fingerprint:
+            raise ValueError("cannot add states of different tokenizers")
+        if other.batch != self.batch:
+            raise BatchMismatch(f"cannot add a state with batch={other.batch} to one with batch={self.batch}; "
+                                f"select matching rows first, e.g. other[:{self.batch}, ...]")
+        if other.samples != self.samples:
+            raise SampleMismatch(f"cannot add a state with samples={other.samples} to one with samples={self.samples}; "
+                                 f"select one sample (state[:, i, :]) or continue with a {self.samples}-sample generator")
+
+    # ------------------------------------------------------------------ stacking
+    @staticmethod
+    def stack(states: Sequence["SequenceState"]) -> "SequenceState":
+        """Stack states along the batch axis (same model and samples). The caches are not kept."""
+        states = list(states)
+        if not states:
+            raise BatchMismatch("cannot stack an empty list of states")
+        first = states[0]
+        if len(states) == 1:
+            return first
+        for s in states[1:]:
+            if s.samples != first.samples:
+                raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}")
+            if s._model.tokenizer.fingerprint != first._model.tokenizer.fingerprint:
+                raise ValueError("cannot stack states of different tokenizers")
+        rows = [r for s in states for r in s._real_rows()]
+        weights = torch.cat([s._weights for s in states])
+        last = None
+        if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
+            l0 = states[0]._last
+            last = replace(l0, starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
+                           complete=sum((s._last.complete for s in states), ()))
+        return SequenceState._from_rows(first._model, [r for r, _ in rows], [l for _, l in rows], weights,
+                                        sum(s.batch for s in states), first.samples, last)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path) -> None:
+        """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata."""
+        from safetensors.torch import save_file
+
+        tensors = {"ids": self._ids, "mask": self._mask, "logprobs": self._logprobs, "weights": self._weights}
+        for i, (k, v) in enumerate(self._kv or ()):
+            tensors[f"k{i}"], tensors[f"v{i}"] = k, v
+        last = None
+        if self._last is not None:
+            last = {"kind": self._last.kind, "starts": self._last.starts, "ends": self._last.ends,
+                    "complete": self._last.complete, "max_tokens": self._last.max_tokens}
+        meta = {"format": _FORMAT_VERSION, "batch": self.batch, "samples": self.samples,
+                "tokenizer": self._model.tokenizer.fingerprint, "tokenizer_name": self._model.tokenizer.name,
+                "layers": len(self._kv or ()), "last": last}
+        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path, model) -> "SequenceState":
+        """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer)."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {})["continuum"])
+                tensors = {k: f.get_tensor(k).to(model.device) for k in f.keys()}
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise StateFileError(f"{path} is not a readable continuum state file: {exc}") from exc
+        if meta.get("format") != _FORMAT_VERSION:
+            raise StateFileError(f"{path}: unsupported state format {meta.get('format')!r}")
+        if meta["tokenizer"] != model.tokenizer.fingerprint:
+            raise StateFileError(f"{path} was saved with tokenizer {meta['tokenizer_name']!r} "
+                                 f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
+        try:
+            kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
+            last = meta["last"]
+            if last is not None:
+                kind = last["kind"]
+                last = LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
+                                complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
+                                max_tokens=last["max_tokens"])
+            return cls(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
+                       weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise StateFileError(f"{path} is corrupt: {exc}") from exc
+
+
+def _axis(key, size: int, name: str) -> list[int]:
+    if isinstance(key, bool):
+        raise IndexError(f"{name} index must be an int, a slice or a list of ints")
+    if isinstance(key, int):
+        if not -size <= key < size:
+            raise IndexError(f"{name} index {key} out of range for {size} {name} row(s)")
+        return [key % size]
+    if isinstance(key, slice):
+        sel = list(range(size))[key]
+        if not sel:
+            raise SlicingError(f"the {name} slice {key} selects no rows (size {size})")
+        return sel
+    if isinstance(key, (list, tuple)) and all(isinstance(k, int) for k in key):
+        if not key:
+            raise SlicingError(f"empty {name} selection")
+        return [k for item in key for k in _axis(item, size, name)]
+    raise IndexError(f"{name} index must be an int, a slice or a list of ints, got {type(key).__name__}")
+
+
+def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad ragged rows into (ids, mask, logprobs) tensors."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    lp = torch.full((len(rows), width), _NAN, dtype=torch.float32)
+    for i, (r, l) in enumerate(zip(rows, lps)):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+            lp[i, width - len(r):] = torch.tensor(l, dtype=torch.float32)
+    return ids.to(device), mask.to(device), lp.to(device)
