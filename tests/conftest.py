@@ -1,0 +1,171 @@
+"""Offline fixtures: tiny random GPT-2 / Llama models and tokenizers trained on the fly.
+
+* ``bpe``: byte-level BPE like GPT-2 (``Ġ`` leading spaces, UTF-8 split across tokens), no pad token.
+* ``spm``: SentencePiece-style BPE with ``▁`` and ``<0xNN>`` byte fallback, BOS ``<s>``, no pad token.
+* Real tokenizers and the real ``stories260K`` model come from ``../shared/fixtures`` when present.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+if not FIXTURES.exists():  # a clone placed elsewhere: honour an explicit location
+    FIXTURES = Path(os.environ.get("CONTINUUM_FIXTURES", FIXTURES))
+
+CORPUS = [
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.",
+    "The quick brown fox jumps over the lazy dog. The dog sleeps all day long.",
+    "Le café est très bon à Paris; naïve façade, crème brûlée, où est la gare?",
+    "東京は日本の首都です。京都も美しい。こんにちは世界。",
+    "Emoji time: 🤗 🦙 👍🏽 🎉 and more 😀 smiles 😀 everywhere!",
+    '{"name": "Ann", "age": 31, "tags": ["a", "b"], "ok": true, "score": -1.5e3}',
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 123-abc 2024-01-01 3.14159",
+    "Review: great phone, battery lasts long.\nSentiment: Positive\nReview: awful.\nSentiment: Negative",
+    "def f(x):\n    return x * 2  # code\n\tTabs\tand  double  spaces.",
+    "She said “hello” — and ‘goodbye’… Ça va? ¿Qué tal? Ñandú. Straße. Ελληνικά. Русский текст.",
+] * 3
+
+
+def _wrap(tok, **special):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+
+
+def make_bpe_tokenizer(vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return _wrap(tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+
+
+def make_spm_tokenizer(vocab_size: int = 420):
+    import json as _json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=120,
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    # Llama-style byte-fallback tokens <0x00>..<0xFF> in the model vocabulary
+    state = _json.loads(tok.to_str())
+    vocab = state["model"]["vocab"]
+    for i in range(256):
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    tok = Tokenizer.from_str(_json.dumps(state))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+    return _wrap(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def tiny_gpt2(vocab_size: int, seed: int = 0, n_positions: int = 256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, max_positions: int = 256, bos: int = 1, eos: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      bos_token_id=bos, eos_token_id=eos)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _sharpen(hf_model, scale: float = 8.0):
+    """Scale the LM head so the random model has peaked (but still varied) distributions."""
+    with torch.no_grad():
+        hf_model.get_output_embeddings().weight.mul_(scale)
+    return hf_model
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    return make_bpe_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def spm_tokenizer():
+    return make_spm_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def gpt2_model(bpe_tokenizer):
+    from continuum import models
+
+    eos = bpe_tokenizer.eos_token_id
+    hf = tiny_gpt2(len(bpe_tokenizer))
+    hf.config.eos_token_id = hf.generation_config.eos_token_id = eos
+    return models.Transformers(hf, bpe_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def llama_model(spm_tokenizer):
+    from continuum import models
+
+    hf = tiny_llama(len(spm_tokenizer), bos=spm_tokenizer.bos_token_id, eos=spm_tokenizer.eos_token_id)
+    return models.Transformers(hf, spm_tokenizer)
+
+
+@pytest.fixture(scope="session", params=["gpt2", "llama"])
+def model(request, gpt2_model, llama_model):
+    """Both architectures: absolute positions (GPT-2) and RoPE (Llama)."""
+    return gpt2_model if request.param == "gpt2" else llama_model
+
+
+def fixture_path(*parts) -> Path:
+    path = FIXTURES.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"fixture {path} not available")
+    return path
+
+
+@pytest.fixture(scope="session")
+def stories():
+    from continuum import models
+
+    return models.transformers(str(fixture_path("models", "stories260K")))
+
+
+@pytest.fixture(scope="session", params=["gpt2", "llama2-sentencepiece", "llama3-bpe", "qwen2-bpe"])
+def real_tokenizer_model(request):
+    """A tiny random Llama over a real tokenizer: real boundary quirks, fast forward passes."""
+    from transformers import AutoTokenizer
+
+    from continuum import models
+
+    tok = AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", request.param)))
+    hf = tiny_llama(len(tok), bos=tok.bos_token_id or 0, eos=tok.eos_token_id)
+    return models.Transformers(hf, tok)
+
+
+def count_forward_tokens(model):
+    """Attach a forward pre-hook counting the input positions the HF model computes."""
+    counter = {"tokens": 0, "calls": 0}
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        counter["tokens"] += ids.numel()
+        counter["calls"] += 1
+
+    handle = model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return counter, handle
