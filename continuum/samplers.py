@@ -149,9 +149,11 @@ class BeamSearchSampler(Sampler):
         batch = rows // group
         candidates = (scores[:, None] + logprobs).reshape(batch, group * vocab)
         k = self.samples
-        if k > group * vocab:  # pragma: no cover - tiny vocabularies only
-            raise ValueError(f"{k} beams exceed the {group * vocab} candidates")
-        top, flat = candidates.topk(k, dim=-1)
+        top, flat = candidates.topk(min(k, group * vocab), dim=-1)
+        if top.shape[1] < k:  # fewer candidates than beams: pad with dead beams (score -inf)
+            extra = k - top.shape[1]
+            top = torch.cat([top, top.new_full((batch, extra), float("-inf"))], 1)
+            flat = torch.cat([flat, flat[:, :1].expand(batch, extra)], 1)
         ancestors = (flat // vocab + torch.arange(batch, device=logprobs.device)[:, None] * group).reshape(-1)
         return (flat % vocab).reshape(-1), ancestors, top.reshape(-1)
 

@@ -55,12 +55,14 @@ def token_char_ends(tokenizer, ids: Sequence[int]) -> list[int]:
 class Detokenizer:
     """Incremental text of tokens appended after a context (for streaming and stop strings).
 
-    ``text`` is exactly what the new tokens add to ``decode(context + new)``; it may end with an
-    incomplete character (U+FFFD) until the next token completes it, which :meth:`stable_text`
-    holds back.
+    ``text`` is exactly what the new tokens add to ``decode(context + new)``. It can still
+    change at its end: an incomplete UTF-8 character shows as U+FFFD until the next token
+    completes it, and SentencePiece byte-fallback tokens (``<0xNN>``) are decoded as a group, so
+    a run of them may turn into replacement characters when the run ends invalid.
+    :meth:`stable_text` is the part that can no longer change.
     """
 
-    __slots__ = ("tokenizer", "context", "ids", "_ctx_text", "text")
+    __slots__ = ("tokenizer", "context", "ids", "_ctx_text", "text", "_stable")
 
     def __init__(self, tokenizer, context: Sequence[int]):
         self.tokenizer = tokenizer
@@ -68,18 +70,21 @@ class Detokenizer:
         self._ctx_text = tokenizer.decode(self.context)
         self.ids: list[int] = []
         self.text = ""
+        self._stable = ""
 
     def copy(self) -> "Detokenizer":
         new = Detokenizer.__new__(Detokenizer)
         new.tokenizer, new.context, new._ctx_text = self.tokenizer, self.context, self._ctx_text
-        new.ids, new.text = list(self.ids), self.text
+        new.ids, new.text, new._stable = list(self.ids), self.text, self._stable
         return new
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         full = self.tokenizer.decode(self.context + self.ids)
         self.text = full[len(self._ctx_text):] if full.startswith(self._ctx_text) else full
+        if token_id not in self.tokenizer.byte_fallback_ids:
+            self._stable = self.text.rstrip("\ufffd")
         return self.text
 
     def stable_text(self) -> str:
-        return self.text.rstrip("\ufffd")
+        return self._stable

@@ -127,6 +127,13 @@ class Tokenizer:
             return self._backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
         return [self.decode(r) for r in rows]
 
+    @cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte-fallback tokens (``<0xNN>``), decoded as a group."""
+        if self.is_byte_level:
+            return frozenset()
+        return frozenset(i for t, i in self.hf.get_vocab().items() if _BYTE_TOKEN.match(t))
+
     # -- outlines-core vocabulary -------------------------------------------------------------
     @cached_property
     def is_byte_level(self) -> bool:
