@@ -190,6 +190,12 @@ class Character(BaseModel):
     friends: list[Name] = Field(min_length=1, max_length=2)
 
 
+# one example of the JSON format, then the story the demo continues
+PROMPT = ('Tom had a dog named Max. Tom was happy.\n'
+          '{"name":"Tom","mood":"happy","pet":{"kind":"dog","name":"Max"},"friends":["Sue"]}\n\n'
+          'Once upon a time, there was a little girl named Lily.')
+
+
 # --------------------------------------------------------------------------- the demo
 class Meter:
     """Counts the positions the model computes between two reports."""
@@ -227,10 +233,7 @@ def run(model, description: str, max_tokens: int = 40) -> None:
     mood = continuous(generate.choice(model, [" happy", " sad", " scared"], samplers.greedy()))
     card = continuous(generate.json(model, Character, samplers.greedy(), whitespace_pattern=""))
 
-    prompt = ('Tom had a dog named Max. Tom was happy.\n'
-              '{"name":"Tom","mood":"happy","pet":{"kind":"dog","name":"Max"},"friends":["Sue"]}\n\n'
-              'Once upon a time, there was a little girl named Lily.')
-    s1 = story(prompt, max_tokens=max_tokens, stop_at=".")
+    s1 = story(PROMPT, max_tokens=max_tokens, stop_at=".")
     meter.report("1a. text (greedy, stop_at='.')", s1, full_len(s1))
     print(f"   generated: {s1.value!r}")
 

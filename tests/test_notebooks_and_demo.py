@@ -1,0 +1,77 @@
+"""End to end: execute ``notebooks/*.ipynb`` and run ``examples/demo.py`` (offline).
+
+* Notebooks run in a ``python3`` kernel with nbclient (skipped when nbclient/ipykernel are missing).
+  They load the stories260K fixture when it is present, else a tiny random model.
+* The demo runs in a subprocess with ``HF_HUB_OFFLINE=1`` and an empty Hugging Face cache, so its
+  default hub model fails fast and it falls back to the stories260K fixture (skipped when absent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+if not FIXTURES.exists():  # a clone placed elsewhere: honour an explicit location (as conftest.py does)
+    FIXTURES = Path(os.environ.get("CONTINUUM_FIXTURES", FIXTURES))
+STORIES = FIXTURES / "models" / "stories260K"
+
+
+def _offline_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"), TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("TRANSFORMERS_CACHE", None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:  # pragma: no cover - ipykernel without a kernel spec
+        pytest.skip("no python3 Jupyter kernel")
+    for key, value in _offline_env(tmp_path).items():  # the kernel inherits this process's environment
+        monkeypatch.setenv(key, value)
+    if STORIES.exists():
+        monkeypatch.setenv("CONTINUUM_DEMO_MODEL", str(STORIES))
+
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError, with the cell and traceback, if a cell fails
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not STORIES.exists(), reason=f"the stories260K fixture is not at {STORIES}")
+def test_demo_runs_offline_with_fallback(tmp_path: Path) -> None:
+    env = _offline_env(tmp_path)
+    env["CONTINUUM_DEMO_MODEL"] = str(STORIES)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py")], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "could not load HuggingFaceTB/SmolLM2-135M" in out and "falling back to the local model" in out, out[:2000]
+    line = next((ln for ln in out.splitlines() if "structured output: " in ln), None)
+    assert line is not None, out[-3000:]
+    card = json.loads(line.split("structured output: ", 1)[1])
+    assert set(card) == {"name", "mood", "pet", "friends"}
+    assert card["mood"] in {"happy", "sad", "scared"} and card["pet"]["kind"] in {"dog", "cat", "bird"}
+    assert 1 <= len(card["friends"]) <= 2
+    assert "beam search, turn 2" in out and "positions computed by this step" in out
