@@ -10,13 +10,38 @@ from __future__ import annotations
 
 import json as _json
 import threading
+import warnings
 from typing import Any, Sequence
 
 import torch
 
 from .errors import EmptyChoicesError, InvalidRegexError, UnsupportedSchemaError
 
-__all__ = ["Guide", "regex_guide", "choice_regex", "schema_to_regex", "escape"]
+__all__ = ["Guide", "regex_guide", "choice_regex", "schema_to_regex", "escape", "SchemaCoverageWarning"]
+
+# Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14).
+_UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+               "patternProperties"}
+
+
+class SchemaCoverageWarning(UserWarning):
+    """The schema uses keywords the regex compiler ignores: outputs may violate them."""
+
+
+def _unenforced_keywords(node: Any, found: set[str]) -> set[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+                for sub in value.values():
+                    _unenforced_keywords(sub, found)
+                continue
+            if key in _UNENFORCED:
+                found.add(key)
+            _unenforced_keywords(value, found)
+    elif isinstance(node, list):
+        for item in node:
+            _unenforced_keywords(item, found)
+    return found
 
 # Characters with a meaning in outlines-core's (Rust) regex syntax.
 _META = set("\\.+*?()|[]{}^$#&-~")
@@ -67,6 +92,11 @@ def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tu
         regex = build_regex_from_schema(schema_str, whitespace_pattern)
     except Exception as exc:  # outlines-core raises ValueError/TypeError/pyo3 errors
         raise UnsupportedSchemaError(f"cannot compile this JSON schema to a regex: {exc}") from exc
+    ignored = _unenforced_keywords(_json.loads(schema_str), set())
+    if ignored:
+        warnings.warn(f"the JSON schema uses {sorted(ignored)}, which constrained decoding does not enforce: "
+                      "outputs follow the rest of the schema but may violate these (validate them after parsing)",
+                      SchemaCoverageWarning, stacklevel=3)
     return regex, parse
 
 
@@ -111,14 +141,6 @@ class Guide:
 
     def advance(self, state: int, token_id: int) -> int | None:
         return self.index.get_next_state(state, token_id)
-
-    def accepts(self, text_states_and_tokens: Sequence[int]) -> bool:  # pragma: no cover - helper
-        state = self.initial_state
-        for t in text_states_and_tokens:
-            state = self.advance(state, t)
-            if state is None:
-                return False
-        return self.is_final(state)
 
 
 def regex_guide(regex: str, tokenizer) -> Guide:

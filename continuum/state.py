@@ -248,7 +248,7 @@ class SequenceState:
             hint = f"max_tokens={self._last.max_tokens}" if self._last.max_tokens is not None else "the context length"
             raise IncompleteGenerationError(
                 f"the {self._last.kind} output of {where} is incomplete: generation stopped at {hint} before the "
-                f"pattern was matched. Raise max_tokens, or continue this state with the same generator.",
+                f"pattern was matched. Raise max_tokens and generate again (state.last_text holds the partial output).",
                 rows=bad, max_tokens=self._last.max_tokens)
         return self._shape_output(out)
 

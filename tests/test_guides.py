@@ -1,0 +1,209 @@
+"""Constraints: vocabulary bytes, regex / choice / JSON outputs over many seeds, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from enum import Enum
+from typing import Annotated, Optional
+
+import pytest
+import torch
+from pydantic import BaseModel, Field, StringConstraints
+
+from continuum import continuous, generate, samplers
+from continuum.errors import EmptyChoicesError, IncompleteGenerationError, InvalidRegexError, UnsupportedSchemaError
+from continuum.guides import escape
+
+SEEDS = range(12)
+
+
+def test_vocabulary_bytes_roundtrip_real_tokenizers(real_tokenizer_model):
+    """Concatenating the vocabulary bytes of a row's tokens gives the row's UTF-8 text."""
+    tok = real_tokenizer_model.tokenizer
+    vocab_bytes = {}
+    for token, idx in tok.hf.get_vocab().items():
+        vocab_bytes[idx] = tok.token_bytes(token)
+    for text in ["Hello world", "Ça va? naïve façade", "東京は日本の首都です", "🤗🦙👍🏽 ok", "a  b\n\tc"]:
+        ids = tok.encode_continuation(text)
+        data = b"".join(vocab_bytes[i] for i in ids)
+        assert data.decode("utf-8") == text or data.decode("utf-8") == " " + text  # SentencePiece "▁" prefix
+
+
+def test_vocabulary_excludes_special_tokens(model):
+    vocab = model.tokenizer.vocabulary
+    eos = model.tokenizer.eos_token_id
+    assert vocab.get_eos_token_id() == eos
+
+
+@pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-z]+", r"(yes|no|maybe)", r"[0-9]{1,3}\.[0-9]{2}", r"[A-Z][a-zé ]{2,8}!"])
+def test_regex_outputs_match(model, pattern):
+    gen = generate.regex(model, pattern, samplers.multinomial(3))
+    for seed in range(4):
+        outs = gen(["Answer: ", "Q"], max_tokens=24, rng=torch.Generator().manual_seed(seed))
+        for row in outs:
+            for out in row:
+                assert re.fullmatch(pattern, out), (pattern, out)
+
+
+def test_regex_with_multibyte_characters(real_tokenizer_model):
+    pattern = r"(café|東京|🤗) [a-c]{2}"
+    gen = generate.regex(real_tokenizer_model, pattern, samplers.multinomial(4))
+    for seed in range(3):
+        for out in gen("x", max_tokens=20, rng=torch.Generator().manual_seed(seed)):
+            assert re.fullmatch(pattern, out), out
+
+
+def test_choice_outputs_are_options(model):
+    options = ["Positive", "Negative", "Neutral ☺", "東京"]
+    gen = generate.choice(model, options, samplers.multinomial(4))
+    seen = set()
+    for seed in SEEDS:
+        for row in gen(["Review: great!\nSentiment: ", "x"], rng=torch.Generator().manual_seed(seed)):
+            assert all(o in options for o in row)
+            seen.update(row)
+    assert len(seen) >= 2  # sampling explores the options
+    assert generate.choice(model, options, samplers.greedy())("Sentiment: ") in options
+
+
+def test_choice_with_prefix_options(model):
+    gen = generate.choice(model, ["a", "ab", "abc"], samplers.multinomial())
+    for seed in SEEDS:
+        assert gen("x", rng=torch.Generator().manual_seed(seed)) in {"a", "ab", "abc"}
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=8)
+    zip: int
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    age: int
+    height: float
+    color: Color
+    tags: list[Annotated[str, StringConstraints(max_length=4)]] = Field(max_length=3)
+    address: Address
+    nickname: Optional[str] = Field(default=None, max_length=5)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}}, "required": ["x", "y"]},
+    {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    {"type": "object", "properties": {"kind": {"enum": ["a", "b", "c"]}, "n": {"type": "integer", "maxDigits": 3}},
+     "required": ["kind"]},
+]
+
+
+def test_json_pydantic_outputs_validate(model):
+    gen = generate.json(model, Person, samplers.multinomial(2))
+    complete = 0
+    for seed in range(6):
+        state = continuous(gen)(["Person: ", "JSON"], max_tokens=160, rng=torch.Generator().manual_seed(seed))
+        try:
+            values = state.value
+        except IncompleteGenerationError as err:
+            assert "max_tokens=160" in str(err)
+            continue
+        for row in values:
+            for person in row:
+                assert isinstance(person, Person)
+                complete += 1
+    assert complete > 0
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_json_schema_outputs_validate(model, schema):
+    import jsonschema
+
+    gen = generate.json(model, schema, samplers.multinomial(3))
+    for seed in range(4):
+        out = gen("data: ", max_tokens=60, rng=torch.Generator().manual_seed(seed))
+        for value in out:
+            jsonschema.validate(value, schema)
+
+
+def test_unenforced_schema_keywords_warn(model):
+    from continuum.guides import SchemaCoverageWarning
+
+    schema = {"type": "object", "properties": {"minimum": {"type": "integer", "minimum": 0}}}
+    with pytest.warns(SchemaCoverageWarning, match="minimum"):
+        generate.json(model, schema)
+
+
+def test_json_schema_as_string(model):
+    schema = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}, "y": {"type": "boolean"}}, "required": ["x", "y"]}
+    value = generate.json(model, json.dumps(schema), samplers.greedy())("x", max_tokens=40)
+    assert isinstance(value, dict) and set(value) == {"x", "y"} and value["x"] in "ab"
+
+
+def test_incomplete_constrained_output_raises_clear_error(model):
+    gen = generate.regex(model, r"[a-z]{30}", samplers.greedy())
+    with pytest.raises(IncompleteGenerationError, match="max_tokens=3") as info:
+        gen(["a", "b"], max_tokens=3)
+    assert info.value.rows == [0, 1]
+    # the continuous generator returns the state; reading its value raises, its text is there
+    state = continuous(gen)("a", max_tokens=3)
+    assert len(state.last_text) > 0
+    with pytest.raises(IncompleteGenerationError):
+        state.value
+    # and the same generator can finish it
+    more = continuous(generate.text(model, samplers.greedy()))(state, max_tokens=2)
+    assert list(more)[0].startswith(list(state)[0])
+
+
+def test_bad_generator_arguments(model):
+    with pytest.raises(InvalidRegexError, match="regex"):
+        generate.regex(model, "[a-")
+    with pytest.raises(EmptyChoicesError, match="at least one"):
+        generate.choice(model, [])
+    with pytest.raises(EmptyChoicesError):
+        generate.choice(model, "yes")
+    with pytest.raises(UnsupportedSchemaError, match="not valid JSON"):
+        generate.json(model, "{not json")
+    with pytest.raises(UnsupportedSchemaError):
+        generate.json(model, {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
+    with pytest.raises(UnsupportedSchemaError):
+        generate.json(model, 42)
+    assert all(issubclass(e, ValueError) for e in (InvalidRegexError, EmptyChoicesError, UnsupportedSchemaError))
+
+
+def test_compiled_index_is_cached(model):
+    class Fresh(BaseModel):
+        a: int
+        b: list[bool]
+        c: str = Field(max_length=4)
+
+    t0 = time.perf_counter()
+    g1 = generate.json(model, Fresh)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    g2 = generate.json(model, Fresh)
+    second = time.perf_counter() - t0
+    assert g1.guide is g2.guide
+    assert second < first
+
+
+def test_escape_for_outlines_regex():
+    special = "a.b*c+d?(e)[f]{g}|h^i$j\\k#l&m-n~o p"
+    pattern = escape(special)
+    assert re.fullmatch(pattern, special)
+
+
+def test_stories_choice_and_json(stories):
+    """The real model follows constraints and picks plausible options."""
+    c = generate.choice(stories, [" happy", " sad", " a dinosaur"], samplers.greedy())
+    assert c("Lily was very") in (" happy", " sad", " a dinosaur")
+
+    class Story(BaseModel):
+        name: str = Field(max_length=10)
+        mood: Color
+
+    out = generate.json(stories, Story, samplers.greedy())("Once upon a time, a girl: ", max_tokens=40)
+    assert isinstance(out, Story)
