@@ -27,7 +27,12 @@ from .samplers import Sampler
 from .state import LastStep, SequenceState
 from .text import Detokenizer
 
-__all__ = ["decode", "Step", "check_max_tokens"]
+__all__ = ["decode", "Step", "check_max_tokens", "positions"]
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of every column: the number of real tokens before it (holes do not count)."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -93,6 +98,26 @@ class _Rows:
             self.detoks = [self.detoks[i].copy() for i in idx]
 
 
+def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: Optional[int]) -> int:
+    """Validate ``state`` for ``sampler``; return how many tokens may be generated (context-capped)."""
+    group, n = state.samples, sampler.samples
+    if group not in (1, n):
+        kind = "samplers.beam_search" if sampler.is_beam_search else "samplers.multinomial"
+        raise SampleMismatch(
+            f"this state has {group} samples per batch row but the generator produces {n}: use a generator with "
+            f"{kind}({group}), or select one sample first (state[:, i, :]) and let the generator fork it")
+    lengths = state._mask.sum(1)
+    if bool((lengths == 0).any()):
+        rows = (lengths == 0).nonzero().flatten().tolist()
+        raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
+    longest = int(lengths.max())
+    ctx = state._model.context_length
+    if ctx is not None and longest > ctx:
+        raise ContextLengthError(f"the input has {longest} tokens but the model's context is {ctx}: cut it, e.g. state[..., -N:]")
+    steps = max_tokens if max_tokens is not None else (ctx - longest if ctx is not None else 2**31)
+    return min(steps, ctx - longest) if ctx is not None else steps
+
+
 def decode(
     state: SequenceState,
     sampler: Sampler,
@@ -108,36 +133,21 @@ def decode(
     """Continue ``state`` with ``sampler`` (and ``guide``); yields a :class:`Step` per token, returns the new state."""
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
+    steps = check_continuable(state, sampler, max_tokens)
     model, tok = state._model, state._model.tokenizer
     group, n = state.samples, sampler.samples
-    if group not in (1, n):
-        raise SampleMismatch(
-            f"this state has {group} samples per batch row but the generator produces {n}: use a generator with "
-            f"{'samplers.beam_search' if sampler.is_beam_search else 'samplers.multinomial'}({group}), or select one "
-            f"sample first (state[:, i, :]) so the generator can fork it into {n}")
-    lengths = state._mask.sum(1)
-    if bool((lengths == 0).any()):
-        rows = (lengths == 0).nonzero().flatten().tolist()
-        raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
-    longest = int(lengths.max())
-    ctx = model.context_length
-    if ctx is not None and longest > ctx:
-        raise ContextLengthError(f"the input has {longest} tokens but the model's context is {ctx}: cut it, e.g. state[..., -N:]")
-    steps = max_tokens if max_tokens is not None else (ctx - longest if ctx is not None else 2**31)
-    if ctx is not None:
-        steps = min(steps, ctx - longest)
 
     rows = _Rows(state, steps, guide, track_text or bool(stops))
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
 
-    def forward(start: int, end: int, want_logits: bool = True):
-        pos = (rows.mask[:, :end].cumsum(1) - 1).clamp(min=0)[:, start:end]
-        return model.forward(rows.ids[:, start:end], rows.mask[:, :end], pos, rows.kv, logits=want_logits)
+    def forward(start: int, end: int, logits: str = "last"):
+        return model.forward(rows.ids[:, start:end], rows.mask[:, :end], positions(rows.mask[:, :end])[:, start:],
+                             rows.kv, logits=logits)
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         if W - 1 > C:
-            _, rows.kv = forward(C, W - 1, want_logits=False)
+            _, rows.kv = forward(C, W - 1, logits="none")
         if n != group:
             rows.reorder(torch.arange(state.rows).repeat_interleave(n))
         return _finish(state, rows, W - 1 if W - 1 > C else C, n, guide, kind, parse, max_tokens, sampler)

@@ -90,6 +90,8 @@ class SequenceState:
     @classmethod
     def from_prompts(cls, model, prompts: Union[str, Sequence[str]]) -> "SequenceState":
         """A state holding tokenized prompts (no cache, zero weights, one sample)."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise TypeError(f"a prompt must be a string or a list of strings, got {type(prompts).__name__}")
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise BatchMismatch("no prompts given: pass a string or a non-empty list of strings")

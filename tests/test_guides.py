@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from enum import Enum
@@ -55,16 +56,17 @@ def test_regex_with_multibyte_characters(real_tokenizer_model):
             assert re.fullmatch(pattern, out), out
 
 
-def test_choice_outputs_are_options(model):
-    options = ["Positive", "Negative", "Neutral ☺", "東京"]
-    gen = generate.choice(model, options, samplers.multinomial(4))
+@pytest.mark.parametrize("method", ["exact", "greedy"])
+def test_choice_outputs_are_options(model, method):
+    options = ["Positive", "Negative", "Neutral ☺", "東京"] if method == "greedy" else ["a", "b", "c", "d"]
+    gen = generate.choice(model, options, samplers.multinomial(4), method=method)
     seen = set()
     for seed in SEEDS:
         for row in gen(["Review: great!\nSentiment: ", "x"], rng=torch.Generator().manual_seed(seed)):
             assert all(o in options for o in row)
             seen.update(row)
     assert len(seen) >= 2  # sampling explores the options
-    assert generate.choice(model, options, samplers.greedy())("Sentiment: ") in options
+    assert generate.choice(model, options, samplers.greedy(), method=method)("Sentiment: ") in options
 
 
 def test_choice_with_prefix_options(model):
@@ -207,3 +209,54 @@ def test_stories_choice_and_json(stories):
 
     out = generate.json(stories, Story, samplers.greedy())("Once upon a time, a girl: ", max_tokens=40)
     assert isinstance(out, Story)
+
+
+def test_exact_choice_scores_options_in_one_forward(model):
+    """Exact choice = argmax of the options' total log-probs, computed in one forward pass."""
+    from conftest import count_forward_tokens
+
+    options = ["cat", " dog", "東京 🤗"]
+    prompt = "The pet is a"
+    gen = continuous(generate.choice(model, options, samplers.greedy()))
+    base = continuous(generate.text(model, samplers.greedy()))(prompt, max_tokens=0)
+    expected = []
+    for o in options:
+        s = base + o
+        ids, mask = s.token_ids, s.attention_masks
+        with torch.no_grad():
+            lp = torch.log_softmax(model.model(input_ids=ids).logits[0].float(), -1)
+        n = len(model.tokenizer.encode_continuation(o))
+        L = ids.shape[1]
+        expected.append(sum(float(lp[c - 1, ids[0, c]]) for c in range(L - n, L)))
+    counter, handle = count_forward_tokens(model)
+    try:
+        state = gen(base)
+    finally:
+        handle.remove()
+    assert counter["calls"] == 1
+    best = max(range(3), key=lambda i: expected[i])
+    assert state.value == options[best]
+    assert math.isclose(float(state.weights[0, 0]), expected[best], abs_tol=1e-4)
+    assert list(state)[0] == prompt + options[best]
+
+
+def test_choice_beam_search_returns_distinct_best_pairs(model):
+    options = ["red", "green", "blue", "a"]
+    gen = continuous(generate.choice(model, options, samplers.beam_search(3)))
+    state = gen(["Color: ", "x"])
+    for b, row in enumerate(state.value):
+        assert len(set(row)) == 3 and set(row) <= set(options)
+        w = state.weights[b].tolist()
+        assert w == sorted(w, reverse=True)
+    # the beams continue across turns, re-ranked on the whole sequence
+    more = continuous(generate.choice(model, ["!", "?"], samplers.beam_search(3)))(state)
+    assert more.shape == (2, 3)
+    assert all(t.endswith(("!", "?")) for t in more)
+
+
+def test_choice_methods(model):
+    for method in ("exact", "mean", "greedy"):
+        out = generate.choice(model, ["yes", "no"], samplers.multinomial(4), method=method)("Q: ", rng=torch.Generator().manual_seed(0))
+        assert set(out) <= {"yes", "no"}
+    with pytest.raises(ValueError, match="method"):
+        generate.choice(model, ["a"], method="best")

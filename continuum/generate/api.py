@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 from ..errors import GeneratorArgumentError
 from ..guides import choice_regex, regex_guide, schema_to_regex
 from ..samplers import Sampler
-from .generator import Generator
+from .generator import ChoiceGenerator, Generator
 
 __all__ = ["text", "choice", "regex", "json"]
 
@@ -44,19 +44,34 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
     return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="regex", description=repr(pattern))
 
 
-def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None) -> Generator:
-    """One of ``choices``, decoded token by token under the constraint.
+def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact") -> Generator:
+    """One of ``choices``.
 
-    Options are matched as text, so ``" yes"`` and ``"yes"`` differ. Empty lists raise ``EmptyChoicesError``.
+    Args:
+        choices: the options (non-empty strings), matched as text appended to the prompt, so
+            ``" yes"`` and ``"yes"`` differ.
+        sampler: greedy -> the best option; ``multinomial(n)`` -> n draws from the options'
+            distribution; ``beam_search(n)`` -> the n best (row, option) pairs, best first.
+        method: ``"exact"`` (default) scores each option by the total log-prob of its tokens, all
+            options in ONE forward pass; an option that is a prefix of another scores at least as
+            high (there is no end-of-option term). ``"mean"`` uses the mean log-prob per token
+            instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``
+            (an outlines-core index), which is cheaper for many long options.
+
+    Empty lists raise ``EmptyChoicesError``.
 
     Example:
-        >>> choice(model, ["Positive", "Negative"])("Review: great!\\nSentiment: ")  # doctest: +SKIP
+        >>> choice(model, ["Positive", "Negative"])("Review: great!\nSentiment: ")  # doctest: +SKIP
         'Positive'
     """
     _check_model(model)
     pattern = choice_regex(choices)
-    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
-                     description=repr(list(choices)))
+    if method == "greedy":
+        return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
+                         description=repr(list(choices)))
+    if method not in ("exact", "mean"):
+        raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
+    return ChoiceGenerator(model, list(choices), sampler, method=method)
 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?") -> Generator:

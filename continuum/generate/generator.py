@@ -11,7 +11,7 @@ from ..guides import Guide
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
 
-__all__ = ["Generator", "Stream"]
+__all__ = ["Generator", "ChoiceGenerator", "Stream"]
 
 Prompt = Union[str, Sequence[str]]
 
@@ -143,3 +143,18 @@ class Generator:
         state = self._prompt_state(prompts)
         return Stream(self._steps(state, max_tokens, stop_at, rng, True), self._shape_for(prompts, self.sampler.samples),
                       self.sampler.is_beam_search, lambda s: self._value(prompts, s))
+
+
+class ChoiceGenerator(Generator):
+    """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
+
+    def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact"):
+        super().__init__(model, sampler, kind="choice", description=repr(options))
+        self.options, self.method = options, method
+
+    def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
+        if max_tokens == 0:  # prefill only, like every generator
+            return super()._steps(state, max_tokens, stop_at, rng, track_text)
+        from ..scoring import choose
+
+        return choose(state, self.options, self.sampler, method=self.method, rng=rng)

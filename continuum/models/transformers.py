@@ -64,13 +64,14 @@ class Transformers:
         position_ids: torch.Tensor,
         cache: KV | None,
         *,
-        logits: bool = True,
+        logits: str = "last",
     ) -> tuple[torch.Tensor | None, KV]:
         """Run ``input_ids`` (the uncached columns) on top of ``cache``.
 
         ``attention_mask`` covers cached + new columns (zeros anywhere are fine).
-        Returns the logits of the last column (float32, ``(rows, vocab)``), or ``None`` when
-        ``logits=False``, and the KV tensors covering all columns. ``cache`` is not modified.
+        Returns the logits (float32) of the last column ``(rows, vocab)`` (``logits="last"``), of
+        every new column ``(rows, new, vocab)`` (``"all"``) or ``None`` (``"none"``), and the KV
+        tensors covering all columns. ``cache`` is not modified.
         """
         past = to_dynamic_cache(cache, self.config)
         out = self.model(
@@ -79,12 +80,12 @@ class Transformers:
             position_ids=position_ids,
             past_key_values=past,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if logits == "all" else 1,
         )
         self.tokens_computed += input_ids.numel()
         self.forward_calls += 1
-        last = out.logits[:, -1, :].float() if logits else None
-        return last, from_dynamic_cache(out.past_key_values)
+        result = {"last": lambda: out.logits[:, -1, :].float(), "all": lambda: out.logits.float(), "none": lambda: None}[logits]()
+        return result, from_dynamic_cache(out.past_key_values)
 
 
 def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, **kwargs: Any) -> Transformers:

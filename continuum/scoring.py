@@ -1,0 +1,77 @@
+"""Exact choice: score every option in context with ONE forward pass, then let the sampler pick.
+
+Each row is paired with each option (``state + option``, tokenized as a continuation), the
+uncached suffixes of all pairs are run in a single forward call, and an option's score is the
+sum of the model's log-probs of its tokens (``method="exact"``; no end-of-option term, so an
+option that is a prefix of another scores at least as high) or their mean (``method="mean"``).
+
+The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
+a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
+(row, option) pairs. The chosen pairs keep the KV cache of that forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Generator, Optional, Sequence
+
+import torch
+
+from .decoding import Step, check_continuable, positions
+from .samplers import Sampler
+from .state import LastStep, SequenceState
+
+__all__ = ["choose"]
+
+
+def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
+           rng: Optional[torch.Generator] = None) -> Generator[Step, None, SequenceState]:
+    """Pick one option per output row; yields one :class:`Step`, returns the new state."""
+    check_continuable(state, sampler, None)
+    model, tok = state._model, state._model.tokenizer
+    K, R = len(options), state.rows
+    option_ids = [tok.encode_continuation(o) for o in options]
+    starts = [len(t) for t in state.texts]
+
+    # every (row, option) pair; rows of one batch item stay together: batch x (samples * K)
+    pairs = state._select([r for r in range(R) for _ in range(K)], state.batch, state.samples * K)
+    real, cached = pairs._real_rows(), pairs._cached_real()
+    tails = [(ids[c:] + option_ids[i % K], lps[c:] + [math.nan] * len(option_ids[i % K]))
+             for i, ((ids, lps), c) in enumerate(zip(real, cached))]
+    cand = pairs._rebuild(cached, tails, pairs._weights, None)
+
+    C, W = (cand._kv[0][0].shape[-2] if cand._kv else 0), cand._ids.shape[1]
+    logits, kv = model.forward(cand._ids[:, C:], cand._mask, positions(cand._mask)[:, C:], cand._kv, logits="all")
+    logprobs = torch.log_softmax(logits, -1)  # (R*K, W-C, V): column j predicts column C+j+1
+    lengths = torch.tensor([len(option_ids[i % K]) for i in range(R * K)])
+    token_lp = cand._logprobs.clone()
+    gain = torch.empty(R * K)  # raw log-prob of each pair's option
+    for i in range(R * K):
+        n = int(lengths[i])
+        cols = torch.arange(W - n, W)
+        lp = logprobs[i, cols - C - 1, cand._ids[i, cols]]
+        token_lp[i, cols] = lp
+        gain[i] = lp.sum()
+    scores = gain / lengths if method == "mean" else gain
+
+    ids, ancestors, ranked = sampler(scores.reshape(R, K), state._weights.to(torch.float32), state.samples, rng)
+    chosen = ancestors * K + ids
+    weights = state._weights.to(torch.float32).index_select(0, ancestors) + gain.index_select(0, chosen)
+    weights = weights.masked_fill(ranked == float("-inf"), float("-inf"))  # dead beams (fewer pairs than beams)
+    full = SequenceState(model=model, ids=cand._ids, mask=cand._mask, logprobs=token_lp, weights=cand._weights,
+                         kv=tuple((k[:, :, :W - 1], v[:, :, :W - 1]) for k, v in kv), batch=state.batch,
+                         samples=state.samples * K)
+    order = list(range(chosen.numel()))
+    if sampler.is_beam_search:  # best first, by the score the search ranked with
+        n = sampler.samples
+        order = [b * n + i for b in range(state.batch) for i in sorted(range(n), key=lambda i: -float(ranked[b * n + i]))]
+    pick = torch.tensor(order)
+    out = full._select(chosen.index_select(0, pick).tolist(), state.batch, sampler.samples)
+    weights, ancestors = weights.index_select(0, pick), ancestors.index_select(0, pick)
+    texts = out.texts
+    last = LastStep(kind="choice", starts=tuple(starts[a] for a in ancestors.tolist()), ends=tuple(len(t) for t in texts),
+                    complete=(True,) * out.rows)
+    result = SequenceState(model=model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=weights,
+                           kv=out._kv, batch=out.batch, samples=out.samples, last=last)
+    yield Step([t[s:] for t, s in zip(texts, last.starts)], True)
+    return result
