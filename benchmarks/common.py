@@ -1,0 +1,355 @@
+"""Shared benchmark machinery: model setup, paired timing, token/forward counting, peak RSS, results.
+
+Measurement protocol (every scenario):
+
+* one warm-up call of each side, not measured;
+* ``reps`` repetitions, each running the baseline and continuum back to back, alternating which
+  goes first, so slow drifts of a shared machine hit both sides alike;
+* the figure is the MEDIAN of the per-repetition ratios (a paired estimate); the times shown are
+  the medians of each side.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+FIXTURES = Path(os.environ.get("CONTINUUM_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+
+# Plain English-like text used to build prompts and histories of an exact token length.
+CORPUS = (
+    "The harbour town woke slowly. Fishing boats came back with the tide, and the market filled with "
+    "voices, baskets and the smell of bread. Anna walked along the quay to the old library, where she "
+    "kept a notebook of every ship that entered the bay. Her grandfather had started the notebook fifty "
+    "years ago, and each page held a name, a date, a flag and a short line about the weather. "
+    "That morning the sky was clear, the wind came from the west, and a tall ship with grey sails waited "
+    "outside the breakwater. Nobody in the town knew its name. The harbour master climbed the tower with "
+    "his telescope, the children ran to the end of the pier, and the baker forgot his ovens for a while. "
+    "When the ship finally moved, it turned not toward the harbour but along the coast, past the cliffs "
+    "and the lighthouse, until only the top of its mast could be seen above the rocks. "
+)
+
+
+# ---------------------------------------------------------------------------------------------- env
+def configure_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def load_average() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - not on Linux
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- RSS
+def _read_status(key: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])  # kB
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux ``clear_refs`` 5); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    kb = _read_status("VmHWM")
+    if kb is None:  # fall back to the process-lifetime peak
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024.0
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass
+class Bench:
+    """The model under test, shared by all scenarios."""
+
+    hf: object
+    tok: object  # the Hugging Face tokenizer
+    model: object  # continuum.models.Transformers
+    name: str
+    random_weights: bool
+    counter: "ForwardCounter"
+    notes: list = field(default_factory=list)
+
+    @property
+    def context(self) -> int:
+        return self.model.context_length or 1024
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tok
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def _gpt2_tokenizer(notes: list):
+    from transformers import AutoTokenizer
+
+    path = FIXTURES / "tokenizers" / "gpt2"
+    if path.exists():
+        return AutoTokenizer.from_pretrained(str(path)), "GPT-2 tokenizer (fixtures)"
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS] * 20, trainer)
+    notes.append(f"no GPT-2 tokenizer at {path}: trained a byte-level BPE ({tok.get_vocab_size()} tokens) on the fly")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                     unk_token="<|endoftext|>")
+    return hf_tok, "byte-level BPE trained on the fly"
+
+
+def load_bench(model_path: Optional[str] = None, seed: int = 0) -> Bench:
+    """The benchmark model: GPT-2-small-shaped with random fp32 weights, or ``model_path``."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from continuum import models
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    notes: list[str] = []
+    if model_path:
+        tok = AutoTokenizer.from_pretrained(model_path)
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        name, random_weights = f"{model_path} ({type(hf).__name__}, fp32)", False
+    else:
+        tok, tok_name = _gpt2_tokenizer(notes)
+        vocab = 50257 if len(tok) <= 50257 and tok_name.startswith("GPT-2") else len(tok)
+        cfg = GPT2Config(vocab_size=vocab, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        hf = GPT2LMHeadModel(cfg).eval()
+        shape = f"{cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}"
+        name, random_weights = f"GPT-2-small-shaped random fp32 ({shape}; {tok_name})", True
+    hf.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model = models.Transformers(hf, tok)
+    return Bench(hf=hf, tok=tok, model=model, name=name, random_weights=random_weights,
+                 counter=ForwardCounter(hf), notes=notes)
+
+
+def make_text(tok, n_tokens: int, offset: int = 0) -> str:
+    """Text that the tokenizer encodes (with its default special tokens) to about ``n_tokens`` tokens."""
+    special = len(tok("", add_special_tokens=True)["input_ids"])
+    body = CORPUS * (2 + (n_tokens * 6) // len(CORPUS))
+    ids = tok(body[offset:], add_special_tokens=False)["input_ids"]
+    want = max(1, n_tokens - special)
+    best = None
+    for k in range(want, max(0, want - 8), -1):
+        text = tok.decode(ids[:k])
+        n = len(tok(text, add_special_tokens=True)["input_ids"])
+        if n == n_tokens:
+            return text
+        if best is None or abs(n - n_tokens) < abs(best[1] - n_tokens):
+            best = (text, n)
+    return best[0]
+
+
+def n_tokens(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=True)["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------- counting
+class ForwardCounter:
+    """Counts positions passed to the HF model and the wall time spent inside its ``forward``."""
+
+    def __init__(self, hf):
+        self.tokens = 0
+        self.calls = 0
+        self.seconds = 0.0
+        self._t0 = 0.0
+        hf.register_forward_pre_hook(self._pre, with_kwargs=True)
+        hf.register_forward_hook(self._post)
+
+    def _pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self.tokens += ids.numel()
+        self.calls += 1
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.seconds += time.perf_counter() - self._t0
+
+    def snapshot(self) -> tuple[int, int, float]:
+        return self.tokens, self.calls, self.seconds
+
+
+@dataclass
+class Call:
+    """One measured call."""
+
+    seconds: float
+    generated: int  # new tokens per row, as returned by the measured function
+    computed: int  # positions passed to the model's forward
+    forward_calls: int
+    forward_seconds: float
+    peak_rss_mb: float
+    extra: dict = field(default_factory=dict)
+
+
+def measure(bench: Bench, fn: Callable[[], object]) -> Call:
+    """Run ``fn`` once, timed. ``fn`` returns the number of new tokens (or a dict with ``generated``)."""
+    gc.collect()
+    reset_peak_rss()
+    t0, c0, f0 = bench.counter.snapshot()
+    start = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - start
+    t1, c1, f1 = bench.counter.snapshot()
+    extra = dict(out) if isinstance(out, dict) else {"generated": out}
+    generated = int(extra.pop("generated", 0) or 0)
+    return Call(seconds, generated, t1 - t0, c1 - c0, f1 - f0, peak_rss_mb(), extra)
+
+
+def paired(bench: Bench, baseline: Callable, candidate: Callable, reps: int, warmup: int = 1,
+           log: Optional[Callable[[str], None]] = None) -> tuple[list[Call], list[Call]]:
+    """Warm up, then ``reps`` back-to-back pairs (alternating order). Returns (baseline calls, continuum calls)."""
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    base, cand = [], []
+    for i in range(reps):
+        if i % 2 == 0:
+            b = measure(bench, baseline)
+            c = measure(bench, candidate)
+        else:
+            c = measure(bench, candidate)
+            b = measure(bench, baseline)
+        base.append(b)
+        cand.append(c)
+        if log:
+            log(f"    rep {i + 1}/{reps}: baseline {b.seconds:.3f}s  continuum {c.seconds:.3f}s  ratio {c.seconds / b.seconds:.3f}")
+    return base, cand
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class Row:
+    """One checked figure."""
+
+    id: str
+    title: str
+    baseline: str  # what the baseline is
+    figure: float  # the checked value
+    op: str  # "<=" or ">="
+    threshold: float
+    unit: str  # "x time" (continuum / baseline) or "x faster" (baseline / continuum) or "x memory"...
+    base_s: Optional[float] = None
+    cont_s: Optional[float] = None
+    base_tps: Optional[float] = None
+    cont_tps: Optional[float] = None
+    base_rss_mb: Optional[float] = None
+    cont_rss_mb: Optional[float] = None
+    base_computed: Optional[int] = None
+    cont_computed: Optional[int] = None
+    reps: int = 0
+    notes: list = field(default_factory=list)
+    achievable: Optional[str] = None  # when the target cannot be met on this machine: why, and the best achievable
+
+    @property
+    def passed(self) -> bool:
+        if self.figure is None or math.isnan(self.figure):
+            return False
+        return self.figure <= self.threshold if self.op == "<=" else self.figure >= self.threshold
+
+    @property
+    def target(self) -> str:
+        return f"{self.op} {self.threshold:g}"
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"], d["target"] = self.passed, self.target
+        return d
+
+
+def row_from_calls(id: str, title: str, baseline: str, base: list[Call], cont: list[Call], *, op: str, threshold: float,
+                   speedup: bool, unit: Optional[str] = None, notes=None) -> Row:
+    """A row whose figure is the median paired time ratio (continuum/baseline), or its inverse when ``speedup``."""
+    ratios = [c.seconds / b.seconds for b, c in zip(base, cont)]
+    fig = median([1.0 / r for r in ratios]) if speedup else median(ratios)
+    b_s, c_s = median([b.seconds for b in base]), median([c.seconds for c in cont])
+    b_gen, c_gen = median([b.generated for b in base]), median([c.generated for c in cont])
+    return Row(id=id, title=title, baseline=baseline, figure=fig, op=op, threshold=threshold,
+               unit=unit or ("x faster" if speedup else "x time"), base_s=b_s, cont_s=c_s,
+               base_tps=b_gen / b_s if b_s and b_gen else None, cont_tps=c_gen / c_s if c_s and c_gen else None,
+               base_rss_mb=max(b.peak_rss_mb for b in base) if base else None,
+               cont_rss_mb=max(c.peak_rss_mb for c in cont) if cont else None,
+               base_computed=int(median([b.computed for b in base])) if base else None,
+               cont_computed=int(median([c.computed for c in cont])) if cont else None,
+               reps=len(cont), notes=list(notes or []))
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return format(x, spec)
+
+
+COLUMNS = ["id", "scenario", "baseline s", "continuum s", "figure", "target", "check", "tok/s base|cont",
+           "peak RSS MB base|cont", "tokens computed base|cont"]
+
+
+def table_cells(r: Row) -> list[str]:
+    return [
+        r.id, r.title, _fmt(r.base_s, ".3f"), _fmt(r.cont_s, ".3f"),
+        _fmt(r.figure, ".3f") + " " + r.unit, r.target, "PASS" if r.passed else "FAIL",
+        f"{_fmt(r.base_tps, '.1f')} | {_fmt(r.cont_tps, '.1f')}",
+        f"{_fmt(r.base_rss_mb, '.0f')} | {_fmt(r.cont_rss_mb, '.0f')}",
+        f"{_fmt(r.base_computed, 'd')} | {_fmt(r.cont_computed, 'd')}",
+    ]
+
+
+def format_table(rows: list[Row]) -> str:
+    cells = [COLUMNS] + [table_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    line = lambda cs: "  ".join(c.ljust(w) for c, w in zip(cs, widths))  # noqa: E731
+    out = [line(COLUMNS), "  ".join("-" * w for w in widths)] + [line(c) for c in cells[1:]]
+    return "\n".join(out)
+
+
+def format_markdown(rows: list[Row]) -> str:
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in table_cells(r)) + " |")
+    return "\n".join(out)
+
+
+def write_json(path: str, meta: dict, rows: list[Row]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [r.as_dict() for r in rows]}, f, indent=2, default=str)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,57 @@
+"""Smoke version of benchmark B3: counts of computed positions (not time) in a continuous session.
+
+A continuation turn must compute only the uncached suffix (appended text + new tokens), never the
+history. Uses a tiny 2-layer GPT-2 so it runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the repository
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import Row, _gpt2_tokenizer, format_markdown, format_table, make_text, n_tokens  # noqa: E402
+from benchmarks.scenarios import session_token_counts, user_turns  # noqa: E402
+
+
+def _tiny_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from continuum import models
+
+    tok, _ = _gpt2_tokenizer([])
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=512, n_embd=32, n_layer=2, n_head=2,
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    return models.Transformers(GPT2LMHeadModel(cfg).eval(), tok)
+
+
+def test_mini_b3_computes_only_the_uncached_suffix():
+    model = _tiny_model()
+    history = make_text(model.tokenizer.hf, 150)
+    assert abs(n_tokens(model.tokenizer.hf, history) - 150) <= 8
+    turns = session_token_counts(model, history, user_turns(4), new=6)
+    assert len(turns) == 4
+    for i, t in enumerate(turns):
+        assert t["appended"] > 0 and t["new"] == 6, t
+        # the row's uncached last token + the appended text + the new tokens but the last one
+        assert t["computed"] == t["appended"] + t["new"], (i, t)
+        assert t["computed"] < t["history"], (i, t)
+        assert t["cached_after"] == t["total_after"] - 1, (i, t)  # everything but the last token stays cached
+    histories = [t["history"] for t in turns]
+    assert histories == sorted(histories) and histories[-1] > histories[0]  # the history grows, the work does not
+
+
+def test_result_table_formats():
+    rows = [Row(id="B1", title="greedy", baseline="HF", figure=0.97, op="<=", threshold=1.0, unit="x time",
+                base_s=1.0, cont_s=0.97, base_computed=95, cont_computed=95),
+            Row(id="B3a", title="ttft", baseline="HF", figure=8.0, op=">=", threshold=10.0, unit="x faster")]
+    assert rows[0].passed and not rows[1].passed
+    text = format_table(rows)
+    assert "PASS" in text and "FAIL" in text and "0.970 x time" in text
+    assert format_markdown(rows).count("\n") == 3
