@@ -81,6 +81,11 @@ class _Rows:
         self.guide_states = [guide.initial_state] * R if guide is not None else None
         texts = state.texts
         self.start_chars = [len(t) for t in texts]
+        last = state._last
+        if guide is not None and last is not None and last.regex == guide.regex and last.guide_states is not None:
+            for r, (done, gs) in enumerate(zip(last.complete, last.guide_states)):
+                if not done and gs is not None:  # resume the unfinished constrained step
+                    self.guide_states[r], self.start_chars[r] = gs, last.starts[r]
         real = state._real_rows() if track_text else None
         self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
 
@@ -238,7 +243,11 @@ def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, ki
     ends = [s + c if c is not None else len(t) for s, c, t in zip(starts, cuts, texts)]
     complete = tuple(rows.complete[r] or (guide is not None and guide.is_final(rows.guide_states[r]))
                      if rows.guide_states is not None else True for r in order)
-    last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse, max_tokens=max_tokens)
+    resumable = None
+    if guide is not None and not any(c is not None for c in cuts):
+        resumable = tuple(rows.guide_states[r] for r in order)
+    last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse,
+                    max_tokens=max_tokens, regex=guide.regex if guide is not None else None, guide_states=resumable)
     if any(c is not None for c in cuts):
         out = out._truncate(ends)
     return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,

@@ -46,10 +46,19 @@ class LastStep:
     complete: tuple[bool, ...]  # False: cut by max_tokens/context before the pattern matched
     parse: Callable[[str], Any] | None = None
     max_tokens: int | None = None
+    # Where an unfinished constrained step stopped, so the same generator can resume it. Only
+    # valid while the row's text ends where the step ended: any edit of the text drops them.
+    regex: str | None = None
+    guide_states: tuple[int | None, ...] | None = None
 
     def select(self, rows: Sequence[int]) -> "LastStep":
+        gs = tuple(self.guide_states[r] for r in rows) if self.guide_states is not None else None
         return replace(self, starts=tuple(self.starts[r] for r in rows), ends=tuple(self.ends[r] for r in rows),
-                       complete=tuple(self.complete[r] for r in rows))
+                       complete=tuple(self.complete[r] for r in rows), guide_states=gs)
+
+    def edited(self, **changes) -> "LastStep":
+        """The same step after the text was edited: resumable guide states are dropped."""
+        return replace(self, guide_states=None, **changes)
 
 
 def _as_list(value: Any) -> list:
@@ -250,7 +259,8 @@ class SequenceState:
             hint = f"max_tokens={self._last.max_tokens}" if self._last.max_tokens is not None else "the context length"
             raise IncompleteGenerationError(
                 f"the {self._last.kind} output of {where} is incomplete: generation stopped at {hint} before the "
-                f"pattern was matched. Raise max_tokens and generate again (state.last_text holds the partial output).",
+                f"pattern was matched. Raise max_tokens, or continue this state with the same generator (it resumes the "
+                f"pattern where it stopped).",
                 rows=bad, max_tokens=self._last.max_tokens)
         return self._shape_output(out)
 
@@ -364,7 +374,7 @@ class SequenceState:
             ends_ = tuple(min(e, ends[r]) for r, e in enumerate(self._last.ends))
             starts = tuple(min(s, ends[r]) for r, s in enumerate(self._last.starts))
             complete = tuple(c and e <= ends[r] for r, (c, e) in enumerate(zip(self._last.complete, self._last.ends)))
-            last = replace(self._last, starts=starts, ends=ends_, complete=complete)
+            last = self._last.edited(starts=starts, ends=ends_, complete=complete)
         return self._rebuild(keep, tails, torch.tensor(weights, dtype=self._weights.dtype), last)
 
     def _resegment(self, bounds: Sequence[tuple[int, int]]) -> "SequenceState":
@@ -382,7 +392,7 @@ class SequenceState:
         last = None
         if self._last is not None:
             clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
-            last = replace(self._last, starts=tuple(clip(x, r) for r, x in enumerate(self._last.starts)),
+            last = self._last.edited(starts=tuple(clip(x, r) for r, x in enumerate(self._last.starts)),
                            ends=tuple(clip(x, r) for r, x in enumerate(self._last.ends)),
                            complete=tuple(c and self._last.ends[r] <= bounds[r][1] for r, c in enumerate(self._last.complete)))
         return SequenceState._from_rows(self._model, rows, [[_NAN] * len(x) for x in rows],
@@ -416,7 +426,7 @@ class SequenceState:
             ids, lps = real[r]
             extra = tok.encode_continuation(appended[r])
             tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
-        return self._rebuild(cached, tails, weights, self._last)
+        return self._rebuild(cached, tails, weights, self._last.edited() if self._last else None)
 
     def __radd__(self, other) -> "SequenceState":
         if not isinstance(other, (str, list, tuple)):
@@ -426,7 +436,7 @@ class SequenceState:
         rows = self._model.tokenizer.encode_prompts([p + t for p, t in zip(prefixes, texts)])
         last = None
         if self._last is not None:
-            last = replace(self._last, starts=tuple(s + len(prefixes[r]) for r, s in enumerate(self._last.starts)),
+            last = self._last.edited(starts=tuple(s + len(prefixes[r]) for r, s in enumerate(self._last.starts)),
                            ends=tuple(e + len(prefixes[r]) for r, e in enumerate(self._last.ends)))
         return SequenceState._from_rows(self._model, rows, [[_NAN] * len(x) for x in rows], self._weights,
                                         self.batch, self.samples, last)
@@ -461,7 +471,7 @@ class SequenceState:
         last = None
         if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
             l0 = states[0]._last
-            last = replace(l0, starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
+            last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
                            complete=sum((s._last.complete for s in states), ()))
         return SequenceState._from_rows(first._model, [r for r, _ in rows], [l for _, l in rows], weights,
                                         sum(s.batch for s in states), first.samples, last)
@@ -477,7 +487,8 @@ class SequenceState:
         last = None
         if self._last is not None:
             last = {"kind": self._last.kind, "starts": self._last.starts, "ends": self._last.ends,
-                    "complete": self._last.complete, "max_tokens": self._last.max_tokens}
+                    "complete": self._last.complete, "max_tokens": self._last.max_tokens,
+                    "regex": self._last.regex, "guide_states": self._last.guide_states}
         meta = {"format": _FORMAT_VERSION, "batch": self.batch, "samples": self.samples,
                 "tokenizer": self._model.tokenizer.fingerprint, "tokenizer_name": self._model.tokenizer.name,
                 "layers": len(self._kv or ()), "last": last}
@@ -508,7 +519,8 @@ class SequenceState:
                 kind = last["kind"]
                 last = LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
                                 complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
-                                max_tokens=last["max_tokens"])
+                                max_tokens=last["max_tokens"], regex=last.get("regex"),
+                                guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None)
             return cls(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
                        weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
         except (KeyError, ValueError, TypeError) as exc:

@@ -155,9 +155,22 @@ def test_incomplete_constrained_output_raises_clear_error(model):
     assert len(state.last_text) > 0
     with pytest.raises(IncompleteGenerationError):
         state.value
-    # and the same generator can finish it
+    # a text generator can continue it
     more = continuous(generate.text(model, samplers.greedy()))(state, max_tokens=2)
     assert list(more)[0].startswith(list(state)[0])
+
+
+def test_same_generator_resumes_an_unfinished_pattern(model):
+    gen = continuous(generate.regex(model, r"[0-9]{5}", samplers.greedy()))
+    part = gen(["Code: ", "N"], max_tokens=2)
+    with pytest.raises(IncompleteGenerationError):
+        part.value
+    done = gen(part, max_tokens=10)
+    for prompt, value, text in zip(["Code: ", "N"], done.value, done):
+        assert re.fullmatch(r"[0-9]{5}", value) and text == prompt + value
+    # an edited state starts a fresh pattern instead
+    fresh = gen(part + " ", max_tokens=10)
+    assert all(re.fullmatch(r"[0-9]{5}", v) for v in fresh.value)
 
 
 def test_bad_generator_arguments(model):
