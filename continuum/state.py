@@ -454,7 +454,11 @@ class SequenceState:
     # ------------------------------------------------------------------ stacking
     @staticmethod
     def stack(states: Sequence["SequenceState"]) -> "SequenceState":
-        """Stack states along the batch axis (same model and samples). The caches are not kept."""
+        """Stack states along the batch axis (same tokenizer and samples), keeping their caches.
+
+        Each state's cached columns are left-padded to the widest cache and its uncached suffix to
+        the widest suffix, so every row keeps its cache and positions.
+        """
         states = list(states)
         if not states:
             raise BatchMismatch("cannot stack an empty list of states")
@@ -466,15 +470,39 @@ class SequenceState:
                 raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}")
             if s._model.tokenizer.fingerprint != first._model.tokenizer.fingerprint:
                 raise ValueError("cannot stack states of different tokenizers")
-        rows = [r for s in states for r in s._real_rows()]
+        widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
+        C, S = max(c for c, _ in widths), max(w for _, w in widths)
+        pad_id = first._model.tokenizer.pad_token_id
+
+        def padded(t: torch.Tensor, c: int, w: int, fill) -> torch.Tensor:
+            rows = t.shape[0]
+            gap1, gap2 = t.new_full((rows, C - c), fill), t.new_full((rows, S - w), fill)
+            return torch.cat([gap1, t[:, :c], gap2, t[:, c:]], 1)
+
+        ids = torch.cat([padded(s._ids, c, w, pad_id) for s, (c, w) in zip(states, widths)])
+        mask = torch.cat([padded(s._mask, c, w, 0) for s, (c, w) in zip(states, widths)])
+        lp = torch.cat([padded(s._logprobs, c, w, _NAN) for s, (c, w) in zip(states, widths)])
+        kv = None
+        if C:
+            ref = next(s._kv for s in states if s._kv is not None)
+            layers = []
+            for i, (k0, _) in enumerate(ref):
+                ks, vs = [], []
+                for s, (c, _) in zip(states, widths):
+                    shape = (s.rows, k0.shape[1], C - c, k0.shape[3])
+                    gap = k0.new_zeros(shape)
+                    ks.append(torch.cat([gap, s._kv[i][0]], 2) if c else gap)
+                    vs.append(torch.cat([gap, s._kv[i][1]], 2) if c else gap)
+                layers.append((torch.cat(ks), torch.cat(vs)))
+            kv = tuple(layers)
         weights = torch.cat([s._weights for s in states])
         last = None
         if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
             l0 = states[0]._last
             last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
-                           complete=sum((s._last.complete for s in states), ()))
-        return SequenceState._from_rows(first._model, [r for r, _ in rows], [l for _, l in rows], weights,
-                                        sum(s.batch for s in states), first.samples, last)
+                             complete=sum((s._last.complete for s in states), ()))
+        return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
+                             batch=sum(s.batch for s in states), samples=first.samples, last=last)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path) -> None:

@@ -235,6 +235,10 @@ def test_sample_mismatch_on_continue(model):
 def test_continue_list_of_states_stacks(model):
     g = greedy_c(model)
     a, b = g("Once", max_tokens=2), g("The dog", max_tokens=2)
+    stacked = SequenceState.stack([a, b + " and", "x" + a])
+    assert list(stacked) == [list(a)[0], list(b)[0] + " and", "x" + list(a)[0]]
+    assert stacked.cached_tokens.flatten().tolist() == [int(a.cached_tokens), int(b.cached_tokens), 0]
+    assert_reuse_exact(stacked)
     both = g([a, b], max_tokens=3)
     assert both.shape == (2, 1)
     assert list(both) == [list(g(a, max_tokens=3))[0], list(g(b, max_tokens=3))[0]]
