@@ -27,7 +27,7 @@ from .samplers import Sampler
 from .state import LastStep, SequenceState
 from .text import Detokenizer
 
-__all__ = ["decode", "Step", "check_max_tokens", "positions"]
+__all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
@@ -101,6 +101,17 @@ class _Rows:
                 setattr(self, name, [values[i] for i in idx])
         if self.detoks is not None:
             self.detoks = [self.detoks[i].copy() for i in idx]
+
+
+def prefill(state: SequenceState) -> SequenceState:
+    """Cache everything but each row's last token (one forward pass over the uncached suffix)."""
+    C, W = kvcache.length(state._kv), state._ids.shape[1]
+    if W - 1 <= C:
+        return state
+    mask = state._mask[:, :W - 1]
+    _, kv = state._model.forward(state._ids[:, C:W - 1], mask, positions(mask)[:, C:], state._kv, logits="none")
+    return SequenceState(model=state._model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
+                         weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 
 
 def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: Optional[int]) -> int:

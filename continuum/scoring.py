@@ -17,7 +17,7 @@ from typing import Generator, Optional, Sequence
 
 import torch
 
-from .decoding import Step, check_continuable, positions
+from .decoding import Step, check_continuable, positions, prefill
 from .samplers import Sampler
 from .state import LastStep, SequenceState
 
@@ -28,6 +28,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
            rng: Optional[torch.Generator] = None) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_continuable(state, sampler, None)
+    state = prefill(state)  # the shared suffix once; each (row, option) pair then runs 1 + option tokens
     model, tok = state._model, state._model.tokenizer
     K, R = len(options), state.rows
     option_ids = [tok.encode_continuation(o) for o in options]
