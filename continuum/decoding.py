@@ -73,8 +73,8 @@ class _Rows:
         self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
         self.width = L
         self.kv = state._kv
-        self.weights = state._weights.to(torch.float32).clone()
-        self.scores = self.weights.clone()
+        self.weights = state._weights.detach().to("cpu", torch.float32).clone()  # per-row sums live on the CPU
+        self.scores = self.weights.to(dev)  # what beam search ranks by, next to the logits
         self.finished = [False] * R
         self.complete = [guide is None] * R
         self.stop_cut: list[Optional[int]] = [None] * R
@@ -94,7 +94,7 @@ class _Rows:
         a = ancestors.to(self.ids.device)
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
         self.kv = kvcache.select_rows(self.kv, ancestors)
-        self.weights = self.weights.index_select(0, a)
+        self.weights = self.weights.index_select(0, ancestors.cpu())
         for name in ("finished", "complete", "stop_cut", "guide_states", "start_chars"):
             values = getattr(self, name)
             if values is not None:
