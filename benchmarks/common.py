@@ -95,6 +95,7 @@ class Bench:
     random_weights: bool
     counter: "ForwardCounter"
     notes: list = field(default_factory=list)
+    force_length: bool = False  # a real model: suppress EOS on both sides so they generate the same counts
 
     @property
     def context(self) -> int:
@@ -150,8 +151,12 @@ def load_bench(model_path: Optional[str] = None, seed: int = 0) -> Bench:
         name, random_weights = f"GPT-2-small-shaped random fp32 ({shape}; {tok_name})", True
     hf.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = models.Transformers(hf, tok)
+    if not random_weights:
+        # same number of tokens on both sides: HF gets min_new_tokens, continuum stops treating EOS as the end
+        model.tokenizer.eos_token_ids = frozenset()
+        notes.append("real model: EOS never ends a generation (HF: min_new_tokens; continuum: empty eos_token_ids)")
     return Bench(hf=hf, tok=tok, model=model, name=name, random_weights=random_weights,
-                 counter=ForwardCounter(hf), notes=notes)
+                 counter=ForwardCounter(hf), notes=notes, force_length=not random_weights)
 
 
 def make_text(tok, n_tokens: int, offset: int = 0) -> str:
@@ -206,6 +211,7 @@ class Call:
     """One measured call."""
 
     seconds: float
+    cpu_seconds: float  # process CPU time (all threads): less sensitive than wall time to other processes
     generated: int  # new tokens per row, as returned by the measured function
     computed: int  # positions passed to the model's forward
     forward_calls: int
@@ -219,13 +225,15 @@ def measure(bench: Bench, fn: Callable[[], object]) -> Call:
     gc.collect()
     reset_peak_rss()
     t0, c0, f0 = bench.counter.snapshot()
+    cpu0 = time.process_time()
     start = time.perf_counter()
     out = fn()
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
     t1, c1, f1 = bench.counter.snapshot()
     extra = dict(out) if isinstance(out, dict) else {"generated": out}
     generated = int(extra.pop("generated", 0) or 0)
-    return Call(seconds, generated, t1 - t0, c1 - c0, f1 - f0, peak_rss_mb(), extra)
+    return Call(seconds, cpu, generated, t1 - t0, c1 - c0, f1 - f0, peak_rss_mb(), extra)
 
 
 def paired(bench: Bench, baseline: Callable, candidate: Callable, reps: int, warmup: int = 1,
@@ -299,6 +307,9 @@ def row_from_calls(id: str, title: str, baseline: str, base: list[Call], cont: l
     """A row whose figure is the median paired time ratio (continuum/baseline), or its inverse when ``speedup``."""
     ratios = [c.seconds / b.seconds for b, c in zip(base, cont)]
     fig = median([1.0 / r for r in ratios]) if speedup else median(ratios)
+    cpu = median([b.cpu_seconds / c.cpu_seconds if speedup else c.cpu_seconds / b.cpu_seconds for b, c in zip(base, cont)])
+    notes = list(notes or []) + [f"per-rep wall ratios {' '.join(f'{r:.3f}' for r in ratios)} (continuum/baseline); "
+                                 f"CPU-time figure {cpu:.3f}"]
     b_s, c_s = median([b.seconds for b in base]), median([c.seconds for c in cont])
     b_gen, c_gen = median([b.generated for b in base]), median([c.generated for c in cont])
     return Row(id=id, title=title, baseline=baseline, figure=fig, op=op, threshold=threshold,
@@ -308,7 +319,7 @@ def row_from_calls(id: str, title: str, baseline: str, base: list[Call], cont: l
                cont_rss_mb=max(c.peak_rss_mb for c in cont) if cont else None,
                base_computed=int(median([b.computed for b in base])) if base else None,
                cont_computed=int(median([c.computed for c in cont])) if cont else None,
-               reps=len(cont), notes=list(notes or []))
+               reps=len(cont), notes=notes)
 
 
 def _fmt(x, spec: str, none: str = "-") -> str:

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     common.configure_threads(args.threads)
     cfg = Config.quick_mode() if args.quick else Config()
     if args.reps is not None:
-        cfg.reps = cfg.heavy_reps = cfg.b6_reps = max(1, args.reps)
+        cfg.reps = cfg.b1_reps = cfg.heavy_reps = cfg.b6_reps = max(1, args.reps)
     wanted = [s.strip().upper() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
     wanted = list(dict.fromkeys(ALIASES.get(s, s) for s in wanted))
     unknown = [s for s in wanted if s not in SCENARIOS]
