@@ -439,17 +439,22 @@ def b8(bench: Bench, cfg: Config) -> List[Row]:
     k = cfg.b8_beams
     gen = continuous(generate.text(bench.model, samplers.beam_search(k)))
 
+    outputs = {}
+
     def base():
         out = hf_generate(bench, prompt, cfg.b8_new, do_sample=False, num_beams=k)
+        outputs["hf"] = out[0].tolist()
         return out.shape[1]
 
     def cont():
         s = gen(prompt, max_tokens=cfg.b8_new)
+        outputs["cont"] = s.token_ids[0, plen:].tolist()
         return new_tokens(s, plen)
 
     log(f"B8: {k}-beam search, {plen}-token prompt, {cfg.b8_new} new tokens")
     b, c = paired(bench, base, cont, cfg.reps, log=log)
-    notes = []
+    notes = ["continuum's best beam and HF's output are identical" if outputs.get("hf") == outputs.get("cont")
+             else "WARNING: continuum's best beam differs from HF's output"]
     _check_counts(notes, "B8", b, c)
     return [row_from_calls("B8", f"{k}-beam search, {cfg.b8_new} new tokens", f"HF generate(num_beams={k})", b, c,
                            op="<=", threshold=1.00, speedup=False, notes=notes)]
