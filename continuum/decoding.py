@@ -158,8 +158,12 @@ def decode(
     eos, pad = tok.eos_token_ids, tok.pad_token_id
 
     def forward(start: int, end: int, logits: str = "last"):
-        return model.forward(rows.ids[:, start:end], rows.mask[:, :end], positions(rows.mask[:, :end])[:, start:],
-                             rows.kv, logits=logits)
+        mask = rows.mask[:, :end]
+        if end - start == 1:  # one column: its position is the count of real tokens before it
+            pos = mask[:, :start].sum(1, keepdim=True)
+        else:
+            pos = positions(mask)[:, start:]
+        return model.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits)
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         if W - 1 > C:
@@ -186,8 +190,7 @@ def decode(
             logprobs = logprobs.masked_fill(done[:, None], float("-inf"))
             logprobs[done, pad] = 0.0
         ids, ancestors, rows.scores = sampler(logprobs, rows.scores, group, rng)
-        reordered = ancestors.shape[0] != logprobs.shape[0] or not torch.equal(
-            ancestors, torch.arange(ancestors.shape[0], device=ancestors.device))
+        reordered = sampler.reorders(group)
         if reordered:
             rows.reorder(ancestors)
             group = n
@@ -206,7 +209,6 @@ def decode(
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
                 continue
             keep[r] = True
-            rows.weights[r] += l
             if rows.guide_states is not None:
                 rows.guide_states[r] = guide.advance(rows.guide_states[r], t)
                 rows.complete[r] = guide.is_final(rows.guide_states[r])
@@ -219,10 +221,15 @@ def decode(
                         rows.stop_cut[r] = at + len(s)
                 if rows.stop_cut[r] is not None:
                     rows.finished[r] = True
-        keep_t = torch.tensor(keep, device=rows.ids.device)
-        rows.ids[:, col] = torch.where(keep_t, ids.to(rows.ids.device), pad)
-        rows.mask[:, col] = keep_t.to(rows.mask.dtype)
-        rows.lp[:, col] = torch.where(keep_t, step_lp.to(torch.float32), float("nan"))
+        if all(keep):
+            rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
+            rows.weights += torch.tensor(lp_list)
+        else:
+            keep_t = torch.tensor(keep, device=rows.ids.device)
+            rows.ids[:, col] = torch.where(keep_t, ids.to(rows.ids.device), pad)
+            rows.mask[:, col] = keep_t.to(rows.mask.dtype)
+            rows.lp[:, col] = torch.where(keep_t, step_lp.to(torch.float32), float("nan"))
+            rows.weights += torch.tensor([l if k else 0.0 for l, k in zip(lp_list, keep)])
         rows.width = col + 1
         yield Step([d.stable_text() for d in rows.detoks] if rows.detoks is not None else None, reordered)
         if all(rows.finished) or step == steps - 1:

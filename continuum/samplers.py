@@ -43,6 +43,10 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def reorders(self, group: int) -> bool:
+        """Whether a step from ``group`` rows per batch item may return ancestors other than ``arange``."""
+        return self.is_beam_search or group != self.samples
+
 
 def _fork_ancestors(rows: int, group: int, samples: int, device) -> torch.Tensor:
     if group == samples:

@@ -1,6 +1,6 @@
 """Model and tokenizer adapters."""
 
 from .tokenizer import Tokenizer
-from .transformers import Transformers, transformers
+from .hf import Transformers, transformers
 
 __all__ = ["Transformers", "transformers", "Tokenizer"]
