@@ -1,0 +1,913 @@
+"""Property tests of the ``SequenceState`` algebra and the non-negotiable invariants (issue 3).
+
+For both tiny GPT-2 (absolute positions, byte-level BPE) and tiny Llama (RoPE, SentencePiece with
+byte fallback), random programs of generate / slice / add text / add states / prepend / select rows /
+fork / continue check after every step that
+
+1. reuse never changes results: the next-token logits computed through the state's KV cache equal a
+   fresh, cache-less forward pass over ``state.token_ids`` (1e-4, fp32);
+2. immutability: no operation changes the tensors (ids, mask, log-probs, weights, every KV tensor)
+   of any state built before it, and continuing the same state twice gives the same result;
+3. only the uncached suffix is computed: the suffix is exactly as wide as the longest per-row
+   uncached run, generated states cache all but their last token, and a continuation computes
+   ``rows x suffix`` positions for the prefill plus one column per further step;
+4. ``weights`` equal the sum of the raw log-probs of the generated tokens, recomputed by a fresh
+   forward pass (1e-3), for states built by generating, forking, continuing, slicing and ``+ text``;
+   after ``state + state`` / ``"text" + state`` the operands' weights are carried on top.
+
+Text is drawn from fragments and small alphabets with accents, CJK and emoji, so multi-byte
+characters are split across byte-level BPE / byte-fallback tokens (and random models emit
+incomplete UTF-8, decoded as U+FFFD).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import count_forward_tokens
+from hypothesis import HealthCheck, Phase, assume, event, given, note, settings
+from hypothesis import strategies as st
+
+from continuum import SequenceState, SlicingError, continuous, generate, samplers
+from continuum import cache as kvcache
+from continuum.errors import ContextLengthError, GeneratorArgumentError
+from continuum.text import longest_token_prefix
+
+SETTINGS = dict(deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+
+FRAGMENTS = [
+    "Once upon a time", " there was", " the", "café", " naïve", "crème brûlée", "東京", "こんにちは世界", "🤗", "👍🏽",
+    "🦙", "😀", "👩\u200d💻", "e\u0301", "Ñandú", " Straße", "Ελληνικά", "Русский", "  ", "\n", "\t", '{"a": 1}',
+    "42", ".", "¿Qué?", "“hi”", "a",
+]
+ALPHABET = "ab é東京🤗😀\n.ßЖ"
+fragment = st.one_of(st.sampled_from(FRAGMENTS), st.text(alphabet=ALPHABET, min_size=1, max_size=3))
+texts = st.lists(fragment, min_size=1, max_size=3).map("".join)
+
+
+# ---------------------------------------------------------------------------------- helpers
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny models gain nothing from intra-op threads, and OpenMP spin-waits badly on a loaded
+    2-core machine (a 32x96 matmul took 8 ms with 2 threads vs 10 us with 1): use one thread here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def greedy_c(model):
+    return continuous(generate.text(model, samplers.greedy()))
+
+
+def fresh_logits(state: SequenceState) -> torch.Tensor:
+    """Logits of every position of a cache-less HF forward over the public (left-padded) view."""
+    ids, mask = state.token_ids, state.attention_masks
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = state.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    return out.logits.float()
+
+
+def cached_next_logits(state: SequenceState) -> torch.Tensor:
+    """Next-token logits through the state's cache, exactly as ``decoding.decode`` prefills them."""
+    ids, mask, kv = state._ids, state._mask, state._kv
+    C = kvcache.length(kv)
+    assert ids.shape[1] > C, "the last column must never be cached"
+    pos = (mask.cumsum(1) - 1).clamp(min=0)[:, C:]
+    logits, _ = state.model.forward(ids[:, C:], mask, pos, kv)
+    return logits
+
+
+def row_lengths(state: SequenceState) -> list[int]:
+    return state._mask.sum(1).tolist()
+
+
+def uncached(state: SequenceState) -> list[int]:
+    return [n - c for n, c in zip(row_lengths(state), state.cached_tokens.flatten().tolist())]
+
+
+def check_reuse(state: SequenceState, fresh: torch.Tensor) -> None:
+    """Invariant 1: cached next-token logits == fresh last-column logits, per row."""
+    got = cached_next_logits(state)
+    want = fresh[:, -1, :]
+    for r in range(state.rows):
+        diff = (got[r] - want[r]).abs().max().item()
+        assert diff < 1e-4, f"row {r}: cached next-token logits differ from a fresh forward by {diff}\n{state!r}"
+
+
+def check_suffix(state: SequenceState, strict: bool = True) -> None:
+    """Invariant 3 (layout): the uncached suffix is exactly as wide as the longest per-row uncached run."""
+    C = kvcache.length(state._kv)
+    width = state._ids.shape[1] - C
+    if strict:
+        assert width == max(uncached(state)), (width, uncached(state), state.cached_tokens)
+    else:  # see test_selecting_rows_drops_padding_columns (xfail): row selection keeps all-padding columns
+        assert width >= max(uncached(state))
+    assert min(uncached(state)) >= 1, f"a row has no uncached token: {uncached(state)}"
+
+
+def recomputed_logprobs(state: SequenceState, fresh: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of fresh raw log-probs of the tokens whose ``token_logprobs`` is not NaN
+    (also checks each stored log-prob against its recomputation)."""
+    lsm = torch.log_softmax(fresh, dim=-1)
+    ids, mask, tl = state.token_ids, state.attention_masks, state.token_logprobs
+    sums = []
+    for r in range(state.rows):
+        total = 0.0
+        for j in range(ids.shape[1]):
+            if math.isnan(tl[r, j].item()):
+                continue
+            assert j > 0 and mask[r, j - 1] == 1 and mask[r, j] == 1, f"row {r}: log-prob on a token with no context"
+            x = lsm[r, j - 1, ids[r, j]].item()
+            assert abs(x - tl[r, j].item()) < 1e-3, f"row {r} col {j}: stored log-prob {tl[r, j].item()} != fresh {x}"
+            total += x
+        sums.append(total)
+    return torch.tensor(sums, dtype=torch.float64)
+
+
+def check_weights(state: SequenceState, fresh: torch.Tensor, offset: torch.Tensor | None) -> None:
+    """Invariant 4: weights == recomputed log-probs of the generated tokens (+ carried offset)."""
+    rec = recomputed_logprobs(state, fresh)
+    if offset is None:
+        return
+    w = state.weights.flatten().double()
+    want = rec + offset
+    known = ~torch.isnan(offset)  # NaN: that row's carried weight is unspecified (see uncut_rows_after)
+    assert torch.allclose(w[known], want[known], atol=1e-3), f"weights {w.tolist()} != recomputed {want.tolist()}"
+
+
+def snapshot(state: SequenceState) -> dict:
+    return {
+        "ids": state._ids.clone(), "mask": state._mask.clone(), "lp": state._logprobs.clone(),
+        "w": state._weights.clone(), "kv": [(k.clone(), v.clone()) for k, v in (state._kv or ())], "texts": list(state),
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def check_unchanged(state: SequenceState, snap: dict) -> None:
+    """Invariant 2: nothing changed a state after it was built."""
+    assert _same(state._ids, snap["ids"]) and _same(state._mask, snap["mask"])
+    assert _same(state._logprobs, snap["lp"]) and _same(state._weights, snap["w"])
+    kv = state._kv or ()
+    assert len(kv) == len(snap["kv"])
+    for (k, v), (k0, v0) in zip(kv, snap["kv"]):
+        assert _same(k, k0) and _same(v, v0), "a KV tensor of an earlier state was modified"
+    assert list(state) == snap["texts"]
+
+
+def chars_key(state: SequenceState, sl, full_form: bool = False):
+    """The index ``state[..., sl]`` with the arity the state's shape allows."""
+    if full_form:
+        return (slice(None), slice(None), sl)
+    if state.batch == 1 and state.samples == 1:
+        return sl
+    if state.batch == 1 or state.samples == 1:
+        return (slice(None), sl)
+    return (slice(None), slice(None), sl)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-unicode -> byte map (byte-level BPE token strings)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def raw_token_bytes(model, ids: list[int]) -> list[bytes]:
+    """The bytes each token stands for (special tokens: none), computed independently of continuum."""
+    tok = model.tokenizer
+    out = []
+    for i, t in zip(ids, tok.hf.convert_ids_to_tokens(ids)):
+        if i in tok.special_ids:
+            out.append(b"")
+        elif not is_spm(model):
+            out.append(bytes(_BYTE_DECODER[c] for c in t))
+        elif t.startswith("<0x") and t.endswith(">") and len(t) == 6:
+            out.append(bytes([int(t[3:5], 16)]))
+        else:
+            out.append(t.replace("\u2581", " ").encode())
+    return out
+
+
+def token_char_spans(model, ids: list[int], text: str) -> list[tuple[int, int] | None] | None:
+    """Character span ``[first char, last char + 1)`` of each token's bytes in ``text``; ``None`` for a token
+    with no bytes. ``None`` overall when the row is not valid UTF-8 (its U+FFFD characters have no
+    well-defined owner) or does not decode to ``text``."""
+    parts = raw_token_bytes(model, ids)
+    data = b"".join(parts)
+    try:
+        full = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if full == text:
+        shift = 0
+    elif full.startswith(" ") and full[1:] == text:  # SentencePiece decoding drops the first leading space
+        shift = 1
+    else:
+        return None
+    lead = [0]
+    for byte in data:
+        lead.append(lead[-1] + (not 0x80 <= byte < 0xC0))  # characters started before each byte offset
+    spans, pos = [], 0
+    for p in parts:
+        a, b = pos, pos + len(p)
+        pos = b
+        spans.append(None if a == b else (max(lead[a + 1] - 1 - shift, 0), max(lead[b] - shift, 0)))
+    return spans
+
+
+def expected_slice_weights(model, state: SequenceState, sl: slice) -> list[float | None]:
+    """Per row, the sum of the log-probs of the generated tokens whose characters lie wholly inside the slice
+    (``None`` when that is ill-defined: invalid UTF-8 in the row, or a generated token with no bytes)."""
+    out = []
+    for (ids, lps), text in zip(state._real_rows(), state.texts):
+        s, e = sl.indices(len(text))[:2]
+        e = max(e, s)
+        spans = token_char_spans(model, ids, text)
+        if spans is None or any(sp is None and lp == lp for sp, lp in zip(spans, lps)):
+            out.append(None)
+            continue
+        out.append(math.fsum(lp for lp, sp in zip(lps, spans) if lp == lp and s <= sp[0] and sp[1] <= e))
+    return out
+
+
+def splits_characters(spans) -> bool:
+    """Whether two tokens share a character (a multi-byte character split across tokens)."""
+    real = [sp for sp in spans if sp is not None and sp[1] > sp[0]]
+    return any(b[0] < a[1] for a, b in zip(real, real[1:]))
+
+
+def check_truncation_weight(model, ids: list[int], lps: list[float], text: str, sl: slice, got: float) -> None:
+    """``state[..., :n]`` keeps the longest token prefix lying in the kept text; its weight is the sum of the
+    log-probs of the generated tokens of that prefix, which are those whose characters are wholly kept
+    except for the known straddle bug (test_truncation_keeps_tokens_of_kept_characters, xfail)."""
+    tok = model.tokenizer
+    target = text[sl]
+    K = max(k for k in range(len(ids) + 1) if target.startswith(tok.decode(ids[:k])))
+    if longest_token_prefix(tok, ids, target)[0] != K:
+        event("known bug: longest_token_prefix")  # test_truncate_keeps_longest_token_prefix (xfail)
+        return
+    kept = math.fsum(x for x in lps[:K] if x == x)
+    assert abs(got - kept) < 1e-4, f"{text!r}[{sl}]: weights {got} != log-probs of the kept token prefix {kept}"
+    spans = token_char_spans(model, ids, text)
+    if spans is None or any(sp is None and lp == lp for sp, lp in zip(spans, lps)):
+        return
+    e = max(sl.indices(len(text))[1], 0)
+    whole = math.fsum(lp for lp, sp in zip(lps, spans) if lp == lp and sp[1] <= e)
+    if abs(whole - kept) > 1e-4:
+        # only the run of tokens just before a token straddling the cut may be missing
+        whole_after = [j for j, sp in enumerate(spans) if j >= K and sp is not None and sp[1] <= e]
+        run = list(range(K, K + len(whole_after)))
+        nxt = K + len(whole_after)
+        assert whole_after == run and nxt < len(spans) and spans[nxt][0] < e < spans[nxt][1], (text, sl, K, spans)
+        event("known bug: straddling token dropped")
+
+
+def uncut_rows_after(offset: torch.Tensor | None, cut: list[bool]) -> torch.Tensor | None:
+    """The carried weights after ``state[..., :n]``: cut rows keep only the log-probs of their kept tokens (0);
+    when no row is cut the state is unchanged. An uncut row of a state where another row is cut currently
+    loses its carried weight too (test_uncut_row_weights_do_not_depend_on_other_rows, xfail): unspecified."""
+    if offset is None or not any(cut):
+        return offset
+    return torch.tensor([0.0 if c or o == 0 else math.nan for c, o in zip(cut, offset.tolist())], dtype=torch.float64)
+
+
+def is_byte_token(model, token_id: int) -> bool:
+    t = model.tokenizer.hf.convert_ids_to_tokens([token_id])[0]
+    return is_spm(model) and t.startswith("<0x") and t.endswith(">")
+
+
+def added_text_ok(model, ids: list[int], text: str, added: str, got: str) -> bool:
+    """``state + added`` has the text ``text + added``; tolerates the SentencePiece byte-fallback limitation
+    (see test_add_text_after_dangling_byte, xfail): a row ending with an incomplete byte-fallback character
+    followed by byte-fallback tokens decodes as one invalid byte group, every byte rendered as U+FFFD."""
+    if got == text + added:
+        return True
+    if is_spm(model) and text == "" and added.startswith(" ") and got == added[1:]:
+        event("known bug: leading space at the start of a SentencePiece row")
+        return True  # test_add_text_to_empty_row_keeps_leading_space (xfail)
+    extra = model.tokenizer.encode_continuation(added)
+    visible = [i for i in ids if i not in model.tokenizer.special_ids]  # decoding skips special tokens
+    merged = bool(visible) and bool(extra) and is_byte_token(model, visible[-1]) and is_byte_token(model, extra[0])
+    if merged:
+        event("known limitation: byte-fallback group across the boundary")
+    return merged and got == model.tokenizer.decode(ids + extra)
+
+
+def is_spm(model) -> bool:
+    return not model.tokenizer.is_byte_level
+
+
+def slice_text_ok(model, want: str, got: str, sl: slice) -> bool:
+    """``state[..., sl]`` has the text ``t[sl]``; tolerates two known SentencePiece bugs: a slice with
+    start > 0 loses one leading space (test_slice_with_start_keeps_leading_space, xfail), and a truncation
+    that re-encodes a U+FFFD after a dangling byte token (test_truncation_after_invalid_bytes, xfail)."""
+    if got == want:
+        return True
+    if is_spm(model) and "\ufffd" in want and got.replace("\ufffd", "") == want.replace("\ufffd", ""):
+        event("known bug: truncation re-encodes U+FFFD into a byte-fallback group")  # xfail test below
+        return True
+    return is_spm(model) and sl.start not in (None, 0) and want.startswith(" ") and got == want[1:]
+
+
+# ---------------------------------------------------------------------------------- programs
+class Program:
+    """A random program of state operations, checking every invariant after each step."""
+
+    def __init__(self, model, data):
+        self.model, self.data = model, data
+        self.history: list[tuple[SequenceState, dict]] = []
+        self.selected: list[torch.Tensor] = []  # id tensors made by row selection (known padding bug)
+
+    def draw(self, strategy, label=None):
+        return self.data.draw(strategy, label=label)
+
+    def record(self, state: SequenceState, offset, what: str) -> SequenceState:
+        note(f"{what} -> {state!r}")
+        event(what.split("(")[0].split("[")[0])
+        fresh = fresh_logits(state)
+        check_reuse(state, fresh)
+        check_suffix(state, strict=not any(state._ids is t for t in self.selected))
+        check_weights(state, fresh, offset)
+        self.history.append((state, snapshot(state)))
+        for old, snap in self.history:
+            check_unchanged(old, snap)
+        return state
+
+    def sampler(self, state: SequenceState):
+        n = state.samples
+        if n == 1:
+            kind = self.draw(st.sampled_from(["greedy", "multinomial", "beam"]))
+        else:
+            kind = self.draw(st.sampled_from(["multinomial", "beam"]))
+        return {"greedy": samplers.greedy(), "multinomial": samplers.multinomial(n), "beam": samplers.beam_search(n)}[kind], kind
+
+    def generate(self, state, sampler, k, seed):
+        """Run a continuation, checking what the model computed (invariant 3)."""
+        C, W = kvcache.length(state._kv), state._ids.shape[1]
+        before = row_lengths(state)
+        counter, handle = count_forward_tokens(self.model)
+        try:
+            out = continuous(generate.text(self.model, sampler))(state, max_tokens=k, rng=torch.Generator().manual_seed(seed))
+        finally:
+            handle.remove()
+        R, n = state.rows, sampler.samples
+        rows_after = state.batch * n
+        if k == 0:
+            assert counter["tokens"] == R * max(W - 1 - C, 0), (counter, R, W, C)
+            assert counter["calls"] == (1 if W - 1 > C else 0)
+        else:
+            assert counter["tokens"] == R * (W - C) + (counter["calls"] - 1) * rows_after, (counter, R, W, C)
+            longest = max(row_lengths(out)) - max(before)
+            if longest == k:  # no early stop everywhere: every step ran
+                assert counter["calls"] == k, (counter, k)
+            assert counter["calls"] <= k
+        assert uncached(out) == [1] * out.rows, f"a generated state must cache all but its last token: {uncached(out)}"
+        assert out.shape == (state.batch, n)
+        return out
+
+    def run(self, steps: int):
+        model = self.model
+        batch = self.draw(st.integers(1, 3), "batch")
+        prompts = self.draw(st.lists(texts, min_size=batch, max_size=batch), "prompts")
+        state = SequenceState.from_prompts(model, prompts)
+        offset = torch.zeros(state.rows, dtype=torch.float64)
+        self.record(state, offset, f"from_prompts({prompts!r})")
+        for _ in range(steps):
+            prev_offset = offset
+            ops = ["gen", "gen", "slice", "add_text", "add_list", "add_state", "radd", "select"]
+            if state.samples == 1:
+                ops += ["fork", "fork"]
+            if state.batch <= 2:
+                ops += ["stack"]
+            op = self.draw(st.sampled_from(ops), "op")
+            if op == "gen":
+                sampler, kind = self.sampler(state)
+                k = self.draw(st.integers(0, 4), "k")
+                new = self.generate(state, sampler, k, self.draw(st.integers(0, 2**16)))
+                if sampler.is_beam_search and offset is not None:
+                    # beams are reordered (best first) within a batch item: offsets follow only if equal there
+                    groups = offset.reshape(state.batch, state.samples)
+                    offset = offset if bool((groups == groups[:, :1]).all()) else None
+                what = f"gen({kind}{state.samples}, max_tokens={k})"
+            elif op == "fork":
+                n = self.draw(st.integers(2, 3), "n")
+                beam = self.draw(st.booleans(), "beam")
+                sampler = samplers.beam_search(n) if beam else samplers.multinomial(n)
+                # beam_search(n > 1) with max_tokens=0 on a one-sample state crashes (xfail test below)
+                k = self.draw(st.integers(1 if beam else 0, 3), "k")
+                new = self.generate(state, sampler, k, self.draw(st.integers(0, 2**16)))
+                offset = offset.repeat_interleave(n) if offset is not None else None
+                what = f"fork({'beam' if beam else 'multinomial'}({n}), max_tokens={k})"
+            elif op == "slice":
+                longest = max(len(t) for t in state)
+                start = self.draw(st.one_of(st.none(), st.just(0), st.integers(-longest - 1, longest + 1)), "start")
+                stop = self.draw(st.one_of(st.none(), st.integers(-longest - 1, longest + 1)), "stop")
+                sl = slice(start, stop)
+                new = state[chars_key(state, sl, self.draw(st.booleans()))]
+                assert [slice_text_ok(model, t[sl], got, sl) for t, got in zip(state, new)] == [True] * state.rows, (
+                    list(new), [t[sl] for t in state])
+                if any(n == 0 for n in row_lengths(new)):
+                    with pytest.raises(GeneratorArgumentError):
+                        continuous(generate.text(model, samplers.multinomial(new.samples)))(new, max_tokens=1)
+                    note(f"slice[{sl}] -> an empty row: continuing raises; dropped")
+                    continue
+                truncate = all(sl.indices(len(t))[0] == 0 for t in state)
+                tok = model.tokenizer
+                rows_info = zip(state._real_rows(), state, state.cached_tokens.flatten().tolist(),
+                                new.cached_tokens.flatten().tolist(), new.weights.flatten().tolist())
+                for r, ((ids, lps), t, c_old, c_new, w_new) in enumerate(rows_info):
+                    if truncate:
+                        target = t[sl]
+                        K = max(k for k in range(len(ids) + 1) if target.startswith(tok.decode(ids[:k])))
+                        if longest_token_prefix(tok, ids, target)[0] == K:
+                            # the kept cache: every cached token of the longest kept token prefix (but the last)
+                            assert c_new >= min(K, c_old) - 1, f"row {r}: slicing dropped reusable cache: {c_new} of {c_old}"
+                        if offset is not None and bool((offset == 0).all()) and len(target) < len(t):
+                            check_truncation_weight(model, ids, lps, t, sl, w_new)
+                    elif offset is not None and bool((offset == 0).all()):
+                        spans = token_char_spans(model, ids, t)
+                        if spans is not None and not splits_characters(spans):  # else: known bug, xfail below
+                            want = expected_slice_weights(model, state[r // state.samples, r % state.samples, :], sl)[0]
+                            if want is not None:
+                                assert abs(w_new - want) < 1e-4, f"{t!r}[{sl}]: weights {w_new} != {want}"
+                if truncate:
+                    offset = uncut_rows_after(offset, [len(t[sl]) < len(t) for t in state])
+                else:
+                    assert int(new.cached_tokens.sum()) == 0
+                    offset = new.weights.flatten().double()
+                what = f"slice[{sl}]"
+            elif op in ("add_text", "add_list"):
+                if op == "add_text":
+                    extra = self.draw(texts, "text")
+                    new = state + extra
+                    per_row = [extra] * state.rows
+                else:
+                    extra = self.draw(st.lists(texts, min_size=state.batch, max_size=state.batch), "texts")
+                    new = state + extra
+                    per_row = [extra[r // state.samples] for r in range(state.rows)]
+                assert all(added_text_ok(model, ids, t, x, got) for (ids, _), t, x, got
+                           in zip(state._real_rows(), state, per_row, new)), (list(new), [t + x for t, x in zip(state, per_row)])
+                assert new.cached_tokens.tolist() == state.cached_tokens.tolist()
+                tok = model.tokenizer
+                assert uncached(new) == [u + len(tok.encode_continuation(x)) for u, x in zip(uncached(state), per_row)]
+                what = f"{op}({extra!r})"
+            elif op == "add_state":
+                form = self.draw(st.sampled_from(["self", "head", "tail"]), "other")
+                if form == "self":
+                    other = state
+                else:
+                    cut = self.draw(st.integers(0, max(len(t) for t in state)))
+                    other = state[chars_key(state, slice(None, cut) if form == "head" else slice(cut, None))]
+                new = state + other
+                assert all(added_text_ok(model, ids, t, o, got) for (ids, _), t, o, got
+                           in zip(state._real_rows(), state, other, new)), (list(new), [t + o for t, o in zip(state, other)])
+                assert new.cached_tokens.tolist() == state.cached_tokens.tolist()
+                assert torch.allclose(new.weights, state.weights + other.weights)
+                if offset is not None:
+                    offset = offset + other.weights.flatten().double()
+                what = f"add_state({form})"
+            elif op == "radd":
+                prefix = self.draw(texts, "prefix")
+                new = prefix + state
+                want = [prefix + t for t in state]
+                # like HF prompts: a SentencePiece tokenizer drops the leading space of a prompt
+                assert list(new) == list(SequenceState.from_prompts(model, want))
+                assert all(a == b for a, b in zip(new, want) if not b.startswith(" "))
+                assert torch.equal(new.weights, state.weights)
+                offset = new.weights.flatten().double()
+                what = f"radd({prefix!r})"
+            elif op == "stack":
+                form = self.draw(st.sampled_from(["self", "head", "fresh"] if state.samples == 1 else ["self", "head"]), "other")
+                if form == "self":
+                    other, other_offset = state, offset
+                elif form == "head":
+                    cut = self.draw(st.integers(0, max(len(t) for t in state)))
+                    other = state[chars_key(state, slice(None, cut))]
+                    if any(n == 0 for n in row_lengths(other)):
+                        continue
+                    other_offset = uncut_rows_after(offset, [len(t[:cut]) < len(t) for t in state])
+                else:
+                    prompts = self.draw(st.lists(texts, min_size=1, max_size=2), "prompts")
+                    other = greedy_c(model)(prompts, max_tokens=self.draw(st.integers(0, 3)))
+                    other_offset = torch.zeros(other.rows, dtype=torch.float64)
+                new = SequenceState.stack([state, other])
+                assert list(new) == list(state) + list(other)
+                assert new.shape == (state.batch + other.batch, state.samples)
+                assert torch.equal(new.weights, torch.cat([state.weights, other.weights]))
+                assert new.cached_tokens.tolist() == state.cached_tokens.tolist() + other.cached_tokens.tolist()
+                offset = None if offset is None or other_offset is None else torch.cat([offset, other_offset])
+                if any(x._ids is t for x in (state, other) for t in self.selected):
+                    self.selected.append(new._ids)
+                what = f"stack({form})"
+            else:  # select rows
+                bkey = self.draw(st.one_of(st.just(slice(None)), st.just(slice(None, None, -1)),
+                                           st.integers(0, state.batch - 1),
+                                           st.lists(st.integers(0, state.batch - 1), min_size=1, max_size=3)), "bkey")
+                skey = self.draw(st.one_of(st.just(slice(None)), st.just(slice(None, None, -1)),
+                                           st.integers(0, state.samples - 1),
+                                           st.lists(st.integers(0, state.samples - 1), min_size=1, max_size=3)), "skey")
+                new = state[bkey, skey, :]
+                b = list(range(state.batch))[bkey] if isinstance(bkey, slice) else ([bkey] if isinstance(bkey, int) else bkey)
+                s = list(range(state.samples))[skey] if isinstance(skey, slice) else ([skey] if isinstance(skey, int) else skey)
+                rows = [i * state.samples + j for i in b for j in s]
+                assert new.shape == (len(b), len(s))
+                assert list(new) == [list(state)[r] for r in rows]
+                if offset is not None:
+                    offset = offset[rows]
+                self.selected.append(new._ids)
+                what = f"select[{bkey}, {skey}]"
+            ctx = model.context_length
+            if ctx is not None and max(row_lengths(new)) > ctx:  # too long to continue (or to check): dropped
+                with pytest.raises(ContextLengthError):
+                    continuous(generate.text(model, samplers.multinomial(new.samples)))(new, max_tokens=1)
+                note(f"{what} -> longer than the context ({max(row_lengths(new))} > {ctx}): continuing raises; dropped")
+                offset = prev_offset
+                continue
+            state = self.record(new, offset, what)
+        return state
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(data=st.data())
+def test_random_programs_keep_every_invariant(model, data):
+    prog = Program(model, data)
+    steps = data.draw(st.integers(2, 8), "steps")
+    state = prog.run(steps)
+    # continuing the same state twice gives identical results
+    if min(row_lengths(state)) > 0:
+        sampler = samplers.greedy() if state.samples == 1 else samplers.multinomial(state.samples)
+        gen = continuous(generate.text(model, sampler))
+        a = gen(state, max_tokens=3, rng=torch.Generator().manual_seed(7))
+        b = gen(state, max_tokens=3, rng=torch.Generator().manual_seed(7))
+        assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.weights, b.weights) and list(a) == list(b)
+        for old, snap in prog.history:
+            check_unchanged(old, snap)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: selecting rows keeps columns that are padding in every selected row, and continuing "
+    "prefills them: s = SequenceState.from_prompts(model, ['a', 'a much longer prompt here']); "
+    "continuous(generate.text(model, samplers.greedy()))(s[0, :], max_tokens=1) computes "
+    "len(tokens of the long prompt) positions instead of len(tokens of 'a')"))
+def test_selecting_rows_drops_padding_columns(model):
+    s = SequenceState.from_prompts(model, ["a", "a much longer prompt here"])
+    one = s[0, :]
+    n = len(model.tokenizer.encode_prompts(["a"])[0])
+    counter, handle = count_forward_tokens(model)
+    try:
+        greedy_c(model)(one, max_tokens=1)
+    finally:
+        handle.remove()
+    assert counter["tokens"] == n
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (SentencePiece): a slice with start > 0 is re-tokenized as a fresh prompt and loses its leading "
+    "space: list(SequenceState.from_prompts(llama_model, ['ab\\n cd'])[3:]) == ['cd'], expected [' cd']"))
+def test_slice_with_start_keeps_leading_space(llama_model):
+    s = SequenceState.from_prompts(llama_model, ["ab\n cd"])
+    assert list(s[3:]) == [" cd"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (SentencePiece), same cause as test_slice_with_start_keeps_leading_space: text appended to a row whose text "
+    "is empty loses its leading space (the decoder strips the first '\u2581'): "
+    "list(SequenceState.from_prompts(llama_model, ['ab'])[:0] + ' cd') == ['cd'], expected [' cd']"))
+def test_add_text_to_empty_row_keeps_leading_space(llama_model):
+    s = SequenceState.from_prompts(llama_model, ["ab"])[:0]
+    assert list(s) == [""]
+    assert list(s + " cd") == [" cd"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: after 'text' + state (or state + state) a row's weights are not the sum of its tokens' log-probs, and "
+    "slicing keeps them only when NO row is cut: g = continuous(generate.text(model, samplers.greedy()))(['ab', "
+    "'abcdefgh'], max_tokens=2); p = 'x' + g; n = len(list(p)[0]); p[:, :n] leaves row 0 uncut but sets its "
+    "weight to 0, while p[0, :][:n] keeps it (-11.2 on tiny GPT-2): a row's result depends on the other rows"))
+def test_uncut_row_weights_do_not_depend_on_other_rows(model):
+    g = greedy_c(model)(["ab", "abcdefgh"], max_tokens=2)
+    p = "x" + g
+    t = list(p)
+    n = len(t[0])
+    assert len(t[1]) > n and p.weights[0, 0].item() != 0.0
+    alone = p[0, :][:n]
+    assert alone.weights.item() == p.weights[0, 0].item()
+    assert p[:, :n].weights[0, 0].item() == alone.weights.item()
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
+    "BUG: prefill-only beam-search fork crashes: continuous(generate.text(model, samplers.beam_search(2)))"
+    "('Hi', max_tokens=0) raises IndexError in decoding._finish (the steps == 0 path reorders rows to "
+    "n per batch item but not rows.scores, which _finish sorts beams by); expected a 2-beam, fully cached state"))
+def test_beam_fork_prefill_only(model):
+    out = continuous(generate.text(model, samplers.beam_search(2)))("Hi", max_tokens=0)
+    assert out.shape == (1, 2) and list(out) == ["Hi", "Hi"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: text.longest_token_prefix binary-searches on len(decode(ids[:k])), which is not monotonic with "
+    "SentencePiece byte fallback (each byte of an incomplete character decodes to its own U+FFFD), so slicing "
+    "keeps a too-short token prefix: s = continuous(generate.text(llama, samplers.greedy()))('\U0001f469\u200d\U0001f4bb', "
+    "max_tokens=0); s[:1].cached_tokens == 2 (tokens <s> \u2581 kept, the emoji re-encoded), expected 5 "
+    "(<s> \u2581 <0xF0><0x9F><0x91><0xA9> kept, last uncached); generated tokens cut this way also lose their "
+    "log-probs from the weights"))
+def test_truncate_keeps_longest_token_prefix(llama_model):
+    s = greedy_c(llama_model)("\U0001f469\u200d\U0001f4bb", max_tokens=0)
+    cut = s[:1]
+    assert list(cut) == ["\U0001f469"]
+    assert cut.cached_tokens.item() == 5
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "LIMITATION (SentencePiece byte fallback, not fixable by re-tokenizing): the ByteFallback decoder renders an "
+    "invalid run of <0xNN> tokens as one U+FFFD per byte, so text appended after a dangling byte token (as random "
+    "models generate) whose tokens are byte-fallback tokens rewrites both: a row <s> \u2581a <0xCD> has text "
+    "'a\ufffd', and state + '\u0416' (tokens <0xD0><0x96>) has text 'a\ufffd\ufffd\ufffd', expected 'a\ufffd\u0416'"))
+def test_add_text_after_dangling_byte(llama_model):
+    ids = llama_model.tokenizer.hf.convert_tokens_to_ids(["<s>", "\u2581a", "<0xCD>"])
+    s = SequenceState._from_rows(llama_model, [ids], [[math.nan, math.nan, -1.0]], torch.tensor([-1.0]), 1, 1, None)
+    assert list(s) == ["a\ufffd"]
+    assert list(s + "\u0416") == ["a\ufffd\u0416"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (SentencePiece byte fallback): truncating a row whose text has U+FFFD from invalid bytes re-encodes the cut "
+    "U+FFFD as <0xEF><0xBF><0xBD> right after a kept dangling byte token; the ByteFallback decoder then renders the "
+    "whole invalid group byte by byte: row <s> \u2581 <0xD0><0x96><0xEB> (text '\ufffd\ufffd\ufffd', as a random "
+    "model generates after the prompt '\u0416'): list(state[:2]) == ['\ufffd\ufffd\ufffd\ufffd'], expected "
+    "['\ufffd\ufffd']. _truncate should check decode(kept + leftover) == target and keep fewer tokens otherwise"))
+def test_truncation_after_invalid_bytes(llama_model):
+    ids = llama_model.tokenizer.hf.convert_tokens_to_ids(["<s>", "\u2581", "<0xD0>", "<0x96>", "<0xEB>"])
+    s = SequenceState._from_rows(llama_model, [ids], [[math.nan] * 4 + [-1.0]], torch.tensor([-1.0]), 1, 1, None)
+    assert list(s) == ["\ufffd\ufffd\ufffd"]
+    assert list(s[:2]) == ["\ufffd\ufffd"]
+
+
+# ---------------------------------------------------------------------------------- slicing weights
+def synthetic_state(model, rows: list[tuple[str, int]], seed: int) -> SequenceState:
+    """Rows tokenized as prompts whose tokens from index ``first_generated`` on carry (synthetic) generated
+    log-probs: generated tokens then split multi-byte characters the way tokenizers do, which random tiny
+    models almost never produce."""
+    gen = torch.Generator().manual_seed(seed)
+    ids_rows, lp_rows = [], []
+    for text, first in rows:
+        ids = model.tokenizer.encode_prompts([text])[0]
+        first = min(max(first, 1), len(ids))
+        lps = (-torch.rand(len(ids), generator=gen, dtype=torch.float64) * 5 - 0.01).tolist()
+        ids_rows.append(ids)
+        lp_rows.append([math.nan] * first + lps[first:])
+    weights = torch.tensor([math.fsum(x for x in lp if x == x) for lp in lp_rows])
+    return SequenceState._from_rows(model, ids_rows, lp_rows, weights, len(rows), 1, None)
+
+
+long_texts = st.lists(fragment, min_size=2, max_size=6).map("".join)
+synthetic_rows = st.lists(st.tuples(long_texts, st.integers(1, 6)), min_size=1, max_size=2)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(rows=synthetic_rows, seed=st.integers(0, 1000), stop=st.integers(-12, 40), data=st.data())
+def test_truncation_weights_keep_whole_tokens(model, rows, seed, stop, data):
+    """``state[..., :n]``: weights = log-probs of the generated tokens whose characters are all kept."""
+    state = synthetic_state(model, rows, seed)
+    sl = slice(data.draw(st.sampled_from([None, 0])), stop)
+    new = state[chars_key(state, sl)]
+    assert list(new) == [t[sl] for t in state]
+    for (ids, lps), t, got in zip(state._real_rows(), state, new.weights.flatten().tolist()):
+        check_truncation_weight(model, ids, lps, t, sl, got)  # uncut rows too: they must keep every token
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (byte-level BPE): state[:n] drops the log-prob of a generated token whose characters are all kept when "
+    "the next token straddles the cut: row 'a' + generated tokens '\u00ce' (byte 0xCE), '\u00bb\u00ce' "
+    "(0xBB 0xCE), '\u00bb' (0xBB) = 'a\u03bb\u03bb' with log-probs -1, -2, -4: state[:2] ('a\u03bb') has "
+    "weights 0 (the first \u03bb re-encoded), expected -1 (token 0xCE lies wholly in the kept '\u03bb'; keeping "
+    "it and appending the byte token 0xBB would also keep its cache)"))
+def test_truncation_keeps_tokens_of_kept_characters(gpt2_model):
+    tok = gpt2_model.tokenizer
+    ids = tok.hf.convert_tokens_to_ids(["a", "\u00ce", "\u00bb\u00ce", "\u00bb"])
+    state = SequenceState._from_rows(gpt2_model, [ids], [[math.nan, -1.0, -2.0, -4.0]], torch.tensor([-7.0]), 1, 1, None)
+    assert list(state) == ["a\u03bb\u03bb"]
+    assert state[:2].weights.item() == -1.0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: a slice with start > 0 (SequenceState._resegment) keeps the log-probs of tokens whose bytes belong to "
+    "a character that was cut away (text.token_char_ends gives a token completing a split character an "
+    "empty or inverted span): see test_slice_weights_drop_tokens_of_cut_characters"))
+@settings(max_examples=150, phases=[Phase.generate], **SETTINGS)  # expected to fail: no shrinking
+@given(rows=synthetic_rows, seed=st.integers(0, 1000), start=st.integers(-12, 40), stop=st.integers(-12, 40))
+def test_slice_weights_keep_whole_tokens(model, rows, seed, start, stop):
+    """``state[..., a:b]``: weights = log-probs of the generated tokens whose characters are all kept."""
+    state = synthetic_state(model, rows, seed)
+    sl = slice(start, stop)
+    new = state[chars_key(state, sl)]
+    want = expected_slice_weights(model, state, sl)
+    for r, (t, w, got) in enumerate(zip(state, want, new.weights.flatten().tolist())):
+        assert w is not None
+        assert abs(got - w) < 1e-4, f"row {r} {t!r}[{sl}]: weights {got} != {w}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: slicing from start > 0 keeps the log-probs of tokens of a cut character. Row 'a' (prompt) + generated "
+    "byte tokens E6, 9D, B1 ('\u6771' split in 3 tokens, log-probs -1, -2, -4) + generated 'b' (-8): "
+    "state[2:] (text 'b') has weights -14 (= -2 - 4 - 8), expected -8; with SentencePiece state[1:2] (text "
+    "'\u6771') has -5 (the 0x9D token dropped), expected -7. Cause: text.token_char_ends measures a token's end "
+    "by len(decode(prefix)), which shrinks when a token completes a character"))
+def test_slice_weights_drop_tokens_of_cut_characters(model):
+    tok = model.tokenizer
+    if is_spm(model):
+        ids = tok.hf.convert_tokens_to_ids(["<s>", "\u2581a", "<0xE6>", "<0x9D>", "<0xB1>", "b"])
+    else:
+        enc = {b: c for c, b in _BYTE_DECODER.items()}
+        ids = tok.hf.convert_tokens_to_ids(["a", enc[0xE6], enc[0x9D], enc[0xB1], "b"])
+    lps = [math.nan] * (len(ids) - 4) + [-1.0, -2.0, -4.0, -8.0]
+    state = SequenceState._from_rows(model, [ids], [lps], torch.tensor([-15.0]), 1, 1, None)
+    assert list(state) == ["a\u6771b"]
+    assert state[2:].weights.item() == -8.0
+    assert state[1:2].weights.item() == -7.0
+
+
+# ---------------------------------------------------------------------------------- standalone invariants
+prompt_lists = st.lists(texts, min_size=1, max_size=3)
+
+
+def no_early_stop(state: SequenceState, prompt_state: SequenceState, k: int) -> bool:
+    return all(a == b + k for a, b in zip(row_lengths(state), row_lengths(prompt_state)))
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(prompts=prompt_lists, a=st.integers(0, 5), b=st.integers(0, 5))
+def test_greedy_split_equals_one_call(model, prompts, a, b):
+    """Greedy ``max_tokens=a`` then ``max_tokens=b`` == one greedy call with ``a + b``, token for token."""
+    g = greedy_c(model)
+    one = g(prompts, max_tokens=a + b)
+    assume(no_early_stop(one, SequenceState.from_prompts(model, prompts), a + b))  # EOS ends a row for good
+    first = g(prompts, max_tokens=a)
+    two = g(first, max_tokens=b)
+    assert torch.equal(two.token_ids, one.token_ids)
+    assert list(two) == list(one)
+    assert torch.allclose(two.weights, one.weights, atol=1e-4)
+    nan = torch.isnan(one.token_logprobs)
+    assert torch.equal(torch.isnan(two.token_logprobs), nan)
+    assert torch.allclose(two.token_logprobs[~nan], one.token_logprobs[~nan], atol=1e-4)
+
+
+def counted(model, fn):
+    counter, handle = count_forward_tokens(model)
+    try:
+        out = fn()
+    finally:
+        handle.remove()
+    return out, counter["tokens"], counter["calls"]
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(prompts=prompt_lists, k=st.integers(0, 3), m=st.integers(1, 4), extra=texts, n=st.integers(2, 3))
+def test_only_the_uncached_suffix_is_computed(model, prompts, k, m, extra, n):
+    """Invariant 3 with explicit counts: continuing computes (uncached suffix) x rows, then one column per step."""
+    g = greedy_c(model)
+    prompt = SequenceState.from_prompts(model, prompts)
+    rows = prompt.rows
+    s, tokens, _ = counted(model, lambda: g(prompt, max_tokens=k))
+    width = max(row_lengths(prompt))
+    # a fresh prompt: prefill everything (but the last token when max_tokens=0), then one column per step
+    assert tokens == (rows * (width - 1) if k == 0 else rows * width + rows * (k - 1)) or not no_early_stop(s, prompt, k)
+    assert uncached(s) == [1] * rows, "a generated state caches all but its last token"
+
+    # continuing a generated state: one position per row, then one per step
+    out, tokens, calls = counted(model, lambda: g(s, max_tokens=m))
+    if no_early_stop(out, s, m):
+        assert (tokens, calls) == (rows * m, m)
+    # max_tokens=0 on a generated state computes nothing
+    same, tokens, calls = counted(model, lambda: g(s, max_tokens=0))
+    assert (tokens, calls) == (0, 0) and list(same) == list(s)
+
+    # after `+ text`: the appended tokens + the one uncached token, then one column per step
+    t = s + extra
+    appended = [a - b for a, b in zip(row_lengths(t), row_lengths(s))]
+    assert appended == [len(model.tokenizer.encode_continuation(extra))] * rows
+    out, tokens, calls = counted(model, lambda: g(t, max_tokens=m))
+    if no_early_stop(out, t, m):
+        assert (tokens, calls) == (rows * (appended[0] + 1) + rows * (m - 1), m)
+    # prefill only (max_tokens=0) computes the appended tokens; continuing then computes one position per row
+    u, tokens, calls = counted(model, lambda: g(t, max_tokens=0))
+    assert tokens == rows * appended[0] and uncached(u) == [1] * rows
+    check_reuse(u, fresh_logits(u))
+    out, tokens, calls = counted(model, lambda: g(u, max_tokens=m))
+    if no_early_stop(out, u, m):
+        assert (tokens, calls) == (rows * m, m)
+
+    # forking into n samples: the suffix is computed once per batch row, then n columns per row per step
+    fork = continuous(generate.text(model, samplers.multinomial(n)))
+    out, tokens, calls = counted(model, lambda: fork(s, max_tokens=m, rng=torch.Generator().manual_seed(0)))
+    assert tokens == rows * 1 + (calls - 1) * rows * n
+    if max(row_lengths(out)) == max(row_lengths(s)) + m:
+        assert calls == m
+    # a truncated state keeps the cache of its kept token prefix: only the rest is recomputed
+    cut = max(1, min(len(x) for x in s) - 2)
+    c = s[chars_key(s, slice(None, cut))]
+    check_suffix(c)
+    out, tokens, calls = counted(model, lambda: g(c, max_tokens=1))
+    assert tokens == rows * max(uncached(c))
+
+
+def forked_state(model, prompts, k, samples, seed=0) -> SequenceState:
+    s = greedy_c(model)(prompts, max_tokens=k)
+    if samples > 1:
+        fork = continuous(generate.text(model, samplers.multinomial(samples)))
+        s = fork(s, max_tokens=1, rng=torch.Generator().manual_seed(seed))
+    return s
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(prompts=prompt_lists, k=st.integers(0, 4), samples=st.integers(1, 3), data=st.data())
+def test_text_algebra(model, prompts, k, samples, data):
+    """Slicing and adding act on each row's text: ``list(state[..., a:b]) == [t[a:b] ...]``, ``state + x``,
+    ``state + [per batch row]``, ``x + state``; int indices give characters."""
+    s = forked_state(model, prompts, k, samples)
+    rows, batch = s.rows, s.batch
+    full = list(s)
+    assert len(full) == rows and s.shape == (len(prompts), samples)
+    longest = max(len(t) for t in full)
+    ints = st.integers(-longest - 2, longest + 2)
+    for _ in range(3):
+        n = data.draw(ints)
+        for full_form in (False, True):
+            got = list(s[chars_key(s, slice(None, n), full_form)])
+            assert all(slice_text_ok(model, t[:n], x, slice(None, n)) for t, x in zip(full, got)), (got, [t[:n] for t in full])
+        a, b = data.draw(st.one_of(st.none(), ints)), data.draw(st.one_of(st.none(), ints))
+        sl = slice(a, b)
+        got = list(s[chars_key(s, sl)])
+        assert all(slice_text_ok(model, t[sl], x, sl) for t, x in zip(full, got)), (got, [t[sl] for t in full])
+    x = data.draw(texts)
+    assert all(added_text_ok(model, ids, t, x, got) for (ids, _), t, got in zip(s._real_rows(), full, s + x))
+    per_batch = data.draw(st.lists(texts, min_size=batch, max_size=batch))
+    want = [per_batch[r // samples] for r in range(rows)]
+    assert all(added_text_ok(model, ids, t, w, got) for (ids, _), t, w, got in zip(s._real_rows(), full, want, s + per_batch))
+    p = data.draw(texts)
+    pre = list(p + s)
+    assert pre == list(SequenceState.from_prompts(model, [p + t for t in full]))
+    assert all(got == p + t for got, t in zip(pre, full) if not (p + t).startswith(" "))
+    assert list(s + s) == [t + t for t in full] or is_spm(model)  # SentencePiece: see added_text_ok
+    i = data.draw(ints)
+    if all(-len(t) <= i < len(t) for t in full):
+        chars = [t[i] for t in full]
+        assert s[chars_key(s, i)] == (chars[0] if rows == 1 else chars)
+    elif any(not -len(t) <= i < len(t) for t in full):
+        with pytest.raises(IndexError):
+            s[chars_key(s, i)]
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(batch=st.integers(1, 3), samples=st.integers(1, 3), step=st.sampled_from([2, -1, 3, 0]))
+def test_indexing_arity_and_steps(model, batch, samples, step):
+    """Allowed arities: 3 always; 1 iff batch == samples == 1; 2 iff exactly one of them is 1. Others raise
+    IndexError. The chars axis needs step 1 (SlicingError, an IndexError); batch/sample axes take any step."""
+    s = forked_state(model, ["Once upon a time"] * batch, 1, samples)
+    allowed = {3} | ({1} if batch == samples == 1 else set()) | ({2} if (batch == 1) != (samples == 1) else set())
+    for arity in (1, 2, 3, 4):
+        key = tuple([slice(None)] * arity)
+        if arity in allowed:
+            assert list(s[key if arity > 1 else key[0]]) == list(s)
+        else:
+            with pytest.raises(IndexError):
+                s[key if arity > 1 else key[0]]
+    for arity in allowed:
+        bad = tuple([slice(None)] * (arity - 1)) + (slice(None, None, step),)
+        with pytest.raises(SlicingError):
+            s[bad if arity > 1 else bad[0]]
+        ok = tuple([slice(None)] * (arity - 1)) + (slice(None, None, 1),)
+        assert list(s[ok if arity > 1 else ok[0]]) == list(s)
+    if step != 0:
+        sel = s[::step, ::step, :]
+        b, m = list(range(batch))[::step], list(range(samples))[::step]
+        assert sel.shape == (len(b), len(m))
+        assert list(sel) == [list(s)[i * samples + j] for i in b for j in m]
+        check_reuse(sel, fresh_logits(sel))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: appended text containing a special-token literal is not kept as text: "
+    "list(SequenceState.from_prompts(llama, ['Hi']) + 'a</s>b') == ['Hi ab'] (</s> becomes the EOS token mid-row, "
+    "skipped when decoding, and the fallback encoding adds a SentencePiece space), expected ['Hia</s>b']; "
+    "GPT-2: ... + 'a<|endoftext|>b' gives ['Hiab']. Encode with split_special_tokens=True or raise"))
+def test_add_text_with_special_token_literal(model):
+    special = model.tokenizer.hf.eos_token
+    s = SequenceState.from_prompts(model, ["Hi"])
+    assert list(s + f"a{special}b") == [f"Hia{special}b"]
