@@ -169,7 +169,9 @@ def decode(
         if W - 1 > C:
             _, rows.kv = forward(C, W - 1, logits="none")
         if n != group:
-            rows.reorder(torch.arange(state.rows).repeat_interleave(n))
+            fork = torch.arange(state.rows).repeat_interleave(n)
+            rows.reorder(fork)
+            rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
         return _finish(state, rows, W - 1 if W - 1 > C else C, n, guide, kind, parse, max_tokens, sampler)
 
     logits, rows.kv = forward(C, W)

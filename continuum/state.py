@@ -28,7 +28,7 @@ import torch
 
 from . import cache as kvcache
 from .errors import BatchMismatch, IncompleteGenerationError, SampleMismatch, SlicingError, StateFileError
-from .text import longest_token_prefix, token_char_ends
+from .text import longest_token_prefix, token_char_spans
 
 __all__ = ["SequenceState", "LastStep"]
 
@@ -300,12 +300,22 @@ class SequenceState:
 
     # ------------------------------------------------------------------ row selection
     def _select(self, rows: Sequence[int], batch: int, samples: int) -> "SequenceState":
+        """Rows ``rows`` (any order, repeats allowed); columns that are padding in all of them are dropped."""
         idx = torch.tensor(list(rows), dtype=torch.long)
         dev = idx.to(self._ids.device)
-        return SequenceState(model=self._model, ids=self._ids.index_select(0, dev), mask=self._mask.index_select(0, dev),
-                             logprobs=self._logprobs.index_select(0, dev), weights=self._weights.index_select(0, idx.to(self._weights.device)),
-                             kv=kvcache.select_rows(self._kv, idx), batch=batch, samples=samples,
-                             last=self._last.select(rows) if self._last else None)
+        ids, mask, lp = self._ids.index_select(0, dev), self._mask.index_select(0, dev), self._logprobs.index_select(0, dev)
+        kv, C = kvcache.select_rows(self._kv, idx), kvcache.length(self._kv)
+        used = mask.bool().any(0)
+        lead = int(used.long().argmax()) if bool(used.any()) else 0
+        lead = min(lead, C)  # leading padding inside the cache: narrow it (a view)
+        uncached = used[C:].nonzero().flatten() + C  # padding columns of the suffix: just drop them
+        cols = torch.cat([torch.arange(lead, C, device=ids.device), uncached])
+        if cols.numel() != ids.shape[1]:
+            ids, mask, lp = ids[:, cols], mask[:, cols], lp[:, cols]
+            kv = None if C == lead else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
+        return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp,
+                             weights=self._weights.index_select(0, idx.to(self._weights.device)),
+                             kv=kv, batch=batch, samples=samples, last=self._last.select(rows) if self._last else None)
 
     # ------------------------------------------------------------------ indexing
     def __getitem__(self, key) -> Union["SequenceState", str, list[str]]:
@@ -362,9 +372,22 @@ class SequenceState:
         keep, tails, weights = [], [], []
         for r in range(self.rows):
             ids, lps = real[r]
+            if ends[r] >= len(texts[r]):  # an uncut row keeps its tokens and carried weight
+                keep.append(cached[r])
+                tails.append((ids[cached[r]:], lps[cached[r]:]))
+                weights.append(float(self._weights[r]))
+                continue
             target = texts[r][:ends[r]]
             k, n = longest_token_prefix(tok, ids, target)
             leftover = tok.encode_continuation(target[n:])
+            if leftover and tok.decode(ids[:k] + leftover) != target:
+                # the re-encoded text merged with a kept dangling byte token: back off a few tokens
+                for k2 in range(k - 1, max(-1, k - 9), -1):
+                    prefix = tok.decode(ids[:k2])
+                    rest = tok.encode_continuation(target[len(prefix):]) if target.startswith(prefix) else None
+                    if rest is not None and tok.decode(ids[:k2] + rest) == target:
+                        k, n, leftover = k2, len(prefix), rest
+                        break
             c = min(k, cached[r])
             keep.append(c)
             tails.append((ids[c:k] + leftover, lps[c:k] + [_NAN] * len(leftover)))
@@ -384,9 +407,8 @@ class SequenceState:
         new_texts, weights = [], []
         for r, (s, e) in enumerate(bounds):
             ids, lps = real[r]
-            ends = token_char_ends(tok, ids)
-            starts = [0] + ends[:-1]
-            weights.append(math.fsum(l for l, a, b in zip(lps, starts, ends) if l == l and a >= s and b <= max(e, s)))
+            spans = token_char_spans(tok, ids)
+            weights.append(math.fsum(l for l, (a, b) in zip(lps, spans) if l == l and a >= s and b <= max(e, s) and b > a))
             new_texts.append(texts[r][s:max(e, s)])
         rows = tok.encode_prompts(new_texts)
         last = None

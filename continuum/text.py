@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["longest_token_prefix", "token_char_ends", "Detokenizer"]
+__all__ = ["longest_token_prefix", "token_char_spans", "Detokenizer"]
 
 _WINDOW = 8  # tokens of left context enough to decode any single character correctly
 
@@ -17,39 +17,58 @@ _WINDOW = 8  # tokens of left context enough to decode any single character corr
 def longest_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int, int]:
     """The largest ``k`` with ``decode(ids[:k])`` a prefix of ``text``, and that prefix's length.
 
-    Binary search on decoded length (log(len(ids)) decodes), then a local walk that absorbs the
-    non-monotonic spots of partial UTF-8 characters.
+    Decoded lengths are not monotonic (an incomplete character decodes to one U+FFFD per byte
+    with SentencePiece byte fallback), so the search runs on the tokens' *byte* offsets, which
+    are, then checks decoded prefixes around the candidate.
     """
-    n = len(text)
+    ends = tokenizer.byte_offsets(ids)
+    budget = len(text.encode("utf-8", "surrogatepass")) + 1  # +1: SentencePiece drops a leading "▁"
     lo, hi = 0, len(ids)
-    while lo < hi:  # largest k with len(decode(ids[:k])) <= n
+    while lo < hi:  # largest k with ends[k - 1] <= budget
         mid = (lo + hi + 1) // 2
-        if len(tokenizer.decode(ids[:mid])) <= n:
+        if ends[mid - 1] <= budget:
             lo = mid
         else:
             hi = mid - 1
-    for k in range(min(len(ids), lo + 2), -1, -1):
+    for k in range(min(len(ids), lo + _WINDOW), -1, -1):
         prefix = tokenizer.decode(ids[:k])
         if text.startswith(prefix):
             return k, len(prefix)
     return 0, 0  # pragma: no cover - decode([]) == "" is a prefix of anything
 
 
-def token_char_ends(tokenizer, ids: Sequence[int]) -> list[int]:
-    """``ends[k] = len(decode(ids[:k + 1]))`` for every token, using windowed decoding."""
-    total = len(tokenizer.decode(ids))
-    ends, pos = [], 0
-    for k in range(len(ids)):
-        lo = max(0, k - _WINDOW)
-        if lo == 0:
-            pos = len(tokenizer.decode(ids[: k + 1]))
-        else:
-            ctx = ids[lo:k]
-            pos += len(tokenizer.decode(list(ctx) + [ids[k]])) - len(tokenizer.decode(ctx))
-        ends.append(pos)
-    if ends and ends[-1] != total:  # a window split a character oddly: exact, quadratic fallback
-        ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]
-    return ends
+def token_char_spans(tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` character span of every token in ``decode(ids)``.
+
+    Tokens that share a character (UTF-8 split across tokens) all get the whole character's span,
+    so "a token lies wholly inside a slice" means all of its bytes' characters do.
+    """
+    text = tokenizer.decode(ids)
+    offsets = tokenizer.byte_offsets(ids)
+    data = text.encode("utf-8", "surrogatepass")
+    shift = (offsets[-1] - len(data)) if ids else 0  # SentencePiece drops the first "▁" (1 byte)
+    if "\ufffd" not in text and shift in (0, 1):  # exact: map each token's bytes to characters
+        char_at = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8", "surrogatepass")))]
+        spans, prev = [], 0
+        for end in offsets:
+            b0, b1 = max(prev - shift, 0), max(end - shift, 0)
+            a = char_at[b0] if b0 < len(data) else len(text)
+            spans.append((a, char_at[b1 - 1] + 1 if b1 > b0 else a))
+            prev = end
+        return spans
+    texts = [tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
+    complete = [not t.endswith("\ufffd") for t in texts]
+    spans, start = [], 0
+    for k, t in enumerate(texts):
+        spans.append([start, len(t)])
+        if complete[k]:
+            start = len(t)
+    end = len(texts[-1]) if texts else 0
+    for k in range(len(ids) - 1, -1, -1):  # an incomplete token ends where its character ends
+        if complete[k]:
+            end = len(texts[k])
+        spans[k][1] = max(end, spans[k][0])
+    return [tuple(x) for x in spans]
 
 
 class Detokenizer:

@@ -134,6 +134,22 @@ class Tokenizer:
             return frozenset()
         return frozenset(i for t, i in self.hf.get_vocab().items() if _BYTE_TOKEN.match(t))
 
+    @cached_property
+    def _byte_lengths(self) -> dict[int, int]:
+        lengths = {}
+        for token, idx in self.hf.get_vocab().items():
+            data = None if idx in self.special_ids else self.token_bytes(token)
+            lengths[idx] = len(data) if data else 0
+        return lengths
+
+    def byte_offsets(self, ids: Sequence[int]) -> list[int]:
+        """Cumulative UTF-8 byte length of the tokens (monotonic, unlike decoded text lengths)."""
+        out, total, lengths = [], 0, self._byte_lengths
+        for i in ids:
+            total += lengths.get(i, 0)
+            out.append(total)
+        return out
+
     # -- outlines-core vocabulary -------------------------------------------------------------
     @cached_property
     def is_byte_level(self) -> bool:
