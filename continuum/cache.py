@@ -12,6 +12,7 @@ call, whose ``torch.cat`` rebinding leaves the originals intact.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -21,7 +22,7 @@ KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 __all__ = ["KV", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "gather_columns", "nbytes", "length"]
 
 
-_CHECKED_CONFIGS: dict[int, int] = {}  # id(config) -> number of layers (all full attention)
+_CHECKED_CONFIGS: dict[int, tuple[weakref.ref, int]] = {}  # id(config) -> (config, number of full-attention layers)
 
 
 def _check_full_attention(config) -> int:
@@ -30,14 +31,15 @@ def _check_full_attention(config) -> int:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    n = _CHECKED_CONFIGS.get(id(config))
-    if n is None:
-        layers = DynamicCache(config=config).layers
-        bad = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
-        if bad:
-            raise NotImplementedError(f"continuum supports full-attention KV caches only, not {sorted(bad)}")
-        n = _CHECKED_CONFIGS[id(config)] = len(layers)
-    return n
+    seen = _CHECKED_CONFIGS.get(id(config))
+    if seen is not None and seen[0]() is config:  # ids are reused once a config is freed
+        return seen[1]
+    layers = DynamicCache(config=config).layers
+    bad = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+    if bad:
+        raise NotImplementedError(f"continuum supports full-attention KV caches only, not {sorted(bad)}")
+    _CHECKED_CONFIGS[id(config)] = (weakref.ref(config), len(layers))
+    return len(layers)
 
 
 def to_dynamic_cache(kv: Optional[KV], config) -> "DynamicCache":  # noqa: F821

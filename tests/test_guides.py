@@ -161,16 +161,18 @@ def test_incomplete_constrained_output_raises_clear_error(model):
 
 
 def test_same_generator_resumes_an_unfinished_pattern(model):
-    gen = continuous(generate.regex(model, r"[0-9]{5}", samplers.greedy()))
+    pattern = r"[0-9]{12}"
+    gen = continuous(generate.regex(model, pattern, samplers.greedy()))
     part = gen(["Code: ", "N"], max_tokens=2)
-    with pytest.raises(IncompleteGenerationError):
+    with pytest.raises(IncompleteGenerationError) as info:
         part.value
-    done = gen(part, max_tokens=10)
+    assert info.value.rows == [0, 1]
+    done = gen(part, max_tokens=30)
     for prompt, value, text in zip(["Code: ", "N"], done.value, done):
-        assert re.fullmatch(r"[0-9]{5}", value) and text == prompt + value
+        assert re.fullmatch(pattern, value) and text == prompt + value
     # an edited state starts a fresh pattern instead
-    fresh = gen(part + " ", max_tokens=10)
-    assert all(re.fullmatch(r"[0-9]{5}", v) for v in fresh.value)
+    fresh = gen(part + " ", max_tokens=30)
+    assert all(re.fullmatch(pattern, v) for v in fresh.value)
 
 
 def test_bad_generator_arguments(model):
