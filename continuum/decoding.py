@@ -25,6 +25,8 @@ from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guides import Guide, build_mask
 from .samplers import Sampler
 from .state import LastStep, SequenceState
+
+_RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
 from .text import Detokenizer
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
@@ -163,7 +165,8 @@ def decode(
             pos = mask[:, :start].sum(1, keepdim=True)
         else:
             pos = positions(mask)[:, start:]
-        return model.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits)
+        reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once
+        return model.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         if W - 1 > C:

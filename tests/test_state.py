@@ -102,6 +102,28 @@ def test_operations_never_mutate_inputs(model):
     assert_unchanged(snap)
 
 
+def test_in_place_appends_never_change_other_states(model):
+    """New KV columns are written into preallocated storage (cache.py): only the state whose cache
+    ends where the storage was last written may append in place; any other must copy first."""
+    g = greedy_c(model)
+    s = g(PROMPTS, max_tokens=4)
+    a = g(s, max_tokens=3)  # appends in place after s's columns
+    storage = lambda st: st._kv[0][0].untyped_storage().data_ptr()  # noqa: E731
+    assert storage(a) == storage(s)
+    snap_s, snap_a = snapshot(s), snapshot(a)
+    b = g(s, max_tokens=3)  # a already wrote past s: b must not write there
+    assert storage(b) != storage(s)
+    a2, a3 = g(a, max_tokens=2), g(a, max_tokens=2)
+    cut = g(s[:, :-2], max_tokens=3)
+    beams = continuous(generate.text(model, samplers.beam_search(2)))(a, max_tokens=3)
+    beams2 = continuous(generate.text(model, samplers.beam_search(2)))(beams, max_tokens=2)
+    assert_unchanged(snap_s)
+    assert_unchanged(snap_a)
+    assert list(a) == list(b) and list(a2) == list(a3)
+    for state in (s, a, b, a2, a3, cut, beams, beams2):
+        assert_reuse_exact(state)
+
+
 # ---------------------------------------------------------------- only the suffix is computed
 def test_only_uncached_suffix_is_computed(model):
     g = greedy_c(model)

@@ -65,15 +65,17 @@ class Transformers:
         cache: KV | None,
         *,
         logits: str = "last",
+        reserve: int = 0,
     ) -> tuple[torch.Tensor | None, KV]:
         """Run ``input_ids`` (the uncached columns) on top of ``cache``.
 
         ``attention_mask`` covers cached + new columns (zeros anywhere are fine).
         Returns the logits (float32) of the last column ``(rows, vocab)`` (``logits="last"``), of
         every new column ``(rows, new, vocab)`` (``"all"``) or ``None`` (``"none"``), and the KV
-        tensors covering all columns. ``cache`` is not modified.
+        tensors covering all columns. ``cache`` is not modified. ``reserve``: columns the caller will
+        append after this call (decoding steps to come), so the KV storage is allocated once.
         """
-        past = to_dynamic_cache(cache, self.config)
+        past = to_dynamic_cache(cache, self.config, reserve)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
