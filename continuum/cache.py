@@ -27,7 +27,7 @@ import torch
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
-__all__ = ["KV", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "gather_columns", "nbytes", "length"]
+__all__ = ["KV", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "gather_columns", "nbytes", "length"]
 
 
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits
@@ -61,8 +61,12 @@ class _Arena:
         return k, v
 
     def select_rows(self, rows: torch.Tensor, columns: int) -> "_Arena":
-        """A new arena holding rows ``rows`` (one copy, spare capacity included, ready to append)."""
-        return _Arena(self.keys.index_select(0, rows), self.values.index_select(0, rows), columns)
+        """A new arena of the same capacity holding rows ``rows`` of the first ``columns`` columns."""
+        new = _Arena.allocate(self.keys, rows.numel(), self.keys.shape[2])
+        torch.index_select(self.keys[:, :, :columns], 0, rows, out=new.keys[:, :, :columns])
+        torch.index_select(self.values[:, :, :columns], 0, rows, out=new.values[:, :, :columns])
+        new.filled = columns
+        return new
 
 
 def _arena_of(keys: torch.Tensor, values: torch.Tensor) -> Optional[_Arena]:
@@ -207,6 +211,24 @@ def crop(kv: Optional[KV], columns: int) -> Optional[KV]:
         arena = _arena_of(k, v)
         out.append(arena.views(columns) if arena is not None and arena.keys.shape[0] == k.shape[0]
                    else (k[:, :, :columns], v[:, :, :columns]))
+    return tuple(out)
+
+
+def shrink(kv: Optional[KV]) -> Optional[KV]:
+    """``kv`` with at most a few hundred spare columns of storage (room a generation reserved and did
+    not use, e.g. after an early EOS): one copy when there is more, else ``kv`` itself."""
+    if kv is None:
+        return None
+    out = []
+    for k, v in kv:
+        arena, L = _arena_of(k, v), k.shape[2]
+        if arena is None or arena.keys.shape[2] - L <= 4 * _MIN_SLACK:
+            out.append((k, v))
+            continue
+        small = _Arena.allocate(k, k.shape[0], L + _MIN_SLACK)
+        small.keys[:, :, :L], small.values[:, :, :L] = k, v
+        small.filled = L
+        out.append(small.views(L))
     return tuple(out)
 
 

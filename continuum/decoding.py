@@ -248,7 +248,7 @@ def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, ki
     """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
     R = rows.ids.shape[0]
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
-                        logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kvcache.crop(rows.kv, fed),
+                        logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kvcache.shrink(kvcache.crop(rows.kv, fed)),
                         batch=state.batch, samples=samples)
     real, cached = raw._real_rows(), raw._cached_real()
     tails = [(ids[c:], lps[c:]) for (ids, lps), c in zip(real, cached)]

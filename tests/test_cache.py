@@ -1,0 +1,85 @@
+"""KV-cache storage (continuum/cache.py): in-place appends, copy-on-write, row selection, shrinking."""
+
+from __future__ import annotations
+
+import torch
+
+from continuum import cache as kvcache
+from continuum.decoding import positions
+
+
+def _prefill(model, n: int, rows: int = 1, reserve: int = 0):
+    ids = torch.randint(5, 200, (rows, n), generator=torch.Generator().manual_seed(n))
+    mask = torch.ones_like(ids)
+    _, kv = model.forward(ids, mask, positions(mask), None, logits="none", reserve=reserve)
+    return ids, kv
+
+
+def _step(model, ids, kv, token: int, reserve: int = 0):
+    new = torch.full((ids.shape[0], 1), token)
+    ids = torch.cat([ids, new], 1)
+    mask = torch.ones_like(ids)
+    logits, kv = model.forward(new, mask, positions(mask)[:, -1:], kv, reserve=reserve)
+    return ids, kv, logits
+
+
+def _fresh_logits(model, ids):
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return model.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1].float()
+
+
+def _storage(kv):
+    return kv[0][0].untyped_storage().data_ptr()
+
+
+def test_append_in_place_only_at_the_fill_mark(gpt2_model):
+    ids, kv = _prefill(gpt2_model, 8, reserve=10)
+    before = [t.clone() for pair in kv for t in pair]
+    ids_a, kv_a, logits_a = _step(gpt2_model, ids, kv, 7)
+    assert _storage(kv_a) == _storage(kv)  # wrote after kv's columns, no copy
+    ids_b, kv_b, logits_b = _step(gpt2_model, ids, kv, 9)  # kv again: column 8 is taken by kv_a
+    assert _storage(kv_b) != _storage(kv)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in kv for t in pair]))
+    torch.testing.assert_close(logits_a, _fresh_logits(gpt2_model, ids_a), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits_b, _fresh_logits(gpt2_model, ids_b), atol=1e-4, rtol=0)
+    # kv_a's keys were not touched by kv_b's write
+    _, _, again = _step(gpt2_model, ids_a, kv_a, 11)
+    torch.testing.assert_close(again, _fresh_logits(gpt2_model, torch.cat([ids_a, torch.tensor([[11]])], 1)),
+                               atol=1e-4, rtol=0)
+
+
+def test_cropped_cache_copies_before_appending(llama_model):
+    ids, kv = _prefill(llama_model, 10, reserve=10)
+    cut = kvcache.crop(kv, 6)
+    ids2, kv2, logits = _step(llama_model, ids[:, :6], cut, 13)
+    assert _storage(kv2) != _storage(kv)
+    torch.testing.assert_close(logits, _fresh_logits(llama_model, ids2), atol=1e-4, rtol=0)
+    # the uncut cache can still append in place: nobody wrote past its columns
+    _, kv3, _ = _step(llama_model, ids, kv, 13)
+    assert _storage(kv3) == _storage(kv)
+
+
+def test_select_rows_views_and_copies(gpt2_model):
+    ids, kv = _prefill(gpt2_model, 5, rows=3, reserve=4)
+    assert kvcache.select_rows(kv, torch.arange(3)) is kv
+    fork = kvcache.select_rows(kvcache.select_rows(kv, torch.tensor([1])), torch.tensor([0, 0, 0, 0]))
+    seen: set = set()
+    kvcache.nbytes(kv, seen)
+    assert kvcache.nbytes(fork, seen) == 0  # narrow + expand views of kv: no new storage
+    order = torch.tensor([2, 0, 0])
+    beams = kvcache.select_rows(kv, order)
+    for (k, v), (k2, v2) in zip(kv, beams):
+        assert torch.equal(k2, k[order]) and torch.equal(v2, v[order])
+    _, kv_next, logits = _step(gpt2_model, ids[order], beams, 3)
+    assert _storage(kv_next) == _storage(beams)  # the reordered copy has room to append
+    torch.testing.assert_close(logits, _fresh_logits(gpt2_model, torch.cat([ids[order], torch.full((3, 1), 3)], 1)),
+                               atol=1e-4, rtol=0)
+
+
+def test_shrink_gives_back_unused_room(gpt2_model):
+    _, kv = _prefill(gpt2_model, 6, reserve=1000)
+    small = kvcache.shrink(kv)
+    assert kvcache.nbytes(small) < kvcache.nbytes(kv) / 10
+    assert all(torch.equal(a, b) for pa, pb in zip(kv, small) for a, b in zip(pa, pb))
+    assert kvcache.shrink(small) is not None and _storage(kvcache.shrink(small)) == _storage(small)
