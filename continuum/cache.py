@@ -19,6 +19,7 @@ back, or continued a second time) starts a new arena.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Optional
@@ -70,11 +71,16 @@ class _Arena:
 
 
 def _arena_of(keys: torch.Tensor, values: torch.Tensor) -> Optional[_Arena]:
+    """The arena ``keys``/``values`` are the first columns of (only :meth:`_Arena.views` marks
+    tensors; any other view or copy, e.g. a subset of rows, has none)."""
     arena = getattr(keys, "_continuum_arena", None)
     return arena if arena is not None and getattr(values, "_continuum_arena", None) is arena else None
 
 
-def _append_layer_class():
+@functools.cache
+def _append_layer() -> type:
+    """The ``DynamicLayer`` subclass that appends into an :class:`_Arena` (built on first use:
+    transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
 
     class AppendLayer(DynamicLayer):
@@ -90,7 +96,7 @@ def _append_layer_class():
             L = 0 if self.keys is None else self.keys.shape[2]
             n = key_states.shape[2]
             arena = None if L == 0 else _arena_of(self.keys, self.values)
-            if arena is None or arena.keys.shape[0] != key_states.shape[0] or not arena.claim(L, n):
+            if arena is None or not arena.claim(L, n):
                 arena = _Arena.allocate(key_states, key_states.shape[0], L + n + max(self.reserve, _MIN_SLACK))
                 if L:
                     arena.keys[:, :, :L] = self.keys
@@ -102,16 +108,6 @@ def _append_layer_class():
             return self.keys, self.values
 
     return AppendLayer
-
-
-_APPEND_LAYER = None
-
-
-def _append_layer():
-    global _APPEND_LAYER
-    if _APPEND_LAYER is None:
-        _APPEND_LAYER = _append_layer_class()
-    return _APPEND_LAYER
 
 
 _CHECKED_CONFIGS: dict[int, tuple[weakref.ref, int]] = {}  # id(config) -> (config, number of full-attention layers)
@@ -193,7 +189,7 @@ def select_rows(kv: Optional[KV], rows: torch.Tensor) -> Optional[KV]:
     out = []
     for k, v in kv:
         arena = _arena_of(k, v)
-        if arena is not None and arena.keys.shape[0] == k.shape[0]:  # beam reorder: copy into a new arena
+        if arena is not None:  # beam reorder: copy into a new arena, ready to append
             out.append(arena.select_rows(rows, k.shape[2]).views(k.shape[2]))
         else:
             out.append((k.index_select(0, rows), v.index_select(0, rows)))
@@ -209,8 +205,7 @@ def crop(kv: Optional[KV], columns: int) -> Optional[KV]:
     out = []
     for k, v in kv:
         arena = _arena_of(k, v)
-        out.append(arena.views(columns) if arena is not None and arena.keys.shape[0] == k.shape[0]
-                   else (k[:, :, :columns], v[:, :, :columns]))
+        out.append(arena.views(columns) if arena is not None else (k[:, :, :columns], v[:, :, :columns]))
     return tuple(out)
 
 

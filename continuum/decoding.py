@@ -25,11 +25,11 @@ from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guides import Guide, build_mask
 from .samplers import Sampler
 from .state import LastStep, SequenceState
-
-_RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
 from .text import Detokenizer
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
+
+_RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
