@@ -541,6 +541,7 @@ def test_random_programs_keep_every_invariant(model, data):
         sampler = samplers.greedy() if state.samples == 1 else samplers.multinomial(state.samples)
         gen = continuous(generate.text(model, sampler))
         a = gen(state, max_tokens=3, rng=torch.Generator().manual_seed(7))
+        prog.history.append((a, snapshot(a)))  # b must not write where a looks (a appended in place)
         b = gen(state, max_tokens=3, rng=torch.Generator().manual_seed(7))
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.weights, b.weights) and list(a) == list(b)
         for old, snap in prog.history:
