@@ -320,6 +320,11 @@ class SequenceState:
     # ------------------------------------------------------------------ indexing
     def __getitem__(self, key) -> Union["SequenceState", str, list[str]]:
         key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):  # numpy-style: `...` stands for the missing leading axes
+            at = key.index(Ellipsis)
+            if key.count(Ellipsis) > 1 or len(key) > 3:
+                raise IndexError("a state index can hold at most one `...` and three positions (batch, sample, chars)")
+            key = key[:at] + (slice(None),) * (4 - len(key)) + key[at + 1:]
         forms = {3: "state[batch, sample, chars]"}
         if self.batch == 1 and self.samples == 1:
             forms[1] = "state[chars]"

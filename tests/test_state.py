@@ -178,6 +178,24 @@ def test_index_shorthands_and_arity_errors(model):
         batch[3:, :]
 
 
+def test_index_with_ellipsis_works_for_any_shape(model):
+    batch = continuous(generate.text(model, samplers.multinomial(2)))(PROMPTS[:2], max_tokens=3,
+                                                                     rng=torch.Generator().manual_seed(0))
+    texts = list(batch)
+    assert list(batch[..., :6]) == [t[:6] for t in texts]
+    assert list(batch[..., :6]) == list(batch[:, :, :6])
+    assert batch[..., :6].cached_tokens.shape == (2, 2)
+    assert list(batch[1, ...]) == texts[2:]
+    assert list(batch[...]) == texts
+    assert batch[..., 0] == [t[0] for t in texts]
+    one = greedy_c(model)("Once upon a time", max_tokens=3)
+    assert list(one[..., :4]) == [list(one)[0][:4]]
+    with pytest.raises(IndexError, match="at most one"):
+        batch[..., 0, ...]
+    with pytest.raises(IndexError, match="at most one"):
+        batch[0, 0, ..., :3]
+
+
 def test_index_with_int_chars_returns_characters(model):
     batch = greedy_c(model)(PROMPTS, max_tokens=2)
     assert batch[0, 0] == PROMPTS[0][0]
