@@ -28,7 +28,7 @@ import torch
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
-__all__ = ["KV", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "gather_columns", "nbytes", "length"]
+__all__ = ["KV", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "gather_columns", "nbytes", "length"]
 
 
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits
@@ -110,24 +110,27 @@ def _append_layer() -> type:
     return AppendLayer
 
 
-_CHECKED_CONFIGS: dict[int, tuple[weakref.ref, int]] = {}  # id(config) -> (config, number of full-attention layers)
+_CHECKED_CONFIGS: dict[int, tuple[weakref.ref, int, bool]] = {}  # id(config) -> (config, layers, any sliding)
 
 
-def _check_full_attention(config) -> int:
-    """Build one ``DynamicCache(config=...)`` per config to check every layer is a full-attention
-    ``DynamicLayer`` (sliding-window or linear layers would need another cache layout)."""
+def layer_kinds(config) -> tuple[int, bool]:
+    """(number of layers, whether any is a sliding-window layer), from one ``DynamicCache(config=...)``
+    per config. Sliding-window layers are served by full ones: every column stays cached (slicing
+    back needs them) and the model adapter masks what lies outside the window. Other kinds (linear
+    attention, recurrent state) would need another cache layout and are refused."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     seen = _CHECKED_CONFIGS.get(id(config))
     if seen is not None and seen[0]() is config:  # ids are reused once a config is freed
-        return seen[1]
+        return seen[1], seen[2]
     layers = DynamicCache(config=config).layers
-    bad = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+    bad = {type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)}
     if bad:
-        raise NotImplementedError(f"continuum supports full-attention KV caches only, not {sorted(bad)}")
-    _CHECKED_CONFIGS[id(config)] = (weakref.ref(config), len(layers))
-    return len(layers)
+        raise NotImplementedError(f"continuum supports attention KV caches (full or sliding window), not {sorted(bad)}")
+    sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
+    _CHECKED_CONFIGS[id(config)] = (weakref.ref(config), len(layers), sliding)
+    return len(layers), sliding
 
 
 def to_dynamic_cache(kv: Optional[KV], config, reserve: int = 0) -> "DynamicCache":  # noqa: F821
@@ -139,7 +142,7 @@ def to_dynamic_cache(kv: Optional[KV], config, reserve: int = 0) -> "DynamicCach
     """
     from transformers import DynamicCache
 
-    n = _check_full_attention(config)
+    n, _ = layer_kinds(config)
     if kv is not None and len(kv) != n:
         raise ValueError(f"cache has {len(kv)} layers, the model {n}")
     layer_cls = _append_layer()

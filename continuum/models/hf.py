@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..cache import KV, to_dynamic_cache, from_dynamic_cache
+from ..cache import KV, from_dynamic_cache, layer_kinds, to_dynamic_cache
 from ..errors import ContinuumError
 from .tokenizer import Tokenizer
 
@@ -42,6 +42,11 @@ class Transformers:
         self.context_length: int | None = getattr(text_cfg, "max_position_embeddings", None) or getattr(
             text_cfg, "n_positions", None
         )
+        # Sliding-window layers: the window must be measured in positions, not columns (a state's
+        # cached layout has holes where text was cut), so such models get explicit 4-D masks.
+        _, sliding = layer_kinds(self.config)
+        self._window: int | None = getattr(text_cfg, "sliding_window", None) if sliding else None
+        self._mask_types = set(getattr(text_cfg, "layer_types", None) or ()) if sliding else set()
         self.tokens_computed = 0  # total positions passed to forward: benchmarks read it
         self.forward_calls = 0
 
@@ -78,7 +83,7 @@ class Transformers:
         past = to_dynamic_cache(cache, self.config, reserve)
         out = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=attention_mask if self._window is None else self._window_masks(attention_mask, input_ids.shape[1]),
             position_ids=position_ids,
             past_key_values=past,
             use_cache=True,
@@ -88,6 +93,29 @@ class Transformers:
         self.forward_calls += 1
         result = {"last": lambda: out.logits[:, -1, :].float(), "all": lambda: out.logits.float(), "none": lambda: None}[logits]()
         return result, from_dynamic_cache(out.past_key_values)
+
+
+    def _window_masks(self, mask: torch.Tensor, new: int):
+        """4-D additive masks ``(rows, 1, new, columns)`` for models with sliding-window layers.
+
+        A key is visible to a query when it is a real token at a position <= the query's, and, for
+        sliding layers, less than ``sliding_window`` positions back. Positions count real tokens,
+        so holes and padding never use up the window (Hugging Face counts columns, which is the
+        same thing only for compact left-padded rows). Models with per-layer ``layer_types`` get a
+        dict of masks, as their forward accepts.
+        """
+        pos = mask.cumsum(1) - 1
+        dist = pos[:, -new:, None] - pos[:, None, :]
+        causal = mask.bool()[:, None, :] & (dist >= 0)
+        sliding = causal & (dist < self._window)
+        low = torch.finfo(self.model.dtype).min
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(allowed.shape, dtype=self.model.dtype, device=mask.device).masked_fill_(~allowed, low)[:, None]
+
+        if not self._mask_types:  # every layer slides (Mistral-style configs)
+            return additive(sliding)
+        return {"full_attention": additive(causal), "sliding_attention": additive(sliding)}
 
 
 def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, **kwargs: Any) -> Transformers:
