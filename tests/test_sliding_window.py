@@ -1,4 +1,4 @@
-"""Models with sliding-window attention (Mistral-style: every layer; Qwen2-style: some layers).
+"""Models with sliding-window attention (Mistral-style: every layer; Qwen2/Gemma2-style: some layers).
 
 The window is tiny (6 positions) so every test runs far beyond it. The adapter masks by position,
 not by column, so holes left by slicing and padding never use up the window.
@@ -18,9 +18,10 @@ WINDOW = 6
 PROMPTS = ["Once upon a time there was", "Le café", "東京は 🤗 and more"]
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2-mixed"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2-mixed", "gemma2"])
 def sliding_model(request, spm_tokenizer):
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     torch.manual_seed(0)
     common = dict(vocab_size=len(spm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -28,9 +29,12 @@ def sliding_model(request, spm_tokenizer):
                   bos_token_id=spm_tokenizer.bos_token_id, eos_token_id=spm_tokenizer.eos_token_id)
     if request.param == "mistral":
         hf = MistralForCausalLM(MistralConfig(**common))
-    else:  # layer 0 full attention, layer 1 sliding
+    elif request.param == "qwen2-mixed":  # layer 0 full attention, layer 1 sliding
         hf = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))
         assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    else:  # sliding then full; eager attention (soft-capping), so the additive mask path
+        hf = Gemma2ForCausalLM(Gemma2Config(head_dim=8, pad_token_id=spm_tokenizer.eos_token_id, **common))
+        assert hf.config.layer_types == ["sliding_attention", "full_attention"]
     return models.Transformers(_sharpen(hf.eval()), spm_tokenizer)
 
 
