@@ -19,29 +19,68 @@ from .errors import EmptyChoicesError, InvalidRegexError, UnsupportedSchemaError
 
 __all__ = ["Guide", "regex_guide", "choice_regex", "schema_to_regex", "escape", "SchemaCoverageWarning"]
 
-# Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14).
+# Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14;
+# upstream issues dottxt-ai/outlines-core#147 and #261).
 _UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
-               "patternProperties"}
+               "patternProperties", "contains", "minProperties", "maxProperties", "dependentRequired"}
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+                "$schema", "$id", "id"}
+# "Any JSON value", spelled so outlines-core groups it (see _prepare_schema).
+_ANY_VALUE = {"anyOf": [{"type": t} for t in ("string", "number", "boolean", "null", "array", "object")]}
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "propertyNames")
 
 
 class SchemaCoverageWarning(UserWarning):
     """The schema uses keywords the regex compiler ignores: outputs may violate them."""
 
 
-def _unenforced_keywords(node: Any, found: set[str]) -> set[str]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
-                for sub in value.values():
-                    _unenforced_keywords(sub, found)
-                continue
-            if key in _UNENFORCED:
-                found.add(key)
-            _unenforced_keywords(value, found)
-    elif isinstance(node, list):
-        for item in node:
-            _unenforced_keywords(item, found)
-    return found
+def _group_pattern(pattern: str) -> str:
+    """``pattern`` without its ``^``/``$`` anchors, in a group: outlines-core pastes it between two
+    quotes as is, so a top-level ``a|b`` would bind across them (outlines-core#267)."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$"):
+        body = pattern[:-1]
+        if (len(body) - len(body.rstrip("\\"))) % 2 == 0:  # an even run of backslashes: `$` is an anchor
+            pattern = body
+    return "(" + pattern + ")"
+
+
+def _prepare_schema(node: Any, ignored: set[str]) -> Any:
+    """A copy of schema ``node`` that outlines-core 0.2 compiles correctly; collects in ``ignored``
+    what it will not enforce.
+
+    Work-arounds: a schema without constraints (``{}``, ``true``, annotations only) compiles to an
+    ungrouped alternation that lets the whole document be a bare value (outlines-core#151), so it
+    becomes an explicit ``anyOf`` of every type; ``pattern`` gets grouped (see ``_group_pattern``).
+    """
+    if node is True:
+        return dict(_ANY_VALUE)
+    if not isinstance(node, dict):
+        return node
+    if set(node) <= _ANNOTATIONS:
+        return {**node, **_ANY_VALUE}
+    out = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _prepare_schema(v, ignored) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_prepare_schema(v, ignored) for v in value]
+        elif key in _SCHEMA_ONE and isinstance(value, dict):
+            out[key] = _prepare_schema(value, ignored)
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = _group_pattern(value)
+        else:
+            out[key] = value
+        if key in _UNENFORCED:
+            ignored.add(key)
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        ignored.add("pattern together with minLength/maxLength (only the length is enforced)")
+    if "properties" in node:
+        ignored.update(f"{k} beside properties" for k in ("allOf", "anyOf", "oneOf") if k in node)
+    return out
 
 # Characters with a meaning in outlines-core's (Rust) regex syntax.
 _META = set("\\.+*?()|[]{}^$#&-~")
@@ -88,11 +127,12 @@ def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tu
                 f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}"
             )
         parse = _json.loads
+    ignored: set[str] = set()
+    prepared = _prepare_schema(_json.loads(schema_str), ignored)
     try:
-        regex = build_regex_from_schema(schema_str, whitespace_pattern)
+        regex = build_regex_from_schema(_json.dumps(prepared), whitespace_pattern)
     except Exception as exc:  # outlines-core raises ValueError/TypeError/pyo3 errors
         raise UnsupportedSchemaError(f"cannot compile this JSON schema to a regex: {exc}") from exc
-    ignored = _unenforced_keywords(_json.loads(schema_str), set())
     if ignored:
         warnings.warn(f"the JSON schema uses {sorted(ignored)}, which constrained decoding does not enforce: "
                       "outputs follow the rest of the schema but may violate these (validate them after parsing)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..errors import GeneratorArgumentError
+from ..errors import GeneratorArgumentError, InvalidRegexError, UnsupportedSchemaError
 from ..guides import choice_regex, regex_guide, schema_to_regex
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
@@ -91,4 +91,8 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     _check_model(model)
     pattern, parse = schema_to_regex(schema, whitespace_pattern)
     name = getattr(schema, "__name__", "schema")
-    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="json", parse=parse, description=name)
+    try:
+        guide = regex_guide(pattern, model.tokenizer)
+    except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
+        raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
+    return Generator(model, sampler, guide, kind="json", parse=parse, description=name)
