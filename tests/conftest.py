@@ -158,6 +158,30 @@ def real_tokenizer_model(request):
     return models.Transformers(hf, tok)
 
 
+def next_logits_via_cache(state) -> torch.Tensor:
+    """Next-token logits computed the way continuing ``state`` computes them: its uncached suffix on its cache."""
+    from continuum.decoding import positions
+
+    C = state._kv[0][0].shape[-2] if state._kv else 0
+    logits, _ = state.model.forward(state._ids[:, C:], state._mask, positions(state._mask)[:, C:], state._kv)
+    return logits
+
+
+def next_logits_fresh(state) -> torch.Tensor:
+    """Next-token logits of a fresh forward pass of the HF model over ``state``'s (compact) token ids."""
+    from continuum.decoding import positions
+
+    ids, mask = state.token_ids, state.attention_masks
+    with torch.no_grad():
+        out = state.model.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
+    return out.logits[:, -1].float()
+
+
+def assert_reuse_exact(state, atol: float = 1e-4) -> None:
+    """Invariant 1: reusing the state's cache gives the logits of a fresh pass over its tokens."""
+    torch.testing.assert_close(next_logits_via_cache(state), next_logits_fresh(state), atol=atol, rtol=0)
+
+
 def count_forward_tokens(model):
     """Attach a forward pre-hook counting the input positions the HF model computes."""
     counter = {"tokens": 0, "calls": 0}

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from continuum import continuous, generate, models, samplers
-from continuum.decoding import positions
 
-from conftest import _sharpen
+from conftest import _sharpen, assert_reuse_exact
 
 ARCHITECTURES = {
     "qwen3": {},
@@ -58,9 +57,4 @@ def test_reused_cache_gives_fresh_logits(arch_model):
     states = [s, cut, g(cut + " and", max_tokens=4),
               continuous(generate.text(arch_model, samplers.beam_search(2)))(s, max_tokens=3)]
     for st in states:
-        C = st._kv[0][0].shape[-2] if st._kv else 0
-        cached, _ = arch_model.forward(st._ids[:, C:], st._mask, positions(st._mask)[:, C:], st._kv)
-        ids, mask = st.token_ids, st.attention_masks
-        with torch.no_grad():
-            fresh = arch_model.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1].float()
-        torch.testing.assert_close(cached, fresh, atol=1e-4, rtol=0)
+        assert_reuse_exact(st)

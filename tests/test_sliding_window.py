@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from continuum import continuous, generate, models, samplers
-from continuum.decoding import positions
 
-from conftest import _sharpen
+from conftest import _sharpen, assert_reuse_exact
 
 WINDOW = 6
 PROMPTS = ["Once upon a time there was", "Le café", "東京は 🤗 and more"]
@@ -36,18 +35,6 @@ def sliding_model(request, spm_tokenizer):
         hf = Gemma2ForCausalLM(Gemma2Config(head_dim=8, pad_token_id=spm_tokenizer.eos_token_id, **common))
         assert hf.config.layer_types == ["sliding_attention", "full_attention"]
     return models.Transformers(_sharpen(hf.eval()), spm_tokenizer)
-
-
-def _fresh_logits(state):
-    ids, mask = state.token_ids, state.attention_masks
-    with torch.no_grad():
-        return state.model.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1].float()
-
-
-def _cached_logits(state):
-    C = state._kv[0][0].shape[-2] if state._kv else 0
-    logits, _ = state.model.forward(state._ids[:, C:], state._mask, positions(state._mask)[:, C:], state._kv)
-    return logits
 
 
 def test_greedy_equals_hf_generate_beyond_the_window(sliding_model):
@@ -75,4 +62,4 @@ def test_reuse_is_exact_after_slicing_adding_and_forking(sliding_model):
                                                                                rng=torch.Generator().manual_seed(0))]
     assert any(bool((st._mask[:, :st._kv[0][0].shape[-2]] == 0).any()) for st in states if st._kv)  # holes exist
     for st in states:
-        torch.testing.assert_close(_cached_logits(st), _fresh_logits(st), atol=1e-4, rtol=0)
+        assert_reuse_exact(st)

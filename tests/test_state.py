@@ -8,33 +8,15 @@ import pytest
 import torch
 
 from continuum import BatchMismatch, SampleMismatch, SequenceState, SlicingError, continuous, generate, samplers
-from continuum.decoding import positions
 from continuum.errors import StateFileError
 
-from conftest import count_forward_tokens
+from conftest import assert_reuse_exact, count_forward_tokens
 
 PROMPTS = ["Once upon a time", "Le café 東京 🤗", "The dog"]
 
 
 def greedy_c(model):
     return continuous(generate.text(model, samplers.greedy()))
-
-
-def next_logits_via_cache(state: SequenceState) -> torch.Tensor:
-    C = state._kv[0][0].shape[-2] if state._kv else 0
-    logits, _ = state.model.forward(state._ids[:, C:], state._mask, positions(state._mask)[:, C:], state._kv)
-    return logits
-
-
-def next_logits_fresh(state: SequenceState) -> torch.Tensor:
-    ids, mask = state.token_ids, state.attention_masks
-    with torch.no_grad():
-        out = state.model.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask))
-    return out.logits[:, -1].float()
-
-
-def assert_reuse_exact(state: SequenceState):
-    assert torch.allclose(next_logits_via_cache(state), next_logits_fresh(state), atol=1e-4)
 
 
 def snapshot(state: SequenceState):
