@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from continuum import continuous, generate, models, samplers
-from continuum.errors import ContextLengthError, GeneratorArgumentError, SampleMismatch, TokenizerError
+from continuum.errors import ContextLengthError, GeneratorArgumentError, TokenizerError
 
 PROMPTS = ["Once upon a time", "The dog", "Le café est très", "東京は 🤗"]
 

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 from conftest import count_forward_tokens
-from hypothesis import HealthCheck, Phase, assume, event, given, note, settings
+from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 
 from continuum import SequenceState, SlicingError, continuous, generate, samplers
