@@ -66,7 +66,7 @@ def _prepare_schema(node: Any, ignored: set[str]) -> Any:
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {k: _prepare_schema(v, ignored) for k, v in value.items()}
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
+        elif (key in _SCHEMA_LISTS or key in _SCHEMA_ONE) and isinstance(value, list):  # also draft-4 tuple `items`
             out[key] = [_prepare_schema(v, ignored) for v in value]
         elif key in _SCHEMA_ONE and isinstance(value, dict):
             out[key] = _prepare_schema(value, ignored)

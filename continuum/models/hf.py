@@ -46,7 +46,7 @@ class Transformers:
         # cached layout has holes where text was cut), so such models get explicit 4-D masks.
         _, sliding = layer_kinds(self.config)
         self._window: int | None = getattr(text_cfg, "sliding_window", None) if sliding else None
-        self._mask_types = set(getattr(text_cfg, "layer_types", None) or ()) if sliding else set()
+        self._per_layer_masks = sliding and bool(getattr(text_cfg, "layer_types", None))
         self.tokens_computed = 0  # total positions passed to forward: benchmarks read it
         self.forward_calls = 0
 
@@ -113,7 +113,7 @@ class Transformers:
         def additive(allowed: torch.Tensor) -> torch.Tensor:
             return torch.zeros(allowed.shape, dtype=self.model.dtype, device=mask.device).masked_fill_(~allowed, low)[:, None]
 
-        if not self._mask_types:  # every layer slides (Mistral-style configs)
+        if not self._per_layer_masks:  # every layer slides (Mistral-style configs)
             return additive(sliding)
         return {"full_attention": additive(causal), "sliding_attention": additive(sliding)}
 
