@@ -155,6 +155,8 @@ def decode(
     model, tok = state._model, state._model.tokenizer
     group, n = state.samples, sampler.samples
 
+    if steps == 0:  # prefill only: everything but the last token, which stays uncached
+        state = prefill(state)
     rows = _Rows(state, steps, guide, track_text or bool(stops))
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
@@ -168,14 +170,12 @@ def decode(
         reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once
         return model.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 
-    if steps == 0:  # prefill only: everything but the last token, which stays uncached
-        if W - 1 > C:
-            _, rows.kv = forward(C, W - 1, logits="none")
-        if n != group:
+    if steps == 0:
+        if n != group:  # fork: the samples share the prefilled cache
             fork = torch.arange(state.rows).repeat_interleave(n)
             rows.reorder(fork)
             rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
-        return _finish(state, rows, W - 1 if W - 1 > C else C, n, guide, kind, parse, max_tokens, sampler)
+        return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler)
 
     logits, rows.kv = forward(C, W)
     fed = W
