@@ -17,6 +17,7 @@ from typing import Generator, Optional, Sequence
 
 import torch
 
+from . import cache as kvcache
 from .decoding import Step, check_continuable, positions, prefill
 from .samplers import Sampler
 from .state import LastStep, SequenceState
@@ -41,7 +42,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
              for i, ((ids, lps), c) in enumerate(zip(real, cached))]
     cand = pairs._rebuild(cached, tails, pairs._weights, None)
 
-    C, W = (cand._kv[0][0].shape[-2] if cand._kv else 0), cand._ids.shape[1]
+    C, W = kvcache.length(cand._kv), cand._ids.shape[1]
     logits, kv = model.forward(cand._ids[:, C:], cand._mask, positions(cand._mask)[:, C:], cand._kv, logits="all")
     logprobs = torch.log_softmax(logits, -1)  # (R*K, W-C, V): column j predicts column C+j+1
     lengths = torch.tensor([len(option_ids[i % K]) for i in range(R * K)])
@@ -60,7 +61,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
     weights = state._weights.to(torch.float32).index_select(0, ancestors) + gain.index_select(0, chosen)
     weights = weights.masked_fill(ranked == float("-inf"), float("-inf"))  # dead beams (fewer pairs than beams)
     full = SequenceState(model=model, ids=cand._ids, mask=cand._mask, logprobs=token_lp, weights=cand._weights,
-                         kv=tuple((k[:, :, :W - 1], v[:, :, :W - 1]) for k, v in kv), batch=state.batch,
+                         kv=kvcache.crop(kv, W - 1), batch=state.batch,
                          samples=state.samples * K)
     order = list(range(chosen.numel()))
     if sampler.is_beam_search:  # best first, by the score the search ranked with
