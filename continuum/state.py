@@ -13,8 +13,9 @@ Two invariants keep continuing cheap and exact:
 
 * the last column is a real token of every non-empty row, and it is never cached, so the next
   step's logits come from prefilling the suffix (at most ``new tokens + 1`` positions computed);
-* tensors are never written in place after construction, so states share tensors (and cache
-  views) freely: slicing, adding and continuing never change another state.
+* nothing a state can see is ever written after construction (new KV columns are appended past
+  every view, see ``cache.py``), so states share tensors (and cache views) freely: slicing,
+  adding and continuing never change another state.
 """
 
 from __future__ import annotations
