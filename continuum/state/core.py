@@ -20,21 +20,17 @@ Two invariants keep continuing cheap and exact:
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
-from . import cache as kvcache
-from .errors import BatchMismatch, IncompleteGenerationError, SampleMismatch, SlicingError, StateFileError
-from .text import longest_token_prefix, token_char_spans
+from .. import cache as kvcache
+from ..errors import BatchMismatch, IncompleteGenerationError
 
 __all__ = ["SequenceState", "LastStep"]
 
 _NAN = float("nan")
-_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -318,168 +314,20 @@ class SequenceState:
                              weights=self._weights.index_select(0, idx.to(self._weights.device)),
                              kv=kv, batch=batch, samples=samples, last=self._last.select(rows) if self._last else None)
 
-    # ------------------------------------------------------------------ indexing
+    # ------------------------------------------------------------------ indexing, adding, stacking, persistence
     def __getitem__(self, key) -> Union["SequenceState", str, list[str]]:
-        key = key if isinstance(key, tuple) else (key,)
-        if any(k is Ellipsis for k in key):  # numpy-style: `...` stands for the missing leading axes
-            at = key.index(Ellipsis)
-            if key.count(Ellipsis) > 1 or len(key) > 3:
-                raise IndexError("a state index can hold at most one `...` and three positions (batch, sample, chars)")
-            key = key[:at] + (slice(None),) * (4 - len(key)) + key[at + 1:]
-        forms = {3: "state[batch, sample, chars]"}
-        if self.batch == 1 and self.samples == 1:
-            forms[1] = "state[chars]"
-        elif self.batch == 1:
-            forms[2] = "state[sample, chars]"
-        elif self.samples == 1:
-            forms[2] = "state[batch, chars]"
-        if len(key) not in forms:
-            raise IndexError(
-                f"a state of shape (batch={self.batch}, samples={self.samples}) takes "
-                + " or ".join(sorted(set(forms.values()), key=len)) + f"; got {len(key)} index(es)")
-        if len(key) == 3:
-            bkey, skey, ckey = key
-        elif len(key) == 1:
-            bkey, skey, ckey = 0, 0, key[0]
-        elif self.batch == 1:
-            bkey, skey, ckey = 0, key[0], key[1]
-        else:
-            bkey, skey, ckey = key[0], 0, key[1]
-        bsel = _axis(bkey, self.batch, "batch")
-        ssel = _axis(skey, self.samples, "sample")
-        rows = [b * self.samples + s for b in bsel for s in ssel]
-        state = self if rows == list(range(self.rows)) else self._select(rows, len(bsel), len(ssel))
-        if isinstance(ckey, int):
-            texts = state.texts
-            try:
-                chars = [t[ckey] for t in texts]
-            except IndexError:
-                raise IndexError(f"character index {ckey} out of range for row texts of lengths {[len(t) for t in texts]}") from None
-            return chars[0] if len(chars) == 1 else chars
-        if not isinstance(ckey, slice):
-            raise IndexError(f"the chars index must be an int or a slice, got {type(ckey).__name__}")
-        if ckey.step not in (None, 1):
-            raise SlicingError(f"the chars slice must have step 1 (got {ckey.step}); text cannot be cut with gaps")
-        return state._slice_chars(ckey.start, ckey.stop)
-
-    def _slice_chars(self, start: int | None, stop: int | None) -> "SequenceState":
-        texts = self.texts
-        bounds = [slice(start, stop).indices(len(t))[:2] for t in texts]
-        if all(s == 0 for s, _ in bounds):
-            if all(e >= len(t) for (_, e), t in zip(bounds, texts)):
-                return self
-            return self._truncate([max(e, 0) for _, e in bounds])
-        return self._resegment(bounds)
+        return indexing.getitem(self, key)
 
     def _truncate(self, ends: Sequence[int]) -> "SequenceState":
         """Keep the first ``ends[r]`` characters of each row, reusing the cache of what stays."""
-        texts, real, cached = self.texts, self._real_rows(), self._cached_real()
-        tok = self._model.tokenizer
-        keep, tails, weights = [], [], []
-        for r in range(self.rows):
-            ids, lps = real[r]
-            if ends[r] >= len(texts[r]):  # an uncut row keeps its tokens and carried weight
-                keep.append(cached[r])
-                tails.append((ids[cached[r]:], lps[cached[r]:]))
-                weights.append(float(self._weights[r]))
-                continue
-            target = texts[r][:ends[r]]
-            k, n = longest_token_prefix(tok, ids, target)
-            leftover = tok.encode_continuation(target[n:])
-            if leftover and tok.decode(ids[:k] + leftover) != target:
-                # the re-encoded text merged with a kept dangling byte token: back off a few tokens
-                for k2 in range(k - 1, max(-1, k - 9), -1):
-                    prefix = tok.decode(ids[:k2])
-                    rest = tok.encode_continuation(target[len(prefix):]) if target.startswith(prefix) else None
-                    if rest is not None and tok.decode(ids[:k2] + rest) == target:
-                        k, n, leftover = k2, len(prefix), rest
-                        break
-            c = min(k, cached[r])
-            keep.append(c)
-            tails.append((ids[c:k] + leftover, lps[c:k] + [_NAN] * len(leftover)))
-            weights.append(math.fsum(x for x in lps[:k] if x == x))
-        last = None
-        if self._last is not None:
-            ends_ = tuple(min(e, ends[r]) for r, e in enumerate(self._last.ends))
-            starts = tuple(min(s, ends[r]) for r, s in enumerate(self._last.starts))
-            complete = tuple(c and e <= ends[r] for r, (c, e) in enumerate(zip(self._last.complete, self._last.ends)))
-            last = self._last.edited(starts=starts, ends=ends_, complete=complete)
-        return self._rebuild(keep, tails, torch.tensor(weights, dtype=self._weights.dtype), last)
-
-    def _resegment(self, bounds: Sequence[tuple[int, int]]) -> "SequenceState":
-        """Cut ``text[start:stop]`` per row: re-tokenized as fresh prompts, no cache."""
-        tok = self._model.tokenizer
-        texts, real = self.texts, self._real_rows()
-        new_texts, weights = [], []
-        for r, (s, e) in enumerate(bounds):
-            ids, lps = real[r]
-            spans = token_char_spans(tok, ids)
-            weights.append(math.fsum(l for l, (a, b) in zip(lps, spans) if l == l and a >= s and b <= max(e, s) and b > a))
-            new_texts.append(texts[r][s:max(e, s)])
-        rows = tok.encode_prompts(new_texts)
-        last = None
-        if self._last is not None:
-            clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
-            last = self._last.edited(starts=tuple(clip(x, r) for r, x in enumerate(self._last.starts)),
-                           ends=tuple(clip(x, r) for r, x in enumerate(self._last.ends)),
-                           complete=tuple(c and self._last.ends[r] <= bounds[r][1] for r, c in enumerate(self._last.complete)))
-        return SequenceState._from_rows(self._model, rows, [[_NAN] * len(x) for x in rows],
-                                        torch.tensor(weights, dtype=self._weights.dtype), self.batch, self.samples, last)
-
-    # ------------------------------------------------------------------ adding
-    def _per_row_texts(self, other: Union[str, Sequence[str]], op: str) -> list[str]:
-        if isinstance(other, str):
-            return [other] * self.rows
-        other = list(other)
-        if len(other) != self.batch:
-            raise BatchMismatch(f"{op} a list of {len(other)} strings to a state with batch={self.batch}: "
-                                f"give one string per batch row, or a single string for all rows")
-        if not all(isinstance(t, str) for t in other):
-            raise TypeError("only strings can be added to a state")
-        return [other[r // self.samples] for r in range(self.rows)]
+        return indexing.truncate(self, ends)
 
     def __add__(self, other) -> "SequenceState":
-        if isinstance(other, SequenceState):
-            self._check_compatible(other)
-            appended = other.texts
-            weights = self._weights + other._weights.to(self._weights.device)
-        elif isinstance(other, (str, list, tuple)):
-            appended = self._per_row_texts(other, "adding")
-            weights = self._weights
-        else:
-            return NotImplemented
-        tok, real, cached = self._model.tokenizer, self._real_rows(), self._cached_real()
-        tails = []
-        for r in range(self.rows):
-            ids, lps = real[r]
-            extra = tok.encode_continuation(appended[r])
-            tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
-        return self._rebuild(cached, tails, weights, self._last.edited() if self._last else None)
+        return combine.add(self, other)
 
     def __radd__(self, other) -> "SequenceState":
-        if not isinstance(other, (str, list, tuple)):
-            return NotImplemented
-        prefixes = self._per_row_texts(other, "prepending")
-        texts = self.texts
-        rows = self._model.tokenizer.encode_prompts([p + t for p, t in zip(prefixes, texts)])
-        last = None
-        if self._last is not None:
-            last = self._last.edited(starts=tuple(s + len(prefixes[r]) for r, s in enumerate(self._last.starts)),
-                           ends=tuple(e + len(prefixes[r]) for r, e in enumerate(self._last.ends)))
-        return SequenceState._from_rows(self._model, rows, [[_NAN] * len(x) for x in rows], self._weights,
-                                        self.batch, self.samples, last)
+        return combine.radd(self, other)
 
-    def _check_compatible(self, other: "SequenceState") -> None:
-        if other._model.tokenizer.fingerprint != self._model.tokenizer.fingerprint:
-            raise ValueError("cannot add states of different tokenizers")
-        if other.batch != self.batch:
-            raise BatchMismatch(f"cannot add a state with batch={other.batch} to one with batch={self.batch}; "
-                                f"select matching rows first, e.g. other[:{self.batch}, ...]")
-        if other.samples != self.samples:
-            raise SampleMismatch(f"cannot add a state with samples={other.samples} to one with samples={self.samples}; "
-                                 f"select one sample (state[:, i, :]) or continue with a {self.samples}-sample generator")
-
-    # ------------------------------------------------------------------ stacking
     @staticmethod
     def stack(states: Sequence["SequenceState"]) -> "SequenceState":
         """Stack states along the batch axis (same tokenizer and samples), keeping their caches.
@@ -487,119 +335,16 @@ class SequenceState:
         Each state's cached columns are left-padded to the widest cache and its uncached suffix to
         the widest suffix, so every row keeps its cache and positions.
         """
-        states = list(states)
-        if not states:
-            raise BatchMismatch("cannot stack an empty list of states")
-        first = states[0]
-        if len(states) == 1:
-            return first
-        for s in states[1:]:
-            if s.samples != first.samples:
-                raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}")
-            if s._model.tokenizer.fingerprint != first._model.tokenizer.fingerprint:
-                raise ValueError("cannot stack states of different tokenizers")
-        widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
-        C, S = max(c for c, _ in widths), max(w for _, w in widths)
-        pad_id = first._model.tokenizer.pad_token_id
+        return combine.stack(states)
 
-        def padded(t: torch.Tensor, c: int, w: int, fill) -> torch.Tensor:
-            rows = t.shape[0]
-            gap1, gap2 = t.new_full((rows, C - c), fill), t.new_full((rows, S - w), fill)
-            return torch.cat([gap1, t[:, :c], gap2, t[:, c:]], 1)
-
-        ids = torch.cat([padded(s._ids, c, w, pad_id) for s, (c, w) in zip(states, widths)])
-        mask = torch.cat([padded(s._mask, c, w, 0) for s, (c, w) in zip(states, widths)])
-        lp = torch.cat([padded(s._logprobs, c, w, _NAN) for s, (c, w) in zip(states, widths)])
-        kv = None
-        if C:
-            ref = next(s._kv for s in states if s._kv is not None)
-            layers = []
-            for i, (k0, _) in enumerate(ref):
-                ks, vs = [], []
-                for s, (c, _) in zip(states, widths):
-                    shape = (s.rows, k0.shape[1], C - c, k0.shape[3])
-                    gap = k0.new_zeros(shape)
-                    ks.append(torch.cat([gap, s._kv[i][0]], 2) if c else gap)
-                    vs.append(torch.cat([gap, s._kv[i][1]], 2) if c else gap)
-                layers.append((torch.cat(ks), torch.cat(vs)))
-            kv = tuple(layers)
-        weights = torch.cat([s._weights for s in states])
-        last = None
-        if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
-            l0 = states[0]._last
-            last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
-                             complete=sum((s._last.complete for s in states), ()))
-        return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
-                             batch=sum(s.batch for s in states), samples=first.samples, last=last)
-
-    # ------------------------------------------------------------------ persistence
     def save(self, path) -> None:
         """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata."""
-        from safetensors.torch import save_file
-
-        tensors = {"ids": self._ids, "mask": self._mask, "logprobs": self._logprobs, "weights": self._weights}
-        for i, (k, v) in enumerate(self._kv or ()):
-            tensors[f"k{i}"], tensors[f"v{i}"] = k, v
-        last = None
-        if self._last is not None:
-            last = {"kind": self._last.kind, "starts": self._last.starts, "ends": self._last.ends,
-                    "complete": self._last.complete, "max_tokens": self._last.max_tokens,
-                    "regex": self._last.regex, "guide_states": self._last.guide_states}
-        meta = {"format": _FORMAT_VERSION, "batch": self.batch, "samples": self.samples,
-                "tokenizer": self._model.tokenizer.fingerprint, "tokenizer_name": self._model.tokenizer.name,
-                "layers": len(self._kv or ()), "last": last}
-        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
+        persistence.save(self, path)
 
     @classmethod
     def load(cls, path, model) -> "SequenceState":
         """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer)."""
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {})["continuum"])
-                tensors = {k: f.get_tensor(k).to(model.device) for k in f.keys()}
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise StateFileError(f"{path} is not a readable continuum state file: {exc}") from exc
-        if meta.get("format") != _FORMAT_VERSION:
-            raise StateFileError(f"{path}: unsupported state format {meta.get('format')!r}")
-        if meta["tokenizer"] != model.tokenizer.fingerprint:
-            raise StateFileError(f"{path} was saved with tokenizer {meta['tokenizer_name']!r} "
-                                 f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
-        try:
-            kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
-            last = meta["last"]
-            if last is not None:
-                kind = last["kind"]
-                last = LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
-                                complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
-                                max_tokens=last["max_tokens"], regex=last.get("regex"),
-                                guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None)
-            return cls(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
-                       weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
-        except (KeyError, ValueError, TypeError) as exc:
-            raise StateFileError(f"{path} is corrupt: {exc}") from exc
-
-
-def _axis(key, size: int, name: str) -> list[int]:
-    if isinstance(key, bool):
-        raise IndexError(f"{name} index must be an int, a slice or a list of ints")
-    if isinstance(key, int):
-        if not -size <= key < size:
-            raise IndexError(f"{name} index {key} out of range for {size} {name} row(s)")
-        return [key % size]
-    if isinstance(key, slice):
-        sel = list(range(size))[key]
-        if not sel:
-            raise SlicingError(f"the {name} slice {key} selects no rows (size {size})")
-        return sel
-    if isinstance(key, (list, tuple)) and all(isinstance(k, int) for k in key):
-        if not key:
-            raise SlicingError(f"empty {name} selection")
-        return [k for item in key for k in _axis(item, size, name)]
-    raise IndexError(f"{name} index must be an int, a slice or a list of ints, got {type(key).__name__}")
+        return persistence.load(path, model)
 
 
 def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -614,3 +359,7 @@ def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]]
             mask[i, width - len(r):] = 1
             lp[i, width - len(r):] = torch.tensor(l, dtype=torch.float32)
     return ids.to(device), mask.to(device), lp.to(device)
+
+
+# the operations live in their own modules; they import this one, so they are bound here, last
+from . import combine, indexing, persistence  # noqa: E402

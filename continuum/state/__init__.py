@@ -1,0 +1,11 @@
+"""``SequenceState`` and the modules that implement its algebra.
+
+* ``core``: the state itself (layout, per-row views, properties, value, repr);
+* ``indexing``: ``state[batch, sample, chars]`` and cutting text;
+* ``combine``: ``+`` and stacking;
+* ``persistence``: save and load.
+"""
+
+from .core import LastStep, SequenceState
+
+__all__ = ["SequenceState", "LastStep"]

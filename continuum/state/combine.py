@@ -1,0 +1,120 @@
+"""Combining states: ``state + text``, ``text + state``, ``state + state`` and stacking along the batch axis."""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from .. import cache as kvcache
+from ..errors import BatchMismatch, SampleMismatch
+from .core import _NAN, SequenceState
+
+__all__ = ["add", "radd", "stack"]
+
+
+def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: str) -> list[str]:
+    if isinstance(other, str):
+        return [other] * state.rows
+    other = list(other)
+    if len(other) != state.batch:
+        raise BatchMismatch(f"{op} a list of {len(other)} strings to a state with batch={state.batch}: "
+                            f"give one string per batch row, or a single string for all rows")
+    if not all(isinstance(t, str) for t in other):
+        raise TypeError("only strings can be added to a state")
+    return [other[r // state.samples] for r in range(state.rows)]
+
+def add(state: SequenceState, other) -> SequenceState:
+    """``state + other``: append text (one string, one per batch row) or another state's text."""
+    if isinstance(other, SequenceState):
+        check_compatible(state, other)
+        appended = other.texts
+        weights = state._weights + other._weights.to(state._weights.device)
+    elif isinstance(other, (str, list, tuple)):
+        appended = per_row_texts(state, other, "adding")
+        weights = state._weights
+    else:
+        return NotImplemented
+    tok, real, cached = state._model.tokenizer, state._real_rows(), state._cached_real()
+    tails = []
+    for r in range(state.rows):
+        ids, lps = real[r]
+        extra = tok.encode_continuation(appended[r])
+        tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
+    return state._rebuild(cached, tails, weights, state._last.edited() if state._last else None)
+
+def radd(state: SequenceState, other) -> SequenceState:
+    """``text + state``: prepend text; the result is re-tokenized as a prompt (no cache)."""
+    if not isinstance(other, (str, list, tuple)):
+        return NotImplemented
+    prefixes = per_row_texts(state, other, "prepending")
+    texts = state.texts
+    rows = state._model.tokenizer.encode_prompts([p + t for p, t in zip(prefixes, texts)])
+    last = None
+    if state._last is not None:
+        last = state._last.edited(starts=tuple(s + len(prefixes[r]) for r, s in enumerate(state._last.starts)),
+                       ends=tuple(e + len(prefixes[r]) for r, e in enumerate(state._last.ends)))
+    return SequenceState._from_rows(state._model, rows, [[_NAN] * len(x) for x in rows], state._weights,
+                                    state.batch, state.samples, last)
+
+def check_compatible(state: SequenceState, other: SequenceState) -> None:
+    if other._model.tokenizer.fingerprint != state._model.tokenizer.fingerprint:
+        raise ValueError("cannot add states of different tokenizers")
+    if other.batch != state.batch:
+        raise BatchMismatch(f"cannot add a state with batch={other.batch} to one with batch={state.batch}; "
+                            f"select matching rows first, e.g. other[:{state.batch}, ...]")
+    if other.samples != state.samples:
+        raise SampleMismatch(f"cannot add a state with samples={other.samples} to one with samples={state.samples}; "
+                             f"select one sample (state[:, i, :]) or continue with a {state.samples}-sample generator")
+
+
+def stack(states: Sequence[SequenceState]) -> SequenceState:
+    """Stack states along the batch axis (same tokenizer and samples), keeping their caches.
+
+    Each state's cached columns are left-padded to the widest cache and its uncached suffix to
+    the widest suffix, so every row keeps its cache and positions.
+    """
+    states = list(states)
+    if not states:
+        raise BatchMismatch("cannot stack an empty list of states")
+    first = states[0]
+    if len(states) == 1:
+        return first
+    for s in states[1:]:
+        if s.samples != first.samples:
+            raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}")
+        if s._model.tokenizer.fingerprint != first._model.tokenizer.fingerprint:
+            raise ValueError("cannot stack states of different tokenizers")
+    widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
+    C, S = max(c for c, _ in widths), max(w for _, w in widths)
+    pad_id = first._model.tokenizer.pad_token_id
+
+    def padded(t: torch.Tensor, c: int, w: int, fill) -> torch.Tensor:
+        rows = t.shape[0]
+        gap1, gap2 = t.new_full((rows, C - c), fill), t.new_full((rows, S - w), fill)
+        return torch.cat([gap1, t[:, :c], gap2, t[:, c:]], 1)
+
+    ids = torch.cat([padded(s._ids, c, w, pad_id) for s, (c, w) in zip(states, widths)])
+    mask = torch.cat([padded(s._mask, c, w, 0) for s, (c, w) in zip(states, widths)])
+    lp = torch.cat([padded(s._logprobs, c, w, _NAN) for s, (c, w) in zip(states, widths)])
+    kv = None
+    if C:
+        ref = next(s._kv for s in states if s._kv is not None)
+        layers = []
+        for i, (k0, _) in enumerate(ref):
+            ks, vs = [], []
+            for s, (c, _) in zip(states, widths):
+                shape = (s.rows, k0.shape[1], C - c, k0.shape[3])
+                gap = k0.new_zeros(shape)
+                ks.append(torch.cat([gap, s._kv[i][0]], 2) if c else gap)
+                vs.append(torch.cat([gap, s._kv[i][1]], 2) if c else gap)
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        kv = tuple(layers)
+    weights = torch.cat([s._weights for s in states])
+    last = None
+    if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
+        l0 = states[0]._last
+        last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
+                         complete=sum((s._last.complete for s in states), ()))
+    return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
+                         batch=sum(s.batch for s in states), samples=first.samples, last=last)

@@ -1,0 +1,147 @@
+"""Indexing a state: ``state[batch, sample, chars]`` with its shorthands, and cutting text.
+
+Cutting from the start (``state[..., :n]``) keeps the cache of the longest token prefix inside the
+kept text (:func:`truncate`); any other cut re-tokenizes the kept text as a fresh prompt
+(:func:`resegment`). Weights keep the log-probs of the generated tokens that lie wholly inside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+
+from ..errors import SlicingError
+from ..text import longest_token_prefix, token_char_spans
+from .core import _NAN, SequenceState
+
+__all__ = ["getitem", "slice_chars", "truncate", "resegment"]
+
+
+def getitem(state: SequenceState, key) -> Union[SequenceState, str, list[str]]:
+    """``state[key]``: select batch/sample rows and cut text (see :class:`SequenceState`)."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis for k in key):  # numpy-style: `...` stands for the missing leading axes
+        at = key.index(Ellipsis)
+        if key.count(Ellipsis) > 1 or len(key) > 3:
+            raise IndexError("a state index can hold at most one `...` and three positions (batch, sample, chars)")
+        key = key[:at] + (slice(None),) * (4 - len(key)) + key[at + 1:]
+    forms = {3: "state[batch, sample, chars]"}
+    if state.batch == 1 and state.samples == 1:
+        forms[1] = "state[chars]"
+    elif state.batch == 1:
+        forms[2] = "state[sample, chars]"
+    elif state.samples == 1:
+        forms[2] = "state[batch, chars]"
+    if len(key) not in forms:
+        raise IndexError(
+            f"a state of shape (batch={state.batch}, samples={state.samples}) takes "
+            + " or ".join(sorted(set(forms.values()), key=len)) + f"; got {len(key)} index(es)")
+    if len(key) == 3:
+        bkey, skey, ckey = key
+    elif len(key) == 1:
+        bkey, skey, ckey = 0, 0, key[0]
+    elif state.batch == 1:
+        bkey, skey, ckey = 0, key[0], key[1]
+    else:
+        bkey, skey, ckey = key[0], 0, key[1]
+    bsel = _axis(bkey, state.batch, "batch")
+    ssel = _axis(skey, state.samples, "sample")
+    rows = [b * state.samples + s for b in bsel for s in ssel]
+    picked = state if rows == list(range(state.rows)) else state._select(rows, len(bsel), len(ssel))
+    if isinstance(ckey, int):
+        texts = picked.texts
+        try:
+            chars = [t[ckey] for t in texts]
+        except IndexError:
+            raise IndexError(f"character index {ckey} out of range for row texts of lengths {[len(t) for t in texts]}") from None
+        return chars[0] if len(chars) == 1 else chars
+    if not isinstance(ckey, slice):
+        raise IndexError(f"the chars index must be an int or a slice, got {type(ckey).__name__}")
+    if ckey.step not in (None, 1):
+        raise SlicingError(f"the chars slice must have step 1 (got {ckey.step}); text cannot be cut with gaps")
+    return slice_chars(picked, ckey.start, ckey.stop)
+
+def slice_chars(state: SequenceState, start: int | None, stop: int | None) -> SequenceState:
+    texts = state.texts
+    bounds = [slice(start, stop).indices(len(t))[:2] for t in texts]
+    if all(s == 0 for s, _ in bounds):
+        if all(e >= len(t) for (_, e), t in zip(bounds, texts)):
+            return state
+        return truncate(state, [max(e, 0) for _, e in bounds])
+    return resegment(state, bounds)
+
+def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
+    """Keep the first ``ends[r]`` characters of each row, reusing the cache of what stays."""
+    texts, real, cached = state.texts, state._real_rows(), state._cached_real()
+    tok = state._model.tokenizer
+    keep, tails, weights = [], [], []
+    for r in range(state.rows):
+        ids, lps = real[r]
+        if ends[r] >= len(texts[r]):  # an uncut row keeps its tokens and carried weight
+            keep.append(cached[r])
+            tails.append((ids[cached[r]:], lps[cached[r]:]))
+            weights.append(float(state._weights[r]))
+            continue
+        target = texts[r][:ends[r]]
+        k, n = longest_token_prefix(tok, ids, target)
+        leftover = tok.encode_continuation(target[n:])
+        if leftover and tok.decode(ids[:k] + leftover) != target:
+            # the re-encoded text merged with a kept dangling byte token: back off a few tokens
+            for k2 in range(k - 1, max(-1, k - 9), -1):
+                prefix = tok.decode(ids[:k2])
+                rest = tok.encode_continuation(target[len(prefix):]) if target.startswith(prefix) else None
+                if rest is not None and tok.decode(ids[:k2] + rest) == target:
+                    k, n, leftover = k2, len(prefix), rest
+                    break
+        c = min(k, cached[r])
+        keep.append(c)
+        tails.append((ids[c:k] + leftover, lps[c:k] + [_NAN] * len(leftover)))
+        weights.append(math.fsum(x for x in lps[:k] if x == x))
+    last = None
+    if state._last is not None:
+        ends_ = tuple(min(e, ends[r]) for r, e in enumerate(state._last.ends))
+        starts = tuple(min(s, ends[r]) for r, s in enumerate(state._last.starts))
+        complete = tuple(c and e <= ends[r] for r, (c, e) in enumerate(zip(state._last.complete, state._last.ends)))
+        last = state._last.edited(starts=starts, ends=ends_, complete=complete)
+    return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), last)
+
+def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> SequenceState:
+    """Cut ``text[start:stop]`` per row: re-tokenized as fresh prompts, no cache."""
+    tok = state._model.tokenizer
+    texts, real = state.texts, state._real_rows()
+    new_texts, weights = [], []
+    for r, (s, e) in enumerate(bounds):
+        ids, lps = real[r]
+        spans = token_char_spans(tok, ids)
+        weights.append(math.fsum(l for l, (a, b) in zip(lps, spans) if l == l and a >= s and b <= max(e, s) and b > a))
+        new_texts.append(texts[r][s:max(e, s)])
+    rows = tok.encode_prompts(new_texts)
+    last = None
+    if state._last is not None:
+        clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
+        last = state._last.edited(starts=tuple(clip(x, r) for r, x in enumerate(state._last.starts)),
+                       ends=tuple(clip(x, r) for r, x in enumerate(state._last.ends)),
+                       complete=tuple(c and state._last.ends[r] <= bounds[r][1] for r, c in enumerate(state._last.complete)))
+    return SequenceState._from_rows(state._model, rows, [[_NAN] * len(x) for x in rows],
+                                    torch.tensor(weights, dtype=state._weights.dtype), state.batch, state.samples, last)
+
+
+def _axis(key, size: int, name: str) -> list[int]:
+    if isinstance(key, bool):
+        raise IndexError(f"{name} index must be an int, a slice or a list of ints")
+    if isinstance(key, int):
+        if not -size <= key < size:
+            raise IndexError(f"{name} index {key} out of range for {size} {name} row(s)")
+        return [key % size]
+    if isinstance(key, slice):
+        sel = list(range(size))[key]
+        if not sel:
+            raise SlicingError(f"the {name} slice {key} selects no rows (size {size})")
+        return sel
+    if isinstance(key, (list, tuple)) and all(isinstance(k, int) for k in key):
+        if not key:
+            raise SlicingError(f"empty {name} selection")
+        return [k for item in key for k in _axis(item, size, name)]
+    raise IndexError(f"{name} index must be an int, a slice or a list of ints, got {type(key).__name__}")
