@@ -1,23 +1,18 @@
-"""Constraints: regex, choice and JSON compiled to outlines-core indexes, and vectorised masks.
+"""JSON Schema in front of the engines: preparing a schema so outlines-core compiles it soundly.
 
-outlines-core does the real work (regex -> token-level automaton over the vocabulary;
-JSON schema -> regex). This module caches compiled indexes per (pattern, tokenizer), turns a
-guide state into the tensor of allowed token ids (memoised per state), and builds the additive
-logits mask of a whole batch with one ``index_put``.
+outlines-core turns a schema into a regex (``build_regex_from_schema``); this module works around
+its known gaps and warns (:class:`SchemaCoverageWarning`) about keywords it does not enforce.
 """
 
 from __future__ import annotations
 
 import json as _json
-import threading
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
-import torch
+from ..errors import UnsupportedSchemaError
 
-from .errors import EmptyChoicesError, InvalidRegexError, UnsupportedSchemaError
-
-__all__ = ["Guide", "regex_guide", "choice_regex", "schema_to_regex", "escape", "SchemaCoverageWarning"]
+__all__ = ["schema_to_regex", "SchemaCoverageWarning"]
 
 # Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14;
 # upstream issues dottxt-ai/outlines-core#147 and #261).
@@ -30,6 +25,7 @@ _ANY_VALUE = {"anyOf": [{"type": t} for t in ("string", "number", "boolean", "nu
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "propertyNames")
+
 
 
 class SchemaCoverageWarning(UserWarning):
@@ -82,29 +78,6 @@ def _prepare_schema(node: Any, ignored: set[str]) -> Any:
         ignored.update(f"{k} beside properties" for k in ("allOf", "anyOf", "oneOf") if k in node)
     return out
 
-# Characters with a meaning in outlines-core's (Rust) regex syntax.
-_META = set("\\.+*?()|[]{}^$#&-~")
-_LOCK = threading.Lock()
-
-
-def escape(text: str) -> str:
-    """Escape ``text`` for outlines-core's regex syntax (Python's ``re.escape`` escapes more)."""
-    return "".join("\\" + c if c in _META else c for c in text)
-
-
-def choice_regex(choices: Sequence[str]) -> str:
-    """A regex matching exactly one of ``choices``."""
-    if isinstance(choices, str):
-        raise EmptyChoicesError("generate.choice takes a list of options, not a single string")
-    options = list(choices)
-    if not options:
-        raise EmptyChoicesError("generate.choice needs at least one option, e.g. ['yes', 'no']")
-    bad = [o for o in options if not isinstance(o, str) or o == ""]
-    if bad:
-        raise EmptyChoicesError(f"choice options must be non-empty strings; got {bad!r}")
-    return "(" + "|".join(escape(o) for o in options) + ")"
-
-
 def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tuple[str, Any]:
     """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string."""
     from outlines_core.json_schema import build_regex_from_schema
@@ -138,80 +111,3 @@ def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tu
                       "outputs follow the rest of the schema but may violate these (validate them after parsing)",
                       SchemaCoverageWarning, stacklevel=3)
     return regex, parse
-
-
-class Guide:
-    """A compiled constraint: an outlines-core ``Index`` plus memoised per-state allowed ids.
-
-    Guide states are plain ints (outlines-core automaton states), so per-row guide state in the
-    decoding loop is a list of ints that reorders like any other per-row state.
-
-    Example:
-        >>> guide = regex_guide(r"[0-9]{3}", model.tokenizer)   # doctest: +SKIP
-        >>> s = guide.initial_state; ids = guide.allowed(s)      # doctest: +SKIP
-    """
-
-    def __init__(self, regex: str, index: Any, eos_token_id: int):
-        self.regex = regex
-        self.index = index
-        self.eos_token_id = eos_token_id
-        self.initial_state: int = index.get_initial_state()
-        self._allowed: dict[int, torch.Tensor] = {}
-        self._final = set(index.get_final_states())
-
-    def __repr__(self) -> str:
-        return f"Guide({self.regex[:60]!r})"
-
-    def allowed(self, state: int) -> torch.Tensor:
-        ids = self._allowed.get(state)
-        if ids is None:
-            ids = torch.tensor(self.index.get_allowed_tokens(state) or [], dtype=torch.long)
-            self._allowed[state] = ids
-        return ids
-
-    def is_final(self, state: int) -> bool:
-        return state in self._final
-
-    def is_done(self, state: int) -> bool:
-        """Final and nothing but EOS allowed: the row ends here without sampling."""
-        if state not in self._final:
-            return False
-        ids = self.allowed(state)
-        return ids.numel() == 0 or bool((ids == self.eos_token_id).all())
-
-    def advance(self, state: int, token_id: int) -> int | None:
-        return self.index.get_next_state(state, token_id)
-
-
-def regex_guide(regex: str, tokenizer) -> Guide:
-    """Compile ``regex`` for ``tokenizer`` (cached per tokenizer: the second call is instant)."""
-    from outlines_core import Index
-
-    with _LOCK:
-        guide = tokenizer.index_cache.get(regex)
-    if guide is not None:
-        return guide
-    try:
-        index = Index(regex, tokenizer.vocabulary)
-    except Exception as exc:
-        raise InvalidRegexError(f"cannot compile regex {regex[:200]!r} for this tokenizer: {exc}") from exc
-    guide = Guide(regex, index, tokenizer.eos_token_id)
-    with _LOCK:
-        tokenizer.index_cache[regex] = guide
-    return guide
-
-
-def build_mask(guide: Guide, states: Sequence[int | None], vocab_size: int, device) -> torch.Tensor:
-    """Additive mask ``(rows, vocab)``: 0 where allowed, -inf elsewhere; ``None`` states are free rows."""
-    mask = torch.full((len(states), vocab_size), float("-inf"), device=device)
-    rows, cols = [], []
-    for r, s in enumerate(states):
-        if s is None:
-            mask[r] = 0.0
-            continue
-        ids = guide.allowed(s)
-        rows.append(torch.full_like(ids, r))
-        cols.append(ids)
-    if rows:
-        mask.index_put_((torch.cat(rows).to(device), torch.cat(cols).to(device)), torch.zeros((), device=device))
-    return mask
