@@ -9,8 +9,10 @@ from .errors import (
     BatchMismatch,
     ContinuumError,
     IncompleteGenerationError,
+    ModelMismatch,
     SampleMismatch,
     SlicingError,
+    TokenizerMismatch,
 )
 from .generate import continuous
 from .state import SequenceState
@@ -28,4 +30,6 @@ __all__ = [
     "BatchMismatch",
     "SlicingError",
     "IncompleteGenerationError",
+    "ModelMismatch",
+    "TokenizerMismatch",
 ]

@@ -20,6 +20,8 @@ __all__ = [
     "ContextLengthError",
     "TokenizerError",
     "StateFileError",
+    "ModelMismatch",
+    "TokenizerMismatch",
 ]
 
 
@@ -61,6 +63,22 @@ class ContextLengthError(ContinuumError, ValueError):
 
 class TokenizerError(ContinuumError, ValueError):
     """The tokenizer cannot be used as given (no pad/eos token, another tokenizer's state...)."""
+
+
+class TokenizerMismatch(TokenizerError, GeneratorArgumentError):
+    """States, or a state and a generator, belong to models with different tokenizers.
+
+    Token ids mean nothing under another vocabulary; rebuild the state from its text instead,
+    e.g. ``SequenceState.from_prompts(model, list(state))`` (weights and log-probs are not carried).
+    """
+
+
+class ModelMismatch(ContinuumError, ValueError):
+    """States of different models (same tokenizer) were combined.
+
+    Convert one first: ``other.to_model(state.model)`` keeps tokens, weights, log-probs and the
+    last step, and drops the other model's KV cache (the next generator recomputes it in one pass).
+    """
 
 
 class StateFileError(ContinuumError, ValueError):

@@ -48,9 +48,9 @@ class ContinuousGenerator:
             state = SequenceState.from_prompts(self.generator.model, inputs)
         else:
             raise GeneratorArgumentError("expected a prompt, a list of prompts, a SequenceState or a list of states")
-        if state._model.tokenizer.fingerprint != self.generator.model.tokenizer.fingerprint:
-            raise GeneratorArgumentError("this state was made with another tokenizer than the generator's model")
-        return state
+        # The generator's model is the one that runs: a state of another model (same tokenizer) drops
+        # that model's cache and is recomputed in one pass; another tokenizer raises TokenizerMismatch.
+        return state.to_model(self.generator.model)
 
     def __call__(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
                  rng: Optional[torch.Generator] = None) -> SequenceState:

@@ -2,5 +2,6 @@
 
 from .tokenizer import Tokenizer
 from .hf import Transformers, transformers
+from .identity import ModelFingerprint
 
-__all__ = ["Transformers", "transformers", "Tokenizer"]
+__all__ = ["Transformers", "transformers", "Tokenizer", "ModelFingerprint"]

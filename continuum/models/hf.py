@@ -7,12 +7,15 @@ left-padded rows without them), and hand back the last position's logits and the
 
 from __future__ import annotations
 
+import threading
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from ..cache import KV, from_dynamic_cache, layer_kinds, to_dynamic_cache
 from ..errors import ContinuumError
+from .identity import ModelFingerprint, fingerprint_of
 from .tokenizer import Tokenizer
 
 __all__ = ["Transformers", "transformers"]
@@ -49,6 +52,44 @@ class Transformers:
         self._per_layer_masks = sliding and bool(getattr(text_cfg, "layer_types", None))
         self.tokens_computed = 0  # total positions passed to forward: benchmarks read it
         self.forward_calls = 0
+        self._count_lock = threading.Lock()  # threads share one adapter: `+=` on an attribute is not atomic
+        self._kv_dtypes: dict[torch.dtype, torch.dtype] = {}  # weights dtype -> KV dtype seen in forward
+
+    # -- identity -------------------------------------------------------------------------
+    @cached_property
+    def fingerprint(self) -> ModelFingerprint:
+        """Architecture, config hash and a cheap weights hash (see ``continuum.models.identity``).
+
+        Computed once, on first use: weights changed in place afterwards are not re-detected.
+        """
+        return fingerprint_of(self.model)
+
+    def same_model(self, other: Any) -> bool:
+        """Whether a KV cache computed by ``other`` is valid for this model.
+
+        Instant for the same adapter or the same wrapped module; otherwise compares fingerprints
+        (each computed once per adapter).
+
+        Example:
+            >>> model.same_model(model)                       # doctest: +SKIP
+            True
+        """
+        if other is self:
+            return True
+        if not isinstance(other, Transformers):
+            return False
+        return other.model is self.model or other.fingerprint == self.fingerprint
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the KV tensors this model produces with its current weights.
+
+        Learned from the forward passes (mixed-precision models may keep a KV dtype other than
+        ``model.dtype``); before any, the weights' dtype. A state whose cache has another dtype
+        (e.g. made before ``model.model.double()``) is recomputed when it is continued.
+        """
+        dtype = self.model.dtype
+        return self._kv_dtypes.get(dtype, dtype)
 
     def __repr__(self) -> str:
         return f"Transformers({type(self.model).__name__}, {self.tokenizer!r})"
@@ -89,10 +130,14 @@ class Transformers:
             use_cache=True,
             logits_to_keep=0 if logits == "all" else 1,
         )
-        self.tokens_computed += input_ids.numel()
-        self.forward_calls += 1
+        with self._count_lock:
+            self.tokens_computed += input_ids.numel()
+            self.forward_calls += 1
         result = {"last": lambda: out.logits[:, -1, :].float(), "all": lambda: out.logits.float(), "none": lambda: None}[logits]()
-        return result, from_dynamic_cache(out.past_key_values)
+        kv = from_dynamic_cache(out.past_key_values)
+        if cache is None and kv:  # a cache computed from scratch: remember what dtype these weights produce
+            self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
+        return result, kv
 
 
     def _window_masks(self, mask: torch.Tensor, new: int):

@@ -8,6 +8,7 @@ import torch
 
 from .. import cache as kvcache
 from ..errors import BatchMismatch, SampleMismatch
+from .convert import check_same_model
 from .core import _NAN, SequenceState
 
 __all__ = ["add", "radd", "stack"]
@@ -58,8 +59,7 @@ def radd(state: SequenceState, other) -> SequenceState:
                                     state.batch, state.samples, last)
 
 def check_compatible(state: SequenceState, other: SequenceState) -> None:
-    if other._model.tokenizer.fingerprint != state._model.tokenizer.fingerprint:
-        raise ValueError("cannot add states of different tokenizers")
+    check_same_model(state, other, "add")
     if other.batch != state.batch:
         raise BatchMismatch(f"cannot add a state with batch={other.batch} to one with batch={state.batch}; "
                             f"select matching rows first, e.g. other[:{state.batch}, ...]")
@@ -83,8 +83,8 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     for s in states[1:]:
         if s.samples != first.samples:
             raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}")
-        if s._model.tokenizer.fingerprint != first._model.tokenizer.fingerprint:
-            raise ValueError("cannot stack states of different tokenizers")
+        check_same_model(first, s, "stack")
+    states = [s.to_model(first._model) for s in states]  # the same model: only a changed dtype/device converts
     widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
     C, S = max(c for c, _ in widths), max(w for _, w in widths)
     pad_id = first._model.tokenizer.pad_token_id

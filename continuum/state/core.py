@@ -337,6 +337,21 @@ class SequenceState:
         """
         return combine.stack(states)
 
+    def to_model(self, model) -> "SequenceState":
+        """This state for ``model``: same tokens, weights, log-probs and last step.
+
+        Another model (same tokenizer) gets no cache: a KV cache is only valid for the model that
+        computed it, so the next generator recomputes every token, in one forward pass. The same
+        model keeps the cache (moved if the model changed device, dropped if it changed dtype).
+        Every continuous generator does this for you with its own model.
+
+        Example:
+            >>> s_b = s_a.to_model(model_b)          # doctest: +SKIP
+            >>> s_b.cached_tokens                     # doctest: +SKIP
+            tensor([[0]])
+        """
+        return convert.to_model(self, model)
+
     def save(self, path) -> None:
         """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata."""
         persistence.save(self, path)
@@ -362,4 +377,4 @@ def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]]
 
 
 # the operations live in their own modules; they import this one, so they are bound here, last
-from . import combine, indexing, persistence  # noqa: E402
+from . import combine, convert, indexing, persistence  # noqa: E402

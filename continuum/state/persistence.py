@@ -1,15 +1,27 @@
-"""Saving and loading states: tensors in safetensors, metadata (shape, tokenizer, last step) as JSON."""
+"""Saving and loading states: tensors in safetensors, metadata (shape, tokenizer, model, last step) as JSON.
+
+A file records the identity of the model that computed its KV cache (architecture, config hash,
+weights fingerprint: see ``continuum.models.identity``). Loading it into a model with another
+identity (same tokenizer) keeps the tokens, weights, log-probs and last step but DROPS the cache,
+with a warning on the ``"continuum"`` logger: the next generator recomputes it in one pass. Files
+of format 1 (before model identities were recorded) are treated as coming from an unknown model.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 
 from ..errors import StateFileError
+from .convert import uncached
 from .core import LastStep, SequenceState
 
 __all__ = ["save", "load"]
 
-_FORMAT_VERSION = 1
+logger = logging.getLogger("continuum")
+
+_FORMAT_VERSION = 2  # 2: records the model's identity
+_READABLE = (1, 2)
 
 
 def save(state: SequenceState, path) -> None:
@@ -26,7 +38,7 @@ def save(state: SequenceState, path) -> None:
                 "regex": state._last.regex, "guide_states": state._last.guide_states}
     meta = {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
-            "layers": len(state._kv or ()), "last": last}
+            "model": state._model.fingerprint.as_dict(), "layers": len(state._kv or ()), "last": last}
     save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
 
 def load(path, model) -> SequenceState:
@@ -41,13 +53,21 @@ def load(path, model) -> SequenceState:
         raise
     except Exception as exc:
         raise StateFileError(f"{path} is not a readable continuum state file: {exc}") from exc
-    if meta.get("format") != _FORMAT_VERSION:
-        raise StateFileError(f"{path}: unsupported state format {meta.get('format')!r}")
+    if meta.get("format") not in _READABLE:
+        raise StateFileError(f"{path}: unsupported state format {meta.get('format')!r} (this version reads {_READABLE})")
     if meta["tokenizer"] != model.tokenizer.fingerprint:
         raise StateFileError(f"{path} was saved with tokenizer {meta['tokenizer_name']!r} "
                              f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
     try:
         kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
+        saved = meta.get("model")
+        foreign = kv is not None and saved != model.fingerprint.as_dict()
+        if foreign:
+            origin = (f"model {saved.get('architecture')} (config {saved.get('config')}, weights {saved.get('weights')})"
+                      if isinstance(saved, dict) else "an unknown model (a file without a model identity)")
+            logger.warning("%s was saved from %s, not this model (%s): its KV cache is dropped; tokens, weights, "
+                           "log-probs and the last step are kept, and the next generator recomputes the cache in one "
+                           "pass.", path, origin, model.fingerprint)
         last = meta["last"]
         if last is not None:
             kind = last["kind"]
@@ -55,7 +75,8 @@ def load(path, model) -> SequenceState:
                             complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
                             max_tokens=last["max_tokens"], regex=last.get("regex"),
                             guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None)
-        return SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
-                   weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
+        state = SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
+                              weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
+        return uncached(state, model) if foreign else state
     except (KeyError, ValueError, TypeError) as exc:
         raise StateFileError(f"{path} is corrupt: {exc}") from exc

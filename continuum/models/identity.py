@@ -1,0 +1,103 @@
+"""Model identity: which network computed a KV cache.
+
+A KV cache is only valid under the model that computed it. Two adapters are the *same model* when
+they wrap the same Hugging Face module, or when their :class:`ModelFingerprint` (architecture, a
+hash of the config, and a cheap hash of the weights) is equal. The weights hash reads a few fixed
+elements of every parameter tensor (start, middle and end) and the first and last rows of the
+embeddings, in their stored dtype: cheap for any model size (one small copy per device), and any
+fine-tune, LoRA merge, re-seeded init or dtype change moves some of those elements.
+
+It is computed once per adapter and cached: weights changed *in place* after the first use
+(``param.data.mul_(2)``, ``model.double()``...) are not re-detected by the fingerprint. A dtype change
+is still caught when a state is continued (see ``SequenceState.to_model``).
+
+Example:
+    >>> fp = model.fingerprint                    # doctest: +SKIP
+    >>> fp.architecture, fp.config[:8], fp.weights[:8]   # doctest: +SKIP
+    ('LlamaForCausalLM', '3f1c2a9e', 'b07d41c2')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ModelFingerprint", "fingerprint_of", "config_hash", "weights_hash"]
+
+# Config keys that describe how a model was loaded or is run, not what it computes.
+_VOLATILE_KEYS = frozenset({
+    "_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "dtype", "torch_dtype", "architectures",
+    "_attn_implementation", "_attn_implementation_autoset", "_attn_implementation_internal", "attn_implementation",
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_experts_implementation",
+})
+_SLICE = 8  # elements read at the start, the middle and the end of every parameter
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What a saved state records about the model that computed its cache.
+
+    Attributes:
+        architecture: the model class name (``LlamaForCausalLM``).
+        config: a hash of the config dict (without load-time keys such as the path or dtype).
+        weights: a hash of fixed slices of the weights (see the module docstring).
+    """
+
+    architecture: str
+    config: str
+    weights: str
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in _VOLATILE_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_strip(v) for v in value]
+    return value
+
+
+def config_hash(config: Any) -> str:
+    """A hash of ``config.to_dict()`` without the keys that vary with how the model was loaded."""
+    payload = json.dumps(_strip(config.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def weights_hash(module: torch.nn.Module) -> str:
+    """A hash of a few fixed elements of every parameter and of the embeddings' first and last rows."""
+    h = hashlib.sha256()
+    slices: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(t: torch.Tensor) -> None:
+        if t.device.type == "meta" or t.numel() == 0:
+            return
+        slices.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
+
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+            flat = p.detach().reshape(-1) if p.is_contiguous() else p.detach()[(0,) * (p.dim() - 1)]
+            n = flat.numel()
+            for start in (0, max(0, n // 2 - _SLICE // 2), max(0, n - _SLICE)):
+                take(flat[start:start + _SLICE])
+        for emb in (module.get_input_embeddings(), module.get_output_embeddings()):
+            w = getattr(emb, "weight", None)
+            if w is not None and w.dim() == 2:
+                take(w.detach()[0])
+                take(w.detach()[-1])
+        for (device, dtype), parts in sorted(slices.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+            data = torch.cat(parts).cpu().contiguous()
+            h.update(f"{dtype}".encode())
+            h.update(data.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def fingerprint_of(module: torch.nn.Module) -> ModelFingerprint:
+    """The :class:`ModelFingerprint` of a Hugging Face ``PreTrainedModel``."""
+    return ModelFingerprint(type(module).__name__, config_hash(module.config), weights_hash(module))

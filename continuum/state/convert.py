@@ -1,0 +1,75 @@
+"""Moving a state to a model: ``state.to_model(model)``.
+
+A KV cache is valid only under the weights, dtype and device that computed it. The rule: the
+model that runs is the one that computes. A state handed to another model keeps its tokens,
+weights, log-probs and last step and drops its cache, so that model recomputes every token (in
+one forward pass, when the state is continued). The same model keeps the cache; if the model's
+dtype changed since the cache was computed (``model.model.double()``) the cache is dropped too
+(recomputing gives exactly what the model computes now), and if only the device changed the
+cache is moved (the values are the same).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import cache as kvcache
+from ..errors import ModelMismatch, TokenizerMismatch
+from .core import SequenceState
+
+__all__ = ["to_model", "check_same_model"]
+
+logger = logging.getLogger("continuum")
+
+
+def same_tokenizer(a, b) -> bool:
+    return a.tokenizer is b.tokenizer or a.tokenizer.fingerprint == b.tokenizer.fingerprint
+
+
+def check_tokenizer(state: SequenceState, model, what: str) -> None:
+    if not same_tokenizer(state._model, model):
+        raise TokenizerMismatch(
+            f"{what}: the state's tokenizer ({state._model.tokenizer.name!r}, {state._model.tokenizer.fingerprint}) "
+            f"differs from {model.tokenizer.name!r} ({model.tokenizer.fingerprint}), so its token ids mean nothing "
+            f"there. Rebuild it from its text: SequenceState.from_prompts(model, list(state)) (weights and "
+            f"log-probs are not carried).")
+
+
+def check_same_model(state: SequenceState, other: SequenceState, op: str) -> None:
+    """Raise :class:`TokenizerMismatch` / :class:`ModelMismatch` unless ``other`` belongs to ``state``'s model."""
+    check_tokenizer(other, state._model, f"cannot {op} states of different tokenizers")
+    if not state._model.same_model(other._model):
+        raise ModelMismatch(
+            f"cannot {op} states of different models ({state._model!r} and {other._model!r}): a KV cache is only "
+            f"valid for the model that computed it. Convert one first: other.to_model(state.model) keeps its "
+            f"tokens, weights and log-probs and drops its cache (recomputed in one pass when continued).")
+
+
+def to_model(state: SequenceState, model) -> SequenceState:
+    """``state`` for ``model`` (see the module docstring); ``state`` itself when nothing changes."""
+    if not hasattr(model, "tokenizer") or not hasattr(model, "same_model"):
+        raise TypeError(f"to_model takes a continuum model (models.Transformers), got {type(model).__name__}")
+    check_tokenizer(state, model, "cannot move this state to another model")
+    if not state._model.same_model(model):
+        return uncached(state, model)
+    kv, dev = state._kv, model.device
+    if kv is not None and kv[0][0].dtype != model.kv_dtype:
+        logger.warning("This state's KV cache is %s but the model now computes %s (its dtype changed after the "
+                       "state was made): the cache is dropped and recomputed.", kv[0][0].dtype, model.kv_dtype)
+        return uncached(state, model)
+    moved = state._ids.device != dev or (kv is not None and kv[0][0].device != dev)
+    if model is state._model and not moved:
+        return state
+    if moved:  # same values, other device: move them
+        kv = None if kv is None else tuple((k.to(dev), v.to(dev)) for k, v in kv)
+    return SequenceState(model=model, ids=state._ids.to(dev), mask=state._mask.to(dev), logprobs=state._logprobs.to(dev),
+                         weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
+
+
+def uncached(state: SequenceState, model) -> SequenceState:
+    """The same tokens, weights, log-probs and last step on ``model``, with no cache."""
+    if kvcache.length(state._kv) == 0 and state._model is model:
+        return state
+    real = state._real_rows()
+    return SequenceState._from_rows(model, [ids for ids, _ in real], [lps for _, lps in real], state._weights,
+                                    state.batch, state.samples, state._last)
