@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -29,12 +30,21 @@ class Stream:
         self._state: Optional[SequenceState] = None
         self._emitted: Optional[list[str]] = None
         self._iter = self._run()
+        self._busy = threading.Lock()
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self):
-        return next(self._iter)
+        # A stream is one decoding loop: it belongs to one thread at a time (generators and
+        # models are shared freely; see docs/generators.md#threads).
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this stream is being iterated by another thread: a stream belongs to one thread; "
+                               "start one stream per thread (the generator and the model can be shared)")
+        try:
+            return next(self._iter)
+        finally:
+            self._busy.release()
 
     def _run(self):
         gen = self._steps
@@ -76,8 +86,9 @@ class Stream:
 class Generator:
     """A reusable generator: ``gen(prompts, max_tokens=None, stop_at=None, rng=None)``.
 
-    Calls never share mutable state, so a generator can be called again (and from several
-    threads, each call with its own ``rng``).
+    Calls never share mutable state, so a generator can be called again, and from several
+    threads at once (give each call its own ``rng`` for reproducible sampling; see
+    ``docs/generators.md#threads``).
     """
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
