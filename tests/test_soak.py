@@ -203,6 +203,7 @@ def test_long_session_memory_is_flat_and_states_unchanged(gpt2_model):
             states = [*session.alive, *(w.state for w in witnesses)]
             held, needed = reachable_bytes(states)
             n_tensors, all_bytes = process_tensor_bytes(params)
+            n_tensors, all_bytes = n_tensors - baseline[0], all_bytes - baseline[1]  # other tests' tensors
             figures[i] = dict(states=len(states), held=held, needed=needed, tensors=n_tensors, all=all_bytes, rss=rss_bytes(),
                               tokens=token_rows(states))
     gc.collect()
@@ -214,12 +215,13 @@ def test_long_session_memory_is_flat_and_states_unchanged(gpt2_model):
     after = process_tensor_bytes(params)
 
     print(f"\nsoak: {TURNS} turns on a tiny {type(model.model).__name__}, ops {dict(session_ops)}")
-    print(" turn states token-rows held(KiB) needed(KiB) held/token-row(B) tensors all-tensors(KiB) RSS(MiB)")
+    print(" turn states token-rows held(KiB) needed(KiB) held/token-row(B) tensors* all-tensors*(KiB) RSS(MiB)")
     for i, f in figures.items():
         print(f" {i:4d} {f['states']:6d} {f['tokens']:10d} {f['held'] / 1024:9.1f} {f['needed'] / 1024:11.1f} "
               f"{f['held'] / f['tokens']:17.0f} {f['tensors']:7d} {f['all'] / 1024:16.1f} {f['rss'] / 2**20:8.1f}")
-    print(f" storages of dropped states still alive: {len(leaked)} of {len(dropped)}; tensors outside the model "
-          f"before the session {baseline[0]} ({baseline[1] / 1024:.1f} KiB), after dropping it {after[0]} ({after[1] / 1024:.1f} KiB)")
+    print(" *: every tensor in the process but the model's parameters, minus those alive before the session")
+    print(f" storages of dropped states still alive: {len(leaked)} of {len(dropped)}; tensors outside the model: "
+          f"{after[0] - baseline[0]:+d} ({(after[1] - baseline[1]) / 1024:+.1f} KiB) after dropping the session")
 
     assert not leaked, f"{len(leaked)} storages of dropped states are still alive"
     assert after[1] <= baseline[1], "dropping every state of the session must free all its tensors"
