@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.errors import GeneratorArgumentError
 
-EXAMPLES = int(os.environ.get("CONTINUUM_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("CONTINUUM_FUZZ_EXAMPLES", "20"))  # per tokenizer
 SETTINGS = dict(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
 MAX_ROWS = 6
@@ -50,6 +50,7 @@ FRAGMENTS = [
     "\U0001f44d\U0001f3fd", "\U0001f44b\U0001f3ff", "\U0001f1ef\U0001f1f5", "\u2764\ufe0f",  # skin tones, flag, VS16
     "東京", "漢字テスト", "한국어", "こんにちは世界",  # CJK, Hangul
     "مرحبا بالعالم", "שָׁלוֹם", "\u202bעברית\u202c", "abc مرحبا 123", "Hello世界",  # RTL, bidi, mixed
+    "नमस्ते", "สวัสดี", "\u00a0nbsp", "\u3000全角", "\r\n", "zero\u200bwidth",  # Indic, Thai, odd spaces
     "Once upon a time", " the", " naïve café", "  ", "\n", "\t", " ", ".", "42",
 ]
 ALPHABET = "ab é\u0301\u0308\u200d\ufe0f東한ع\u05e9\U0001f469\U0001f3fd😀\n."
@@ -206,19 +207,24 @@ class Program:
         else:
             other, other_want = s[::-1, :, :], [want[b * S + j] for b in reversed(range(s.batch)) for j in range(S)]
         self.expect(other, other_want, other.shape, "stack operand")
+        if self.draw(st.booleans(), "continue the list"):  # a generator stacks a list of states itself
+            return self.generate([s, other], want + other_want, fork=False)
         new = SequenceState.stack([s, other])
         self.expect(new, want + other_want, (s.batch + other.batch, S), "stack")
         return new, want + other_want
 
-    def generate(self, s: SequenceState, want: list[str], fork: bool):
-        n = self.draw(st.integers(2, 3), "n") if fork else s.samples
+    def generate(self, s, want: list[str], fork: bool):
+        """Continue ``s`` (a state, or a list of states to stack) or fork it; the new text is read from the result."""
+        batch, samples = (s.batch, s.samples) if isinstance(s, SequenceState) else (sum(x.batch for x in s), s[0].samples)
+        n = self.draw(st.integers(2, 3), "n") if fork else samples
         sampler = samplers.multinomial(n) if n > 1 else samplers.greedy()
         k = self.draw(st.integers(0 if not fork else 1, 3), "max_tokens")
         new = continuous(generate.text(self.model, sampler))(s, max_tokens=k, rng=torch.Generator().manual_seed(k))
-        parents = [want[r // n] for r in range(s.batch * n)] if fork else want
+        parents = [want[r // n] for r in range(batch * n)] if fork else want
         got = list(new)
         assert all(extends(p, g) for p, g in zip(parents, got)), f"generated text rewrote the row: {parents!r} -> {got!r}"
-        self.expect(new, got, (s.batch, n), f"{'fork' if fork else 'continue'}({sampler!r}, max_tokens={k})")
+        what = "fork" if fork else ("continue" if isinstance(s, SequenceState) else "continue_list")
+        self.expect(new, got, (batch, n), f"{what}({sampler!r}, max_tokens={k})")
         return new, got
 
     def run(self, steps: int) -> None:
