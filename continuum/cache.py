@@ -28,7 +28,8 @@ import torch
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
-__all__ = ["KV", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "gather_columns", "nbytes", "length"]
+__all__ = ["KV", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
+           "gather_columns", "nbytes", "length"]
 
 
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits
@@ -212,6 +213,15 @@ def crop(kv: Optional[KV], columns: int) -> Optional[KV]:
     return tuple(out)
 
 
+def _copy_to_arena(k: torch.Tensor, v: torch.Tensor, slack: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``/``v`` copied into a new arena with ``slack`` spare columns (continuing appends in place)."""
+    L = k.shape[2]
+    small = _Arena.allocate(k, k.shape[0], L + slack)
+    small.keys[:, :, :L], small.values[:, :, :L] = k, v
+    small.filled = L
+    return small.views(L)
+
+
 def shrink(kv: Optional[KV]) -> Optional[KV]:
     """``kv`` with at most a few hundred spare columns of storage (room a generation reserved and did
     not use, e.g. after an early EOS): one copy when there is more, else ``kv`` itself."""
@@ -223,11 +233,42 @@ def shrink(kv: Optional[KV]) -> Optional[KV]:
         if arena is None or arena.keys.shape[2] - L <= 4 * _MIN_SLACK:
             out.append((k, v))
             continue
-        small = _Arena.allocate(k, k.shape[0], L + _MIN_SLACK)
-        small.keys[:, :, :L], small.values[:, :, :L] = k, v
-        small.filled = L
-        out.append(small.views(L))
+        out.append(_copy_to_arena(k, v, _MIN_SLACK))
     return tuple(out)
+
+
+def compact(kv: Optional[KV]) -> Optional[KV]:
+    """``kv`` no longer pinning storage it does not use: a layer whose views cover much less than their
+    storage (a state cut back to a few tokens, one sample selected out of many) is copied into a
+    arena of its exact size (no spare room: a kept slice is often never continued, and continuing
+    it would copy anyway, as it does for any view that ends before its arena's fill mark); any
+    other layer stays a view.
+
+    Why: a view keeps its whole storage alive, so without this a 5-token slice of a 2000-token state
+    (or one of 8 samples) would hold the big state's KV memory for as long as it lives. The copy
+    happens only when the storage it frees exceeds the copy itself by more than ``2 * _MIN_SLACK``
+    columns, so backing off a few characters stays free and a kept state never pins more than
+    about twice its own size.
+    ``expand`` views (forked samples sharing one row) are left alone: they share by design.
+
+    Example:
+        >>> tiny = compact(crop(kv_of_2000_columns, 5))  # doctest: +SKIP
+        >>> nbytes(tiny) * 20 < nbytes(kv_of_2000_columns)  # doctest: +SKIP
+        True
+    """
+    if kv is None:
+        return None
+    out, changed = [], False
+    for k, v in kv:
+        used = k.numel() * k.element_size()
+        spare = k.untyped_storage().nbytes() - used
+        per_column = used // max(k.shape[2], 1)
+        if 0 in k.stride() or used == 0 or spare <= used + 2 * _MIN_SLACK * per_column:
+            out.append((k, v))
+        else:
+            out.append(_copy_to_arena(k, v, 0))
+            changed = True
+    return tuple(out) if changed else kv
 
 
 def gather_columns(kv: Optional[KV], index: torch.Tensor) -> Optional[KV]:

@@ -194,3 +194,37 @@ def count_forward_tokens(model):
 
     handle = model.model.register_forward_pre_hook(hook, with_kwargs=True)
     return counter, handle
+
+
+# ---------------------------------------------------------------- shared by the property tests
+def snapshot(state) -> dict:
+    return {
+        "ids": state._ids.clone(), "mask": state._mask.clone(), "lp": state._logprobs.clone(),
+        "w": state._weights.clone(), "kv": [(k.clone(), v.clone()) for k, v in (state._kv or ())], "texts": list(state),
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def check_unchanged(state, snap: dict) -> None:
+    """Invariant 2: nothing changed a state after it was built."""
+    assert _same(state._ids, snap["ids"]) and _same(state._mask, snap["mask"])
+    assert _same(state._logprobs, snap["lp"]) and _same(state._weights, snap["w"])
+    kv = state._kv or ()
+    assert len(kv) == len(snap["kv"])
+    for (k, v), (k0, v0) in zip(kv, snap["kv"]):
+        assert _same(k, k0) and _same(v, v0), "a KV tensor of an earlier state was modified"
+    assert list(state) == snap["texts"]
+
+
+def chars_key(state, sl, full_form: bool = False):
+    """The index ``state[..., sl]`` with the arity the state's shape allows."""
+    if full_form:
+        return (slice(None), slice(None), sl)
+    if state.batch == 1 and state.samples == 1:
+        return sl
+    if state.batch == 1 or state.samples == 1:
+        return (slice(None), sl)
+    return (slice(None), slice(None), sl)

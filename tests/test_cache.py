@@ -83,3 +83,73 @@ def test_shrink_gives_back_unused_room(gpt2_model):
     assert kvcache.nbytes(small) < kvcache.nbytes(kv) / 10
     assert all(torch.equal(a, b) for pa, pb in zip(kv, small) for a, b in zip(pa, pb))
     assert kvcache.shrink(small) is not None and _storage(kvcache.shrink(small)) == _storage(small)
+
+
+def test_compact_copies_only_views_much_smaller_than_their_storage(gpt2_model):
+    _, kv = _prefill(gpt2_model, 240, rows=3, reserve=8)
+    assert kvcache.compact(kv) is kv
+    assert _storage(kvcache.compact(kvcache.crop(kv, 230))) == _storage(kv)  # backing off a little: a view
+    tiny = kvcache.compact(kvcache.crop(kv, 5))
+    assert _storage(tiny) != _storage(kv) and kvcache.nbytes(tiny) * 50 < kvcache.nbytes(kv)  # 5 columns of 304
+    assert all(torch.equal(a, b[:, :, :5]) for pa, pb in zip(tiny, kv) for a, b in zip(pa, pb))
+    two_rows = kvcache.select_rows(kv, torch.tensor([0, 1]))
+    assert kvcache.compact(two_rows) is two_rows  # most of the storage: copying would not pay
+    one_row = kvcache.compact(kvcache.select_rows(kv, torch.tensor([2])))
+    assert _storage(one_row) != _storage(kv) and all(torch.equal(a, b[2:]) for pa, pb in zip(one_row, kv) for a, b in zip(pa, pb))
+    forked = kvcache.select_rows(tiny, torch.tensor([0, 0, 0]))
+    assert kvcache.compact(forked) is forked  # expand views share by design
+
+
+def _uncached(state):
+    """The same tokens without a cache: continuing it recomputes everything."""
+    from continuum import SequenceState
+
+    return SequenceState(model=state.model, ids=state.token_ids, mask=state.attention_masks, logprobs=state.token_logprobs,
+                         weights=state._weights, kv=None, batch=state.batch, samples=state.samples)
+
+
+def _arena_storages(state):
+    return {k.untyped_storage().data_ptr() for k, _ in state._kv or ()}
+
+
+def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
+    """A state cut to a few tokens, or one sample of many, holds storage in proportion to itself,
+    stays exact, and continues like a fresh prompt of its text."""
+    import gc
+    import weakref
+
+    from conftest import assert_reuse_exact
+
+    from continuum import continuous, generate, samplers
+
+    greedy = continuous(generate.text(gpt2_model, samplers.greedy()))
+    big = greedy("Once upon a time", max_tokens=200)
+    tiny = big[:12]
+    per_column = kvcache.nbytes(big._kv) // big._kv[0][0].untyped_storage().nbytes() * big._kv[0][0][:, :, :1].numel() * 4
+    assert kvcache.nbytes(tiny._kv) == per_column * kvcache.length(tiny._kv)
+    big_storage = weakref.ref(big._kv[0][0].untyped_storage())
+    backed_off = big[: len(str(big)) - 3]  # backing off a few characters stays a view
+    assert _arena_storages(backed_off) == _arena_storages(big)
+    del big, backed_off
+    gc.collect()
+    assert big_storage() is None, "the big cache must be freed once only a small slice of it is alive"
+    assert_reuse_exact(tiny)
+    assert list(greedy(tiny, max_tokens=6)) == list(greedy(_uncached(tiny), max_tokens=6))
+
+    many = continuous(generate.text(gpt2_model, samplers.multinomial(8)))(
+        "Once upon a time", max_tokens=60, rng=torch.Generator().manual_seed(0))
+    one = many[0, 3, :]
+    assert kvcache.nbytes(one._kv) * 4 < kvcache.nbytes(many._kv)  # 1 row of 8
+    assert_reuse_exact(one)
+    assert list(greedy(one, max_tokens=4)) == list(greedy(_uncached(one), max_tokens=4))
+
+    # a chain that keeps a tiny prefix of every turn holds memory in proportion to what it keeps
+    s, kept = greedy("Once upon a time", max_tokens=4), []
+    for _ in range(30):
+        s = greedy(s + " more", max_tokens=4)
+        kept.append(s[:3])
+    seen: set = set()
+    held = sum(kvcache.nbytes(k._kv, seen) for k in kept)
+    assert held * 2 < kvcache.nbytes(s._kv), (held, kvcache.nbytes(s._kv))  # was 2.5x before compaction
+    late = kept[15:]  # made once the chain was long: each holds exactly its own columns
+    assert [kvcache.nbytes(k._kv) for k in late] == [per_column * kvcache.length(k._kv) for k in late]

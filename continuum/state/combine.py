@@ -41,8 +41,23 @@ def add(state: SequenceState, other) -> SequenceState:
     for r in range(state.rows):
         ids, lps = real[r]
         extra = tok.encode_continuation(appended[r])
+        if extra and not any(i not in tok.special_ids for i in ids):
+            extra = _first_text(tok, ids, extra, appended[r])
         tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
     return state._rebuild(cached, tails, weights, state._last.edited() if state._last else None)
+
+def _first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
+    """Tokens for ``text`` appended to a row with no text yet (only special tokens, e.g. ``<s>``).
+
+    A SentencePiece decoder drops the leading space of a row's first piece, so ``" cd"`` encoded as a
+    continuation (``▁cd``) would read ``"cd"`` there. Encoding one more space keeps the text: the
+    decoder strips the extra one (``▁ ▁cd`` reads ``" cd"``). Other tokenizers keep ``extra``.
+    """
+    if tok.decode(ids + extra) == text:
+        return extra
+    spaced = tok.encode_continuation(" " + text)
+    return spaced if tok.decode(ids + spaced) == text else extra
+
 
 def radd(state: SequenceState, other) -> SequenceState:
     """``text + state``: prepend text; the result is re-tokenized as a prompt (no cache)."""

@@ -149,7 +149,7 @@ class SequenceState:
         else:
             ids, mask, lp = tail_ids, tail_mask, tail_lp
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
-                             kv=kvcache.crop(self._kv, C2), batch=self.batch, samples=self.samples, last=last)
+                             kv=kvcache.compact(kvcache.crop(self._kv, C2)), batch=self.batch, samples=self.samples, last=last)
 
     # ------------------------------------------------------------------ per-row views (memoised)
     @property
@@ -310,6 +310,7 @@ class SequenceState:
         if cols.numel() != ids.shape[1]:
             ids, mask, lp = ids[:, cols], mask[:, cols], lp[:, cols]
             kv = None if C == lead else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
+        kv = kvcache.compact(kv)  # a few rows of a big cache: do not pin the rest
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp,
                              weights=self._weights.index_select(0, idx.to(self._weights.device)),
                              kv=kv, batch=batch, samples=samples, last=self._last.select(rows) if self._last else None)
