@@ -42,14 +42,13 @@ class ContinuousGenerator:
     def _state(self, inputs: Input) -> SequenceState:
         if isinstance(inputs, SequenceState):
             state = inputs
-        elif isinstance(inputs, (list, tuple)) and inputs and all(isinstance(s, SequenceState) for s in inputs):
-            state = SequenceState.stack(inputs)
-        elif isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and all(isinstance(s, str) for s in inputs)):
+        elif isinstance(inputs, (list, tuple)) and any(isinstance(s, SequenceState) for s in inputs):
+            state = SequenceState.stack(inputs)  # names a non-state item
+        else:  # names what is wrong with a non-text prompt
             state = SequenceState.from_prompts(self.generator.model, inputs)
-        else:
-            raise GeneratorArgumentError("expected a prompt, a list of prompts, a SequenceState or a list of states")
         if state._model.tokenizer.fingerprint != self.generator.model.tokenizer.fingerprint:
-            raise GeneratorArgumentError("this state was made with another tokenizer than the generator's model")
+            raise GeneratorArgumentError("this state was made with another tokenizer than the generator's model: "
+                                         "re-create it from its text, SequenceState.from_prompts(model, list(state))")
         return state
 
     def __call__(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
