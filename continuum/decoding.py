@@ -187,8 +187,8 @@ def decode(
 
     def forward(start: int, end: int, logits: str = "last"):
         mask = rows.mask[:, :end]
-        if end - start == 1:  # one column: its position is the count of real tokens before it
-            pos = mask[:, :start].sum(1, keepdim=True)
+        if end - start == 1:  # one column: positions(mask)[:, -1:] without the cumsum (a pad column of a row
+            pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
         else:
             pos = positions(mask)[:, start:]
         reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once

@@ -286,7 +286,7 @@ def test_corrupt_state_files(model, tmp_path):
     with pytest.raises(FileNotFoundError):
         SequenceState.load(tmp_path / "missing.st", model)
     loaded = SequenceState.load(good, model)
-    assert list(loaded) == list(s)
+    assert list(loaded) == list(s) and loaded.finish_reasons == s.finish_reasons == [["length"], ["length"]]
     assert_usable(loaded, model)
 
 
