@@ -5,6 +5,7 @@ already seen. See ``docs/`` for the state model and ``README.md`` for a quick st
 """
 
 from . import generate, models, samplers
+from .completion import Completion
 from .errors import (
     BatchMismatch,
     ContinuumError,
@@ -25,6 +26,7 @@ __all__ = [
     "samplers",
     "continuous",
     "SequenceState",
+    "Completion",
     "ContinuumError",
     "SampleMismatch",
     "BatchMismatch",

@@ -25,7 +25,7 @@ from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guides import Guide, build_mask
 from .samplers import Sampler
 from .state import LastStep, SequenceState
-from .text import Detokenizer
+from .text import Detokenizer, token_char_spans
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
@@ -57,9 +57,13 @@ def check_max_tokens(max_tokens: Optional[int]) -> None:
 def _stop_list(stop_at) -> list[str]:
     if stop_at is None:
         return []
+    if not isinstance(stop_at, (str, list, tuple)):
+        raise GeneratorArgumentError(f"stop_at must be a string or a list of strings (e.g. '.' or ['.', '\\n']), "
+                                     f"got {type(stop_at).__name__}")
     stops = [stop_at] if isinstance(stop_at, str) else list(stop_at)
     if not all(isinstance(s, str) and s for s in stops):
-        raise GeneratorArgumentError(f"stop_at must be a non-empty string or a list of them, got {stop_at!r}")
+        raise GeneratorArgumentError(f"stop_at must be a non-empty string or a list of them (e.g. '.' or ['.', '\\n']), "
+                                     f"got {stop_at!r}: an empty stop string would stop before the first token")
     return stops
 
 
@@ -80,6 +84,9 @@ class _Rows:
         self.finished = [False] * R
         self.complete = [guide is None] * R
         self.stop_cut: list[Optional[int]] = [None] * R
+        self.reason: list[Optional[str]] = [None] * R  # why each row finished (LastStep.finish)
+        ctx = state._model.context_length  # tokens each row may still add before its own context limit
+        self.room = (ctx - state._mask.sum(1)).tolist() if ctx is not None else [math.inf] * R
         self.guide_states = [guide.initial_state] * R if guide is not None else None
         texts = state.texts
         self.start_chars = [len(t) for t in texts]
@@ -91,13 +98,18 @@ class _Rows:
         real = state._real_rows() if track_text else None
         self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
 
+    def end(self, r: int, guide: Optional[Guide], reason: str) -> None:
+        """Finish row ``r`` for ``reason``; a row cut just as its constraint completed counts as "pattern"."""
+        gs = self.guide_states[r] if self.guide_states is not None else None
+        self.finished[r], self.reason[r] = True, "pattern" if gs is not None and guide.is_done(gs) else reason
+
     def reorder(self, ancestors: torch.Tensor) -> None:
         idx = ancestors.tolist()
         a = ancestors.to(self.ids.device)
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
         self.kv = kvcache.select_rows(self.kv, ancestors)
         self.weights = self.weights.index_select(0, ancestors.cpu())
-        for name in ("finished", "complete", "stop_cut", "guide_states", "start_chars"):
+        for name in ("finished", "complete", "stop_cut", "reason", "room", "guide_states", "start_chars"):
             values = getattr(self, name)
             if values is not None:
                 setattr(self, name, [values[i] for i in idx])
@@ -128,12 +140,23 @@ def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: Option
     if bool((lengths == 0).any()):
         rows = (lengths == 0).nonzero().flatten().tolist()
         raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
-    longest = int(lengths.max())
     ctx = state._model.context_length
-    if ctx is not None and longest > ctx:
-        raise ContextLengthError(f"the input has {longest} tokens but the model's context is {ctx}: cut it, e.g. state[..., -N:]")
-    steps = max_tokens if max_tokens is not None else (ctx - longest if ctx is not None else 2**31)
-    return min(steps, ctx - longest) if ctx is not None else steps
+    if ctx is None:
+        return max_tokens if max_tokens is not None else 2**31
+    if int(lengths.max()) > ctx:
+        raise ContextLengthError(_too_long(state, ctx))
+    room = ctx - int(lengths.min())  # the loop stops every row at its own limit
+    return room if max_tokens is None else min(max_tokens, room)
+
+
+def _too_long(state: SequenceState, ctx: int) -> str:
+    """The message for an input longer than the context, with a cut that leaves half of it to generate."""
+    keep, tok = ctx // 2, state._model.tokenizer
+    long = [(ids, t) for (ids, _), t in zip(state._real_rows(), state.texts) if len(ids) > keep]
+    chars = max(1, min(len(t) - token_char_spans(tok, ids)[-keep][0] for ids, t in long))
+    worst = max(len(ids) for ids, _ in long)
+    return (f"the input has {worst} tokens but the model's context is {ctx}: keep only its end, e.g. "
+            f"state[..., -{chars}:] (or prompt[-{chars}:]) keeps about {keep} tokens of every row")
 
 
 def decode(
@@ -152,6 +175,7 @@ def decode(
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
     steps = check_continuable(state, sampler, max_tokens)
+    exhausted = "length" if max_tokens is not None and steps == max_tokens else "context"  # why the last step ends
     model, tok = state._model, state._model.tokenizer
     group, n = state.samples, sampler.samples
 
@@ -163,8 +187,8 @@ def decode(
 
     def forward(start: int, end: int, logits: str = "last"):
         mask = rows.mask[:, :end]
-        if end - start == 1:  # one column: its position is the count of real tokens before it
-            pos = mask[:, :start].sum(1, keepdim=True)
+        if end - start == 1:  # one column: positions(mask)[:, -1:] without the cumsum (a pad column of a row
+            pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
         else:
             pos = positions(mask)[:, start:]
         reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once
@@ -175,7 +199,7 @@ def decode(
             fork = torch.arange(state.rows).repeat_interleave(n)
             rows.reorder(fork)
             rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
-        return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler)
+        return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
 
     logits, rows.kv = forward(C, W)
     fed = W
@@ -186,6 +210,7 @@ def decode(
             for r, s in enumerate(rows.guide_states):
                 if not rows.finished[r] and guide.is_done(s):
                     rows.finished[r] = rows.complete[r] = True
+                    rows.reason[r] = "pattern"
             logprobs = logprobs + build_mask(guide, [None if f else s for f, s in zip(rows.finished, rows.guide_states)],
                                              vocab, logprobs.device)
         if all(rows.finished):
@@ -212,6 +237,7 @@ def decode(
                     rows.weights[r] = -math.inf
                 elif rows.guide_states is not None:
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
+                rows.reason[r] = "pattern" if guide is not None and rows.complete[r] else "eos"
                 continue
             keep[r] = True
             if rows.guide_states is not None:
@@ -225,7 +251,10 @@ def decode(
                     if at >= 0 and (rows.stop_cut[r] is None or at + len(s) < rows.stop_cut[r]):
                         rows.stop_cut[r] = at + len(s)
                 if rows.stop_cut[r] is not None:
-                    rows.finished[r] = True
+                    rows.finished[r], rows.reason[r] = True, "stop"
+            rows.room[r] -= 1
+            if rows.room[r] <= 0 and not rows.finished[r]:  # this row's context is full: it ends here
+                rows.end(r, guide, exhausted if step == steps - 1 else "context")
         if all(keep):
             rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
             rows.weights += torch.tensor(lp_list)
@@ -241,12 +270,16 @@ def decode(
             break
         logits, rows.kv = forward(col, col + 1)
         fed = col + 1
-    return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler)
+    return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted)
 
 
-def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler) -> SequenceState:
+def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,
+            exhausted: str) -> SequenceState:
     """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
     R = rows.ids.shape[0]
+    for r in range(R):  # rows still running when the steps ran out
+        if rows.reason[r] is None:
+            rows.end(r, guide, exhausted)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
                         logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kvcache.shrink(kvcache.crop(rows.kv, fed)),
                         batch=state.batch, samples=samples)
@@ -270,7 +303,8 @@ def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, ki
     if guide is not None and not any(c is not None for c in cuts):
         resumable = tuple(rows.guide_states[r] for r in order)
     last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse,
-                    max_tokens=max_tokens, regex=guide.regex if guide is not None else None, guide_states=resumable)
+                    max_tokens=max_tokens, regex=guide.regex if guide is not None else None, guide_states=resumable,
+                    finish=tuple(rows.reason[r] for r in order))
     if any(c is not None for c in cuts):
         out = out._truncate(ends)
     return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,

@@ -14,6 +14,7 @@ __all__ = [
     "SlicingError",
     "GeneratorArgumentError",
     "InvalidRegexError",
+    "InvalidChoicesError",
     "EmptyChoicesError",
     "UnsupportedSchemaError",
     "IncompleteGenerationError",
@@ -22,6 +23,7 @@ __all__ = [
     "StateFileError",
     "ModelMismatch",
     "TokenizerMismatch",
+    "ContinuumTypeError",
 ]
 
 
@@ -49,8 +51,12 @@ class InvalidRegexError(GeneratorArgumentError):
     """The regular expression cannot be compiled into a token-level index."""
 
 
-class EmptyChoicesError(GeneratorArgumentError):
-    """``generate.choice`` was given no options."""
+class InvalidChoicesError(GeneratorArgumentError):
+    """``generate.choice`` options that cannot be chosen from (empty, duplicated, not strings)."""
+
+
+class EmptyChoicesError(InvalidChoicesError):
+    """``generate.choice`` was given no options (or an empty option)."""
 
 
 class UnsupportedSchemaError(GeneratorArgumentError):
@@ -83,6 +89,10 @@ class ModelMismatch(ContinuumError, ValueError):
 
 class StateFileError(ContinuumError, ValueError):
     """A saved ``SequenceState`` file is missing, corrupt, or was saved with another tokenizer."""
+
+
+class ContinuumTypeError(ContinuumError, TypeError):
+    """A value of the wrong type (a prompt that is not text, ``state + 1``...); the message names what is accepted."""
 
 
 class IncompleteGenerationError(ContinuumError, RuntimeError):

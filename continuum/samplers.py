@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from .errors import GeneratorArgumentError
+
 __all__ = [
     "Sampler",
     "GreedySampler",
@@ -46,6 +48,19 @@ class Sampler:
     def reorders(self, group: int) -> bool:
         """Whether a step from ``group`` rows per batch item may return ancestors other than ``arange``."""
         return self.is_beam_search or group != self.samples
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _check(name: str, value, ok: bool, expected: str) -> None:
+    if not ok:
+        raise GeneratorArgumentError(f"{name} must be {expected}; got {value!r}")
 
 
 def _fork_ancestors(rows: int, group: int, samples: int, device) -> torch.Tensor:
@@ -88,14 +103,11 @@ class MultinomialSampler(Sampler):
     """
 
     def __init__(self, samples: int = 1, *, top_k: int | None = None, top_p: float | None = None, temperature: float | None = None):
-        if not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"samples must be a positive int, got {samples!r}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if temperature is not None and temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        _check("samples", samples, _is_int(samples) and samples >= 1, "an int >= 1")
+        _check("top_k", top_k, top_k is None or (_is_int(top_k) and top_k >= 1), "an int >= 1, or None (no top-k)")
+        _check("top_p", top_p, top_p is None or (_is_real(top_p) and 0.0 < top_p <= 1.0), "a number in (0, 1], or None")
+        _check("temperature", temperature, temperature is None or (_is_real(temperature) and temperature >= 0),
+               "a number >= 0 (0 = greedy), or None")
         self.samples, self.top_k, self.top_p, self.temperature = samples, top_k, top_p, temperature
 
     def __repr__(self) -> str:
@@ -141,8 +153,7 @@ class BeamSearchSampler(Sampler):
     is_beam_search = True
 
     def __init__(self, beams: int = 1):
-        if not isinstance(beams, int) or beams < 1:
-            raise ValueError(f"beams must be a positive int, got {beams!r}")
+        _check("beams", beams, _is_int(beams) and beams >= 1, "an int >= 1")
         self.samples = beams
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ import torch
 
 from . import cache as kvcache
 from .decoding import Step, check_continuable, positions, prefill
+from .errors import ContextLengthError
 from .samplers import Sampler
 from .state import LastStep, SequenceState
 
@@ -33,6 +34,11 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
     model, tok = state._model, state._model.tokenizer
     K, R = len(options), state.rows
     option_ids = [tok.encode_continuation(o) for o in options]
+    longest, ctx = int(state._mask.sum(1).max()), model.context_length
+    if ctx is not None and longest + max(map(len, option_ids)) > ctx:  # every option is scored in full
+        raise ContextLengthError(f"the input ({longest} tokens) leaves no room for the longest option "
+                                 f"({max(map(len, option_ids))} tokens) in the model's context ({ctx}): "
+                                 f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
     starts = [len(t) for t in state.texts]
 
     # every (row, option) pair; rows of one batch item stay together: batch x (samples * K)
@@ -72,7 +78,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
     weights, ancestors = weights.index_select(0, pick), ancestors.index_select(0, pick)
     texts = out.texts
     last = LastStep(kind="choice", starts=tuple(starts[a] for a in ancestors.tolist()), ends=tuple(len(t) for t in texts),
-                    complete=(True,) * out.rows)
+                    complete=(True,) * out.rows, finish=("pattern",) * out.rows)
     result = SequenceState(model=model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=weights,
                            kv=out._kv, batch=out.batch, samples=out.samples, last=last)
     yield Step([t[s:] for t, s in zip(texts, last.starts)], True)

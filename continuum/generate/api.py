@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..errors import GeneratorArgumentError, InvalidRegexError, UnsupportedSchemaError
+from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError, UnsupportedSchemaError
 from ..guides import choice_regex, regex_guide, schema_to_regex
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
@@ -41,7 +41,11 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
     _check_model(model)
     if not isinstance(pattern, str):
         raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
-    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="regex", description=repr(pattern))
+    guide = regex_guide(pattern, model.tokenizer)
+    if guide.is_done(guide.initial_state):  # nothing to generate: every call would return ""
+        raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
+                                f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern))
 
 
 def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact") -> Generator:
@@ -58,14 +62,24 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
             instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``
             (an outlines-core index), which is cheaper for many long options.
 
-    Empty lists raise ``EmptyChoicesError``.
+    Empty lists or options raise ``EmptyChoicesError``; duplicated options raise
+    ``InvalidChoicesError`` (which of two equal options was chosen would be ambiguous).
 
     Example:
         >>> choice(model, ["Positive", "Negative"])("Review: great!\nSentiment: ")  # doctest: +SKIP
         'Positive'
     """
     _check_model(model)
+    if not isinstance(choices, str):  # (a bare str is refused by choice_regex)
+        try:
+            choices = list(choices)
+        except TypeError:
+            raise InvalidChoicesError(f"generate.choice takes a list of option strings, got {type(choices).__name__}") from None
     pattern = choice_regex(choices)
+    repeated = sorted({o for o in choices if choices.count(o) > 1})
+    if repeated:
+        raise InvalidChoicesError(f"generate.choice options must be distinct; {repeated} appear more than once: "
+                                  f"remove the duplicates")
     if method == "greedy":
         return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
                          description=repr(list(choices)))

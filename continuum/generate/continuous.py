@@ -7,7 +7,6 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..decoding import check_max_tokens
-from ..errors import GeneratorArgumentError
 from ..state import SequenceState
 from .generator import Generator, Stream
 
@@ -42,12 +41,10 @@ class ContinuousGenerator:
     def _state(self, inputs: Input) -> SequenceState:
         if isinstance(inputs, SequenceState):
             state = inputs
-        elif isinstance(inputs, (list, tuple)) and inputs and all(isinstance(s, SequenceState) for s in inputs):
-            state = SequenceState.stack(inputs)
-        elif isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and all(isinstance(s, str) for s in inputs)):
+        elif isinstance(inputs, (list, tuple)) and any(isinstance(s, SequenceState) for s in inputs):
+            state = SequenceState.stack(inputs)  # names a non-state item
+        else:  # names what is wrong with a non-text prompt
             state = SequenceState.from_prompts(self.generator.model, inputs)
-        else:
-            raise GeneratorArgumentError("expected a prompt, a list of prompts, a SequenceState or a list of states")
         # The generator's model is the one that runs: a state of another model (same tokenizer) drops
         # that model's cache and is recomputed in one pass; another tokenizer raises TokenizerMismatch.
         return state.to_model(self.generator.model)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..decoding import Step, check_max_tokens, decode
+from ..errors import ContinuumTypeError
 from ..guides import Guide
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
@@ -96,7 +97,7 @@ class Generator:
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
-            raise TypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
+            raise ContinuumTypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
 
     def __repr__(self) -> str:

@@ -94,7 +94,11 @@ def regex_guide(regex: str, tokenizer) -> Guide:
     try:
         index = Index(regex, tokenizer.vocabulary)
     except Exception as exc:
-        raise InvalidRegexError(f"cannot compile regex {regex[:200]!r} for this tokenizer: {exc}") from exc
+        why = ("no text this tokenizer can produce matches it (a pattern that matches nothing, or characters "
+               "missing from the vocabulary): fix the pattern") if "incompatible" in str(exc) else (
+              "check its syntax (outlines-core takes Rust regex syntax: no lookarounds, backreferences or "
+              "Unicode \\b)")
+        raise InvalidRegexError(f"cannot compile regex {regex[:200]!r} for this tokenizer: {why}. Cause: {exc}") from exc
     guide = Guide(regex, index, tokenizer.eos_token_id)
     with _LOCK:
         tokenizer.index_cache[regex] = guide

@@ -105,7 +105,8 @@ def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tu
     try:
         regex = build_regex_from_schema(_json.dumps(prepared), whitespace_pattern)
     except Exception as exc:  # outlines-core raises ValueError/TypeError/pyo3 errors
-        raise UnsupportedSchemaError(f"cannot compile this JSON schema to a regex: {exc}") from exc
+        raise UnsupportedSchemaError(f"cannot compile this JSON schema to a regex: {exc}. Remove or rewrite the "
+                                     f"unsupported part (docs/generators.md lists what is supported)") from exc
     if ignored:
         warnings.warn(f"the JSON schema uses {sorted(ignored)}, which constrained decoding does not enforce: "
                       "outputs follow the rest of the schema but may violate these (validate them after parsing)",

@@ -7,11 +7,19 @@ from typing import Sequence, Union
 import torch
 
 from .. import cache as kvcache
-from ..errors import BatchMismatch, SampleMismatch
+from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
 from .convert import check_same_model
 from .core import _NAN, SequenceState
 
 __all__ = ["add", "radd", "stack"]
+
+_ADDABLE = "a str, a list of str (one per batch row) or another SequenceState (same tokenizer)"
+
+
+def _not_addable(other, op: str) -> ContinuumTypeError:
+    hint = ": decode it first, e.g. data.decode('utf-8')" if isinstance(other, (bytes, bytearray)) else ""
+    return ContinuumTypeError(f"cannot {op} an object of type {type(other).__name__} to a SequenceState; "
+                              f"it takes {_ADDABLE}{hint}")
 
 
 def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: str) -> list[str]:
@@ -22,7 +30,8 @@ def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: st
         raise BatchMismatch(f"{op} a list of {len(other)} strings to a state with batch={state.batch}: "
                             f"give one string per batch row, or a single string for all rows")
     if not all(isinstance(t, str) for t in other):
-        raise TypeError("only strings can be added to a state")
+        bad = next(t for t in other if not isinstance(t, str))
+        raise ContinuumTypeError(f"{op} a list with an item of type {type(bad).__name__}: a state takes {_ADDABLE}")
     return [other[r // state.samples] for r in range(state.rows)]
 
 def add(state: SequenceState, other) -> SequenceState:
@@ -34,8 +43,8 @@ def add(state: SequenceState, other) -> SequenceState:
     elif isinstance(other, (str, list, tuple)):
         appended = per_row_texts(state, other, "adding")
         weights = state._weights
-    else:
-        return NotImplemented
+    else:  # raised here rather than NotImplemented: Python's generic message names no accepted type
+        raise _not_addable(other, "add")
     tok, real, cached = state._model.tokenizer, state._real_rows(), state._cached_real()
     tails = []
     for r in range(state.rows):
@@ -62,7 +71,7 @@ def _first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
 def radd(state: SequenceState, other) -> SequenceState:
     """``text + state``: prepend text; the result is re-tokenized as a prompt (no cache)."""
     if not isinstance(other, (str, list, tuple)):
-        return NotImplemented
+        raise _not_addable(other, "prepend")
     prefixes = per_row_texts(state, other, "prepending")
     texts = state.texts
     rows = state._model.tokenizer.encode_prompts([p + t for p, t in zip(prefixes, texts)])
@@ -92,12 +101,17 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     states = list(states)
     if not states:
         raise BatchMismatch("cannot stack an empty list of states")
+    bad = [type(s).__name__ for s in states if not isinstance(s, SequenceState)]
+    if bad:
+        raise ContinuumTypeError(f"stack takes a list of SequenceStates, got a {bad[0]}: make prompts into states with "
+                                 f"SequenceState.from_prompts(model, prompts)")
     first = states[0]
     if len(states) == 1:
         return first
     for s in states[1:]:
         if s.samples != first.samples:
-            raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}")
+            raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}: "
+                                 f"select the same number of samples from each, e.g. state[:, :1, :]")
         check_same_model(first, s, "stack")
     states = [s.to_model(first._model) for s in states]  # the same model: only a changed dtype/device converts
     widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
@@ -130,6 +144,7 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
         l0 = states[0]._last
         last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
-                         complete=sum((s._last.complete for s in states), ()))
+                         complete=sum((s._last.complete for s in states), ()),
+                         finish=sum((s._last.finish for s in states), ()) if all(s._last.finish for s in states) else None)
     return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
                          batch=sum(s.batch for s in states), samples=first.samples, last=last)

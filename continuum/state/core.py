@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 
 from .. import cache as kvcache
-from ..errors import BatchMismatch, IncompleteGenerationError
+from ..completion import Completion
+from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError
 
 __all__ = ["SequenceState", "LastStep"]
 
@@ -47,11 +48,13 @@ class LastStep:
     # valid while the row's text ends where the step ended: any edit of the text drops them.
     regex: str | None = None
     guide_states: tuple[int | None, ...] | None = None
+    # Why each row's step ended: "eos", "stop", "length" (max_tokens), "context", "pattern". Kept through edits.
+    finish: tuple[str, ...] | None = None
 
     def select(self, rows: Sequence[int]) -> "LastStep":
-        gs = tuple(self.guide_states[r] for r in rows) if self.guide_states is not None else None
-        return replace(self, starts=tuple(self.starts[r] for r in rows), ends=tuple(self.ends[r] for r in rows),
-                       complete=tuple(self.complete[r] for r in rows), guide_states=gs)
+        pick = lambda t: tuple(t[r] for r in rows) if t is not None else None  # noqa: E731
+        return replace(self, starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
+                       guide_states=pick(self.guide_states), finish=pick(self.finish))
 
     def edited(self, **changes) -> "LastStep":
         """The same step after the text was edited: resumable guide states are dropped."""
@@ -96,14 +99,16 @@ class SequenceState:
     @classmethod
     def from_prompts(cls, model, prompts: Union[str, Sequence[str]]) -> "SequenceState":
         """A state holding tokenized prompts (no cache, zero weights, one sample)."""
+        hint = "pass a str, a non-empty list of str or (to a continuous generator) a SequenceState"
         if not isinstance(prompts, (str, list, tuple)):
-            raise TypeError(f"a prompt must be a string or a list of strings, got {type(prompts).__name__}")
+            raise ContinuumTypeError(f"a prompt must be text: {hint}; got {type(prompts).__name__}"
+                                     + (" (decode bytes first)" if isinstance(prompts, (bytes, bytearray)) else ""))
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
-            raise BatchMismatch("no prompts given: pass a string or a non-empty list of strings")
-        bad = [type(p).__name__ for p in prompts if not isinstance(p, str)]
+            raise BatchMismatch(f"no prompts given (an empty list): {hint}")
+        bad = [(i, type(p).__name__) for i, p in enumerate(prompts) if not isinstance(p, str)]
         if bad:
-            raise TypeError(f"prompts must be strings, got {bad[0]}")
+            raise ContinuumTypeError(f"prompt {bad[0][0]} of the list is a {bad[0][1]}, not a str: {hint}")
         rows = model.tokenizer.encode_prompts(prompts)
         return cls._from_rows(model, rows, [[_NAN] * len(r) for r in rows], torch.zeros(len(rows)), len(rows), 1, None)
 
@@ -225,40 +230,66 @@ class SequenceState:
         """
         return None if self._kv is None else kvcache.to_dynamic_cache(self._kv, self._model.config)
 
+    def _last_step(self) -> LastStep:
+        if self._last is None:
+            raise ValueError("this state was not produced by a generator, so it has no last step to read: "
+                             "its texts are list(state); call a continuous generator on it to get one")
+        return self._last
+
     @property
     def last_text(self):
         """The text the last generation step produced, shaped like a generator's output."""
-        if self._last is None:
-            raise ValueError("this state was not produced by a generator (no last step to read)")
-        texts = self.texts
-        out = [texts[r][s:e] for r, (s, e) in enumerate(zip(self._last.starts, self._last.ends))]
+        last, texts = self._last_step(), self.texts
+        out = [texts[r][s:e] for r, (s, e) in enumerate(zip(last.starts, last.ends))]
         return self._shape_output(out)
+
+    @property
+    def finish_reasons(self) -> list[list[str]] | None:
+        """``(batch, samples)`` nested list: why each row's last generation step ended, one of
+        ``"eos"``, ``"stop"`` (a ``stop_at`` string), ``"length"`` (``max_tokens``), ``"context"``
+        (the model's context length: see :attr:`truncated`) or ``"pattern"`` (the constraint
+        completed). ``None`` for a state no generator produced. Slicing and adding keep them.
+        """
+        finish = self._last.finish if self._last is not None else None
+        if finish is None:
+            return None
+        return [list(finish[b * self.samples:(b + 1) * self.samples]) for b in range(self.batch)]
+
+    @property
+    def truncated(self) -> torch.Tensor:
+        """``(batch, samples)`` bool: True where the last generation step was cut by the context length."""
+        finish = (self._last.finish if self._last is not None else None) or ("",) * self.rows
+        return torch.tensor([f == "context" for f in finish], dtype=torch.bool).reshape(self.batch, self.samples)
 
     @property
     def value(self):
         """The last step's value: its text (text/regex), the option (choice) or the parsed JSON.
 
-        Raises :class:`~continuum.errors.IncompleteGenerationError` when a constrained step was cut
-        by ``max_tokens`` (or the context length) before its pattern matched.
+        Texts of a text generator are :class:`~continuum.completion.Completion` strings (with
+        ``finish_reason`` and ``truncated``). Raises :class:`~continuum.errors.IncompleteGenerationError`
+        when a constrained step was cut by ``max_tokens`` (or the context length) before its pattern matched.
         """
-        if self._last is None:
-            raise ValueError("this state was not produced by a generator (no last step to read)")
-        texts = self.texts
+        last, texts = self._last_step(), self.texts
         out, bad = [], []
-        for r, (s, e) in enumerate(zip(self._last.starts, self._last.ends)):
+        for r, (s, e) in enumerate(zip(last.starts, last.ends)):
             text = texts[r][s:e]
-            if self._last.kind != "text" and not self._last.complete[r]:
+            if last.kind != "text" and not last.complete[r]:
                 bad.append(r)
-                continue
-            out.append(self._last.parse(text) if self._last.parse else text)
+            elif last.kind == "text" and last.finish is not None:
+                out.append(Completion(text, last.finish[r]))
+            else:
+                out.append(last.parse(text) if last.parse else text)
         if bad:
             where = ", ".join(f"row {r} (batch {r // self.samples}, sample {r % self.samples})" for r in bad)
-            hint = f"max_tokens={self._last.max_tokens}" if self._last.max_tokens is not None else "the context length"
-            raise IncompleteGenerationError(
-                f"the {self._last.kind} output of {where} is incomplete: generation stopped at {hint} before the "
-                f"pattern was matched. Raise max_tokens, or continue this state with the same generator (it resumes the "
-                f"pattern where it stopped).",
-                rows=bad, max_tokens=self._last.max_tokens)
+            if last.finish is not None and any(last.finish[r] == "context" for r in bad):
+                why = (f"the model's context length ({self._model.context_length} tokens). Shorten the input, e.g. "
+                       f"state[..., -N:] to keep its last N characters, and generate again.")
+            else:
+                why = (f"{'max_tokens=' + str(last.max_tokens) if last.max_tokens is not None else 'the context length'}. "
+                       f"Raise max_tokens, or continue this state with the same generator (it resumes the pattern "
+                       f"where it stopped).")
+            raise IncompleteGenerationError(f"the {last.kind} output of {where} is incomplete: generation stopped before "
+                                            f"the pattern was matched, at {why}", rows=bad, max_tokens=last.max_tokens)
         return self._shape_output(out)
 
     def _shape_output(self, flat: list) -> Any:

@@ -25,7 +25,7 @@ def getitem(state: SequenceState, key) -> Union[SequenceState, str, list[str]]:
     if any(k is Ellipsis for k in key):  # numpy-style: `...` stands for the missing leading axes
         at = key.index(Ellipsis)
         if key.count(Ellipsis) > 1 or len(key) > 3:
-            raise IndexError("a state index can hold at most one `...` and three positions (batch, sample, chars)")
+            raise SlicingError("a state index holds at most one `...` and three positions: state[batch, sample, chars]")
         key = key[:at] + (slice(None),) * (4 - len(key)) + key[at + 1:]
     forms = {3: "state[batch, sample, chars]"}
     if state.batch == 1 and state.samples == 1:
@@ -35,9 +35,9 @@ def getitem(state: SequenceState, key) -> Union[SequenceState, str, list[str]]:
     elif state.samples == 1:
         forms[2] = "state[batch, chars]"
     if len(key) not in forms:
-        raise IndexError(
+        raise SlicingError(
             f"a state of shape (batch={state.batch}, samples={state.samples}) takes "
-            + " or ".join(sorted(set(forms.values()), key=len)) + f"; got {len(key)} index(es)")
+            + " or ".join(sorted(set(forms.values()), key=len)) + f" (or state[..., chars] for any shape); got {len(key)} index(es)")
     if len(key) == 3:
         bkey, skey, ckey = key
     elif len(key) == 1:
@@ -55,12 +55,14 @@ def getitem(state: SequenceState, key) -> Union[SequenceState, str, list[str]]:
         try:
             chars = [t[ckey] for t in texts]
         except IndexError:
-            raise IndexError(f"character index {ckey} out of range for row texts of lengths {[len(t) for t in texts]}") from None
+            raise SlicingError(f"character index {ckey} out of range for row texts of lengths {[len(t) for t in texts]}: "
+                               f"use an index inside every row, or a slice (slices clip)") from None
         return chars[0] if len(chars) == 1 else chars
     if not isinstance(ckey, slice):
-        raise IndexError(f"the chars index must be an int or a slice, got {type(ckey).__name__}")
+        raise SlicingError(f"the chars index must be an int or a slice (e.g. state[..., :40]), got {type(ckey).__name__}")
     if ckey.step not in (None, 1):
-        raise SlicingError(f"the chars slice must have step 1 (got {ckey.step}); text cannot be cut with gaps")
+        raise SlicingError(f"the chars slice must have step 1 (got {ckey.step}): a state's text cannot be cut with gaps; "
+                           f"slice with step 1, or slice the text itself (str(state)[::2])")
     return slice_chars(picked, ckey.start, ckey.stop)
 
 def slice_chars(state: SequenceState, start: int | None, stop: int | None) -> SequenceState:
@@ -130,18 +132,18 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
 
 def _axis(key, size: int, name: str) -> list[int]:
     if isinstance(key, bool):
-        raise IndexError(f"{name} index must be an int, a slice or a list of ints")
+        raise SlicingError(f"{name} index must be an int, a slice or a list of ints, got bool")
     if isinstance(key, int):
         if not -size <= key < size:
-            raise IndexError(f"{name} index {key} out of range for {size} {name} row(s)")
+            raise SlicingError(f"{name} index {key} out of range for {size} {name} row(s): use -{size}..{size - 1}")
         return [key % size]
     if isinstance(key, slice):
         sel = list(range(size))[key]
         if not sel:
-            raise SlicingError(f"the {name} slice {key} selects no rows (size {size})")
+            raise SlicingError(f"the {name} slice {key} selects no rows (size {size}): select at least one")
         return sel
     if isinstance(key, (list, tuple)) and all(isinstance(k, int) for k in key):
         if not key:
-            raise SlicingError(f"empty {name} selection")
+            raise SlicingError(f"empty {name} selection: select at least one row")
         return [k for item in key for k in _axis(item, size, name)]
-    raise IndexError(f"{name} index must be an int, a slice or a list of ints, got {type(key).__name__}")
+    raise SlicingError(f"{name} index must be an int, a slice or a list of ints, got {type(key).__name__}")

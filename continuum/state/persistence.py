@@ -35,7 +35,7 @@ def save(state: SequenceState, path) -> None:
     if state._last is not None:
         last = {"kind": state._last.kind, "starts": state._last.starts, "ends": state._last.ends,
                 "complete": state._last.complete, "max_tokens": state._last.max_tokens,
-                "regex": state._last.regex, "guide_states": state._last.guide_states}
+                "regex": state._last.regex, "guide_states": state._last.guide_states, "finish": state._last.finish}
     meta = {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
             "model": state._model.fingerprint.as_dict(), "layers": len(state._kv or ()), "last": last}
@@ -52,7 +52,8 @@ def load(path, model) -> SequenceState:
     except FileNotFoundError:
         raise
     except Exception as exc:
-        raise StateFileError(f"{path} is not a readable continuum state file: {exc}") from exc
+        raise StateFileError(f"{path} is not a readable continuum state file ({exc}): it was not written by "
+                             f"SequenceState.save or is damaged; save the state again") from exc
     if meta.get("format") not in _READABLE:
         raise StateFileError(f"{path}: unsupported state format {meta.get('format')!r} (this version reads {_READABLE})")
     if meta["tokenizer"] != model.tokenizer.fingerprint:
@@ -74,9 +75,10 @@ def load(path, model) -> SequenceState:
             last = LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
                             complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
                             max_tokens=last["max_tokens"], regex=last.get("regex"),
-                            guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None)
+                            guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None,
+                            finish=tuple(last["finish"]) if last.get("finish") else None)
         state = SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
                               weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
         return uncached(state, model) if foreign else state
     except (KeyError, ValueError, TypeError) as exc:
-        raise StateFileError(f"{path} is corrupt: {exc}") from exc
+        raise StateFileError(f"{path} is corrupt ({exc}): save the state again") from exc
