@@ -239,7 +239,7 @@ def shrink(kv: Optional[KV]) -> Optional[KV]:
 
 def compact(kv: Optional[KV]) -> Optional[KV]:
     """``kv`` no longer pinning storage it does not use: a layer whose views cover much less than their
-    storage (a state cut back to a few tokens, one sample selected out of many) is copied into a
+    storage (a state cut back to a few tokens, one sample selected out of many) is copied into an
     arena of its exact size (no spare room: a kept slice is often never continued, and continuing
     it would copy anyway, as it does for any view that ends before its arena's fill mark); any
     other layer stays a view.
