@@ -4,9 +4,10 @@ Greedy text for a batch of prompts, three generators built once: unguided, CFG w
 ``cfg_mode="batched"`` (one forward of 2x rows per step) and ``cfg_mode="sequential"`` (two
 forwards per step). Time per token: paired repetitions against the unguided generator in the same
 run (see ``common.paired``). Peak memory: the growth of the process's peak RSS during one call
-(``/proc/self/clear_refs`` reset) with glibc's mmap threshold fixed at 64 KiB, so every tensor
-larger than that is its own mapping, returned to the system when freed: the RSS growth is then the
-peak of live tensor bytes (plus small-object noise), not allocator history. On CUDA:
+(``/proc/self/clear_refs`` reset) with glibc's mmap threshold fixed at 64 KiB (every larger tensor is
+its own mapping, returned to the system when freed) and ``malloc_trim(0)`` before each call (free
+heap pages are given back, so reusing them counts again): the RSS growth is then the peak of the
+bytes the call touches, not allocator history. On CUDA:
 ``torch.cuda.max_memory_allocated`` growth.
 """
 
@@ -23,12 +24,17 @@ from continuum import continuous, generate, samplers
 from .common import Bench, Row, _read_status, log, make_text, median, paired, peak_rss_mb, reset_peak_rss, row_from_calls
 
 
+def _glibc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def _fixed_mmap_threshold() -> bool:
     """glibc: serve allocations >= 64 KiB by mmap, without the dynamic threshold (False elsewhere)."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 65536))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, 65536))  # M_MMAP_THRESHOLD
 
 
 def _memory_growth_mb(bench: Bench, fn) -> float:
@@ -41,6 +47,9 @@ def _memory_growth_mb(bench: Bench, fn) -> float:
         fn()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
     before = (_read_status("VmRSS") or 0) / 1024.0
     reset_peak_rss()
     fn()
@@ -65,7 +74,9 @@ def b11(bench: Bench, cfg) -> List[Row]:
 
     log(f"B11: CFG (scale 3, 16-token negative prompt), greedy, {len(prompts)} prompts x {plen} tokens, {new} new tokens")
     rows = []
-    for mode, threshold in (("batched", 1.6), ("sequential", 2.4)):
+    # targets: batched must never cost more than two forwards (on a GPU it is far below; on a
+    # compute-bound CPU 2x rows cost nearly 2x); sequential is two forwards plus the guidance step
+    for mode, threshold in (("batched", 2.0), ("sequential", 2.4)):
         base, cont = paired(bench, call("unguided"), call(mode), cfg.reps, log=log)
         same = {c.generated for c in base + cont} == {new}
         calls = median([c.forward_calls for c in cont]), median([b.forward_calls for b in base])
@@ -79,7 +90,9 @@ def b11(bench: Bench, cfg) -> List[Row]:
     where = "CUDA max_memory_allocated" if bench.model.device.type == "cuda" else "peak RSS"
     if not exact:
         where += " (glibc mmap threshold not fixed: allocator history may blur it)"
-    for mode, threshold, rid in (("batched", 4.0, "B11c"), ("sequential", 2.5, "B11d")):
+    # batched holds a 2x-row cache (and copies in and out of it); sequential adds only the small
+    # unconditional cache, allocated after the prefill's transient peak
+    for mode, threshold, rid in (("batched", 2.5, "B11c"), ("sequential", 1.5, "B11d")):
         ratio = growth[mode] / growth["unguided"] if growth["unguided"] > 0 else float("nan")
         rows.append(Row(id=rid, title=f"CFG {mode}: peak memory of a call", baseline="unguided greedy, same prompts",
                         figure=ratio, op="<=", threshold=threshold, unit="x memory", reps=2,

@@ -165,7 +165,7 @@ class UnconditionalBranch:
         from .decoding import positions  # (decoding imports this module)
 
         R = ids.shape[0]
-        first = self.uncond_logits is None and self.kv is None
+        first = self.uncond_logits is None  # the prefill: the conditional suffix and the whole negative prompt
         if not first:  # a generated column: the same token and keep flag in the unconditional branch
             self.mask[:, self.width] = mask[:, -1]
             self.width += 1
