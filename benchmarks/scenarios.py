@@ -1,4 +1,4 @@
-"""Benchmark scenarios B1-B9 (see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
+"""Benchmark scenarios B1-B9 and B11 (B11 in cfg_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.cache import nbytes
 
+from .cfg_bench import b11
 from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
 
 
@@ -39,18 +40,21 @@ class Config:
     b8_beams: int = 4
     b9_prompt: int = 512
     b9_samples: int = 8
+    b11_batch: int = 4
+    b11_prompt: int = 128
+    b11_new: int = 32
 
     @classmethod
     def quick_mode(cls) -> "Config":
         return cls(quick=True, reps=3, b1_reps=5, heavy_reps=1, b1_new=32, b3_new=8, b3_ttft_inner=2, b4_new=8, b5_max=80,
-                   b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16)
+                   b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16, b11_batch=2, b11_prompt=64, b11_new=8)
 
     def describe(self) -> str:
         return (f"reps={self.reps} (B1/B2: {self.b1_reps}, B3/B7: {self.heavy_reps}), B1/B2 {self.b1_prompt}+{self.b1_new} tokens, "
                 f"B3 {self.b3_turns} turns x {self.b3_new} new on {self.b3_history} tokens, "
                 f"B4 cut {self.b4_cut} chars of {self.b4_history}+{self.b4_new} tokens, B5 <= {self.b5_max} tokens, "
                 f"B7 {self.b7_samples} x {self.b7_new} new on {self.b7_prompt}, B8 {self.b8_beams} beams x {self.b8_new}, "
-                f"B9 {self.b9_samples} samples on {self.b9_prompt}")
+                f"B9 {self.b9_samples} samples on {self.b9_prompt}, B11 {self.b11_batch} x {self.b11_prompt}+{self.b11_new} CFG")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -512,6 +516,6 @@ def b9(bench: Bench, cfg: Config) -> List[Row]:
 
 
 SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
-    "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9,
+    "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B11": b11,
 }
 ALIASES = {"B2": "B1"}

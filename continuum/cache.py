@@ -29,7 +29,7 @@ import torch
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 __all__ = ["KV", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
-           "gather_columns", "nbytes", "length"]
+           "gather_columns", "nbytes", "length", "stack_rows"]
 
 
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits
@@ -269,6 +269,31 @@ def compact(kv: Optional[KV]) -> Optional[KV]:
             out.append(_copy_to_arena(k, v, 0))
             changed = True
     return tuple(out) if changed else kv
+
+
+def stack_rows(kvs: list[KV], width: int, reserve: int = 0) -> KV:
+    """The rows of several caches, one after the other, right-aligned to ``width`` columns, in new storage.
+
+    A cache with fewer columns gets zero-filled leading columns (the caller masks them: zeros, never
+    uninitialised memory, because attention weights of 0 times NaN are NaN). The storage leaves room
+    for ``reserve`` appended columns, so the next forwards append in place.
+    """
+    out = []
+    for layer in range(len(kvs[0])):
+        first = kvs[0][layer][0]
+        rows = sum(kv[layer][0].shape[0] for kv in kvs)
+        arena = _Arena.allocate(first, rows, width + max(reserve, _MIN_SLACK))
+        r = 0
+        for kv in kvs:
+            k, v = kv[layer]
+            n, lead = k.shape[0], width - k.shape[2]
+            arena.keys[r:r + n, :, :lead] = 0
+            arena.values[r:r + n, :, :lead] = 0
+            arena.keys[r:r + n, :, lead:width], arena.values[r:r + n, :, lead:width] = k, v
+            r += n
+        arena.filled = width
+        out.append(arena.views(width))
+    return tuple(out)
 
 
 def gather_columns(kv: Optional[KV], index: torch.Tensor) -> Optional[KV]:

@@ -21,6 +21,7 @@ from typing import Callable, Generator, Optional
 import torch
 
 from . import cache as kvcache
+from .cfg import CFG, UnconditionalBranch
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guides import Guide, build_mask
 from .samplers import Sampler
@@ -70,6 +71,8 @@ def _stop_list(stop_at) -> list[str]:
 class _Rows:
     """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
 
+    branch: Optional[UnconditionalBranch] = None  # CFG's unconditional branch: its rows follow too
+
     def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool):
         R, L = state._ids.shape
         dev = state._ids.device
@@ -107,7 +110,7 @@ class _Rows:
         idx = ancestors.tolist()
         a = ancestors.to(self.ids.device)
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
-        self.kv = kvcache.select_rows(self.kv, ancestors)
+        self.kv = kvcache.select_rows(self.kv, ancestors) if self.branch is None else self.branch.reorder(ancestors, self.kv)
         self.weights = self.weights.index_select(0, ancestors.cpu())
         for name in ("finished", "complete", "stop_cut", "reason", "room", "guide_states", "start_chars"):
             values = getattr(self, name)
@@ -170,8 +173,10 @@ def decode(
     kind: str = "text",
     parse: Optional[Callable[[str], object]] = None,
     track_text: bool = False,
+    cfg: Optional[CFG] = None,
 ) -> Generator[Step, None, SequenceState]:
-    """Continue ``state`` with ``sampler`` (and ``guide``); yields a :class:`Step` per token, returns the new state."""
+    """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``cfg``); yields a
+    :class:`Step` per token, returns the new state."""
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
     steps = check_continuable(state, sampler, max_tokens)
@@ -182,6 +187,9 @@ def decode(
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
     rows = _Rows(state, steps, guide, track_text or bool(stops))
+    if cfg is not None and steps > 0:  # a fresh unconditional branch per call: negative prompt + this call's tokens
+        rows.branch = UnconditionalBranch(cfg, state, steps)
+        steps = rows.branch.steps  # capped where the unconditional rows reach the context
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
 
@@ -192,7 +200,8 @@ def decode(
         else:
             pos = positions(mask)[:, start:]
         reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once
-        return model.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
+        call = model.forward if rows.branch is None else rows.branch.forward  # CFG: runs both branches
+        return call(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 
     if steps == 0:
         if n != group:  # fork: the samples share the prefilled cache
@@ -205,7 +214,9 @@ def decode(
     fed = W
     vocab = logits.shape[-1]
     for step in range(steps):
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = raw = torch.log_softmax(logits, dim=-1)
+        if rows.branch is not None:  # CFG before sampling and masks; the weights stay the raw log-probs
+            logprobs = rows.branch.guide(raw)
         if guide is not None:
             for r, s in enumerate(rows.guide_states):
                 if not rows.finished[r] and guide.is_done(s):
@@ -225,6 +236,8 @@ def decode(
             rows.reorder(ancestors)
             group = n
         step_lp = logprobs[ancestors, ids]
+        if rows.branch is not None:  # -inf still marks a dead beam
+            step_lp = torch.where(step_lp == -math.inf, step_lp, raw[ancestors, ids])
         col = W + step
         id_list, lp_list = ids.tolist(), step_lp.tolist()
         keep = [False] * len(id_list)
@@ -270,6 +283,8 @@ def decode(
             break
         logits, rows.kv = forward(col, col + 1)
         fed = col + 1
+    if rows.branch is not None:
+        rows.kv = rows.branch.release(rows.kv)
     return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted)
 
 

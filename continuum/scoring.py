@@ -8,6 +8,11 @@ option that is a prefix of another scores at least as high) or their mean (``met
 The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
 a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
 (row, option) pairs. The chosen pairs keep the KV cache of that forward pass.
+
+With classifier-free guidance, each option token's score is the guided log-prob
+(:func:`~continuum.cfg.guided_logprobs` of the conditional log-prob and the log-prob after the
+row's unconditional prompt, one more forward over every distinct (unconditional prompt, option)
+pair); the sampler ranks by the summed (or mean) guided scores, the weights stay the raw ones.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Generator, Optional, Sequence
 import torch
 
 from . import cache as kvcache
+from .cfg import CFG, guided_logprobs
 from .decoding import Step, check_continuable, positions, prefill
 from .errors import ContextLengthError
 from .samplers import Sampler
@@ -27,7 +33,7 @@ __all__ = ["choose"]
 
 
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
-           rng: Optional[torch.Generator] = None) -> Generator[Step, None, SequenceState]:
+           rng: Optional[torch.Generator] = None, cfg: Optional[CFG] = None) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_continuable(state, sampler, None)
     state = prefill(state)  # the shared suffix once; each (row, option) pair then runs 1 + option tokens
@@ -54,13 +60,22 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
     lengths = torch.tensor([len(option_ids[i % K]) for i in range(R * K)])
     token_lp = cand._logprobs.clone()
     gain = torch.empty(R * K)  # raw log-prob of each pair's option
+    pair_lps = []
     for i in range(R * K):
         n = int(lengths[i])
         cols = torch.arange(W - n, W)
         lp = logprobs[i, cols - C - 1, cand._ids[i, cols]]
         token_lp[i, cols] = lp
         gain[i] = lp.sum()
-    scores = gain / lengths if method == "mean" else gain
+        pair_lps.append(lp)
+    if cfg is not None:  # rank by guided scores; the weights (gain) stay raw
+        prefixes = cfg.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
+        uncond = _uncond_option_logprobs(model, prefixes, option_ids)
+        guided = torch.stack([guided_logprobs(lp, uncond[tuple(prefixes[i // K])][i % K].to(lp.device), cfg.scale,
+                                              cfg.rescale).sum() for i, lp in enumerate(pair_lps)])
+        scores = guided.cpu() / lengths if method == "mean" else guided.cpu()
+    else:
+        scores = gain / lengths if method == "mean" else gain
 
     ids, ancestors, ranked = sampler(scores.reshape(R, K), state._weights.to(torch.float32), state.samples, rng)
     chosen = ancestors * K + ids
@@ -83,3 +98,24 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
                            kv=out._kv, batch=out.batch, samples=out.samples, last=last)
     yield Step([t[s:] for t, s in zip(texts, last.starts)], True)
     return result
+
+
+def _uncond_option_logprobs(model, prefixes: list[list[int]], option_ids: list[list[int]]) -> dict:
+    """Log-probs of every option's tokens after every distinct unconditional prompt, in ONE forward.
+
+    Returns ``{tuple(prefix): [tensor of the option's token log-probs, per option]}``.
+    """
+    distinct = list(dict.fromkeys(tuple(p) for p in prefixes))
+    seqs = [list(p) + list(o) for p in distinct for o in option_ids]
+    width = max(len(s) for s in seqs)
+    pad = model.tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=model.device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=model.device)
+    logits, _ = model.forward(ids, mask, positions(mask), None, logits="all")
+    logprobs = torch.log_softmax(logits, -1)
+    out: dict = {}
+    for i, seq in enumerate(seqs):
+        n = len(option_ids[i % len(option_ids)])
+        cols = torch.arange(width - n, width, device=ids.device)
+        out.setdefault(distinct[i // len(option_ids)], []).append(logprobs[i, cols - 1, ids[i, cols]])
+    return out

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
+from ..cfg import CFG
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError, UnsupportedSchemaError
 from ..guides import choice_regex, regex_guide, schema_to_regex
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
 __all__ = ["text", "choice", "regex", "json"]
+
+NegativePrompt = Union[str, Sequence[str], None]
+_CFG_DOC = """
+    Classifier-free guidance (every generator; see docs/generators.md):
+        guidance_scale: next-token scores are ``uncond + guidance_scale * (cond - uncond)`` on the
+            log-probs of the prompt (cond) and of the negative prompt (uncond); 1 (default) = off,
+            nothing extra is run.
+        negative_prompt: a string shared by every prompt, or one per prompt; default: BOS alone (or
+            the prompt's last token when the tokenizer has no BOS).
+        guidance_rescale: blend back ``r * cond + (1 - r) * guided``, in [0, 1].
+        cfg_mode: ``"batched"`` (both branches in one forward, 2x rows) or ``"sequential"``
+            (two forwards per step, less peak memory). Same results.
+"""
 
 
 def _check_model(model) -> None:
@@ -19,7 +33,8 @@ def _check_model(model) -> None:
             f"got {type(model).__name__}")
 
 
-def text(model, sampler: Optional[Sampler] = None) -> Generator:
+def text(model, sampler: Optional[Sampler] = None, *, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Free text. Returns the continuation only (not the prompt).
 
     Example:
@@ -28,10 +43,12 @@ def text(model, sampler: Optional[Sampler] = None) -> Generator:
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    return Generator(model, sampler, kind="text")
+    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+    return Generator(model, sampler, kind="text", cfg=cfg)
 
 
-def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
+def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, guidance_scale: float = 1.0,
+          negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Text matching ``pattern`` (outlines-core regex syntax); invalid patterns raise ``InvalidRegexError``.
 
     Example:
@@ -45,10 +62,13 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
     if guide.is_done(guide.initial_state):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern))
+    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=cfg)
 
 
-def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact") -> Generator:
+def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
+           guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0,
+           cfg_mode: str = "batched") -> Generator:
     """One of ``choices``.
 
     Args:
@@ -61,6 +81,8 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
             high (there is no end-of-option term). ``"mean"`` uses the mean log-prob per token
             instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``
             (an outlines-core index), which is cheaper for many long options.
+            With guidance, "exact"/"mean" rank the options by their guided token scores (one more
+            forward over the options after the negative prompt); weights stay the raw log-probs.
 
     Empty lists or options raise ``EmptyChoicesError``; duplicated options raise
     ``InvalidChoicesError`` (which of two equal options was chosen would be ambiguous).
@@ -80,15 +102,18 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     if repeated:
         raise InvalidChoicesError(f"generate.choice options must be distinct; {repeated} appear more than once: "
                                   f"remove the duplicates")
+    if method not in ("exact", "mean", "greedy"):
+        raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
+    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
         return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
-                         description=repr(list(choices)))
-    if method not in ("exact", "mean"):
-        raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
-    return ChoiceGenerator(model, list(choices), sampler, method=method)
+                         description=repr(list(choices)), cfg=cfg)
+    return ChoiceGenerator(model, list(choices), sampler, method=method, cfg=cfg)
 
 
-def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?") -> Generator:
+def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
+         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0,
+         cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
     The schema is compiled to a regex by outlines-core (``build_regex_from_schema``);
@@ -103,10 +128,15 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         User(name='Ann', age=31)
     """
     _check_model(model)
+    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     pattern, parse = schema_to_regex(schema, whitespace_pattern)
     name = getattr(schema, "__name__", "schema")
     try:
         guide = regex_guide(pattern, model.tokenizer)
     except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
         raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
-    return Generator(model, sampler, guide, kind="json", parse=parse, description=name)
+    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, cfg=cfg)
+
+
+for _f in (text, regex, choice, json):
+    _f.__doc__ += _CFG_DOC

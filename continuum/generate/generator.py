@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from ..cfg import CFG
 from ..decoding import Step, check_max_tokens, decode
 from ..errors import ContinuumTypeError
 from ..guides import Guide
@@ -93,21 +94,24 @@ class Generator:
     """
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
-                 parse: Optional[Callable[[str], Any]] = None, description: str = ""):
+                 parse: Optional[Callable[[str], Any]] = None, description: str = "", cfg: Optional[CFG] = None):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
             raise ContinuumTypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
+        self.cfg = cfg  # classifier-free guidance settings, None when guidance_scale == 1
 
     def __repr__(self) -> str:
         what = f", {self.description}" if self.description else ""
+        if self.cfg is not None:
+            what += f", guidance_scale={self.cfg.scale:g}"
         return f"generate.{self.kind}({self.model!r}{what}, sampler={self.sampler!r})"
 
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
-                      kind=self.kind, parse=self.parse, track_text=track_text)
+                      kind=self.kind, parse=self.parse, track_text=track_text, cfg=self.cfg)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)
@@ -160,8 +164,9 @@ class Generator:
 class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
-    def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact"):
-        super().__init__(model, sampler, kind="choice", description=repr(options))
+    def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
+                 cfg: Optional[CFG] = None):
+        super().__init__(model, sampler, kind="choice", description=repr(options), cfg=cfg)
         self.options, self.method = options, method
 
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
@@ -169,4 +174,4 @@ class ChoiceGenerator(Generator):
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..scoring import choose
 
-        return choose(state, self.options, self.sampler, method=self.method, rng=rng)
+        return choose(state, self.options, self.sampler, method=self.method, rng=rng, cfg=self.cfg)
