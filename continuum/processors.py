@@ -1,0 +1,293 @@
+"""continuum's constraints and classifier-free guidance as ``transformers`` logits processors.
+
+Use them with ``model.generate(..., logits_processor=LogitsProcessorList([...]))``. They are built
+on the same guides (:mod:`continuum.guides`) and the same CFG formula (:mod:`continuum.cfg`) as the
+generators: there is no second implementation.
+
+Two things make a processor correct inside ``generate()``:
+
+* **Rows are identified by the tokens they generated, not by their position.** Beam search
+  reorders rows at every step and left-padded prompts all share one width, so each call looks a
+  row's state up by its generated suffix (``input_ids[:, prompt_width:]``): its parent is the row
+  of the previous call whose suffix is this one minus the last token.
+* **Never raise mid-generation, never leave a row without a finite score.** Beam search keeps
+  ``-inf`` candidates among its top 2k, so a running beam may hold a token the guide never
+  allowed: that row is *dead* and only EOS stays finite (its beam score is already ``-inf``).
+
+A processor holds the state of ONE ``generate()`` call: create one per call, or call
+:meth:`reset` in between. Inputs may be torch tensors or any DLPack array with an array-API
+namespace (NumPy): the result has the type of ``scores``, converted without copies.
+
+Example:
+    >>> from transformers import LogitsProcessorList
+    >>> proc = RegexLogitsProcessor(r"[0-9]{3}", tokenizer)                     # doctest: +SKIP
+    >>> out = hf_model.generate(**inputs, logits_processor=LogitsProcessorList([proc]),
+    ...                         max_new_tokens=5, do_sample=False)             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import LogitsProcessor
+
+from . import cache as kvcache
+from .models.tokenizer import Tokenizer
+
+__all__ = [
+    "GuideLogitsProcessor",
+    "RegexLogitsProcessor",
+    "ChoiceLogitsProcessor",
+    "JSONLogitsProcessor",
+    "CFGLogitsProcessor",
+]
+
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, Tokenizer]" = weakref.WeakKeyDictionary()
+_DEAD, _DONE = object(), object()  # row states: a disallowed token was chosen / EOS was generated
+
+
+def _adapter(tokenizer) -> Tokenizer:
+    """continuum's tokenizer adapter for a Hugging Face tokenizer, one per tokenizer object (its
+    compiled-index caches are reused across processors)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    adapter = _TOKENIZERS.get(tokenizer)
+    if adapter is None:
+        adapter = _TOKENIZERS[tokenizer] = Tokenizer(tokenizer)
+    return adapter
+
+
+def _to_torch(array) -> tuple[torch.Tensor, Any]:
+    """(tensor, namespace to convert back with; ``None`` for torch), sharing memory via DLPack."""
+    if isinstance(array, torch.Tensor):
+        return array, None
+    if not hasattr(array, "__dlpack__"):
+        raise TypeError(f"expected a torch tensor or a DLPack array (e.g. NumPy), got {type(array).__name__}")
+    namespace = array.__array_namespace__() if hasattr(array, "__array_namespace__") else None
+    if namespace is None:
+        raise TypeError(f"{type(array).__name__} has no array-API namespace to convert the result back")
+    return torch.from_dlpack(array), namespace
+
+
+def _from_torch(tensor: torch.Tensor, namespace) -> Any:
+    return tensor if namespace is None else namespace.from_dlpack(tensor)
+
+
+class _Rows:
+    """Tracks the rows of one ``generate()`` call: each row's generated suffix and its parent row."""
+
+    def __init__(self) -> None:
+        self.width: Optional[int] = None  # prompt width, fixed by the first call
+        self.keys: list[tuple[int, ...]] = []
+
+    def reset(self) -> None:
+        self.width, self.keys = None, []
+
+    def step(self, input_ids: torch.Tensor) -> tuple[list[tuple[int, ...]], list[Optional[int]]]:
+        """(keys of the current rows, index of each row's parent in the previous call; ``None`` on the first call
+        or when a row's history is unknown)."""
+        if self.width is None or input_ids.shape[1] < self.width:
+            self.width, self.keys = input_ids.shape[1], []
+        keys = [tuple(row) for row in input_ids[:, self.width:].tolist()]
+        where = {k: i for i, k in enumerate(self.keys)}
+        parents = [where.get(k[:-1]) if k else None for k in keys]
+        self.keys = keys
+        return keys, parents
+
+
+class GuideLogitsProcessor(LogitsProcessor):
+    """Masks the scores of every row to the tokens its guide allows (base class of the constraint processors).
+
+    Args:
+        guide: a compiled continuum guide (``continuum.guides``).
+        tokenizer: the Hugging Face tokenizer (or continuum adapter) the guide was compiled for.
+    """
+
+    def __init__(self, guide, tokenizer):
+        self.guide = guide
+        self.tokenizer = _adapter(tokenizer)
+        self._eos = sorted(self.tokenizer.eos_token_ids)
+        self._rows = _Rows()
+        self._states: list[Any] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.guide!r})"
+
+    def reset(self) -> None:
+        """Forget the previous ``generate()`` call (a processor serves one call at a time)."""
+        self._rows.reset()
+        self._states = []
+
+    def _advance(self, parent: Any, token: int) -> Any:
+        if parent is _DEAD or parent is _DONE:
+            return parent
+        if token in self._eos:
+            return _DONE
+        state = self.guide.advance(parent, token)
+        return _DEAD if state is None or state == -1 else state
+
+    def __call__(self, input_ids, scores):
+        ids, _ = _to_torch(input_ids)
+        logits, namespace = _to_torch(scores)
+        keys, parents = self._rows.step(ids)
+        states = []
+        for key, parent in zip(keys, parents):
+            if not key:
+                states.append(self.guide.initial_state)
+            elif parent is not None:
+                states.append(self._advance(self._states[parent], key[-1]))
+            else:  # unknown history (e.g. input_ids edited between calls): replay the suffix
+                state = self.guide.initial_state
+                for token in key:
+                    state = self._advance(state, token)
+                states.append(state)
+        self._states = states
+        out = logits.float() + self._mask(states, logits.shape[-1], logits.device)
+        return _from_torch(out.to(logits.dtype), namespace)
+
+    def _mask(self, states: list[Any], vocab: int, device) -> torch.Tensor:
+        from .guides import build_mask
+
+        live = [None if s is _DONE else (self.guide.initial_state if s is _DEAD else s) for s in states]
+        mask = build_mask(self.guide, live, vocab, device)
+        for r, s in enumerate(states):
+            if s is _DEAD or not bool(torch.isfinite(mask[r]).any()):  # leave EOS, never an all -inf row
+                mask[r] = -math.inf
+                mask[r, self._eos] = 0.0
+        return mask
+
+
+class RegexLogitsProcessor(GuideLogitsProcessor):
+    """Generated text matches ``pattern`` (outlines-core regex syntax).
+
+    Example:
+        >>> proc = RegexLogitsProcessor(r"(yes|no)\\.", tokenizer)   # doctest: +SKIP
+    """
+
+    def __init__(self, pattern: str, tokenizer):
+        from .guides import regex_guide
+
+        adapter = _adapter(tokenizer)
+        super().__init__(regex_guide(pattern, adapter), adapter)
+
+
+class ChoiceLogitsProcessor(GuideLogitsProcessor):
+    """Generated text is exactly one of ``choices`` (token by token, like ``choice(method="greedy")``)."""
+
+    def __init__(self, choices: Sequence[str], tokenizer):
+        from .guides import choice_regex, regex_guide
+
+        adapter = _adapter(tokenizer)
+        super().__init__(regex_guide(choice_regex(choices), adapter), adapter)
+
+
+class JSONLogitsProcessor(GuideLogitsProcessor):
+    """Generated text is JSON following a pydantic model class or a JSON schema (dict or string)."""
+
+    def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: Optional[str] = r"[ ]?"):
+        from .guides import regex_guide, schema_to_regex
+
+        adapter = _adapter(tokenizer)
+        pattern, self.parse = schema_to_regex(schema, whitespace_pattern)
+        super().__init__(regex_guide(pattern, adapter), adapter)
+
+
+def _hf_model(model):
+    return getattr(model, "model", model) if not hasattr(model, "generate") else model
+
+
+class CFGLogitsProcessor(LogitsProcessor):
+    """Classifier-free guidance inside ``generate()``: ``uncond + scale * (cond - uncond)`` on log-probs.
+
+    The unconditional branch is the negative prompt (``negative_prompt_ids``: one row for all, or
+    one per batch item; default: the model's BOS token, or each row's last prompt token when it
+    has none) followed by the tokens each row generated. It keeps its own KV cache for the whole
+    call and follows beam-search reorders (rows are matched by their generated tokens), so each
+    step runs ONE forward of one column per row. ``guidance_scale == 1`` returns the scores as
+    they are, running nothing.
+
+    Args:
+        guidance_scale: 1 disables guidance; > 1 pushes away from the negative prompt.
+        model: the Hugging Face model (or continuum model) computing the unconditional scores.
+        negative_prompt_ids: ``(1 or batch, length)`` token ids (torch or NumPy), left-padded with
+            ``negative_attention_mask`` when rows differ in length.
+        guidance_rescale: ``r`` blends back the conditional log-probs: ``r * cond + (1 - r) * guided``.
+
+    Example:
+        >>> neg = tokenizer(["A sad story:"], return_tensors="pt").input_ids          # doctest: +SKIP
+        >>> proc = CFGLogitsProcessor(3.0, hf_model, negative_prompt_ids=neg)          # doctest: +SKIP
+        >>> hf_model.generate(**inputs, logits_processor=LogitsProcessorList([proc]))  # doctest: +SKIP
+    """
+
+    def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, guidance_rescale: float = 0.0,
+                 negative_attention_mask=None):
+        from .cfg import check_guidance
+
+        check_guidance(guidance_scale, guidance_rescale)
+        self.guidance_scale, self.guidance_rescale = float(guidance_scale), float(guidance_rescale)
+        self.model = _hf_model(model)
+        self._negative = None if negative_prompt_ids is None else _to_torch(negative_prompt_ids)[0].long()
+        self._negative_mask = None if negative_attention_mask is None else _to_torch(negative_attention_mask)[0].long()
+        self._rows = _Rows()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the previous ``generate()`` call."""
+        self._rows.reset()
+        self._kv: Optional[kvcache.KV] = None
+        self._mask: Optional[torch.Tensor] = None
+
+    def _start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unconditional rows' first tokens and mask."""
+        rows = ids.shape[0]
+        if self._negative is None:
+            bos = getattr(self.model.config, "bos_token_id", None)
+            neg = ids[:, -1:] if bos is None else torch.full((rows, 1), int(bos), dtype=torch.long)
+            mask = torch.ones_like(neg)
+        else:
+            neg = self._negative.to(ids.device)
+            mask = self._negative_mask.to(ids.device) if self._negative_mask is not None else torch.ones_like(neg)
+            if neg.shape[0] != rows:
+                if rows % neg.shape[0]:
+                    raise ValueError(f"negative_prompt_ids has {neg.shape[0]} rows, which does not divide the "
+                                     f"{rows} rows generate() runs (batch x beams/samples): give 1 or batch rows")
+                repeat = rows // neg.shape[0]
+                neg, mask = neg.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0)
+        return neg.to(ids.device), mask.to(ids.device)
+
+    def _forward(self, new: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -new.shape[1]:]
+        past = kvcache.to_dynamic_cache(self._kv, self.model.config)
+        with torch.inference_mode():
+            out = self.model(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=past,
+                             use_cache=True, logits_to_keep=1)
+        self._kv, self._mask = kvcache.from_dynamic_cache(out.past_key_values), mask
+        return out.logits[:, -1].float()
+
+    def _unconditional(self, ids: torch.Tensor) -> torch.Tensor:
+        keys, parents = self._rows.step(ids)
+        if self._kv is None or any(p is None for p in parents):  # first call, or lost track: (re)build in one pass
+            neg, mask = self._start(ids)
+            width = self._rows.width
+            gen = ids[:, width:]
+            self._kv = None
+            return self._forward(torch.cat([neg, gen], 1), torch.cat([mask, torch.ones_like(gen)], 1))
+        ancestors = torch.tensor(parents, dtype=torch.long)
+        self._kv = kvcache.select_rows(self._kv, ancestors)
+        mask = self._mask.index_select(0, ancestors.to(self._mask.device))
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
+        return self._forward(ids[:, -1:], mask)
+
+    def __call__(self, input_ids, scores):
+        if self.guidance_scale == 1.0:
+            return scores
+        from .cfg import guided_logprobs
+
+        ids, _ = _to_torch(input_ids)
+        logits, namespace = _to_torch(scores)
+        uncond = self._unconditional(ids.long())
+        out = guided_logprobs(logits.float(), uncond.to(logits.device), self.guidance_scale, self.guidance_rescale)
+        return _from_torch(out.to(logits.dtype), namespace)
