@@ -224,9 +224,9 @@ class CFGLogitsProcessor(LogitsProcessor):
 
     def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, guidance_rescale: float = 0.0,
                  negative_attention_mask=None):
-        from .cfg import check_guidance
+        from .cfg import CFG
 
-        check_guidance(guidance_scale, guidance_rescale)
+        CFG.make(None, guidance_scale, None, guidance_rescale)  # the generators' argument checks
         self.guidance_scale, self.guidance_rescale = float(guidance_scale), float(guidance_rescale)
         self.model = _hf_model(model)
         self._negative = None if negative_prompt_ids is None else _to_torch(negative_prompt_ids)[0].long()
@@ -284,10 +284,10 @@ class CFGLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.guidance_scale == 1.0:
             return scores
-        from .cfg import guided_logprobs
+        from .cfg import guided_scores
 
         ids, _ = _to_torch(input_ids)
         logits, namespace = _to_torch(scores)
         uncond = self._unconditional(ids.long())
-        out = guided_logprobs(logits.float(), uncond.to(logits.device), self.guidance_scale, self.guidance_rescale)
+        out = guided_scores(logits.float(), uncond.to(logits.device), self.guidance_scale, self.guidance_rescale)
         return _from_torch(out.to(logits.dtype), namespace)

@@ -181,3 +181,18 @@ def test_docs_example_runs(monkeypatch):
     assert len(scope["texts"]) == len(prompts)
     for prompt, text in zip(prompts, scope["texts"]):
         assert re.fullmatch(re.escape(prompt) + r" [0-9]{1,4}\.", text), text
+
+
+def test_cfg_processor_equals_the_guided_generator(model):
+    """The processor and ``generate.text(..., guidance_scale=...)`` share the CFG code: same greedy text."""
+    from continuum import generate, samplers
+
+    tok = model.tokenizer.hf
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    negative = "The sad end."
+    ours = generate.text(model, samplers.greedy(), guidance_scale=2.0, negative_prompt=negative)("Once upon a time", max_tokens=12)
+    neg_ids = torch.tensor([model.tokenizer.encode_prompts([negative])[0]])
+    theirs = _generate(model.model, tok, ["Once upon a time"], [CFGLogitsProcessor(2.0, model.model, negative_prompt_ids=neg_ids)],
+                       "greedy", max_new_tokens=12)[0]
+    assert ours == theirs
