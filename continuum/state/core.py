@@ -43,10 +43,12 @@ class LastStep:
     complete: tuple[bool, ...]  # False: cut by max_tokens/context before the pattern matched
     parse: Callable[[str], Any] | None = None
     max_tokens: int | None = None
-    # Where an unfinished constrained step stopped, so the same generator can resume it. Only
-    # valid while the row's text ends where the step ended: any edit of the text drops them.
-    regex: str | None = None
-    guide_states: tuple[int | None, ...] | None = None
+    # Where an unfinished constrained step stopped, so a guide with the same key (same constraint,
+    # same engine) can resume it. Only valid while the row's text ends where the step ended: any
+    # edit of the text drops them. States may be mutable engine objects (llguidance matchers): they
+    # are never changed here, and resuming works on a copy (see decoding._Rows).
+    guide_key: str | None = None
+    guide_states: tuple[Any, ...] | None = None
 
     def select(self, rows: Sequence[int]) -> "LastStep":
         gs = tuple(self.guide_states[r] for r in rows) if self.guide_states is not None else None
