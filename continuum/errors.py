@@ -14,6 +14,7 @@ __all__ = [
     "SlicingError",
     "GeneratorArgumentError",
     "InvalidRegexError",
+    "InvalidGrammarError",
     "EmptyChoicesError",
     "UnsupportedSchemaError",
     "IncompleteGenerationError",
@@ -47,12 +48,16 @@ class InvalidRegexError(GeneratorArgumentError):
     """The regular expression cannot be compiled into a token-level index."""
 
 
+class InvalidGrammarError(GeneratorArgumentError):
+    """The context-free grammar (Lark or GBNF) cannot be compiled; the message is the engine's."""
+
+
 class EmptyChoicesError(GeneratorArgumentError):
     """``generate.choice`` was given no options."""
 
 
 class UnsupportedSchemaError(GeneratorArgumentError):
-    """The JSON schema is invalid or uses features the regex compiler does not support."""
+    """The JSON schema is invalid or uses features the engine cannot enforce."""
 
 
 class ContextLengthError(ContinuumError, ValueError):

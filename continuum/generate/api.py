@@ -1,15 +1,22 @@
-"""The generator constructors: ``text``, ``choice``, ``regex`` and ``json``."""
+"""The generator constructors: ``text``, ``choice``, ``regex``, ``json`` and ``cfg``.
+
+Constrained generators take ``backend="auto" | "outlines" | "llguidance"``: the engine that
+enforces the constraint (see ``continuum.guides``). ``"auto"`` uses llguidance for JSON Schema and
+grammars, outlines-core for regexes and choices.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..errors import GeneratorArgumentError, InvalidRegexError, UnsupportedSchemaError
-from ..guides import choice_regex, regex_guide, schema_to_regex
+from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
+from ..guides import check_backend, choice_regex, regex_guide, schema_to_regex
+from ..guides.llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
+from ..guides.schema import prepare_schema
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
-__all__ = ["text", "choice", "regex", "json"]
+__all__ = ["text", "choice", "regex", "json", "cfg"]
 
 
 def _check_model(model) -> None:
@@ -31,8 +38,12 @@ def text(model, sampler: Optional[Sampler] = None) -> Generator:
     return Generator(model, sampler, kind="text")
 
 
-def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
-    """Text matching ``pattern`` (outlines-core regex syntax); invalid patterns raise ``InvalidRegexError``.
+def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: str = "auto") -> Generator:
+    """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
+
+    ``backend``: ``"auto"``/``"outlines"`` compile the pattern to an outlines-core index (its
+    regex syntax); ``"llguidance"`` uses llguidance's regex (Rust ``regex`` syntax), compiled lazily
+    while decoding, so large patterns start faster.
 
     Example:
         >>> regex(model, r"[0-9]{3}-[a-z]+")("Code: ", max_tokens=12)  # doctest: +SKIP
@@ -41,10 +52,21 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
     _check_model(model)
     if not isinstance(pattern, str):
         raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
-    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="regex", description=repr(pattern))
+    return Generator(model, sampler, _regex_guide(model, pattern, check_backend(backend)), kind="regex",
+                     description=repr(pattern))
 
 
-def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact") -> Generator:
+def _regex_guide(model, pattern: str, backend: str):
+    if backend in ("auto", "outlines"):
+        return regex_guide(pattern, model.tokenizer)
+    try:
+        return llguidance_guide(regex_grammar(pattern), model.tokenizer)
+    except GrammarCompileError as exc:
+        raise InvalidRegexError(f"llguidance cannot compile regex {pattern[:200]!r}: {exc}") from exc
+
+
+def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
+           backend: str = "auto") -> Generator:
     """One of ``choices``.
 
     Args:
@@ -55,8 +77,10 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
         method: ``"exact"`` (default) scores each option by the total log-prob of its tokens, all
             options in ONE forward pass; an option that is a prefix of another scores at least as
             high (there is no end-of-option term). ``"mean"`` uses the mean log-prob per token
-            instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``
-            (an outlines-core index), which is cheaper for many long options.
+            instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``,
+            which is cheaper for many long options.
+        backend: the engine of ``method="greedy"``: ``"auto"``/``"outlines"`` (an outlines-core
+            index) or ``"llguidance"``; the scoring methods use no engine.
 
     Empty lists raise ``EmptyChoicesError``.
 
@@ -66,20 +90,27 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     """
     _check_model(model)
     pattern = choice_regex(choices)
+    check_backend(backend)
     if method == "greedy":
-        return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
+        return Generator(model, sampler, _regex_guide(model, pattern, backend), kind="choice",
                          description=repr(list(choices)))
     if method not in ("exact", "mean"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
     return ChoiceGenerator(model, list(choices), sampler, method=method)
 
 
-def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?") -> Generator:
+def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
+         backend: str = "auto") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
-    The schema is compiled to a regex by outlines-core (``build_regex_from_schema``);
-    unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
-    ``whitespace_pattern`` bounds the whitespace allowed between tokens (default: one optional space).
+    ``backend``: ``"auto"``/``"llguidance"`` enforce the schema with llguidance, which refuses
+    (``UnsupportedSchemaError`` with its message) the keywords it cannot enforce instead of
+    ignoring them; ``"outlines"`` compiles it to a regex with outlines-core
+    (``build_regex_from_schema``), which ignores some keywords (a ``SchemaCoverageWarning`` names
+    them). Unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
+    ``whitespace_pattern`` bounds the whitespace allowed between tokens on both engines (default:
+    one optional space), so a weak model or a beam search cannot pad forever; ``None`` leaves the
+    engine's default (unbounded) whitespace.
 
     Example:
         >>> class User(BaseModel):
@@ -89,10 +120,65 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         User(name='Ann', age=31)
     """
     _check_model(model)
-    pattern, parse = schema_to_regex(schema, whitespace_pattern)
+    check_backend(backend)
     name = getattr(schema, "__name__", "schema")
-    try:
-        guide = regex_guide(pattern, model.tokenizer)
-    except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
-        raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
+    if backend == "outlines":
+        pattern, parse = schema_to_regex(schema, whitespace_pattern)
+        try:
+            guide = regex_guide(pattern, model.tokenizer)
+        except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
+            raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
+    else:
+        loaded, parse = prepare_schema(schema)
+        try:
+            guide = llguidance_guide(json_grammar(loaded, whitespace_pattern), model.tokenizer)
+        except GrammarCompileError as exc:
+            raise UnsupportedSchemaError(
+                f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
+                "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
     return Generator(model, sampler, guide, kind="json", parse=parse, description=name)
+
+
+def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str = "lark", backend: str = "auto") -> Generator:
+    r"""Text generated by a context-free ``grammar``; returns the text.
+
+    Args:
+        grammar: a Lark grammar in llguidance's syntax (``start`` is the start rule; terminals
+            are ``UPPERCASE`` rules, quoted strings or ``/regexes/``; there is no ``%ignore``:
+            write whitespace into the rules), or a GBNF grammar (llama.cpp's syntax, ``root``
+            is the start rule) with ``syntax="gbnf"``, converted with ``llguidance.gbnf_to_lark``.
+        syntax: ``"lark"`` (default) or ``"gbnf"``.
+        backend: ``"auto"`` or ``"llguidance"`` (the only engine for grammars).
+
+    Invalid grammars raise ``InvalidGrammarError`` here, with the engine's message.
+
+    Example:
+        >>> arith = r'''
+        ... start: expr
+        ... expr: term (("+" | "-") term)*
+        ... term: NUMBER | "(" expr ")"
+        ... NUMBER: /[0-9]{1,3}/
+        ... '''
+        >>> cfg(model, arith, samplers.greedy())("1+1=", max_tokens=30)   # doctest: +SKIP
+        '(2+7)-13'
+    """
+    _check_model(model)
+    check_backend(backend, ("auto", "llguidance"))
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise GeneratorArgumentError(f"cfg takes a non-empty grammar string, got {grammar!r:.60}")
+    if syntax == "gbnf":
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(grammar)
+        except Exception as exc:  # GbnfToLarkError, or a parse failure inside the converter
+            raise InvalidGrammarError(f"cannot convert this GBNF grammar to Lark: {exc}") from exc
+    elif syntax == "lark":
+        lark = grammar
+    else:
+        raise GeneratorArgumentError(f"syntax must be 'lark' or 'gbnf', got {syntax!r}")
+    try:
+        guide = llguidance_guide(lark_grammar(lark), model.tokenizer)
+    except GrammarCompileError as exc:
+        raise InvalidGrammarError(f"llguidance cannot compile this {syntax} grammar: {exc}") from exc
+    return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]))
