@@ -462,3 +462,23 @@ def test_same_json_generator_resumes_with_llguidance(model):
     done = gen(part, max_tokens=40)
     assert done.value == gen(["x", "y"], max_tokens=40).value
     assert all(set(v) == {"k", "v"} for v in done.value)
+
+
+def test_llguidance_mask_maps_every_eos_and_pads_wide_heads(bpe_tokenizer):
+    """EOS is allowed exactly where the grammar accepts, for every EOS id of the tokenizer; ids past
+    the vocabulary (a padded LM head) are never allowed."""
+    from continuum.guides.llguidance import llguidance_guide, regex_grammar
+    from continuum.models.tokenizer import Tokenizer
+
+    extra = bpe_tokenizer.convert_tokens_to_ids("a")
+    tok = Tokenizer(bpe_tokenizer, generation_eos=[extra])
+    guide = llguidance_guide(regex_grammar("(xy)+"), tok)
+    V = len(bpe_tokenizer)
+    state = guide.new_state()
+    first = guide.apply_mask(torch.zeros(1, V + 7), [state]).isfinite()[0]
+    assert not first[tok.eos_token_id] and not first[extra] and not first[V:].any()
+    for t in tok.encode_continuation("xy"):
+        state = guide.advance(state, t)
+    after = guide.apply_mask(torch.zeros(2, V + 7), [state, None]).isfinite()
+    assert after[0, tok.eos_token_id] and after[0, extra] and not after[0, V:].any()
+    assert after[1].all()  # a free row is untouched
