@@ -23,7 +23,7 @@ import torch
 from . import cache as kvcache
 from .cfg import CFG, UnconditionalBranch
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
-from .guides import Guide, build_mask
+from .guides import DEAD, Guide
 from .samplers import Sampler
 from .state import LastStep, SequenceState
 from .text import Detokenizer, token_char_spans
@@ -90,14 +90,16 @@ class _Rows:
         self.reason: list[Optional[str]] = [None] * R  # why each row finished (LastStep.finish)
         ctx = state._model.context_length  # tokens each row may still add before its own context limit
         self.room = (ctx - state._mask.sum(1)).tolist() if ctx is not None else [math.inf] * R
-        self.guide_states = [guide.initial_state] * R if guide is not None else None
+        self.guide = guide
+        self.guide_states = [guide.new_state() for _ in range(R)] if guide is not None else None
         texts = state.texts
         self.start_chars = [len(t) for t in texts]
         last = state._last
-        if guide is not None and last is not None and last.regex == guide.regex and last.guide_states is not None:
+        if guide is not None and last is not None and last.guide_key == guide.key and last.guide_states is not None:
             for r, (done, gs) in enumerate(zip(last.complete, last.guide_states)):
-                if not done and gs is not None:  # resume the unfinished constrained step
-                    self.guide_states[r], self.start_chars[r] = gs, last.starts[r]
+                if not done and gs is not None:  # resume the unfinished constrained step (on a copy: the
+                    # input state keeps its own, and a stateful engine advances states in place)
+                    self.guide_states[r], self.start_chars[r] = guide.copy(gs), last.starts[r]
         real = state._real_rows() if track_text else None
         self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
 
@@ -112,10 +114,19 @@ class _Rows:
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
         self.kv = kvcache.select_rows(self.kv, ancestors) if self.branch is None else self.branch.reorder(ancestors, self.kv)
         self.weights = self.weights.index_select(0, ancestors.cpu())
-        for name in ("finished", "complete", "stop_cut", "reason", "room", "guide_states", "start_chars"):
-            values = getattr(self, name)
-            if values is not None:
-                setattr(self, name, [values[i] for i in idx])
+        for name in ("finished", "complete", "stop_cut", "reason", "room", "start_chars"):
+            setattr(self, name, [getattr(self, name)[i] for i in idx])
+        if self.guide_states is not None:
+            states = self.guide_states
+            if self.guide.copy_free:
+                self.guide_states = [states[i] for i in idx]
+            else:  # a row owns its state: the first heir of a row takes it, later ones get copies
+                seen: set[int] = set()
+                heirs = []
+                for i in idx:
+                    heirs.append(self.guide.copy(states[i]) if i in seen else states[i])
+                    seen.add(i)
+                self.guide_states = heirs
         if self.detoks is not None:
             self.detoks = [self.detoks[i].copy() for i in idx]
 
@@ -212,7 +223,6 @@ def decode(
 
     logits, rows.kv = forward(C, W)
     fed = W
-    vocab = logits.shape[-1]
     for step in range(steps):
         logprobs = raw = torch.log_softmax(logits, dim=-1)
         if rows.branch is not None:  # CFG before sampling and masks; the weights stay the raw log-probs
@@ -222,8 +232,7 @@ def decode(
                 if not rows.finished[r] and guide.is_done(s):
                     rows.finished[r] = rows.complete[r] = True
                     rows.reason[r] = "pattern"
-            logprobs = logprobs + build_mask(guide, [None if f else s for f, s in zip(rows.finished, rows.guide_states)],
-                                             vocab, logprobs.device)
+            logprobs = guide.apply_mask(logprobs, [None if f else s for f, s in zip(rows.finished, rows.guide_states)])
         if all(rows.finished):
             break
         if any(rows.finished):
@@ -252,10 +261,13 @@ def decode(
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
                 rows.reason[r] = "pattern" if guide is not None and rows.complete[r] else "eos"
                 continue
-            keep[r] = True
             if rows.guide_states is not None:
                 rows.guide_states[r] = guide.advance(rows.guide_states[r], t)
+                if rows.guide_states[r] is DEAD:  # the engine refused a token its mask allowed: end the row, incomplete
+                    rows.finished[r], rows.complete[r] = True, False
+                    continue
                 rows.complete[r] = guide.is_final(rows.guide_states[r])
+            keep[r] = True
             if rows.detoks is not None:
                 before = len(rows.detoks[r].text)
                 text = rows.detoks[r].push(t)
@@ -318,7 +330,7 @@ def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, ki
     if guide is not None and not any(c is not None for c in cuts):
         resumable = tuple(rows.guide_states[r] for r in order)
     last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse,
-                    max_tokens=max_tokens, regex=guide.regex if guide is not None else None, guide_states=resumable,
+                    max_tokens=max_tokens, guide_key=guide.key if guide is not None else None, guide_states=resumable,
                     finish=tuple(rows.reason[r] for r in order))
     if any(c is not None for c in cuts):
         out = out._truncate(ends)

@@ -15,6 +15,7 @@ __all__ = [
     "GeneratorArgumentError",
     "InvalidRegexError",
     "InvalidChoicesError",
+    "InvalidGrammarError",
     "EmptyChoicesError",
     "UnsupportedSchemaError",
     "IncompleteGenerationError",
@@ -59,8 +60,12 @@ class EmptyChoicesError(InvalidChoicesError):
     """``generate.choice`` was given no options (or an empty option)."""
 
 
+class InvalidGrammarError(GeneratorArgumentError):
+    """The context-free grammar (Lark or GBNF) cannot be compiled; the message is the engine's."""
+
+
 class UnsupportedSchemaError(GeneratorArgumentError):
-    """The JSON schema is invalid or uses features the regex compiler does not support."""
+    """The JSON schema is invalid or uses features the engine cannot enforce."""
 
 
 class ContextLengthError(ContinuumError, ValueError):

@@ -121,43 +121,42 @@ class GuideLogitsProcessor(LogitsProcessor):
         self._rows.reset()
         self._states = []
 
-    def _advance(self, parent: Any, token: int) -> Any:
+    def _advance(self, parent: Any, token: int, shared: bool) -> Any:
+        """The state after ``token``; ``shared``: the parent's state has another heir, so work on a copy."""
         if parent is _DEAD or parent is _DONE:
             return parent
         if token in self._eos:
             return _DONE
+        if shared and not self.guide.copy_free:
+            parent = self.guide.copy(parent)
         state = self.guide.advance(parent, token)
-        return _DEAD if state is None or state == -1 else state
+        return _DEAD if state is None else state
 
     def __call__(self, input_ids, scores):
         ids, _ = _to_torch(input_ids)
         logits, namespace = _to_torch(scores)
         keys, parents = self._rows.step(ids)
-        states = []
+        states, taken = [], set()
         for key, parent in zip(keys, parents):
             if not key:
-                states.append(self.guide.initial_state)
-            elif parent is not None:
-                states.append(self._advance(self._states[parent], key[-1]))
+                states.append(self.guide.new_state())
+            elif parent is not None:  # the first heir of a row takes its state, later ones a copy
+                states.append(self._advance(self._states[parent], key[-1], parent in taken))
+                taken.add(parent)
             else:  # unknown history (e.g. input_ids edited between calls): replay the suffix
-                state = self.guide.initial_state
+                state = self.guide.new_state()
                 for token in key:
-                    state = self._advance(state, token)
+                    state = self._advance(state, token, False)
                 states.append(state)
         self._states = states
-        out = logits.float() + self._mask(states, logits.shape[-1], logits.device)
-        return _from_torch(out.to(logits.dtype), namespace)
-
-    def _mask(self, states: list[Any], vocab: int, device) -> torch.Tensor:
-        from .guides import build_mask
-
-        live = [None if s is _DONE else (self.guide.initial_state if s is _DEAD else s) for s in states]
-        mask = build_mask(self.guide, live, vocab, device)
+        live = [None if s is _DONE or s is _DEAD else s for s in states]  # None: left untouched
+        out = self.guide.apply_mask(logits.to(torch.float32, copy=True), live)  # never write into the caller's scores
         for r, s in enumerate(states):
-            if s is _DEAD or not bool(torch.isfinite(mask[r]).any()):  # leave EOS, never an all -inf row
-                mask[r] = -math.inf
-                mask[r, self._eos] = 0.0
-        return mask
+            if s is _DEAD or not bool(torch.isfinite(out[r]).any()):  # only EOS: never an all -inf row
+                eos_scores = out[r, self._eos]
+                out[r] = -math.inf
+                out[r, self._eos] = torch.where(torch.isfinite(eos_scores), eos_scores, torch.zeros_like(eos_scores))
+        return _from_torch(out.to(logits.dtype), namespace)
 
 
 class RegexLogitsProcessor(GuideLogitsProcessor):

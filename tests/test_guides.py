@@ -103,8 +103,9 @@ SCHEMAS = [
 ]
 
 
-def test_json_pydantic_outputs_validate(model):
-    gen = generate.json(model, Person, samplers.multinomial(2))
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_json_pydantic_outputs_validate(model, backend):
+    gen = generate.json(model, Person, samplers.multinomial(2), backend=backend)
     complete = 0
     for seed in range(6):
         state = continuous(gen)(["Person: ", "JSON"], max_tokens=160, rng=torch.Generator().manual_seed(seed))
@@ -120,15 +121,26 @@ def test_json_pydantic_outputs_validate(model):
     assert complete > 0
 
 
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
 @pytest.mark.parametrize("schema", SCHEMAS)
-def test_json_schema_outputs_validate(model, schema):
+def test_json_schema_outputs_validate(model, schema, backend):
+    """Complete outputs validate (llguidance follows the schema: extra properties are allowed where
+    the schema allows them, so a random model may wander off and hit max_tokens)."""
     import jsonschema
 
-    gen = generate.json(model, schema, samplers.multinomial(3))
+    gen = continuous(generate.json(model, schema, samplers.multinomial(3), backend=backend))
+    complete = 0
     for seed in range(4):
-        out = gen("data: ", max_tokens=60, rng=torch.Generator().manual_seed(seed))
-        for value in out:
+        state = gen("data: ", max_tokens=60, rng=torch.Generator().manual_seed(seed))
+        for i in range(state.samples):
+            try:
+                value = state[i, :].value
+            except IncompleteGenerationError:
+                assert backend == "llguidance" and "additionalProperties" not in schema
+                continue
             jsonschema.validate(value, schema)
+            complete += 1
+    assert complete > 0
 
 
 def test_unenforced_schema_keywords_warn(model):
@@ -136,7 +148,7 @@ def test_unenforced_schema_keywords_warn(model):
 
     schema = {"type": "object", "properties": {"minimum": {"type": "integer", "minimum": 0}}}
     with pytest.warns(SchemaCoverageWarning, match="minimum"):
-        generate.json(model, schema)
+        generate.json(model, schema, backend="outlines")
 
 
 def test_schema_workarounds_for_outlines_core_gaps():
@@ -194,11 +206,12 @@ def test_more_unenforced_schema_constructs_warn(model, keyword, schema):
     from continuum.guides import SchemaCoverageWarning
 
     with pytest.warns(SchemaCoverageWarning, match=keyword):
-        generate.json(model, schema)
+        generate.json(model, schema, backend="outlines")
 
 
 def test_json_schema_as_string(model):
-    schema = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}, "y": {"type": "boolean"}}, "required": ["x", "y"]}
+    schema = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}, "y": {"type": "boolean"}}, "required": ["x", "y"],
+              "additionalProperties": False}
     value = generate.json(model, json.dumps(schema), samplers.greedy())("x", max_tokens=40)
     assert isinstance(value, dict) and set(value) == {"x", "y"} and value["x"] in "ab"
 
@@ -256,13 +269,38 @@ def test_compiled_index_is_cached(model):
         c: str = Field(max_length=4)
 
     t0 = time.perf_counter()
-    g1 = generate.json(model, Fresh)
+    g1 = generate.json(model, Fresh, backend="outlines")
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    g2 = generate.json(model, Fresh)
+    g2 = generate.json(model, Fresh, backend="outlines")
     second = time.perf_counter() - t0
     assert g1.guide is g2.guide
-    assert second < first
+    assert second < first  # building an outlines-core index is slow; llguidance compiles lazily
+    assert generate.json(model, Fresh).guide is generate.json(model, Fresh, backend="llguidance").guide
+    assert generate.json(model, Fresh).guide is not g1.guide
+
+
+def test_pydantic_models_are_closed():
+    """Pydantic drops extra keys (extra="ignore"), so they are not generated; extra="allow" keeps them."""
+    from pydantic import ConfigDict
+
+    from continuum.guides.schema import prepare_schema
+
+    class Inner(BaseModel):
+        x: int
+
+    class Open(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        y: int
+
+    class Outer(BaseModel):
+        inner: Inner
+        open: Open
+
+    schema, parse = prepare_schema(Outer)
+    assert schema["additionalProperties"] is False and schema["$defs"]["Inner"]["additionalProperties"] is False
+    assert schema["$defs"]["Open"]["additionalProperties"] is True
+    assert parse('{"inner": {"x": 1}, "open": {"y": 2}}') == Outer(inner=Inner(x=1), open=Open(y=2))
 
 
 def test_escape_for_outlines_regex():
@@ -333,3 +371,114 @@ def test_choice_methods(model):
         assert set(out) <= {"yes", "no"}
     with pytest.raises(ValueError, match="method"):
         generate.choice(model, ["a"], method="best")
+
+
+# -- engines: llguidance next to outlines-core ------------------------------------------------------
+def test_regex_on_both_engines(model):
+    """Both engines allow the same tokens at every step of a walk, so greedy outputs agree."""
+    pattern = r"[0-9]{2,4}-(ab|c)[a-z]{1,3}"
+    outlines = generate.regex(model, pattern, samplers.greedy(), backend="outlines")
+    llg = generate.regex(model, pattern, samplers.greedy(), backend="llguidance")
+    assert generate.regex(model, pattern).guide is outlines.guide  # auto = outlines-core for regexes
+    out = llg(["x", "Code: "], max_tokens=20)
+    assert all(re.fullmatch(pattern, o) for o in out)
+    assert out == outlines(["x", "Code: "], max_tokens=20)
+    vocab = len(model.tokenizer.hf)
+    so, sl = outlines.guide.new_state(), llg.guide.new_state()
+    for t in model.tokenizer.encode_continuation("1234-abxy"):
+        mo = outlines.guide.apply_mask(torch.zeros(1, vocab), [so]).isfinite()
+        ml = llg.guide.apply_mask(torch.zeros(1, vocab), [sl]).isfinite()
+        assert torch.equal(mo, ml)
+        so, sl = outlines.guide.advance(so, t), llg.guide.advance(sl, t)
+    assert outlines.guide.is_final(so) and llg.guide.is_final(sl)
+    assert llg.guide.advance(sl, model.tokenizer.encode_continuation("!")[0]) is None  # dead, no exception
+    choice = generate.choice(model, ["yes", "no way"], samplers.multinomial(3), method="greedy", backend="llguidance")
+    assert set(choice("Q: ", rng=torch.Generator().manual_seed(0))) <= {"yes", "no way"}
+
+
+def test_backend_argument_is_checked(model):
+    from continuum.errors import GeneratorArgumentError
+
+    for make in (lambda b: generate.regex(model, "a", backend=b), lambda b: generate.json(model, {"type": "integer"}, backend=b),
+                 lambda b: generate.choice(model, ["a"], backend=b)):
+        with pytest.raises(GeneratorArgumentError, match="backend"):
+            make("xgrammar")
+    with pytest.raises(InvalidRegexError, match="llguidance"):
+        generate.regex(model, "[a-", backend="llguidance")
+
+
+def test_llguidance_refuses_what_it_cannot_enforce(model):
+    with pytest.raises(UnsupportedSchemaError, match="not"):
+        generate.json(model, {"type": "object", "not": {"required": ["a"]}})
+    with pytest.raises(UnsupportedSchemaError, match="nowhere"):
+        generate.json(model, {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
+    generate.json(model, {"type": "object", "not": {"required": ["a"]}}, backend="outlines")  # ignores `not`
+
+
+def test_llguidance_json_whitespace_is_bounded(model):
+    """The default whitespace_pattern reaches llguidance: one optional space, never two, no newline."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    bounded = generate.json(model, schema).guide
+    free = generate.json(model, schema, whitespace_pattern=None).guide
+
+    def accepts(guide, doc):
+        state = guide.new_state()
+        for t in model.tokenizer.encode_continuation(doc):
+            state = guide.advance(state, t)
+            if state is None:
+                return False
+        return guide.is_final(state)
+
+    assert accepts(bounded, '{"a": 1}') and accepts(bounded, '{ "a" : 1 }') and accepts(bounded, '{"a":1}')
+    assert not accepts(bounded, '{"a":  1}') and not accepts(bounded, '{\n"a": 1}')
+    assert accepts(free, '{\n  "a":  1\n}')
+
+
+def test_llguidance_json_bounds_are_enforced(model):
+    """Keywords outlines-core ignores (minimum/maximum, uniqueItems) hold in llguidance outputs."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 40},
+                                               "s": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3}},
+              "required": ["n", "s"], "additionalProperties": False}
+    gen = continuous(generate.json(model, schema, samplers.multinomial(4)))
+    complete = 0
+    for seed in range(2):
+        state = gen("data: ", max_tokens=40, rng=torch.Generator().manual_seed(seed))
+        for i in range(4):
+            try:
+                jsonschema.validate(state[i, :].value, schema)
+                complete += 1
+            except IncompleteGenerationError:
+                pass
+    assert complete > 0
+
+
+def test_same_json_generator_resumes_with_llguidance(model):
+    schema = {"type": "object", "properties": {"k": {"enum": ["alpha", "beta"]}, "v": {"type": "boolean"}},
+              "required": ["k", "v"], "additionalProperties": False}
+    gen = continuous(generate.json(model, schema, samplers.greedy()))
+    part = gen(["x", "y"], max_tokens=3)
+    done = gen(part, max_tokens=40)
+    assert done.value == gen(["x", "y"], max_tokens=40).value
+    assert all(set(v) == {"k", "v"} for v in done.value)
+
+
+def test_llguidance_mask_maps_every_eos_and_pads_wide_heads(bpe_tokenizer):
+    """EOS is allowed exactly where the grammar accepts, for every EOS id of the tokenizer; ids past
+    the vocabulary (a padded LM head) are never allowed."""
+    from continuum.guides.llguidance import llguidance_guide, regex_grammar
+    from continuum.models.tokenizer import Tokenizer
+
+    extra = bpe_tokenizer.convert_tokens_to_ids("a")
+    tok = Tokenizer(bpe_tokenizer, generation_eos=[extra])
+    guide = llguidance_guide(regex_grammar("(xy)+"), tok)
+    V = len(bpe_tokenizer)
+    state = guide.new_state()
+    first = guide.apply_mask(torch.zeros(1, V + 7), [state]).isfinite()[0]
+    assert not first[tok.eos_token_id] and not first[extra] and not first[V:].any()
+    for t in tok.encode_continuation("xy"):
+        state = guide.advance(state, t)
+    after = guide.apply_mask(torch.zeros(2, V + 7), [state, None]).isfinite()
+    assert after[0, tok.eos_token_id] and after[0, extra] and not after[0, V:].any()
+    assert after[1].all()  # a free row is untouched

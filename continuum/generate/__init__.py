@@ -1,7 +1,7 @@
 """Generators (``text``, ``choice``, ``regex``, ``json``) and ``continuous``."""
 
-from .api import choice, json, regex, text
+from .api import cfg, choice, json, regex, text
 from .continuous import ContinuousGenerator, continuous
 from .generator import Generator, Stream
 
-__all__ = ["text", "choice", "regex", "json", "continuous", "ContinuousGenerator", "Generator", "Stream"]
+__all__ = ["text", "choice", "regex", "json", "cfg", "continuous", "ContinuousGenerator", "Generator", "Stream"]

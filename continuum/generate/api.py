@@ -1,16 +1,25 @@
-"""The generator constructors: ``text``, ``choice``, ``regex`` and ``json``."""
+"""The generator constructors: ``text``, ``choice``, ``regex``, ``json`` and ``cfg``.
+
+Constrained generators take ``backend="auto" | "outlines" | "llguidance"``: the engine that
+enforces the constraint (see ``continuum.guides``). ``"auto"`` uses llguidance for JSON Schema and
+grammars, outlines-core for regexes and choices.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
 from ..cfg import CFG
-from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError, UnsupportedSchemaError
-from ..guides import choice_regex, regex_guide, schema_to_regex
+from ..errors import (GeneratorArgumentError, InvalidChoicesError, InvalidGrammarError, InvalidRegexError,
+                      UnsupportedSchemaError)
+from ..guides import check_backend, choice_regex, regex_guide, schema_to_regex
+from ..guides.llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
+from ..guides.schema import prepare_schema
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
-__all__ = ["text", "choice", "regex", "json"]
+__all__ = ["text", "choice", "regex", "json", "cfg"]
+
 
 NegativePrompt = Union[str, Sequence[str], None]
 _CFG_DOC = """
@@ -43,13 +52,17 @@ def text(model, sampler: Optional[Sampler] = None, *, guidance_scale: float = 1.
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
-    return Generator(model, sampler, kind="text", cfg=cfg)
+    return Generator(model, sampler, kind="text", cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
 
 
-def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, guidance_scale: float = 1.0,
-          negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
-    """Text matching ``pattern`` (outlines-core regex syntax); invalid patterns raise ``InvalidRegexError``.
+def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: str = "auto",
+          guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+    """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
+
+    ``backend``: ``"auto"``/``"outlines"`` compile the pattern to an outlines-core index (its
+    regex syntax); ``"llguidance"`` uses llguidance's regex (Rust ``regex`` syntax), compiled lazily
+    while decoding, so large patterns start faster.
 
     Example:
         >>> regex(model, r"[0-9]{3}-[a-z]+")("Code: ", max_tokens=12)  # doctest: +SKIP
@@ -58,17 +71,25 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, guidance_sc
     _check_model(model)
     if not isinstance(pattern, str):
         raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
-    guide = regex_guide(pattern, model.tokenizer)
-    if guide.is_done(guide.initial_state):  # nothing to generate: every call would return ""
+    guide = _regex_guide(model, pattern, check_backend(backend))
+    if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=cfg)
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
+
+
+def _regex_guide(model, pattern: str, backend: str):
+    if backend in ("auto", "outlines"):
+        return regex_guide(pattern, model.tokenizer)
+    try:
+        return llguidance_guide(regex_grammar(pattern), model.tokenizer)
+    except GrammarCompileError as exc:
+        raise InvalidRegexError(f"llguidance cannot compile regex {pattern[:200]!r}: {exc}") from exc
 
 
 def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
-           guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0,
-           cfg_mode: str = "batched") -> Generator:
+           backend: str = "auto", guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+           guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """One of ``choices``.
 
     Args:
@@ -79,8 +100,10 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
         method: ``"exact"`` (default) scores each option by the total log-prob of its tokens, all
             options in ONE forward pass; an option that is a prefix of another scores at least as
             high (there is no end-of-option term). ``"mean"`` uses the mean log-prob per token
-            instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``
-            (an outlines-core index), which is cheaper for many long options.
+            instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``,
+            which is cheaper for many long options.
+        backend: the engine of ``method="greedy"``: ``"auto"``/``"outlines"`` (an outlines-core
+            index) or ``"llguidance"``; the scoring methods use no engine.
             With guidance, "exact"/"mean" rank the options by their guided token scores (one more
             forward over the options after the negative prompt); weights stay the raw log-probs.
 
@@ -102,23 +125,29 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     if repeated:
         raise InvalidChoicesError(f"generate.choice options must be distinct; {repeated} appear more than once: "
                                   f"remove the duplicates")
+    check_backend(backend)
     if method not in ("exact", "mean", "greedy"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
     cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
-        return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
+        return Generator(model, sampler, _regex_guide(model, pattern, backend), kind="choice",
                          description=repr(list(choices)), cfg=cfg)
     return ChoiceGenerator(model, list(choices), sampler, method=method, cfg=cfg)
 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
-         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0,
-         cfg_mode: str = "batched") -> Generator:
+         backend: str = "auto", guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
-    The schema is compiled to a regex by outlines-core (``build_regex_from_schema``);
-    unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
-    ``whitespace_pattern`` bounds the whitespace allowed between tokens (default: one optional space).
+    ``backend``: ``"auto"``/``"llguidance"`` enforce the schema with llguidance, which refuses
+    (``UnsupportedSchemaError`` with its message) the keywords it cannot enforce instead of
+    ignoring them; ``"outlines"`` compiles it to a regex with outlines-core
+    (``build_regex_from_schema``), which ignores some keywords (a ``SchemaCoverageWarning`` names
+    them). Unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
+    ``whitespace_pattern`` bounds the whitespace allowed between tokens on both engines (default:
+    one optional space), so a weak model or a beam search cannot pad forever; ``None`` leaves the
+    engine's default (unbounded) whitespace.
 
     Example:
         >>> class User(BaseModel):
@@ -128,15 +157,72 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         User(name='Ann', age=31)
     """
     _check_model(model)
-    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
-    pattern, parse = schema_to_regex(schema, whitespace_pattern)
+    check_backend(backend)
     name = getattr(schema, "__name__", "schema")
+    if backend == "outlines":
+        pattern, parse = schema_to_regex(schema, whitespace_pattern)
+        try:
+            guide = regex_guide(pattern, model.tokenizer)
+        except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
+            raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
+    else:
+        loaded, parse = prepare_schema(schema)
+        try:
+            guide = llguidance_guide(json_grammar(loaded, whitespace_pattern), model.tokenizer)
+        except GrammarCompileError as exc:
+            raise UnsupportedSchemaError(
+                f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
+                "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
+    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
+
+
+def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str = "lark", backend: str = "auto",
+        guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+        guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+    r"""Text generated by a context-free ``grammar``; returns the text.
+
+    Args:
+        grammar: a Lark grammar in llguidance's syntax (``start`` is the start rule; terminals
+            are ``UPPERCASE`` rules, quoted strings or ``/regexes/``; there is no ``%ignore``:
+            write whitespace into the rules), or a GBNF grammar (llama.cpp's syntax, ``root``
+            is the start rule) with ``syntax="gbnf"``, converted with ``llguidance.gbnf_to_lark``.
+        syntax: ``"lark"`` (default) or ``"gbnf"``.
+        backend: ``"auto"`` or ``"llguidance"`` (the only engine for grammars).
+
+    Invalid grammars raise ``InvalidGrammarError`` here, with the engine's message.
+
+    Example:
+        >>> arith = r'''
+        ... start: expr
+        ... expr: term (("+" | "-") term)*
+        ... term: NUMBER | "(" expr ")"
+        ... NUMBER: /[0-9]{1,3}/
+        ... '''
+        >>> cfg(model, arith, samplers.greedy())("1+1=", max_tokens=30)   # doctest: +SKIP
+        '(2+7)-13'
+    """
+    _check_model(model)
+    check_backend(backend, ("auto", "llguidance"))
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise GeneratorArgumentError(f"cfg takes a non-empty grammar string, got {grammar!r:.60}")
+    if syntax == "gbnf":
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(grammar)
+        except Exception as exc:  # GbnfToLarkError, or a parse failure inside the converter
+            raise InvalidGrammarError(f"cannot convert this GBNF grammar to Lark: {exc}") from exc
+    elif syntax == "lark":
+        lark = grammar
+    else:
+        raise GeneratorArgumentError(f"syntax must be 'lark' or 'gbnf', got {syntax!r}")
     try:
-        guide = regex_guide(pattern, model.tokenizer)
-    except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
-        raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
-    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, cfg=cfg)
+        guide = llguidance_guide(lark_grammar(lark), model.tokenizer)
+    except GrammarCompileError as exc:
+        raise InvalidGrammarError(f"llguidance cannot compile this {syntax} grammar: {exc}") from exc
+    return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
+                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
 
 
-for _f in (text, regex, choice, json):
+for _f in (text, regex, choice, json, cfg):
     _f.__doc__ += _CFG_DOC

@@ -1,10 +1,13 @@
 """Constraints: the guides the decoding loop applies, one module per engine.
 
-* ``outlines``: regex and choice compiled to outlines-core indexes;
+* ``base``: the guide protocol the decoding loop sees (:class:`Guide`);
+* ``outlines``: regex and choice compiled to outlines-core indexes (:class:`OutlinesGuide`);
 * ``schema``: JSON Schema preparation in front of the engines.
 """
 
-from .outlines import Guide, build_mask, choice_regex, escape, regex_guide
+from .base import DEAD, ENGINES, Guide, check_backend
+from .outlines import OutlinesGuide, build_mask, choice_regex, escape, regex_guide
 from .schema import SchemaCoverageWarning, schema_to_regex
 
-__all__ = ["Guide", "build_mask", "choice_regex", "escape", "regex_guide", "schema_to_regex", "SchemaCoverageWarning"]
+__all__ = ["Guide", "DEAD", "ENGINES", "check_backend", "OutlinesGuide", "build_mask", "choice_regex", "escape",
+           "regex_guide", "schema_to_regex", "SchemaCoverageWarning"]

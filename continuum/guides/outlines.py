@@ -15,11 +15,12 @@ import torch
 
 from ..errors import EmptyChoicesError, InvalidRegexError
 
-__all__ = ["Guide", "regex_guide", "choice_regex", "escape", "build_mask"]
+__all__ = ["OutlinesGuide", "regex_guide", "choice_regex", "escape", "build_mask"]
 
 # Characters with a meaning in outlines-core's (Rust) regex syntax.
 _META = set("\\.+*?()|[]{}^$#&-~")
 _LOCK = threading.Lock()
+_MAX_FORCED = 256  # longest forced run returned at once (a fast-forward goes on from there)
 
 
 def escape(text: str) -> str:
@@ -40,19 +41,23 @@ def choice_regex(choices: Sequence[str]) -> str:
     return "(" + "|".join(escape(o) for o in options) + ")"
 
 
-class Guide:
-    """A compiled constraint: an outlines-core ``Index`` plus memoised per-state allowed ids.
+class OutlinesGuide:
+    """The outlines-core engine behind the guide protocol (:mod:`continuum.guides.base`): an ``Index``
+    plus memoised per-state allowed ids.
 
-    Guide states are plain ints (outlines-core automaton states), so per-row guide state in the
-    decoding loop is a list of ints that reorders like any other per-row state.
+    Guide states are plain ints (outlines-core automaton states): immutable values, so reorders and
+    forks copy them for free and a finished state can be resumed as is.
 
     Example:
         >>> guide = regex_guide(r"[0-9]{3}", model.tokenizer)   # doctest: +SKIP
-        >>> s = guide.initial_state; ids = guide.allowed(s)      # doctest: +SKIP
+        >>> s = guide.new_state(); ids = guide.allowed(s)        # doctest: +SKIP
     """
+
+    copy_free = True
 
     def __init__(self, regex: str, index: Any, eos_token_id: int):
         self.regex = regex
+        self.key = "outlines:" + regex
         self.index = index
         self.eos_token_id = eos_token_id
         self.initial_state: int = index.get_initial_state()
@@ -60,7 +65,10 @@ class Guide:
         self._final = set(index.get_final_states())
 
     def __repr__(self) -> str:
-        return f"Guide({self.regex[:60]!r})"
+        return f"OutlinesGuide({self.regex[:60]!r})"
+
+    def new_state(self) -> int:
+        return self.initial_state
 
     def allowed(self, state: int) -> torch.Tensor:
         ids = self._allowed.get(state)
@@ -69,21 +77,41 @@ class Guide:
             self._allowed[state] = ids
         return ids
 
-    def is_final(self, state: int) -> bool:
+    def apply_mask(self, logprobs: torch.Tensor, states: Sequence[int | None]) -> torch.Tensor:
+        return logprobs + build_mask(self, states, logprobs.shape[-1], logprobs.device)
+
+    def is_final(self, state: int | None) -> bool:
         return state in self._final
 
-    def is_done(self, state: int) -> bool:
+    def is_done(self, state: int | None) -> bool:
         """Final and nothing but EOS allowed: the row ends here without sampling."""
         if state not in self._final:
             return False
         ids = self.allowed(state)
         return ids.numel() == 0 or bool((ids == self.eos_token_id).all())
 
-    def advance(self, state: int, token_id: int) -> int | None:
+    def advance(self, state: int | None, token_id: int) -> int | None:
+        """The next state, or ``None`` (dead) when ``token_id`` is not allowed."""
+        if state is None:
+            return None
         return self.index.get_next_state(state, token_id)
 
+    def copy(self, state: int | None) -> int | None:
+        return state
 
-def regex_guide(regex: str, tokenizer) -> Guide:
+    def forced_tokens(self, state: int | None) -> list[int]:
+        """The run of tokens forced from ``state``: while exactly one token is allowed and it is not EOS."""
+        out: list[int] = []
+        while state is not None and len(out) < _MAX_FORCED and state not in self._final:
+            ids = self.allowed(state)
+            if ids.numel() != 1 or int(ids[0]) == self.eos_token_id:
+                break
+            out.append(int(ids[0]))
+            state = self.index.get_next_state(state, out[-1])
+        return out
+
+
+def regex_guide(regex: str, tokenizer) -> OutlinesGuide:
     """Compile ``regex`` for ``tokenizer`` (cached per tokenizer: the second call is instant)."""
     from outlines_core import Index
 
@@ -99,13 +127,13 @@ def regex_guide(regex: str, tokenizer) -> Guide:
               "check its syntax (outlines-core takes Rust regex syntax: no lookarounds, backreferences or "
               "Unicode \\b)")
         raise InvalidRegexError(f"cannot compile regex {regex[:200]!r} for this tokenizer: {why}. Cause: {exc}") from exc
-    guide = Guide(regex, index, tokenizer.eos_token_id)
+    guide = OutlinesGuide(regex, index, tokenizer.eos_token_id)
     with _LOCK:
         tokenizer.index_cache[regex] = guide
     return guide
 
 
-def build_mask(guide: Guide, states: Sequence[int | None], vocab_size: int, device) -> torch.Tensor:
+def build_mask(guide: OutlinesGuide, states: Sequence[int | None], vocab_size: int, device) -> torch.Tensor:
     """Additive mask ``(rows, vocab)``: 0 where allowed, -inf elsewhere; ``None`` states are free rows."""
     mask = torch.full((len(states), vocab_size), float("-inf"), device=device)
     rows, cols = [], []

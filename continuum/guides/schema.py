@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json as _json
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UnsupportedSchemaError
 
-__all__ = ["schema_to_regex", "SchemaCoverageWarning"]
+__all__ = ["prepare_schema", "schema_to_regex", "SchemaCoverageWarning"]
 
 # Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14;
 # upstream issues dottxt-ai/outlines-core#147 and #261).
@@ -78,30 +78,57 @@ def _prepare_schema(node: Any, ignored: set[str]) -> Any:
         ignored.update(f"{k} beside properties" for k in ("allOf", "anyOf", "oneOf") if k in node)
     return out
 
-def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tuple[str, Any]:
-    """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string."""
-    from outlines_core.json_schema import build_regex_from_schema
+def _closed_models(schema: dict) -> dict:
+    """A pydantic schema whose models take no extra keys unless they say so (``extra="allow"``).
+
+    Pydantic leaves ``additionalProperties`` out for its default ``extra="ignore"``, which JSON
+    Schema reads as "any extra key", so llguidance would let a model wander into keys that pydantic
+    then drops. Closing them generates a subset of the valid documents (outlines-core's regexes
+    never had extra keys either).
+    """
+    def close(node):
+        if isinstance(node, dict) and "properties" in node and "additionalProperties" not in node:
+            return {**node, "additionalProperties": False}
+        return node
+
+    out = close(schema)
+    if isinstance(out.get("$defs"), dict):
+        out = {**out, "$defs": {k: close(v) for k, v in out["$defs"].items()}}
+    return out
+
+
+def prepare_schema(schema: Any) -> tuple[dict | bool, Callable[[str], Any]]:
+    """(schema, parser) for a pydantic model class, a JSON schema dict or a JSON schema string.
+
+    The ONE entry point every engine's JSON path goes through (the place a schema normaliser plugs
+    in): it checks the input, turns it into a JSON schema and picks how outputs are parsed
+    (``json.loads`` for schemas, the pydantic model's ``model_validate_json`` for models).
+    """
     from pydantic import BaseModel
 
     if isinstance(schema, type) and issubclass(schema, BaseModel):
-        schema_str = _json.dumps(schema.model_json_schema())
-        parse = schema.model_validate_json
-    else:
-        if isinstance(schema, dict):
-            schema_str = _json.dumps(schema)
-        elif isinstance(schema, str):
-            try:
-                _json.loads(schema)
-            except ValueError as exc:
-                raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
-            schema_str = schema
-        else:
-            raise UnsupportedSchemaError(
-                f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}"
-            )
-        parse = _json.loads
+        return _closed_models(schema.model_json_schema()), schema.model_validate_json
+    if isinstance(schema, dict):
+        return schema, _json.loads
+    if isinstance(schema, str):
+        try:
+            loaded = _json.loads(schema)
+        except ValueError as exc:
+            raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
+        if not isinstance(loaded, (dict, bool)):
+            raise UnsupportedSchemaError(f"a JSON schema is an object (or true/false), got {type(loaded).__name__}")
+        return loaded, _json.loads
+    raise UnsupportedSchemaError(
+        f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
+
+
+def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tuple[str, Any]:
+    """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string (outlines-core)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    loaded, parse = prepare_schema(schema)
     ignored: set[str] = set()
-    prepared = _prepare_schema(_json.loads(schema_str), ignored)
+    prepared = _prepare_schema(loaded, ignored)
     try:
         regex = build_regex_from_schema(_json.dumps(prepared), whitespace_pattern)
     except Exception as exc:  # outlines-core raises ValueError/TypeError/pyo3 errors

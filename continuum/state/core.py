@@ -44,10 +44,12 @@ class LastStep:
     complete: tuple[bool, ...]  # False: cut by max_tokens/context before the pattern matched
     parse: Callable[[str], Any] | None = None
     max_tokens: int | None = None
-    # Where an unfinished constrained step stopped, so the same generator can resume it. Only
-    # valid while the row's text ends where the step ended: any edit of the text drops them.
-    regex: str | None = None
-    guide_states: tuple[int | None, ...] | None = None
+    # Where an unfinished constrained step stopped, so a guide with the same key (same constraint,
+    # same engine) can resume it. Only valid while the row's text ends where the step ended: any
+    # edit of the text drops them. States may be mutable engine objects (llguidance matchers): they
+    # are never changed here, and resuming works on a copy (see decoding._Rows).
+    guide_key: str | None = None
+    guide_states: tuple[Any, ...] | None = None
     # Why each row's step ended: "eos", "stop", "length" (max_tokens), "context", "pattern". Kept through edits.
     finish: tuple[str, ...] | None = None
 

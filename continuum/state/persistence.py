@@ -24,6 +24,20 @@ _FORMAT_VERSION = 2  # 2: records the model's identity
 _READABLE = (1, 2)
 
 
+def _value_states(states):
+    """Guide states that can be saved: outlines-core ints. Engine objects (llguidance matchers) are
+    not saved; the loaded state then starts its constraint afresh instead of resuming it."""
+    if states is None or not all(s is None or isinstance(s, int) for s in states):
+        return None
+    return states
+
+
+def _guide_key(last: dict):
+    if last.get("guide_key") is not None:
+        return last["guide_key"]
+    return "outlines:" + last["regex"] if last.get("regex") is not None else None  # files saved before guide keys
+
+
 def save(state: SequenceState, path) -> None:
     """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata."""
     from safetensors.torch import save_file
@@ -35,7 +49,8 @@ def save(state: SequenceState, path) -> None:
     if state._last is not None:
         last = {"kind": state._last.kind, "starts": state._last.starts, "ends": state._last.ends,
                 "complete": state._last.complete, "max_tokens": state._last.max_tokens,
-                "regex": state._last.regex, "guide_states": state._last.guide_states, "finish": state._last.finish}
+                "guide_key": state._last.guide_key, "guide_states": _value_states(state._last.guide_states),
+                "finish": state._last.finish}
     meta = {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
             "model": state._model.fingerprint.as_dict(), "layers": len(state._kv or ()), "last": last}
@@ -74,7 +89,7 @@ def load(path, model) -> SequenceState:
             kind = last["kind"]
             last = LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
                             complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
-                            max_tokens=last["max_tokens"], regex=last.get("regex"),
+                            max_tokens=last["max_tokens"], guide_key=_guide_key(last),
                             guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None,
                             finish=tuple(last["finish"]) if last.get("finish") else None)
         state = SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
