@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     wanted = list(dict.fromkeys(ALIASES.get(s, s) for s in wanted))
     unknown = [s for s in wanted if s not in SCENARIOS]
     if unknown:
-        print(f"unknown scenario(s) {unknown}; choose among B1-B9", file=sys.stderr)
+        print(f"unknown scenario(s) {unknown}; choose among B1-B10", file=sys.stderr)
         return 2
 
     start = time.perf_counter()

@@ -8,8 +8,9 @@
            forward the new column ◀── append, advance guides ◀── sampler: ids, ancestors, scores
                                       check EOS / stop strings     reorder ALL per-row state (_Rows.reorder)
 
-The loop is a Python generator: it yields a :class:`Step` after every token (streaming reads
-them) and returns the final ``SequenceState``.
+The loop is a Python generator: it yields a :class:`Step` after every forward pass (streaming reads
+them) and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one,
+the whole run is appended and computed in the same next forward pass (:mod:`continuum.fastforward`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from . import cache as kvcache
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
+from .fastforward import forced_runs, run_logprobs
 from .guides import DEAD, Guide
 from .samplers import Sampler
 from .state import LastStep, SequenceState
@@ -66,10 +68,11 @@ def _stop_list(stop_at) -> list[str]:
 class _Rows:
     """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
 
-    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool):
+    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool, stops: list[str]):
         R, L = state._ids.shape
         dev = state._ids.device
-        self.ids = torch.full((R, L + capacity), state._model.tokenizer.pad_token_id, dtype=torch.long, device=dev)
+        self.pad = state._model.tokenizer.pad_token_id
+        self.ids = torch.full((R, L + capacity), self.pad, dtype=torch.long, device=dev)
         self.mask = torch.zeros((R, L + capacity), dtype=state._mask.dtype, device=dev)
         self.lp = torch.full((R, L + capacity), float("nan"), dtype=torch.float32, device=dev)
         self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
@@ -80,6 +83,8 @@ class _Rows:
         self.finished = [False] * R
         self.complete = [guide is None] * R
         self.stop_cut: list[Optional[int]] = [None] * R
+        self.generated = [0] * R  # tokens appended per row (sampled and forced): max_tokens counts both
+        self.stops = stops
         self.guide = guide
         self.guide_states = [guide.new_state() for _ in range(R)] if guide is not None else None
         texts = state.texts
@@ -99,7 +104,7 @@ class _Rows:
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
         self.kv = kvcache.select_rows(self.kv, ancestors)
         self.weights = self.weights.index_select(0, ancestors.cpu())
-        for name in ("finished", "complete", "stop_cut", "start_chars"):
+        for name in ("finished", "complete", "stop_cut", "start_chars", "generated"):
             setattr(self, name, [getattr(self, name)[i] for i in idx])
         if self.guide_states is not None:
             states = self.guide_states
@@ -114,6 +119,70 @@ class _Rows:
                 self.guide_states = heirs
         if self.detoks is not None:
             self.detoks = [self.detoks[i].copy() for i in idx]
+
+    def accept(self, r: int, token: int) -> bool:
+        """Advance row ``r``'s guide and text by ``token`` (sampled or forced); False when the guide
+        refuses it (the row ends, incomplete). A stop string ends the row after the token."""
+        if self.guide_states is not None:
+            self.guide_states[r] = self.guide.advance(self.guide_states[r], token)
+            if self.guide_states[r] is DEAD:  # the engine refused a token its mask allowed
+                self.finished[r], self.complete[r] = True, False
+                return False
+            self.complete[r] = self.guide.is_final(self.guide_states[r])
+        self.generated[r] += 1
+        if self.detoks is not None:
+            before = len(self.detoks[r].text)
+            text = self.detoks[r].push(token)
+            for s in self.stops:
+                at = text.find(s, max(0, before - len(s) + 1))
+                if at >= 0 and (self.stop_cut[r] is None or at + len(s) < self.stop_cut[r]):
+                    self.stop_cut[r] = at + len(s)
+            if self.stop_cut[r] is not None:
+                self.finished[r] = True
+        return True
+
+    def ensure(self, width: int) -> None:
+        """Room for ``width`` columns (forced runs of rows of different lengths take extra columns)."""
+        have = self.ids.shape[1]
+        if width <= have:
+            return
+        extra = max(width - have, have // 2)
+        self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], extra), self.pad)], 1)
+        self.mask = torch.cat([self.mask, self.mask.new_zeros((self.mask.shape[0], extra))], 1)
+        self.lp = torch.cat([self.lp, self.lp.new_full((self.lp.shape[0], extra), float("nan"))], 1)
+
+    def write_block(self, col: int, ids: list[int], lps: list[float], keep: list[bool], runs: list[list[int]], width: int) -> None:
+        """Write each kept row's sampled token and forced run right-aligned in columns
+        ``[col, col + width)`` (holes before it); forced log-probs are filled in after the forward."""
+        R = len(ids)
+        pad = self.pad
+        blk_ids = [[pad] * width for _ in range(R)]
+        blk_mask = [[0] * width for _ in range(R)]
+        blk_lp = [[float("nan")] * width for _ in range(R)]
+        for r in range(R):
+            if not keep[r]:
+                continue
+            first = width - 1 - len(runs[r])
+            blk_ids[r][first:] = [ids[r]] + runs[r]
+            blk_mask[r][first:] = [1] * (1 + len(runs[r]))
+            blk_lp[r][first] = lps[r]
+        dev = self.ids.device
+        self.ids[:, col:col + width] = torch.tensor(blk_ids, device=dev)
+        self.mask[:, col:col + width] = torch.tensor(blk_mask, device=dev, dtype=self.mask.dtype)
+        self.lp[:, col:col + width] = torch.tensor(blk_lp, device=dev)
+        self.weights += torch.tensor([l if k else 0.0 for l, k in zip(lps, keep)])
+        self.width = col + width
+
+    def add_forced_logprobs(self, col: int, width: int, runs: list[list[int]], lps: list[list[float]]) -> None:
+        """Record the forced runs' raw log-probs: token columns, weights, and the beam scores."""
+        sums = []
+        for r, (run, lp) in enumerate(zip(runs, lps)):
+            if run:
+                self.lp[r, col + width - len(run):col + width] = torch.tensor(lp, dtype=self.lp.dtype)
+            sums.append(math.fsum(lp))
+        add = torch.tensor(sums, dtype=torch.float32)
+        self.weights += add
+        self.scores = self.scores + add.to(self.scores.device, self.scores.dtype)
 
 
 def prefill(state: SequenceState) -> SequenceState:
@@ -158,8 +227,13 @@ def decode(
     kind: str = "text",
     parse: Optional[Callable[[str], object]] = None,
     track_text: bool = False,
+    fast_forward: bool = True,
 ) -> Generator[Step, None, SequenceState]:
-    """Continue ``state`` with ``sampler`` (and ``guide``); yields a :class:`Step` per token, returns the new state."""
+    """Continue ``state`` with ``sampler`` (and ``guide``); yields a :class:`Step` per forward pass, returns the new state.
+
+    ``fast_forward``: append the tokens the guide forces after a sampled token and compute them in
+    the same next forward pass (:mod:`continuum.fastforward`); ``max_tokens`` counts them.
+    """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
     steps = check_continuable(state, sampler, max_tokens)
@@ -168,9 +242,10 @@ def decode(
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
-    rows = _Rows(state, steps, guide, track_text or bool(stops))
+    rows = _Rows(state, steps, guide, track_text or bool(stops), stops)
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
+    ff = fast_forward and guide is not None
 
     def forward(start: int, end: int, logits: str = "last"):
         mask = rows.mask[:, :end]
@@ -178,7 +253,7 @@ def decode(
             pos = mask[:, :start].sum(1, keepdim=True)
         else:
             pos = positions(mask)[:, start:]
-        reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once
+        reserve = max(0, min(W + steps - end, _RESERVE_CAP))  # the columns still to come: KV storage allocated once
         return model.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 
     if steps == 0:
@@ -189,8 +264,8 @@ def decode(
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler)
 
     logits, rows.kv = forward(C, W)
-    fed = W
-    for step in range(steps):
+    fed = col = W
+    while True:
         logprobs = torch.log_softmax(logits, dim=-1)
         if guide is not None:
             for r, s in enumerate(rows.guide_states):
@@ -209,7 +284,6 @@ def decode(
             rows.reorder(ancestors)
             group = n
         step_lp = logprobs[ancestors, ids]
-        col = W + step
         id_list, lp_list = ids.tolist(), step_lp.tolist()
         keep = [False] * len(id_list)
         for r, (t, l) in enumerate(zip(id_list, lp_list)):
@@ -222,38 +296,48 @@ def decode(
                 elif rows.guide_states is not None:
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
                 continue
-            if rows.guide_states is not None:
-                rows.guide_states[r] = guide.advance(rows.guide_states[r], t)
-                if rows.guide_states[r] is DEAD:  # the engine refused a token its mask allowed: end the row, incomplete
-                    rows.finished[r], rows.complete[r] = True, False
-                    continue
-                rows.complete[r] = guide.is_final(rows.guide_states[r])
-            keep[r] = True
-            if rows.detoks is not None:
-                before = len(rows.detoks[r].text)
-                text = rows.detoks[r].push(t)
-                for s in stops:
-                    at = text.find(s, max(0, before - len(s) + 1))
-                    if at >= 0 and (rows.stop_cut[r] is None or at + len(s) < rows.stop_cut[r]):
-                        rows.stop_cut[r] = at + len(s)
-                if rows.stop_cut[r] is not None:
-                    rows.finished[r] = True
-        if all(keep):
+            keep[r] = rows.accept(r, t)
+        runs = _forced(rows, keep, steps, group, sampler.is_beam_search) if ff else None
+        width = 1 + max(map(len, runs)) if runs else 1
+        rows.ensure(col + width)
+        if width == 1 and all(keep):  # the common step: one column, every row real
             rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
             rows.weights += torch.tensor(lp_list)
+            rows.width = col + 1
         else:
-            keep_t = torch.tensor(keep, device=rows.ids.device)
-            rows.ids[:, col] = torch.where(keep_t, ids.to(rows.ids.device), pad)
-            rows.mask[:, col] = keep_t.to(rows.mask.dtype)
-            rows.lp[:, col] = torch.where(keep_t, step_lp.to(torch.float32), float("nan"))
-            rows.weights += torch.tensor([l if k else 0.0 for l, k in zip(lp_list, keep)])
-        rows.width = col + 1
+            rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
+        for r, g in enumerate(rows.generated):
+            if g >= steps:  # max_tokens or the context limit reached
+                rows.finished[r] = True
         yield Step([d.stable_text() for d in rows.detoks] if rows.detoks is not None else None, reordered)
-        if all(rows.finished) or step == steps - 1:
+        if all(rows.finished):
+            if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
+                out, rows.kv = forward(col, col + width - 1, logits="all")
+                rows.add_forced_logprobs(col, width, runs, run_logprobs(out, runs, width))
+                fed = col + width - 1
             break
-        logits, rows.kv = forward(col, col + 1)
-        fed = col + 1
+        logits, rows.kv = forward(col, col + width, logits="all" if runs else "last")
+        if runs:
+            rows.add_forced_logprobs(col, width, runs, run_logprobs(logits, runs, width))
+            logits = logits[:, -1]
+        col = fed = col + width
     return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler)
+
+
+def _forced(rows: _Rows, keep: list[bool], steps: int, group: int, beams: bool) -> Optional[list[list[int]]]:
+    """The forced run of every row after its sampled token, each already accepted by the row (a
+    run stops early where a stop string ends the row); ``None`` when no row has one."""
+    live = [k and not f for k, f in zip(keep, rows.finished)]
+    runs = forced_runs(rows.guide, rows.guide_states, live, [steps - g for g in rows.generated], group, beams)
+    for r, run in enumerate(runs):
+        for i, t in enumerate(run):
+            if not rows.accept(r, t):
+                del run[i:]
+                break
+            if rows.finished[r]:
+                del run[i + 1:]
+                break
+    return runs if any(runs) else None
 
 
 def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler) -> SequenceState:

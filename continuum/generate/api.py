@@ -31,8 +31,11 @@ def text(model, sampler: Optional[Sampler] = None) -> Generator:
     return Generator(model, sampler, kind="text")
 
 
-def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
+def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, fast_forward: bool = True) -> Generator:
     """Text matching ``pattern`` (outlines-core regex syntax); invalid patterns raise ``InvalidRegexError``.
+
+    ``fast_forward`` (default on): tokens the pattern forces are appended as one run and computed in
+    one forward pass (their log-probs are in the weights; ``max_tokens`` counts them).
 
     Example:
         >>> regex(model, r"[0-9]{3}-[a-z]+")("Code: ", max_tokens=12)  # doctest: +SKIP
@@ -41,10 +44,12 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None) -> Generator:
     _check_model(model)
     if not isinstance(pattern, str):
         raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
-    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="regex", description=repr(pattern))
+    return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="regex", description=repr(pattern),
+                     fast_forward=fast_forward)
 
 
-def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact") -> Generator:
+def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
+           fast_forward: bool = True) -> Generator:
     """One of ``choices``.
 
     Args:
@@ -57,6 +62,8 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
             high (there is no end-of-option term). ``"mean"`` uses the mean log-prob per token
             instead. ``"greedy"`` decodes token by token under the regex ``(opt1|opt2|...)``
             (an outlines-core index), which is cheaper for many long options.
+        fast_forward: with ``method="greedy"``, the tail of an option the prefix already decides is
+            appended as one run and computed in one forward pass (default on).
 
     Empty lists raise ``EmptyChoicesError``.
 
@@ -68,18 +75,21 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     pattern = choice_regex(choices)
     if method == "greedy":
         return Generator(model, sampler, regex_guide(pattern, model.tokenizer), kind="choice",
-                         description=repr(list(choices)))
+                         description=repr(list(choices)), fast_forward=fast_forward)
     if method not in ("exact", "mean"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
     return ChoiceGenerator(model, list(choices), sampler, method=method)
 
 
-def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?") -> Generator:
+def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
+         fast_forward: bool = True) -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
     The schema is compiled to a regex by outlines-core (``build_regex_from_schema``);
     unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
-    ``whitespace_pattern`` bounds the whitespace allowed between tokens (default: one optional space).
+    ``whitespace_pattern`` bounds the whitespace allowed between tokens (default: one optional space;
+    ``""`` for compact JSON, where keys and punctuation are forced). ``fast_forward`` (default on):
+    forced tokens are appended as one run and computed in one forward pass.
 
     Example:
         >>> class User(BaseModel):
@@ -95,4 +105,4 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         guide = regex_guide(pattern, model.tokenizer)
     except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
         raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
-    return Generator(model, sampler, guide, kind="json", parse=parse, description=name)
+    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, fast_forward=fast_forward)

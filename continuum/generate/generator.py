@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..decoding import Step, check_max_tokens, decode
+from ..errors import GeneratorArgumentError
 from ..guides import Guide
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
@@ -81,12 +82,15 @@ class Generator:
     """
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
-                 parse: Optional[Callable[[str], Any]] = None, description: str = ""):
+                 parse: Optional[Callable[[str], Any]] = None, description: str = "", fast_forward: bool = True):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
             raise TypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
+        if not isinstance(fast_forward, bool):
+            raise GeneratorArgumentError(f"fast_forward must be True or False, got {fast_forward!r}")
+        self.fast_forward = fast_forward
 
     def __repr__(self) -> str:
         what = f", {self.description}" if self.description else ""
@@ -95,7 +99,7 @@ class Generator:
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
-                      kind=self.kind, parse=self.parse, track_text=track_text)
+                      kind=self.kind, parse=self.parse, track_text=track_text, fast_forward=self.fast_forward)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)
