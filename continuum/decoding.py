@@ -25,6 +25,7 @@ from . import cache as kvcache
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .fastforward import forced_runs, run_logprobs
 from .guides import DEAD, Guide
+from .healing import Heal, apply_heal_masks, heal
 from .samplers import Sampler
 from .state import LastStep, SequenceState
 from .text import Detokenizer
@@ -68,7 +69,8 @@ def _stop_list(stop_at) -> list[str]:
 class _Rows:
     """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
 
-    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool, stops: list[str]):
+    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool, stops: list[str],
+                 heals: Optional[list[Optional[Heal]]] = None):
         R, L = state._ids.shape
         dev = state._ids.device
         self.pad = state._model.tokenizer.pad_token_id
@@ -85,6 +87,9 @@ class _Rows:
         self.stop_cut: list[Optional[int]] = [None] * R
         self.generated = [0] * R  # tokens appended per row (sampled and forced): max_tokens counts both
         self.stops = stops
+        self.heal = list(heals) if heals is not None else [None] * R  # token healing: the first token's plan
+        self.heal_chars = [h.chars if h is not None else 0 for h in self.heal]  # removed text: not output
+        self.resumed = [False] * R
         self.guide = guide
         self.guide_states = [guide.new_state() for _ in range(R)] if guide is not None else None
         texts = state.texts
@@ -95,6 +100,7 @@ class _Rows:
                 if not done and gs is not None:  # resume the unfinished constrained step (on a copy: the
                     # input state keeps its own, and a stateful engine advances states in place)
                     self.guide_states[r], self.start_chars[r] = guide.copy(gs), last.starts[r]
+                    self.resumed[r] = True
         real = state._real_rows() if track_text else None
         self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
 
@@ -104,7 +110,7 @@ class _Rows:
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
         self.kv = kvcache.select_rows(self.kv, ancestors)
         self.weights = self.weights.index_select(0, ancestors.cpu())
-        for name in ("finished", "complete", "stop_cut", "start_chars", "generated"):
+        for name in ("finished", "complete", "stop_cut", "start_chars", "generated", "heal", "heal_chars", "resumed"):
             setattr(self, name, [getattr(self, name)[i] for i in idx])
         if self.guide_states is not None:
             states = self.guide_states
@@ -124,7 +130,8 @@ class _Rows:
         """Advance row ``r``'s guide and text by ``token`` (sampled or forced); False when the guide
         refuses it (the row ends, incomplete). A stop string ends the row after the token."""
         if self.guide_states is not None:
-            self.guide_states[r] = self.guide.advance(self.guide_states[r], token)
+            plan = self.heal[r]  # a healed first token: the guide walked the text after the removed one
+            self.guide_states[r] = plan.state_after(self.guide, token) if plan else self.guide.advance(self.guide_states[r], token)
             if self.guide_states[r] is DEAD:  # the engine refused a token its mask allowed
                 self.finished[r], self.complete[r] = True, False
                 return False
@@ -134,7 +141,7 @@ class _Rows:
             before = len(self.detoks[r].text)
             text = self.detoks[r].push(token)
             for s in self.stops:
-                at = text.find(s, max(0, before - len(s) + 1))
+                at = text.find(s, max(self.heal_chars[r], before - len(s) + 1))
                 if at >= 0 and (self.stop_cut[r] is None or at + len(s) < self.stop_cut[r]):
                     self.stop_cut[r] = at + len(s)
             if self.stop_cut[r] is not None:
@@ -228,11 +235,14 @@ def decode(
     parse: Optional[Callable[[str], object]] = None,
     track_text: bool = False,
     fast_forward: bool = True,
+    token_healing: bool = False,
 ) -> Generator[Step, None, SequenceState]:
     """Continue ``state`` with ``sampler`` (and ``guide``); yields a :class:`Step` per forward pass, returns the new state.
 
     ``fast_forward``: append the tokens the guide forces after a sampled token and compute them in
     the same next forward pass (:mod:`continuum.fastforward`); ``max_tokens`` counts them.
+    ``token_healing``: back up each row's last token and constrain the first generated token to
+    re-cover its text (:mod:`continuum.healing`); the output still starts after the input's text.
     """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
@@ -243,6 +253,10 @@ def decode(
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
     rows = _Rows(state, steps, guide, track_text or bool(stops), stops)
+    if token_healing and steps > 0:
+        state, heals = heal(state, guide, rows.guide_states or [None] * state.rows, rows.resumed)
+        if any(h is not None for h in heals):
+            rows = _Rows(state, steps, guide, track_text or bool(stops), stops, heals)
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
     ff = fast_forward and guide is not None
@@ -267,11 +281,15 @@ def decode(
     fed = col = W
     while True:
         logprobs = torch.log_softmax(logits, dim=-1)
-        if guide is not None:
+        healing = any(h is not None for h in rows.heal)
+        if guide is not None:  # healed rows: their first token is masked by the heal plan instead
             for r, s in enumerate(rows.guide_states):
-                if not rows.finished[r] and guide.is_done(s):
+                if not rows.finished[r] and rows.heal[r] is None and guide.is_done(s):
                     rows.finished[r] = rows.complete[r] = True
-            logprobs = guide.apply_mask(logprobs, [None if f else s for f, s in zip(rows.finished, rows.guide_states)])
+            logprobs = guide.apply_mask(logprobs, [None if f or h else s for f, h, s in
+                                                   zip(rows.finished, rows.heal, rows.guide_states)])
+        if healing:
+            logprobs = apply_heal_masks(logprobs, rows.heal)
         if all(rows.finished):
             break
         if any(rows.finished):
@@ -297,6 +315,8 @@ def decode(
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
                 continue
             keep[r] = rows.accept(r, t)
+        if healing:
+            rows.heal = [None] * len(keep)
         runs = _forced(rows, keep, steps, group, sampler.is_beam_search) if ff else None
         width = 1 + max(map(len, runs)) if runs else 1
         rows.ensure(col + width)
@@ -309,7 +329,8 @@ def decode(
         for r, g in enumerate(rows.generated):
             if g >= steps:  # max_tokens or the context limit reached
                 rows.finished[r] = True
-        yield Step([d.stable_text() for d in rows.detoks] if rows.detoks is not None else None, reordered)
+        yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None else None,
+                   reordered)
         if all(rows.finished):
             if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
                 out, rows.kv = forward(col, col + width - 1, logits="all")
@@ -357,9 +378,10 @@ def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, ki
         if order != list(range(R)):
             out = out._select(order, state.batch, samples)
     texts = out.texts
-    starts = [rows.start_chars[r] for r in order]
+    starts = [rows.start_chars[r] for r in order]  # where each row's detokenized text begins
     cuts = [rows.stop_cut[r] for r in order]
     ends = [s + c if c is not None else len(t) for s, c, t in zip(starts, cuts, texts)]
+    starts = [s + rows.heal_chars[r] for s, r in zip(starts, order)]  # a healed token's removed text is input
     complete = tuple(rows.complete[r] or (guide is not None and guide.is_final(rows.guide_states[r]))
                      if rows.guide_states is not None else True for r in order)
     resumable = None

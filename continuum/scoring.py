@@ -8,6 +8,10 @@ option that is a prefix of another scores at least as high) or their mean (``met
 The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
 a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
 (row, option) pairs. The chosen pairs keep the KV cache of that forward pass.
+
+With ``token_healing``, a row whose last token can be healed loses it, and each option is scored
+as the removed text followed by the option, tokenized together (the first token may re-cover the
+removed text and the option's start): the option's score includes re-covering that text.
 """
 
 from __future__ import annotations
@@ -26,26 +30,34 @@ __all__ = ["choose"]
 
 
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
-           rng: Optional[torch.Generator] = None) -> Generator[Step, None, SequenceState]:
+           rng: Optional[torch.Generator] = None, token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_continuable(state, sampler, None)
+    starts = [len(t) for t in state.texts]
+    removed = [""] * state.rows  # token healing: the text of each row's backed-up token
+    if token_healing:
+        from .healing import heal
+
+        healed, plans = heal(state, None, [None] * state.rows, [False] * state.rows)
+        removed = [t[len(h):] if p is not None else "" for t, h, p in zip(state.texts, healed.texts, plans)]
+        state = healed
     state = prefill(state)  # the shared suffix once; each (row, option) pair then runs 1 + option tokens
     model, tok = state._model, state._model.tokenizer
     K, R = len(options), state.rows
-    option_ids = [tok.encode_continuation(o) for o in options]
-    starts = [len(t) for t in state.texts]
+    encoded = {x: [tok.encode_continuation(x + o) for o in options] for x in set(removed)}
+    option_ids = [encoded[removed[i // K]][i % K] for i in range(R * K)]  # per (row, option) pair
 
     # every (row, option) pair; rows of one batch item stay together: batch x (samples * K)
     pairs = state._select([r for r in range(R) for _ in range(K)], state.batch, state.samples * K)
     real, cached = pairs._real_rows(), pairs._cached_real()
-    tails = [(ids[c:] + option_ids[i % K], lps[c:] + [math.nan] * len(option_ids[i % K]))
+    tails = [(ids[c:] + option_ids[i], lps[c:] + [math.nan] * len(option_ids[i]))
              for i, ((ids, lps), c) in enumerate(zip(real, cached))]
     cand = pairs._rebuild(cached, tails, pairs._weights, None)
 
     C, W = kvcache.length(cand._kv), cand._ids.shape[1]
     logits, kv = model.forward(cand._ids[:, C:], cand._mask, positions(cand._mask)[:, C:], cand._kv, logits="all")
     logprobs = torch.log_softmax(logits, -1)  # (R*K, W-C, V): column j predicts column C+j+1
-    lengths = torch.tensor([len(option_ids[i % K]) for i in range(R * K)])
+    lengths = torch.tensor([len(ids) for ids in option_ids])
     token_lp = cand._logprobs.clone()
     gain = torch.empty(R * K)  # raw log-prob of each pair's option
     for i in range(R * K):

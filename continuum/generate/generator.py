@@ -82,7 +82,8 @@ class Generator:
     """
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
-                 parse: Optional[Callable[[str], Any]] = None, description: str = "", fast_forward: bool = True):
+                 parse: Optional[Callable[[str], Any]] = None, description: str = "", fast_forward: bool = True,
+                 token_healing: bool = False):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
@@ -90,7 +91,9 @@ class Generator:
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
         if not isinstance(fast_forward, bool):
             raise GeneratorArgumentError(f"fast_forward must be True or False, got {fast_forward!r}")
-        self.fast_forward = fast_forward
+        if not isinstance(token_healing, bool):
+            raise GeneratorArgumentError(f"token_healing must be True or False, got {token_healing!r}")
+        self.fast_forward, self.token_healing = fast_forward, token_healing
 
     def __repr__(self) -> str:
         what = f", {self.description}" if self.description else ""
@@ -99,7 +102,8 @@ class Generator:
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
-                      kind=self.kind, parse=self.parse, track_text=track_text, fast_forward=self.fast_forward)
+                      kind=self.kind, parse=self.parse, track_text=track_text, fast_forward=self.fast_forward,
+                      token_healing=self.token_healing)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)
@@ -152,8 +156,9 @@ class Generator:
 class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
-    def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact"):
-        super().__init__(model, sampler, kind="choice", description=repr(options))
+    def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
+                 token_healing: bool = False):
+        super().__init__(model, sampler, kind="choice", description=repr(options), token_healing=token_healing)
         self.options, self.method = options, method
 
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
@@ -161,4 +166,4 @@ class ChoiceGenerator(Generator):
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..scoring import choose
 
-        return choose(state, self.options, self.sampler, method=self.method, rng=rng)
+        return choose(state, self.options, self.sampler, method=self.method, rng=rng, token_healing=self.token_healing)
