@@ -1,4 +1,4 @@
-"""Benchmark scenarios B1-B9 and B11 (B11 in cfg_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
+"""Benchmark scenarios B1-B11 (B10 in fastforward.py, B11 in cfg_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
 
 from __future__ import annotations
 
@@ -518,4 +518,7 @@ def b9(bench: Bench, cfg: Config) -> List[Row]:
 SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B11": b11,
 }
+from .fastforward import b10  # noqa: E402  (B10 imports helpers from this module)
+
+SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}

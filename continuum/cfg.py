@@ -124,7 +124,7 @@ class UnconditionalBranch:
     conditional columns it is given and the unconditional branch's matching column (the same
     generated token, the same keep flag), returns the conditional logits and KV, and keeps the
     unconditional logits for :meth:`guide`. :meth:`reorder` makes the branch follow the
-    conditional rows (``_Rows.reorder`` calls it; it returns the reordered conditional KV).
+    conditional rows (``Rows.reorder`` calls it; it returns the reordered conditional KV).
 
     * ``"sequential"``: the branch has its own KV cache and a second forward per step.
     * ``"batched"``: after the first step (the conditional suffix and the negative prompt are

@@ -6,10 +6,11 @@
                  ▲                                            │ log-softmax, guide mask
                  │                                            ▼
            forward the new column ◀── append, advance guides ◀── sampler: ids, ancestors, scores
-                                      check EOS / stop strings     reorder ALL per-row state (_Rows.reorder)
+                                      check EOS / stop strings     reorder ALL per-row state (Rows.reorder)
 
-The loop is a Python generator: it yields a :class:`Step` after every token (streaming reads
-them) and returns the final ``SequenceState``.
+The loop is a Python generator: it yields a :class:`Step` after every forward pass (streaming reads
+them) and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one,
+the whole run is appended and computed in the same next forward pass (:mod:`continuum.fastforward`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from typing import Callable, Generator, Optional
 import torch
 
 from . import cache as kvcache
-from .cfg import CFG, UnconditionalBranch
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
-from .guides import DEAD, Guide
+from .cfg import CFG, UnconditionalBranch
+from .fastforward import forced_runs, run_logprobs
+from .guides import Guide
+from .healing import apply_heal_masks, heal
+from .rows import Rows
 from .samplers import Sampler
 from .state import LastStep, SequenceState
-from .text import Detokenizer, token_char_spans
+from .text import token_char_spans
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
@@ -66,69 +70,6 @@ def _stop_list(stop_at) -> list[str]:
         raise GeneratorArgumentError(f"stop_at must be a non-empty string or a list of them (e.g. '.' or ['.', '\\n']), "
                                      f"got {stop_at!r}: an empty stop string would stop before the first token")
     return stops
-
-
-class _Rows:
-    """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
-
-    branch: Optional[UnconditionalBranch] = None  # CFG's unconditional branch: its rows follow too
-
-    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool):
-        R, L = state._ids.shape
-        dev = state._ids.device
-        self.ids = torch.full((R, L + capacity), state._model.tokenizer.pad_token_id, dtype=torch.long, device=dev)
-        self.mask = torch.zeros((R, L + capacity), dtype=state._mask.dtype, device=dev)
-        self.lp = torch.full((R, L + capacity), float("nan"), dtype=torch.float32, device=dev)
-        self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
-        self.width = L
-        self.kv = state._kv
-        self.weights = state._weights.detach().to("cpu", torch.float32).clone()  # per-row sums live on the CPU
-        self.scores = self.weights.to(dev)  # what beam search ranks by, next to the logits
-        self.finished = [False] * R
-        self.complete = [guide is None] * R
-        self.stop_cut: list[Optional[int]] = [None] * R
-        self.reason: list[Optional[str]] = [None] * R  # why each row finished (LastStep.finish)
-        ctx = state._model.context_length  # tokens each row may still add before its own context limit
-        self.room = (ctx - state._mask.sum(1)).tolist() if ctx is not None else [math.inf] * R
-        self.guide = guide
-        self.guide_states = [guide.new_state() for _ in range(R)] if guide is not None else None
-        texts = state.texts
-        self.start_chars = [len(t) for t in texts]
-        last = state._last
-        if guide is not None and last is not None and last.guide_key == guide.key and last.guide_states is not None:
-            for r, (done, gs) in enumerate(zip(last.complete, last.guide_states)):
-                if not done and gs is not None:  # resume the unfinished constrained step (on a copy: the
-                    # input state keeps its own, and a stateful engine advances states in place)
-                    self.guide_states[r], self.start_chars[r] = guide.copy(gs), last.starts[r]
-        real = state._real_rows() if track_text else None
-        self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
-
-    def end(self, r: int, guide: Optional[Guide], reason: str) -> None:
-        """Finish row ``r`` for ``reason``; a row cut just as its constraint completed counts as "pattern"."""
-        gs = self.guide_states[r] if self.guide_states is not None else None
-        self.finished[r], self.reason[r] = True, "pattern" if gs is not None and guide.is_done(gs) else reason
-
-    def reorder(self, ancestors: torch.Tensor) -> None:
-        idx = ancestors.tolist()
-        a = ancestors.to(self.ids.device)
-        self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
-        self.kv = kvcache.select_rows(self.kv, ancestors) if self.branch is None else self.branch.reorder(ancestors, self.kv)
-        self.weights = self.weights.index_select(0, ancestors.cpu())
-        for name in ("finished", "complete", "stop_cut", "reason", "room", "start_chars"):
-            setattr(self, name, [getattr(self, name)[i] for i in idx])
-        if self.guide_states is not None:
-            states = self.guide_states
-            if self.guide.copy_free:
-                self.guide_states = [states[i] for i in idx]
-            else:  # a row owns its state: the first heir of a row takes it, later ones get copies
-                seen: set[int] = set()
-                heirs = []
-                for i in idx:
-                    heirs.append(self.guide.copy(states[i]) if i in seen else states[i])
-                    seen.add(i)
-                self.guide_states = heirs
-        if self.detoks is not None:
-            self.detoks = [self.detoks[i].copy() for i in idx]
 
 
 def prefill(state: SequenceState) -> SequenceState:
@@ -185,9 +126,18 @@ def decode(
     parse: Optional[Callable[[str], object]] = None,
     track_text: bool = False,
     cfg: Optional[CFG] = None,
+    fast_forward: bool = True,
+    token_healing: bool = False,
 ) -> Generator[Step, None, SequenceState]:
     """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``cfg``); yields a
-    :class:`Step` per token, returns the new state."""
+    :class:`Step` per forward pass, returns the new state.
+
+    ``fast_forward``: append the tokens the guide forces after a sampled token and compute them in
+    the same next forward pass (:mod:`continuum.fastforward`); ``max_tokens`` counts them.
+    ``token_healing``: back up each row's last token and constrain the first generated token to
+    re-cover its text (:mod:`continuum.healing`); the output still starts after the input's text.
+    With CFG the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
+    """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
     steps = check_continuable(state, sampler, max_tokens)
@@ -197,12 +147,17 @@ def decode(
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
-    rows = _Rows(state, steps, guide, track_text or bool(stops))
+    rows = Rows(state, steps, guide, track_text or bool(stops), stops)
+    if token_healing and steps > 0:
+        state, heals = heal(state, guide, rows.guide_states or [None] * state.rows, rows.resumed)
+        if any(h is not None for h in heals):
+            rows = Rows(state, steps, guide, track_text or bool(stops), stops, heals)
     if cfg is not None and steps > 0:  # a fresh unconditional branch per call: negative prompt + this call's tokens
         rows.branch = UnconditionalBranch(cfg, state, steps)
         steps = rows.branch.steps  # capped where the unconditional rows reach the context
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
+    ff = fast_forward and guide is not None and rows.branch is None
 
     def forward(start: int, end: int, logits: str = "last"):
         mask = rows.mask[:, :end]
@@ -210,7 +165,7 @@ def decode(
             pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
         else:
             pos = positions(mask)[:, start:]
-        reserve = min(W + steps - end, _RESERVE_CAP)  # the columns still to come: KV storage allocated once
+        reserve = max(0, min(W + steps - end, _RESERVE_CAP))  # the columns still to come: KV storage allocated once
         call = model.forward if rows.branch is None else rows.branch.forward  # CFG: runs both branches
         return call(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 
@@ -222,17 +177,21 @@ def decode(
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
 
     logits, rows.kv = forward(C, W)
-    fed = W
-    for step in range(steps):
+    fed = col = W
+    while True:
         logprobs = raw = torch.log_softmax(logits, dim=-1)
         if rows.branch is not None:  # CFG before sampling and masks; the weights stay the raw log-probs
             logprobs = rows.branch.guide(raw)
-        if guide is not None:
+        healing = any(h is not None for h in rows.heal)
+        if guide is not None:  # healed rows: their first token is masked by the heal plan instead
             for r, s in enumerate(rows.guide_states):
-                if not rows.finished[r] and guide.is_done(s):
+                if not rows.finished[r] and rows.heal[r] is None and guide.is_done(s):
                     rows.finished[r] = rows.complete[r] = True
                     rows.reason[r] = "pattern"
-            logprobs = guide.apply_mask(logprobs, [None if f else s for f, s in zip(rows.finished, rows.guide_states)])
+            logprobs = guide.apply_mask(logprobs, [None if f or h else s for f, h, s in
+                                                   zip(rows.finished, rows.heal, rows.guide_states)])
+        if healing:
+            logprobs = apply_heal_masks(logprobs, rows.heal)
         if all(rows.finished):
             break
         if any(rows.finished):
@@ -247,7 +206,6 @@ def decode(
         step_lp = logprobs[ancestors, ids]
         if rows.branch is not None:  # -inf still marks a dead beam
             step_lp = torch.where(step_lp == -math.inf, step_lp, raw[ancestors, ids])
-        col = W + step
         id_list, lp_list = ids.tolist(), step_lp.tolist()
         keep = [False] * len(id_list)
         for r, (t, l) in enumerate(zip(id_list, lp_list)):
@@ -261,52 +219,63 @@ def decode(
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
                 rows.reason[r] = "pattern" if guide is not None and rows.complete[r] else "eos"
                 continue
-            if rows.guide_states is not None:
-                rows.guide_states[r] = guide.advance(rows.guide_states[r], t)
-                if rows.guide_states[r] is DEAD:  # the engine refused a token its mask allowed: end the row, incomplete
-                    rows.finished[r], rows.complete[r] = True, False
-                    continue
-                rows.complete[r] = guide.is_final(rows.guide_states[r])
-            keep[r] = True
-            if rows.detoks is not None:
-                before = len(rows.detoks[r].text)
-                text = rows.detoks[r].push(t)
-                for s in stops:
-                    at = text.find(s, max(0, before - len(s) + 1))
-                    if at >= 0 and (rows.stop_cut[r] is None or at + len(s) < rows.stop_cut[r]):
-                        rows.stop_cut[r] = at + len(s)
-                if rows.stop_cut[r] is not None:
-                    rows.finished[r], rows.reason[r] = True, "stop"
-            rows.room[r] -= 1
-            if rows.room[r] <= 0 and not rows.finished[r]:  # this row's context is full: it ends here
-                rows.end(r, guide, exhausted if step == steps - 1 else "context")
-        if all(keep):
+            keep[r] = rows.accept(r, t)
+        if healing:
+            rows.heal = [None] * len(keep)
+        runs = _forced(rows, keep, steps, group, sampler.is_beam_search) if ff else None
+        width = 1 + max(map(len, runs)) if runs else 1
+        rows.ensure(col + width)
+        if width == 1 and all(keep):  # the common step: one column, every row real
             rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
             rows.weights += torch.tensor(lp_list)
+            rows.width = col + 1
         else:
-            keep_t = torch.tensor(keep, device=rows.ids.device)
-            rows.ids[:, col] = torch.where(keep_t, ids.to(rows.ids.device), pad)
-            rows.mask[:, col] = keep_t.to(rows.mask.dtype)
-            rows.lp[:, col] = torch.where(keep_t, step_lp.to(torch.float32), float("nan"))
-            rows.weights += torch.tensor([l if k else 0.0 for l, k in zip(lp_list, keep)])
-        rows.width = col + 1
-        yield Step([d.stable_text() for d in rows.detoks] if rows.detoks is not None else None, reordered)
-        if all(rows.finished) or step == steps - 1:
+            rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
+        for r, g in enumerate(rows.generated):
+            if not rows.finished[r] and (g >= steps or rows.room[r] <= 0):  # max_tokens, or this row's context is full
+                rows.end(r, exhausted if g >= steps else "context")
+        yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None else None,
+                   reordered)
+        if all(rows.finished):
+            if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
+                out, rows.kv = forward(col, col + width - 1, logits="all")
+                rows.add_forced_logprobs(col, width, runs, run_logprobs(out, runs, width))
+                fed = col + width - 1
             break
-        logits, rows.kv = forward(col, col + 1)
-        fed = col + 1
+        logits, rows.kv = forward(col, col + width, logits="all" if runs else "last")
+        if runs:
+            rows.add_forced_logprobs(col, width, runs, run_logprobs(logits, runs, width))
+            logits = logits[:, -1]
+        col = fed = col + width
     if rows.branch is not None:
         rows.kv = rows.branch.release(rows.kv)
     return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted)
 
 
-def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,
+def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -> Optional[list[list[int]]]:
+    """The forced run of every row after its sampled token, each already accepted by the row (a
+    run stops early where a stop string ends the row); ``None`` when no row has one."""
+    live = [k and not f for k, f in zip(keep, rows.finished)]
+    budget = [min(steps - g, room) for g, room in zip(rows.generated, rows.room)]
+    runs = forced_runs(rows.guide, rows.guide_states, live, budget, group, beams)
+    for r, run in enumerate(runs):
+        for i, t in enumerate(run):
+            if not rows.accept(r, t):
+                del run[i:]
+                break
+            if rows.finished[r]:
+                del run[i + 1:]
+                break
+    return runs if any(runs) else None
+
+
+def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,
             exhausted: str) -> SequenceState:
     """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
     R = rows.ids.shape[0]
     for r in range(R):  # rows still running when the steps ran out
         if rows.reason[r] is None:
-            rows.end(r, guide, exhausted)
+            rows.end(r, exhausted)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
                         logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kvcache.shrink(kvcache.crop(rows.kv, fed)),
                         batch=state.batch, samples=samples)
@@ -321,9 +290,10 @@ def _finish(state: SequenceState, rows: _Rows, fed: int, samples: int, guide, ki
         if order != list(range(R)):
             out = out._select(order, state.batch, samples)
     texts = out.texts
-    starts = [rows.start_chars[r] for r in order]
+    starts = [rows.start_chars[r] for r in order]  # where each row's detokenized text begins
     cuts = [rows.stop_cut[r] for r in order]
     ends = [s + c if c is not None else len(t) for s, c, t in zip(starts, cuts, texts)]
+    starts = [s + rows.heal_chars[r] for s, r in zip(starts, order)]  # a healed token's removed text is input
     complete = tuple(rows.complete[r] or (guide is not None and guide.is_final(rows.guide_states[r]))
                      if rows.guide_states is not None else True for r in order)
     resumable = None

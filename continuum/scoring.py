@@ -13,6 +13,10 @@ With classifier-free guidance, each option token's score is the guided log-prob
 (:func:`~continuum.cfg.guided_logprobs` of the conditional log-prob and the log-prob after the
 row's unconditional prompt, one more forward over every distinct (unconditional prompt, option)
 pair); the sampler ranks by the summed (or mean) guided scores, the weights stay the raw ones.
+
+With ``token_healing``, a row whose last token can be healed loses it, and each option is scored
+as the removed text followed by the option, tokenized together (the first token may re-cover the
+removed text and the option's start): the option's score includes re-covering that text.
 """
 
 from __future__ import annotations
@@ -33,31 +37,40 @@ __all__ = ["choose"]
 
 
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
-           rng: Optional[torch.Generator] = None, cfg: Optional[CFG] = None) -> Generator[Step, None, SequenceState]:
+           rng: Optional[torch.Generator] = None, cfg: Optional[CFG] = None,
+           token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_continuable(state, sampler, None)
+    starts = [len(t) for t in state.texts]
+    removed = [""] * state.rows  # token healing: the text of each row's backed-up token
+    if token_healing:
+        from .healing import heal
+
+        healed, plans = heal(state, None, [None] * state.rows, [False] * state.rows)
+        removed = [t[len(h):] if p is not None else "" for t, h, p in zip(state.texts, healed.texts, plans)]
+        state = healed
     state = prefill(state)  # the shared suffix once; each (row, option) pair then runs 1 + option tokens
     model, tok = state._model, state._model.tokenizer
     K, R = len(options), state.rows
-    option_ids = [tok.encode_continuation(o) for o in options]
+    encoded = {x: [tok.encode_continuation(x + o) for o in options] for x in set(removed)}
+    option_ids = [encoded[removed[i // K]][i % K] for i in range(R * K)]  # per (row, option) pair
     longest, ctx = int(state._mask.sum(1).max()), model.context_length
     if ctx is not None and longest + max(map(len, option_ids)) > ctx:  # every option is scored in full
         raise ContextLengthError(f"the input ({longest} tokens) leaves no room for the longest option "
                                  f"({max(map(len, option_ids))} tokens) in the model's context ({ctx}): "
                                  f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
-    starts = [len(t) for t in state.texts]
 
     # every (row, option) pair; rows of one batch item stay together: batch x (samples * K)
     pairs = state._select([r for r in range(R) for _ in range(K)], state.batch, state.samples * K)
     real, cached = pairs._real_rows(), pairs._cached_real()
-    tails = [(ids[c:] + option_ids[i % K], lps[c:] + [math.nan] * len(option_ids[i % K]))
+    tails = [(ids[c:] + option_ids[i], lps[c:] + [math.nan] * len(option_ids[i]))
              for i, ((ids, lps), c) in enumerate(zip(real, cached))]
     cand = pairs._rebuild(cached, tails, pairs._weights, None)
 
     C, W = kvcache.length(cand._kv), cand._ids.shape[1]
     logits, kv = model.forward(cand._ids[:, C:], cand._mask, positions(cand._mask)[:, C:], cand._kv, logits="all")
     logprobs = torch.log_softmax(logits, -1)  # (R*K, W-C, V): column j predicts column C+j+1
-    lengths = torch.tensor([len(option_ids[i % K]) for i in range(R * K)])
+    lengths = torch.tensor([len(ids) for ids in option_ids])
     token_lp = cand._logprobs.clone()
     gain = torch.empty(R * K)  # raw log-prob of each pair's option
     pair_lps = []
@@ -70,9 +83,9 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
         pair_lps.append(lp)
     if cfg is not None:  # rank by guided scores; the weights (gain) stay raw
         prefixes = cfg.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
-        uncond = _uncond_option_logprobs(model, prefixes, option_ids)
-        guided = torch.stack([guided_logprobs(lp, uncond[tuple(prefixes[i // K])][i % K].to(lp.device), cfg.scale,
-                                              cfg.rescale).sum() for i, lp in enumerate(pair_lps)])
+        uncond = _uncond_option_logprobs(model, [prefixes[i // K] for i in range(R * K)], option_ids)
+        guided = torch.stack([guided_logprobs(lp, u.to(lp.device), cfg.scale, cfg.rescale).sum()
+                              for lp, u in zip(pair_lps, uncond)])
         scores = guided.cpu() / lengths if method == "mean" else guided.cpu()
     else:
         scores = gain / lengths if method == "mean" else gain
@@ -100,22 +113,20 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
     return result
 
 
-def _uncond_option_logprobs(model, prefixes: list[list[int]], option_ids: list[list[int]]) -> dict:
-    """Log-probs of every option's tokens after every distinct unconditional prompt, in ONE forward.
-
-    Returns ``{tuple(prefix): [tensor of the option's token log-probs, per option]}``.
-    """
-    distinct = list(dict.fromkeys(tuple(p) for p in prefixes))
-    seqs = [list(p) + list(o) for p in distinct for o in option_ids]
+def _uncond_option_logprobs(model, prefixes: list[list[int]], option_ids: list[list[int]]) -> list[torch.Tensor]:
+    """Log-probs of each pair's option tokens after its unconditional prompt (``prefixes[i]`` then
+    ``option_ids[i]``), every distinct sequence once, in ONE forward."""
+    seqs = list(dict.fromkeys(tuple(p) + tuple(o) for p, o in zip(prefixes, option_ids)))
     width = max(len(s) for s in seqs)
     pad = model.tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=model.device)
+    ids = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], device=model.device)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=model.device)
     logits, _ = model.forward(ids, mask, positions(mask), None, logits="all")
     logprobs = torch.log_softmax(logits, -1)
-    out: dict = {}
-    for i, seq in enumerate(seqs):
-        n = len(option_ids[i % len(option_ids)])
+    row = {s: i for i, s in enumerate(seqs)}
+    out = []
+    for p, o in zip(prefixes, option_ids):
+        i, n = row[tuple(p) + tuple(o)], len(o)
         cols = torch.arange(width - n, width, device=ids.device)
-        out.setdefault(distinct[i // len(option_ids)], []).append(logprobs[i, cols - 1, ids[i, cols]])
+        out.append(logprobs[i, cols - 1, ids[i, cols]])
     return out

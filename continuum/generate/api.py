@@ -23,6 +23,15 @@ __all__ = ["text", "choice", "regex", "json", "cfg"]
 
 NegativePrompt = Union[str, Sequence[str], None]
 _CFG_DOC = """
+    Every generator also takes:
+        token_healing: when the input ends inside what would be one token (``"https:"`` before
+            ``"//"``), back up its last token and make the first generated token start with the
+            removed text (see :mod:`continuum.healing`); the output still starts after the input's
+            text. Default off.
+        fast_forward (constrained generators): tokens the constraint forces (JSON keys and
+            punctuation, the tail of a choice) are appended as one run and computed in ONE forward
+            pass (:mod:`continuum.fastforward`). Default on; not applied with guidance.
+
     Classifier-free guidance (every generator; see docs/generators.md):
         guidance_scale: next-token scores are ``uncond + guidance_scale * (cond - uncond)`` on the
             log-probs of the prompt (cond) and of the negative prompt (uncond); 1 (default) = off,
@@ -42,7 +51,7 @@ def _check_model(model) -> None:
             f"got {type(model).__name__}")
 
 
-def text(model, sampler: Optional[Sampler] = None, *, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+def text(model, sampler: Optional[Sampler] = None, *, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Free text. Returns the continuation only (not the prompt).
 
@@ -52,11 +61,12 @@ def text(model, sampler: Optional[Sampler] = None, *, guidance_scale: float = 1.
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    return Generator(model, sampler, kind="text", cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
+    return Generator(model, sampler, kind="text", cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                     token_healing=token_healing)
 
 
 def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: str = "auto",
-          guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+          fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
 
@@ -75,7 +85,8 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                     fast_forward=fast_forward, token_healing=token_healing)
 
 
 def _regex_guide(model, pattern: str, backend: str):
@@ -88,7 +99,7 @@ def _regex_guide(model, pattern: str, backend: str):
 
 
 def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
-           backend: str = "auto", guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+           backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
            guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """One of ``choices``.
 
@@ -104,6 +115,8 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
             which is cheaper for many long options.
         backend: the engine of ``method="greedy"``: ``"auto"``/``"outlines"`` (an outlines-core
             index) or ``"llguidance"``; the scoring methods use no engine.
+            With token healing, "exact"/"mean" score each option as the removed text followed by
+            the option, re-tokenized; "greedy" generates with a healed first token.
             With guidance, "exact"/"mean" rank the options by their guided token scores (one more
             forward over the options after the negative prompt); weights stay the raw log-probs.
 
@@ -131,13 +144,13 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
         return Generator(model, sampler, _regex_guide(model, pattern, backend), kind="choice",
-                         description=repr(list(choices)), cfg=cfg)
-    return ChoiceGenerator(model, list(choices), sampler, method=method, cfg=cfg)
+                         description=repr(list(choices)), cfg=cfg, fast_forward=fast_forward, token_healing=token_healing)
+    return ChoiceGenerator(model, list(choices), sampler, method=method, cfg=cfg, token_healing=token_healing)
 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
-         backend: str = "auto", guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
-         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+         backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
+         negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
     ``backend``: ``"auto"``/``"llguidance"`` enforce the schema with llguidance, which refuses
@@ -147,7 +160,8 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     them). Unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
     ``whitespace_pattern`` bounds the whitespace allowed between tokens on both engines (default:
     one optional space), so a weak model or a beam search cannot pad forever; ``None`` leaves the
-    engine's default (unbounded) whitespace.
+    engine's default (unbounded) whitespace; ``""`` gives compact JSON, where keys and punctuation
+    are forced tokens (the best case for ``fast_forward``).
 
     Example:
         >>> class User(BaseModel):
@@ -173,10 +187,12 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
             raise UnsupportedSchemaError(
                 f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
                 "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
-    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
+    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                     fast_forward=fast_forward, token_healing=token_healing)
 
 
 def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str = "lark", backend: str = "auto",
+        fast_forward: bool = True, token_healing: bool = False,
         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     r"""Text generated by a context-free ``grammar``; returns the text.
@@ -221,7 +237,8 @@ def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str =
     except GrammarCompileError as exc:
         raise InvalidGrammarError(f"llguidance cannot compile this {syntax} grammar: {exc}") from exc
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
-                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode))
+                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
+                     token_healing=token_healing)
 
 
 for _f in (text, regex, choice, json, cfg):

@@ -9,7 +9,7 @@ import torch
 
 from ..cfg import CFG
 from ..decoding import Step, check_max_tokens, decode
-from ..errors import ContinuumTypeError
+from ..errors import ContinuumTypeError, GeneratorArgumentError
 from ..guides import Guide
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
@@ -94,13 +94,19 @@ class Generator:
     """
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
-                 parse: Optional[Callable[[str], Any]] = None, description: str = "", cfg: Optional[CFG] = None):
+                 parse: Optional[Callable[[str], Any]] = None, description: str = "", cfg: Optional[CFG] = None,
+                 fast_forward: bool = True, token_healing: bool = False):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
             raise ContinuumTypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
         self.cfg = cfg  # classifier-free guidance settings, None when guidance_scale == 1
+        if not isinstance(fast_forward, bool):
+            raise GeneratorArgumentError(f"fast_forward must be True or False, got {fast_forward!r}")
+        if not isinstance(token_healing, bool):
+            raise GeneratorArgumentError(f"token_healing must be True or False, got {token_healing!r}")
+        self.fast_forward, self.token_healing = fast_forward, token_healing
 
     def __repr__(self) -> str:
         what = f", {self.description}" if self.description else ""
@@ -111,7 +117,8 @@ class Generator:
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
-                      kind=self.kind, parse=self.parse, track_text=track_text, cfg=self.cfg)
+                      kind=self.kind, parse=self.parse, track_text=track_text, cfg=self.cfg,
+                      fast_forward=self.fast_forward, token_healing=self.token_healing)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)
@@ -165,8 +172,8 @@ class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
     def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
-                 cfg: Optional[CFG] = None):
-        super().__init__(model, sampler, kind="choice", description=repr(options), cfg=cfg)
+                 cfg: Optional[CFG] = None, token_healing: bool = False):
+        super().__init__(model, sampler, kind="choice", description=repr(options), cfg=cfg, token_healing=token_healing)
         self.options, self.method = options, method
 
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
@@ -174,4 +181,5 @@ class ChoiceGenerator(Generator):
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..scoring import choose
 
-        return choose(state, self.options, self.sampler, method=self.method, rng=rng, cfg=self.cfg)
+        return choose(state, self.options, self.sampler, method=self.method, rng=rng, cfg=self.cfg,
+                      token_healing=self.token_healing)

@@ -10,12 +10,16 @@ an ``LLMatcher`` for llguidance). The loop keeps one state per row and asks the 
 * ``advance(state, token)``: the state after ``token``, or :data:`DEAD` (``None``) when the token is
   not allowed. It never raises mid-batch. A stateful engine may update ``state`` in place and
   return it: a state belongs to ONE row, so rows duplicated by a fork or a beam reorder get
-  ``copy(state)`` (see ``decoding._Rows.reorder``, the one place rows are reordered);
+  ``copy(state)`` (see ``rows.Rows.reorder``, the one place rows are reordered);
 * ``is_final(state)``: the text so far is accepted (EOS allowed);
 * ``is_done(state)``: accepted and nothing but EOS allowed, so the row ends without sampling;
 * ``copy(state)``: an independent state (free for value states: ``copy_free`` is True);
-* ``forced_tokens(state)``: tokens the constraint forces next (for a fast-forward: each one is the
-  only allowed token), ``[]`` when the next token is a real choice;
+* ``forced_tokens(state)``: tokens the constraint forces next, ``[]`` when the next token is a real
+  choice. It does NOT consume them: ``state`` is left as it was, and the loop advances the row
+  through the run with ``advance`` token by token (so a stop string or the ``max_tokens`` budget may
+  cut the run). An engine may return a canonical tokenization of forced *text* (llguidance's
+  ``compute_ff_tokens``) or the tokens that are each the only one allowed (outlines-core); see
+  :mod:`continuum.fastforward`;
 * ``key``: a stable string naming the constraint *and* the engine: an unfinished constrained step
   is resumed only by a guide with the same key (``LastStep.guide_key``).
 

@@ -84,6 +84,7 @@ class Tokenizer:
         self.index_cache: dict[str, Any] = {}  # compiled guides, keyed by engine and constraint
         self._llg_lock = threading.Lock()
         self._llg_tokenizer: Any = None
+        self.heal_cache: dict[Any, Any] = {}  # token healing: candidate sets per removed token (healing.py)
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab={len(self.hf)})"
@@ -119,6 +120,21 @@ class Tokenizer:
                 return ids[len(head) :]
         return self._encode_plain(text)  # pragma: no cover - no sentinel stays separate
 
+    def encode_continuations(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode_continuation` of many texts, in one batched tokenizer call where it can."""
+        if not texts:
+            return []
+        head = self._encode_plain(_SENTINELS[0])
+        batch = [list(ids) for ids in self.hf([_SENTINELS[0] + t for t in texts], add_special_tokens=False)["input_ids"]]
+        head_text = self.decode(head)
+        out = []
+        for text, ids, decoded in zip(texts, batch, self.decode_batch(batch)):
+            if text and ids[:len(head)] == head and decoded == head_text + text:
+                out.append(ids[len(head):])
+            else:  # the sentinel merged, or SentencePiece dropped a space: the careful way
+                out.append(self.encode_continuation(text))
+        return out
+
     # -- decoding ---------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
@@ -144,6 +160,16 @@ class Tokenizer:
             data = None if idx in self.special_ids else self.token_bytes(token)
             lengths[idx] = len(data) if data else 0
         return lengths
+
+    @cached_property
+    def vocab_bytes(self) -> list[bytes | None]:
+        """The bytes of every token id (``None`` for special tokens and unknown ids)."""
+        vocab = self.hf.get_vocab()
+        out: list[bytes | None] = [None] * (max(vocab.values()) + 1)
+        for token, idx in vocab.items():
+            if idx not in self.special_ids:
+                out[idx] = self.token_bytes(token) or None
+        return out
 
     def byte_offsets(self, ids: Sequence[int]) -> list[int]:
         """Cumulative UTF-8 byte length of the tokens (monotonic, unlike decoded text lengths)."""

@@ -47,7 +47,7 @@ class LastStep:
     # Where an unfinished constrained step stopped, so a guide with the same key (same constraint,
     # same engine) can resume it. Only valid while the row's text ends where the step ended: any
     # edit of the text drops them. States may be mutable engine objects (llguidance matchers): they
-    # are never changed here, and resuming works on a copy (see decoding._Rows).
+    # are never changed here, and resuming works on a copy (see rows.Rows).
     guide_key: str | None = None
     guide_states: tuple[Any, ...] | None = None
     # Why each row's step ended: "eos", "stop", "length" (max_tokens), "context", "pattern". Kept through edits.

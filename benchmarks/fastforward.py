@@ -1,0 +1,55 @@
+"""Benchmark B10: forced-token fast-forward on JSON with compact whitespace (the B5 schema).
+
+Forced keys and punctuation are appended as one run and computed in the next forward pass: the
+figure is how many fewer forward passes a JSON output takes than the same generator with
+``fast_forward=False`` (time ratio in the notes). Both sides must produce the same text.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from continuum import continuous, generate, samplers
+
+from .common import Bench, Row, log, make_text, median, n_tokens, paired
+
+__all__ = ["b10"]
+
+
+def b10(bench: Bench, cfg) -> List[Row]:
+    from .scenarios import json_schema, new_tokens
+
+    Person = json_schema()
+    prompt = make_text(bench.tok, 32, offset=3) + "\nThe person as JSON: "
+    plen = n_tokens(bench.tok, prompt)
+    fast_c = continuous(generate.json(bench.model, Person, samplers.greedy(), whitespace_pattern=""))
+    slow_c = continuous(generate.json(bench.model, Person, samplers.greedy(), whitespace_pattern="", fast_forward=False))
+    out = {}
+
+    def run(gen, key):
+        def f():
+            s = gen(prompt, max_tokens=cfg.b5_max)
+            out[key] = s.last_text
+            out[key + "_complete"] = s._last.complete[0]
+            return new_tokens(s, plen)
+        return f
+
+    log("B10: compact JSON with fast-forward vs the same generator with fast_forward=False")
+    base, cont = paired(bench, run(slow_c, "slow"), run(fast_c, "fast"), cfg.reps, log=log)
+    same = out["slow"] == out["fast"]
+    fwd = median([b.forward_calls / c.forward_calls for b, c in zip(base, cont)])
+    time_ratios = [c.seconds / b.seconds for b, c in zip(base, cont)]
+    tokens = median([c.generated for c in cont])
+    notes = [f"{tokens} tokens per output ({'complete' if out['fast_complete'] else 'cut by max_tokens'}), "
+             f"forwards per output {median([b.forward_calls for b in base])} -> {median([c.forward_calls for c in cont])}; "
+             f"same text on both sides: {same}: {out['fast'][:80]!r}",
+             f"time ratio (fast-forward / step by step) {median(time_ratios):.3f}; per rep "
+             f"{' '.join(f'{r:.3f}' for r in time_ratios)}"]
+    if not same:
+        notes.append("MISMATCH: fast-forward changed the greedy output")
+    b_s, c_s = median([b.seconds for b in base]), median([c.seconds for c in cont])
+    return [Row(id="B10", title="compact JSON, forced-token fast-forward", baseline="same generator, fast_forward=False",
+                figure=fwd if same else float("nan"), op=">=", threshold=1.5, unit="x fewer forwards", base_s=b_s,
+                cont_s=c_s, base_tps=tokens / b_s if b_s else None, cont_tps=tokens / c_s if c_s else None,
+                base_computed=int(median([b.computed for b in base])), cont_computed=int(median([c.computed for c in cont])),
+                reps=len(base), notes=notes)]

@@ -1,0 +1,158 @@
+"""Per-row decoding state: ids, masks, log-probs, weights, KV rows, guide states, stop and heal
+bookkeeping. :meth:`Rows.reorder` is the ONE place where rows follow their ancestors (forks, beam
+search), CFG's unconditional rows included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import cache as kvcache
+from .cfg import UnconditionalBranch
+from .guides import DEAD, Guide
+from .healing import Heal
+from .state import SequenceState
+from .text import Detokenizer
+
+__all__ = ["Rows"]
+
+
+class Rows:
+    """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
+
+    branch: Optional[UnconditionalBranch] = None  # CFG's unconditional branch: its rows follow too
+
+    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool, stops: list[str],
+                 heals: Optional[list[Optional[Heal]]] = None):
+        R, L = state._ids.shape
+        dev = state._ids.device
+        self.pad = state._model.tokenizer.pad_token_id
+        self.ids = torch.full((R, L + capacity), self.pad, dtype=torch.long, device=dev)
+        self.mask = torch.zeros((R, L + capacity), dtype=state._mask.dtype, device=dev)
+        self.lp = torch.full((R, L + capacity), float("nan"), dtype=torch.float32, device=dev)
+        self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
+        self.width = L
+        self.kv = state._kv
+        self.weights = state._weights.detach().to("cpu", torch.float32).clone()  # per-row sums live on the CPU
+        self.scores = self.weights.to(dev)  # what beam search ranks by, next to the logits
+        self.finished = [False] * R
+        self.complete = [guide is None] * R
+        self.stop_cut: list[Optional[int]] = [None] * R
+        self.generated = [0] * R  # tokens appended per row (sampled and forced): max_tokens counts both
+        self.reason: list[Optional[str]] = [None] * R  # why each row finished (LastStep.finish)
+        ctx = state._model.context_length  # tokens each row may still add before its own context limit
+        self.room = (ctx - state._mask.sum(1)).tolist() if ctx is not None else [math.inf] * R
+        self.stops = stops
+        self.heal = list(heals) if heals is not None else [None] * R  # token healing: the first token's plan
+        self.heal_chars = [h.chars if h is not None else 0 for h in self.heal]  # removed text: not output
+        self.resumed = [False] * R
+        self.guide = guide
+        self.guide_states = [guide.new_state() for _ in range(R)] if guide is not None else None
+        texts = state.texts
+        self.start_chars = [len(t) for t in texts]
+        last = state._last
+        if guide is not None and last is not None and last.guide_key == guide.key and last.guide_states is not None:
+            for r, (done, gs) in enumerate(zip(last.complete, last.guide_states)):
+                if not done and gs is not None:  # resume the unfinished constrained step (on a copy: the
+                    # input state keeps its own, and a stateful engine advances states in place)
+                    self.guide_states[r], self.start_chars[r] = guide.copy(gs), last.starts[r]
+                    self.resumed[r] = True
+        real = state._real_rows() if track_text else None
+        self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
+
+    def end(self, r: int, reason: str) -> None:
+        """Finish row ``r`` for ``reason``; a row cut just as its constraint completed counts as "pattern"."""
+        gs = self.guide_states[r] if self.guide_states is not None else None
+        self.finished[r], self.reason[r] = True, "pattern" if gs is not None and self.guide.is_done(gs) else reason
+
+    def reorder(self, ancestors: torch.Tensor) -> None:
+        idx = ancestors.tolist()
+        a = ancestors.to(self.ids.device)
+        self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
+        self.kv = kvcache.select_rows(self.kv, ancestors) if self.branch is None else self.branch.reorder(ancestors, self.kv)
+        self.weights = self.weights.index_select(0, ancestors.cpu())
+        for name in ("finished", "complete", "stop_cut", "reason", "room", "start_chars", "generated", "heal",
+                     "heal_chars", "resumed"):
+            setattr(self, name, [getattr(self, name)[i] for i in idx])
+        if self.guide_states is not None:
+            states = self.guide_states
+            if self.guide.copy_free:
+                self.guide_states = [states[i] for i in idx]
+            else:  # a row owns its state: the first heir of a row takes it, later ones get copies
+                seen: set[int] = set()
+                heirs = []
+                for i in idx:
+                    heirs.append(self.guide.copy(states[i]) if i in seen else states[i])
+                    seen.add(i)
+                self.guide_states = heirs
+        if self.detoks is not None:
+            self.detoks = [self.detoks[i].copy() for i in idx]
+
+    def accept(self, r: int, token: int) -> bool:
+        """Advance row ``r``'s guide and text by ``token`` (sampled or forced); False when the guide
+        refuses it (the row ends, incomplete). A stop string ends the row after the token."""
+        if self.guide_states is not None:
+            plan = self.heal[r]  # a healed first token: the guide walked the text after the removed one
+            self.guide_states[r] = plan.state_after(self.guide, token) if plan else self.guide.advance(self.guide_states[r], token)
+            if self.guide_states[r] is DEAD:  # the engine refused a token its mask allowed
+                self.finished[r], self.complete[r] = True, False
+                return False
+            self.complete[r] = self.guide.is_final(self.guide_states[r])
+        self.generated[r] += 1
+        self.room[r] -= 1
+        if self.detoks is not None:
+            before = len(self.detoks[r].text)
+            text = self.detoks[r].push(token)
+            for s in self.stops:
+                at = text.find(s, max(self.heal_chars[r], before - len(s) + 1))
+                if at >= 0 and (self.stop_cut[r] is None or at + len(s) < self.stop_cut[r]):
+                    self.stop_cut[r] = at + len(s)
+            if self.stop_cut[r] is not None:
+                self.finished[r], self.reason[r] = True, "stop"
+        return True
+
+    def ensure(self, width: int) -> None:
+        """Room for ``width`` columns (forced runs of rows of different lengths take extra columns)."""
+        have = self.ids.shape[1]
+        if width <= have:
+            return
+        extra = max(width - have, have // 2)
+        self.ids = torch.cat([self.ids, self.ids.new_full((self.ids.shape[0], extra), self.pad)], 1)
+        self.mask = torch.cat([self.mask, self.mask.new_zeros((self.mask.shape[0], extra))], 1)
+        self.lp = torch.cat([self.lp, self.lp.new_full((self.lp.shape[0], extra), float("nan"))], 1)
+
+    def write_block(self, col: int, ids: list[int], lps: list[float], keep: list[bool], runs: list[list[int]], width: int) -> None:
+        """Write each kept row's sampled token and forced run right-aligned in columns
+        ``[col, col + width)`` (holes before it); forced log-probs are filled in after the forward."""
+        R = len(ids)
+        pad = self.pad
+        blk_ids = [[pad] * width for _ in range(R)]
+        blk_mask = [[0] * width for _ in range(R)]
+        blk_lp = [[float("nan")] * width for _ in range(R)]
+        for r in range(R):
+            if not keep[r]:
+                continue
+            first = width - 1 - len(runs[r])
+            blk_ids[r][first:] = [ids[r]] + runs[r]
+            blk_mask[r][first:] = [1] * (1 + len(runs[r]))
+            blk_lp[r][first] = lps[r]
+        dev = self.ids.device
+        self.ids[:, col:col + width] = torch.tensor(blk_ids, device=dev)
+        self.mask[:, col:col + width] = torch.tensor(blk_mask, device=dev, dtype=self.mask.dtype)
+        self.lp[:, col:col + width] = torch.tensor(blk_lp, device=dev)
+        self.weights += torch.tensor([l if k else 0.0 for l, k in zip(lps, keep)])
+        self.width = col + width
+
+    def add_forced_logprobs(self, col: int, width: int, runs: list[list[int]], lps: list[list[float]]) -> None:
+        """Record the forced runs' raw log-probs: token columns, weights, and the beam scores."""
+        sums = []
+        for r, (run, lp) in enumerate(zip(runs, lps)):
+            if run:
+                self.lp[r, col + width - len(run):col + width] = torch.tensor(lp, dtype=self.lp.dtype)
+            sums.append(math.fsum(lp))
+        add = torch.tensor(sums, dtype=torch.float32)
+        self.weights += add
+        self.scores = self.scores + add.to(self.scores.device, self.scores.dtype)
