@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from ..errors import GeneratorArgumentError, InvalidRegexError, UnsupportedSchemaError
-from ..guides import choice_regex, regex_guide, schema_to_regex
+from ..guides import choice_regex, outlines_regex, prepare_json_schema, regex_guide
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
@@ -74,12 +74,22 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     return ChoiceGenerator(model, list(choices), sampler, method=method)
 
 
-def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?") -> Generator:
+def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
+         max_string_length: Optional[int] = None) -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
-    The schema is compiled to a regex by outlines-core (``build_regex_from_schema``);
-    unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
-    ``whitespace_pattern`` bounds the whitespace allowed between tokens (default: one optional space).
+    The schema is normalised (``prepare_json_schema``: references inlined, keywords the engines do
+    not enforce rewritten exactly or narrowed soundly, with a ``SchemaCoverageWarning``) and then
+    compiled to a regex by outlines-core. Schemas no engine can enforce raise
+    ``UnsupportedSchemaError`` here (naming the keyword and its JSON path), not during decoding.
+    Every output of a dict/string schema is validated with ``jsonschema`` against the original
+    schema before it is returned: one that fails raises ``SchemaViolationError`` (naming the row,
+    the path and the rule); pydantic outputs are validated by pydantic.
+
+    Args:
+        whitespace_pattern: the whitespace allowed between tokens (default: one optional space).
+        max_string_length: bounds every string without ``maxLength`` (and without format, pattern or
+            enum) to this many characters, so small models terminate; None (default) leaves them unbounded.
 
     Example:
         >>> class User(BaseModel):
@@ -87,12 +97,15 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         ...     age: int
         >>> json(model, User)("A user: ", max_tokens=40)   # doctest: +SKIP
         User(name='Ann', age=31)
+        >>> json(model, {"type": "object", "properties": {"tag": {"type": "string"}}},
+        ...      max_string_length=8)("Tag: ", max_tokens=40)   # doctest: +SKIP
+        {'tag': 'blue'}
     """
     _check_model(model)
-    pattern, parse = schema_to_regex(schema, whitespace_pattern)
-    name = getattr(schema, "__name__", "schema")
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
+    pattern = outlines_regex(prepared.schema, whitespace_pattern)
     try:
         guide = regex_guide(pattern, model.tokenizer)
     except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
         raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
-    return Generator(model, sampler, guide, kind="json", parse=parse, description=name)
+    return Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name)

@@ -147,7 +147,7 @@ _COUNT = {"minLength": "maxLength", "maxLength": "minLength", "minItems": "maxIt
 def _negate_type(t: Any) -> Optional[dict]:
     names = set().union(*(_TYPE_SETS.get(n, {n}) for n in ([t] if isinstance(t, str) else t)))
     rest = ALL_TYPES - names
-    if "integer" in rest and "number" not in rest:
+    if "number" in rest and "integer" not in rest:
         return None  # "every number that is not an integer" has no spelling without `not`
     spelled = sorted(rest - {"integer"}) if "number" in rest else sorted(rest)
     return {"type": spelled} if spelled else False

@@ -225,9 +225,7 @@ class _Normalizer:
                 if node.get(key) is True and bound in out:
                     del out[bound]
         self._post(out, path, extra)
-        if extra:
-            out = rw.all_of([out, *extra]) if out else rw.all_of(extra)
-        return out
+        return rw.conjoin(out, extra) if extra else out
 
     def _post(self, out: dict, path: str, extra: list) -> None:
         """The in-place rewrites of one node (after its subschemas are normalised)."""

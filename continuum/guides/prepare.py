@@ -90,11 +90,20 @@ def _checker(validator) -> Callable[[Any], None]:
 
 
 def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None) -> PreparedSchema:
-    """Normalise ``schema`` (a JSON schema dict or string) and build its output check.
+    """Normalise ``schema`` (a pydantic model class, a JSON schema dict or string) and build its output check.
 
     Raises :class:`~continuum.errors.UnsupportedSchemaError` for what no engine can enforce and for
     schemas ``jsonschema`` rejects; warns :class:`SchemaCoverageWarning` where outputs are narrowed.
     """
+    from pydantic import BaseModel
+
+    if isinstance(schema, type) and issubclass(schema, BaseModel):  # pydantic validates its own outputs
+        normalized = normalize_schema(schema.model_json_schema(), max_string_length=max_string_length)
+
+        def validate_model(value: Any) -> None:
+            schema.model_validate(value)
+
+        return PreparedSchema(normalized.schema, validate_model, schema.model_validate_json, schema.__name__, normalized)
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)

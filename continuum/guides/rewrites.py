@@ -34,6 +34,37 @@ def all_of(parts: list) -> Any:
     return {} if not parts else parts[0] if len(parts) == 1 else {"allOf": parts}
 
 
+_COUPLED = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
+            {"prefixItems", "items", "unevaluatedItems"}, {"minimum", "exclusiveMinimum"}, {"maximum", "exclusiveMaximum"})
+
+
+def conjoin(node: Any, parts: list) -> Any:
+    """``node`` and every schema of ``parts`` (``allOf``), written as one schema where that is exact:
+    a part whose keywords do not meet ``node``'s (nor keywords that read each other, such as
+    ``properties`` and ``additionalProperties``) is merged in; ``required`` lists are unioned."""
+    node = dict(node) if isinstance(node, dict) else node
+    rest = []
+    for part in parts:
+        if part is False or node is False:
+            return False
+        if not isinstance(part, dict) or not isinstance(node, dict):
+            rest.append(part)
+            continue
+        part = dict(part)
+        if "required" in part and "required" in node:
+            node["required"] = list(dict.fromkeys([*node["required"], *part.pop("required")]))
+        keys = set(part)
+        clash = keys & set(node) or any(keys & g and set(node) & g for g in _COUPLED)
+        if clash or "$ref" in keys or "$ref" in node:
+            rest.append(part)
+        else:
+            node.update(part)
+    rest = [p for p in rest if p != {}]
+    if not rest:
+        return node
+    return all_of([node, *rest]) if node else all_of(rest)
+
+
 def dependent_required(value: dict) -> list:
     """``dependentRequired`` (draft-4/7 ``dependencies`` with a list): exact, as "absent or all present"."""
     return [{"anyOf": [{"properties": {name: False}}, {"required": [name, *needs]}]}

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 
 from .. import cache as kvcache
-from ..errors import BatchMismatch, IncompleteGenerationError
+from ..errors import BatchMismatch, IncompleteGenerationError, SchemaViolationError
 
 __all__ = ["SequenceState", "LastStep"]
 
@@ -239,7 +239,9 @@ class SequenceState:
         """The last step's value: its text (text/regex), the option (choice) or the parsed JSON.
 
         Raises :class:`~continuum.errors.IncompleteGenerationError` when a constrained step was cut
-        by ``max_tokens`` (or the context length) before its pattern matched.
+        by ``max_tokens`` (or the context length) before its pattern matched, and
+        :class:`~continuum.errors.SchemaViolationError` (naming the row, JSON path and rule) when a
+        JSON output fails its schema.
         """
         if self._last is None:
             raise ValueError("this state was not produced by a generator (no last step to read)")
@@ -250,7 +252,7 @@ class SequenceState:
             if self._last.kind != "text" and not self._last.complete[r]:
                 bad.append(r)
                 continue
-            out.append(self._last.parse(text) if self._last.parse else text)
+            out.append(self._parse_row(r, text))
         if bad:
             where = ", ".join(f"row {r} (batch {r // self.samples}, sample {r % self.samples})" for r in bad)
             hint = f"max_tokens={self._last.max_tokens}" if self._last.max_tokens is not None else "the context length"
@@ -260,6 +262,18 @@ class SequenceState:
                 f"pattern where it stopped).",
                 rows=bad, max_tokens=self._last.max_tokens)
         return self._shape_output(out)
+
+    def _parse_row(self, r: int, text: str) -> Any:
+        """Row ``r``'s value; a schema violation is re-raised naming the row."""
+        if not self._last.parse:
+            return text
+        try:
+            return self._last.parse(text)
+        except SchemaViolationError as exc:
+            b, s = divmod(r, self.samples)
+            raise SchemaViolationError(f"row {r} (batch {b}, sample {s}): {exc} -- the engine did not enforce this "
+                                       f"rule; output: {text[:200]!r}", path=exc.path, rule=exc.rule, value=exc.value,
+                                       row=r, batch=b, sample=s) from exc
 
     def _shape_output(self, flat: list) -> Any:
         if self.samples == 1:
