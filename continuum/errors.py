@@ -18,6 +18,7 @@ __all__ = [
     "InvalidGrammarError",
     "EmptyChoicesError",
     "UnsupportedSchemaError",
+    "SchemaViolationError",
     "IncompleteGenerationError",
     "ContextLengthError",
     "TokenizerError",
@@ -65,7 +66,34 @@ class InvalidGrammarError(GeneratorArgumentError):
 
 
 class UnsupportedSchemaError(GeneratorArgumentError):
-    """The JSON schema is invalid or uses features the engine cannot enforce."""
+    """The JSON schema is invalid or uses features no engine can enforce.
+
+    Attributes:
+        keyword: the JSON Schema keyword refused (e.g. ``"uniqueItems"``), when known.
+        path: its JSON path in the schema (e.g. ``"/properties/tags/uniqueItems"``), when known.
+    """
+
+    def __init__(self, message: str, keyword: str | None = None, path: str | None = None):
+        super().__init__(message)
+        self.keyword, self.path = keyword, path
+
+
+class SchemaViolationError(ContinuumError, ValueError):
+    """A generated JSON value fails its schema (checked with ``jsonschema`` before it is returned).
+
+    Attributes:
+        row: the flat row index (batch-major), or None before the row is known.
+        batch, sample: the row's batch and sample indices, or None.
+        path: the JSON path of the failing value in the output (e.g. ``"/age"``).
+        rule: the failing schema rule, as ``keyword`` at its schema path (e.g. ``"minimum at /properties/age/minimum"``).
+        value: the parsed output.
+    """
+
+    def __init__(self, message: str, *, path: str = "", rule: str = "", value=None, row: int | None = None,
+                 batch: int | None = None, sample: int | None = None):
+        super().__init__(message)
+        self.path, self.rule, self.value = path, rule, value
+        self.row, self.batch, self.sample = row, batch, sample
 
 
 class ContextLengthError(ContinuumError, ValueError):

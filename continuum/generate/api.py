@@ -12,9 +12,8 @@ from typing import Any, Optional, Sequence, Union
 from ..cfg import CFG
 from ..errors import (GeneratorArgumentError, InvalidChoicesError, InvalidGrammarError, InvalidRegexError,
                       UnsupportedSchemaError)
-from ..guides import check_backend, choice_regex, regex_guide, schema_to_regex
+from ..guides import check_backend, choice_regex, outlines_regex, prepare_json_schema, regex_guide
 from ..guides.llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
-from ..guides.schema import prepare_schema
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
@@ -149,19 +148,30 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
-         backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
-         negative_prompt: NegativePrompt = None, guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+         backend: str = "auto", max_string_length: Optional[int] = None, fast_forward: bool = True,
+         token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
-    ``backend``: ``"auto"``/``"llguidance"`` enforce the schema with llguidance, which refuses
-    (``UnsupportedSchemaError`` with its message) the keywords it cannot enforce instead of
-    ignoring them; ``"outlines"`` compiles it to a regex with outlines-core
-    (``build_regex_from_schema``), which ignores some keywords (a ``SchemaCoverageWarning`` names
-    them). Unsupported schemas raise ``UnsupportedSchemaError`` here, not during decoding.
-    ``whitespace_pattern`` bounds the whitespace allowed between tokens on both engines (default:
-    one optional space), so a weak model or a beam search cannot pad forever; ``None`` leaves the
-    engine's default (unbounded) whitespace; ``""`` gives compact JSON, where keys and punctuation
-    are forced tokens (the best case for ``fast_forward``).
+    The schema is normalised first (``prepare_json_schema``: references inlined, keywords the
+    engines do not enforce rewritten exactly or narrowed soundly, with a ``SchemaCoverageWarning``);
+    schemas no engine can enforce raise ``UnsupportedSchemaError`` here (naming the keyword and its
+    JSON path), not during decoding. Every output of a dict/string schema is validated with
+    ``jsonschema`` against the original schema before it is returned: one that fails raises
+    ``SchemaViolationError`` (naming the row, the path and the rule); pydantic outputs are
+    validated by pydantic.
+
+    Args:
+        backend: ``"auto"``/``"llguidance"`` enforce the normalised schema with llguidance, which
+            refuses (``UnsupportedSchemaError`` with its message) what it cannot enforce;
+            ``"outlines"`` compiles it to a regex with outlines-core, which ignores some keywords (a
+            ``SchemaCoverageWarning`` names them; validation still refuses violating outputs).
+        whitespace_pattern: the whitespace allowed between tokens on both engines (default: one
+            optional space), so a weak model or a beam search cannot pad forever; ``None`` leaves
+            the engine's default (unbounded); ``""`` gives compact JSON, where keys and punctuation
+            are forced tokens (the best case for ``fast_forward``).
+        max_string_length: bounds every string without ``maxLength`` (and without format, pattern or
+            enum) to this many characters, so small models terminate; None (default) leaves them unbounded.
 
     Example:
         >>> class User(BaseModel):
@@ -169,25 +179,27 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         ...     age: int
         >>> json(model, User)("A user: ", max_tokens=40)   # doctest: +SKIP
         User(name='Ann', age=31)
+        >>> json(model, {"type": "object", "properties": {"tag": {"type": "string"}}},
+        ...      max_string_length=8)("Tag: ", max_tokens=40)   # doctest: +SKIP
+        {'tag': 'blue'}
     """
     _check_model(model)
     check_backend(backend)
-    name = getattr(schema, "__name__", "schema")
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
     if backend == "outlines":
-        pattern, parse = schema_to_regex(schema, whitespace_pattern)
         try:
-            guide = regex_guide(pattern, model.tokenizer)
+            guide = regex_guide(outlines_regex(prepared.schema, whitespace_pattern), model.tokenizer)
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
     else:
-        loaded, parse = prepare_schema(schema)
         try:
-            guide = llguidance_guide(json_grammar(loaded, whitespace_pattern), model.tokenizer)
+            guide = llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), model.tokenizer)
         except GrammarCompileError as exc:
             raise UnsupportedSchemaError(
                 f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
                 "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
-    return Generator(model, sampler, guide, kind="json", parse=parse, description=name, cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
+                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 

@@ -2,12 +2,18 @@
 
 * ``base``: the guide protocol the decoding loop sees (:class:`Guide`);
 * ``outlines``: regex and choice compiled to outlines-core indexes (:class:`OutlinesGuide`);
-* ``schema``: JSON Schema preparation in front of the engines.
+* ``llguidance``: JSON Schema, grammars (and regex on request) with llguidance;
+* ``normalize`` (with ``logic`` and ``rewrites``): the engine-agnostic JSON Schema normaliser;
+* ``prepare``: ``prepare_json_schema``, the one entry every engine calls (normalise + output check);
+* ``schema``: the outlines-core spelling of a normalised schema (regex).
 """
 
 from .base import DEAD, ENGINES, Guide, check_backend
+from .normalize import ENFORCED_FORMATS, NormalizedSchema, normalize_schema
 from .outlines import OutlinesGuide, build_mask, choice_regex, escape, regex_guide
-from .schema import SchemaCoverageWarning, schema_to_regex
+from .prepare import PreparedSchema, prepare_json_schema
+from .schema import SchemaCoverageWarning, outlines_regex, schema_to_regex
 
 __all__ = ["Guide", "DEAD", "ENGINES", "check_backend", "OutlinesGuide", "build_mask", "choice_regex", "escape",
-           "regex_guide", "schema_to_regex", "SchemaCoverageWarning"]
+           "regex_guide", "schema_to_regex", "SchemaCoverageWarning", "outlines_regex", "prepare_json_schema",
+           "PreparedSchema", "normalize_schema", "NormalizedSchema", "ENFORCED_FORMATS"]

@@ -74,8 +74,11 @@ def _prepare_schema(node: Any, ignored: set[str]) -> Any:
             ignored.add(key)
     if "pattern" in node and ("minLength" in node or "maxLength" in node):
         ignored.add("pattern together with minLength/maxLength (only the length is enforced)")
-    if "properties" in node:
-        ignored.update(f"{k} beside properties" for k in ("allOf", "anyOf", "oneOf") if k in node)
+    combinators = [k for k in ("allOf", "anyOf", "oneOf") if k in node]
+    others = set(node) - _ANNOTATIONS - {"allOf", "anyOf", "oneOf", "$defs", "definitions"}
+    if combinators and others:  # outlines-core reads either the combinator or the siblings, not both
+        what = "properties" if "properties" in others else "other keywords"
+        ignored.update(f"{k} beside {what}" for k in combinators)
     return out
 
 def _closed_models(schema: dict) -> dict:
@@ -122,20 +125,66 @@ def prepare_schema(schema: Any) -> tuple[dict | bool, Callable[[str], Any]]:
         f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
 
 
-def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tuple[str, Any]:
-    """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string (outlines-core)."""
+
+# Formats outlines-core 0.2.14 turns into a regex; it refuses the others. Unasserted formats are
+# annotations, so dropping one only widens toward what the original schema allows.
+_OUTLINES_FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
+
+
+def _for_outlines(node: Any) -> Any:
+    """Spell a normalised schema the way outlines-core 0.2 reads it: formats it lacks dropped, and
+    ``false`` property schemas (forbidden names) removed, as it only writes the listed properties."""
+    if isinstance(node, list):
+        return [_for_outlines(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if ("enum" in node or "const" in node) and len(node) > 1 and "$ref" not in _json.dumps(node):
+        # outlines-core reads enum/const OR the other keywords: keep the values the others allow (exact)
+        import jsonschema
+
+        values = [node["const"]] if "const" in node else node["enum"]
+        rest = jsonschema.Draft202012Validator({k: v for k, v in node.items() if k not in ("enum", "const")})
+        return {"enum": [v for v in values if rest.is_valid(v)]}
+    out = {}
+    for key, value in node.items():
+        if key == "format" and value not in _OUTLINES_FORMATS:
+            continue
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {k: _for_outlines(v) for k, v in value.items() if v is not False}
+        elif key in ("enum", "const"):
+            out[key] = value
+        else:
+            out[key] = _for_outlines(value)
+    return out
+
+
+def outlines_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> str:
+    """The outlines-core regex of a NORMALISED schema (see ``prepare_json_schema``); warns
+    :class:`SchemaCoverageWarning` about what outlines-core will not enforce."""
     from outlines_core.json_schema import build_regex_from_schema
 
-    loaded, parse = prepare_schema(schema)
     ignored: set[str] = set()
-    prepared = _prepare_schema(loaded, ignored)
+    prepared = _prepare_schema(_for_outlines(schema), ignored)
     try:
         regex = build_regex_from_schema(_json.dumps(prepared), whitespace_pattern)
     except Exception as exc:  # outlines-core raises ValueError/TypeError/pyo3 errors
         raise UnsupportedSchemaError(f"cannot compile this JSON schema to a regex: {exc}. Remove or rewrite the "
                                      f"unsupported part (docs/generators.md lists what is supported)") from exc
     if ignored:
-        warnings.warn(f"the JSON schema uses {sorted(ignored)}, which constrained decoding does not enforce: "
-                      "outputs follow the rest of the schema but may violate these (validate them after parsing)",
+        warnings.warn(f"the JSON schema uses {sorted(ignored)}, which the outlines-core engine does not enforce: "
+                      "outputs that violate them are refused by validation (SchemaViolationError)",
                       SchemaCoverageWarning, stacklevel=3)
-    return regex, parse
+    return regex
+
+
+def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?", *,
+                    max_string_length: int | None = None) -> tuple[str, Any]:
+    """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string.
+
+    The schema goes through :func:`~continuum.guides.prepare.prepare_json_schema` (normalised; the
+    parser validates every output against the original schema) and then to outlines-core.
+    """
+    from .prepare import prepare_json_schema
+
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
+    return outlines_regex(prepared.schema, whitespace_pattern), prepared.parse

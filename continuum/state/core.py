@@ -27,7 +27,7 @@ import torch
 
 from .. import cache as kvcache
 from ..completion import Completion
-from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError
+from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError, SchemaViolationError
 
 __all__ = ["SequenceState", "LastStep"]
 
@@ -270,6 +270,8 @@ class SequenceState:
         Texts of a text generator are :class:`~continuum.completion.Completion` strings (with
         ``finish_reason`` and ``truncated``). Raises :class:`~continuum.errors.IncompleteGenerationError`
         when a constrained step was cut by ``max_tokens`` (or the context length) before its pattern matched.
+        Raises :class:`~continuum.errors.SchemaViolationError` (naming the row, JSON path and rule)
+        when a JSON output fails its schema.
         """
         last, texts = self._last_step(), self.texts
         out, bad = [], []
@@ -280,7 +282,7 @@ class SequenceState:
             elif last.kind == "text" and last.finish is not None:
                 out.append(Completion(text, last.finish[r]))
             else:
-                out.append(last.parse(text) if last.parse else text)
+                out.append(self._parse_row(r, text))
         if bad:
             where = ", ".join(f"row {r} (batch {r // self.samples}, sample {r % self.samples})" for r in bad)
             if last.finish is not None and any(last.finish[r] == "context" for r in bad):
@@ -293,6 +295,18 @@ class SequenceState:
             raise IncompleteGenerationError(f"the {last.kind} output of {where} is incomplete: generation stopped before "
                                             f"the pattern was matched, at {why}", rows=bad, max_tokens=last.max_tokens)
         return self._shape_output(out)
+
+    def _parse_row(self, r: int, text: str) -> Any:
+        """Row ``r``'s value; a schema violation is re-raised naming the row."""
+        if not self._last.parse:
+            return text
+        try:
+            return self._last.parse(text)
+        except SchemaViolationError as exc:
+            b, s = divmod(r, self.samples)
+            raise SchemaViolationError(f"row {r} (batch {b}, sample {s}): {exc} -- the engine did not enforce this "
+                                       f"rule; output: {text[:200]!r}", path=exc.path, rule=exc.rule, value=exc.value,
+                                       row=r, batch=b, sample=s) from exc
 
     def _shape_output(self, flat: list) -> Any:
         if self.samples == 1:

@@ -1,0 +1,286 @@
+"""The JSON Schema normaliser in front of the engines (engine-agnostic: schema dict in, schema dict out).
+
+:func:`normalize_schema` rewrites a schema of any draft (4, 6, 7, 2019-09, 2020-12) into a draft
+2020-12 schema the engines (outlines-core, llguidance) can enforce:
+
+* local ``$ref`` (``#``, ``#/$defs/...``, ``#/definitions/...``, any JSON pointer) are inlined;
+  recursive ones stay references into ``$defs``; remote references are refused;
+* annotations and keywords the schema's draft does not define are dropped (validators ignore them);
+  ``format`` is kept only where an engine enforces it (:data:`ENFORCED_FORMATS`): elsewhere it is an
+  annotation (``jsonschema`` does not assert it by default), so dropping it is exact;
+* legacy spellings become 2020-12 ones: tuple ``items`` -> ``prefixItems``, ``additionalItems`` ->
+  ``items``, boolean ``exclusiveMinimum``, ``dependencies`` -> ``dependentRequired``/``dependentSchemas``;
+* keywords no engine enforces are rewritten (see :mod:`continuum.guides.rewrites`): exactly when
+  possible (``dependentRequired``, disjoint ``oneOf``, ``not`` and ``if`` on negatable schemas), else
+  onto the SOUND side: a narrower schema whose every instance is valid under the original (noted in
+  :attr:`NormalizedSchema.narrowed`), else :class:`~continuum.errors.UnsupportedSchemaError` naming the
+  keyword and its JSON path;
+* ``max_string_length`` bounds strings that have no ``maxLength`` (no ``format``/``pattern``/``enum``).
+
+Example:
+    >>> normalize_schema({"type": "object", "properties": {"t": {"$ref": "#/$defs/tag"}},
+    ...                   "$defs": {"tag": {"type": "string", "format": "color"}}}).schema
+    {'type': 'object', 'properties': {'t': {'type': 'string'}}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+from urllib.parse import unquote
+
+from ..errors import UnsupportedSchemaError
+from . import rewrites as rw
+
+__all__ = ["normalize_schema", "NormalizedSchema", "dialect_of", "ENFORCED_FORMATS"]
+
+# Formats llguidance 1.9 enforces (it refuses the others); outlines-core 0.2 knows a subset and
+# schema.py drops the rest for it. Any string is valid for an unasserted format, so every narrowing
+# a format brings is sound.
+ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
+                              "uuid", "uri"})
+_DRAFTS = {"draft-03": "draft4", "draft-04": "draft4", "draft-06": "draft6", "draft-07": "draft7",
+           "2019-09": "2019-09", "2020-12": "2020-12"}
+_LEGACY_ITEMS = {"draft4", "draft6", "draft7", "2019-09"}  # tuple `items` + `additionalItems`
+_SUB_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_SUB_ONE = ("additionalProperties", "propertyNames", "contains", "unevaluatedProperties", "unevaluatedItems")
+_COPY = ("type", "enum", "const", "required", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+         "multipleOf", "minLength", "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties",
+         "maxProperties", "minContains", "maxContains", "dependentRequired")
+_NOT_IN = {"draft4": {"const", "contains", "propertyNames", "if", "dependentRequired", "dependentSchemas",
+                      "prefixItems", "unevaluatedProperties", "unevaluatedItems", "minContains", "maxContains"},
+           "draft6": {"if", "dependentRequired", "dependentSchemas", "prefixItems", "unevaluatedProperties",
+                      "unevaluatedItems", "minContains", "maxContains"},
+           "draft7": {"dependentRequired", "dependentSchemas", "prefixItems", "unevaluatedProperties",
+                      "unevaluatedItems", "minContains", "maxContains"},
+           "2019-09": {"prefixItems", "dependencies"}, "2020-12": {"dependencies", "additionalItems"}}
+_INLINE_BUDGET = 200_000  # nodes; past it, refs stay references into $defs
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """Where the normalised schema accepts fewer values than the original, and how."""
+
+    path: str
+    keyword: str
+    note: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '/'} {self.keyword}: {self.note}"
+
+
+@dataclass(frozen=True)
+class NormalizedSchema:
+    """A normalised schema (draft 2020-12), what it narrows, and the original's draft."""
+
+    schema: Any
+    narrowed: tuple[Narrowing, ...]
+    dialect: str
+
+
+def dialect_of(schema: Any) -> str:
+    """The draft whose semantics apply: ``$schema`` when given; without it, draft 2020-12 unless
+    the schema uses draft-4/7-only spellings (boolean ``exclusiveMinimum`` -> draft 4; tuple
+    ``items``, ``additionalItems`` or ``dependencies`` -> draft 7)."""
+    if isinstance(schema, dict) and isinstance(schema.get("$schema"), str):
+        for tag, name in _DRAFTS.items():
+            if tag in schema["$schema"]:
+                return name
+    found: set[str] = set()
+
+    def scan(node: Any, key: str = "") -> None:
+        if isinstance(node, dict):
+            if key not in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+                if isinstance(node.get("exclusiveMinimum"), bool) or isinstance(node.get("exclusiveMaximum"), bool):
+                    found.add("draft4")
+                if isinstance(node.get("items"), list) or "additionalItems" in node or "dependencies" in node:
+                    found.add("draft7")
+            for k, v in node.items():
+                if k not in ("enum", "const", "default", "examples"):
+                    scan(v, k)
+        elif isinstance(node, list):
+            for v in node:
+                scan(v, key)
+
+    scan(schema)
+    return "draft4" if "draft4" in found else "draft7" if found else "2020-12"
+
+
+def _pointer(root: Any, ref: str, path: str) -> Any:
+    node = root
+    for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise rw.refuse(path, "$ref", f"{ref!r} points to nothing in this schema", "Fix the reference") from None
+    return node
+
+
+class _Normalizer:
+    def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool):
+        self.root, self.dialect, self.max_len, self.inline = root, dialect, max_string_length, inline
+        self.narrowed: list[Narrowing] = []
+        self.done: dict[str, Any] = {}  # ref -> normalised target
+        self.stack: list[str] = []
+        self.names: dict[str, str] = {}  # ref -> name in the output's $defs
+        self.size: dict[int, int] = {}
+
+    def note(self, path: str, keyword: str, what: str) -> None:
+        self.narrowed.append(Narrowing(f"{path}/{keyword}", keyword, what))
+
+    def resolve(self, node: Any) -> Any:
+        """A `$ref`-only node's target, for the analyses (unknown while the target is in progress)."""
+        while isinstance(node, dict) and set(node) == {"$ref"} and node["$ref"].startswith("#/$defs/"):
+            ref = next((r for r, n in self.names.items() if f"#/$defs/{n}" == node["$ref"]), None)
+            if ref not in self.done:
+                return node
+            node = self.done[ref]
+        return node
+
+    def ref(self, ref: Any, path: str) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+            raise rw.refuse(path, "$ref", f"{ref!r} is not a local JSON-pointer reference (#/...)",
+                            "Inline the referenced schema, or move it under $defs and use '#/$defs/<name>'")
+        if ref in self.stack or (not self.inline and ref in self.done):
+            return {"$ref": "#/$defs/" + self._name(ref)}
+        if ref not in self.done:
+            self.stack.append(ref)
+            self.done[ref] = self.norm(_pointer(self.root, ref, path), ref[1:] or "")
+            self.stack.pop()
+        return self.done[ref] if self.inline else {"$ref": "#/$defs/" + self._name(ref)}
+
+    def _name(self, ref: str) -> str:
+        if ref not in self.names:
+            base = (ref[2:].replace("/", ".").replace("~", "_") or "root")[-60:]
+            name, n = base, 1
+            while name in self.names.values():
+                n, name = n + 1, f"{base}.{n}"
+            self.names[ref] = name
+        return self.names[ref]
+
+    def norm(self, node: Any, path: str) -> Any:
+        if node is True:
+            return {}
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            raise rw.refuse(path, "", f"a schema must be an object or a boolean, got {type(node).__name__}",
+                            "Fix the schema")
+        if "$ref" in node:
+            target = self.ref(node["$ref"], path)
+            if self.dialect in ("draft4", "draft6", "draft7"):
+                return target  # siblings of $ref are ignored before 2019-09
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return rw.all_of([target, self.norm(rest, path)]) if rest else target
+        skip = _NOT_IN[self.dialect]
+        out: dict[str, Any] = {}
+        extra: list = []  # conjuncts from rewritten keywords
+        for key, value in node.items():
+            if key in skip:
+                continue
+            here = f"{path}/{key}"
+            if key in _SUB_MAPS and isinstance(value, dict):
+                out[key] = {k: self.norm(v, f"{here}/{k}") for k, v in value.items()}
+            elif key in _SUB_ONE:
+                out[key] = self.norm(value, here)
+            elif key == "items":
+                if isinstance(value, list):
+                    out["prefixItems"] = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+                    if "additionalItems" in node:
+                        out["items"] = self.norm(node["additionalItems"], f"{path}/additionalItems")
+                else:
+                    out["items"] = self.norm(value, here)
+            elif key == "prefixItems":
+                out[key] = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+            elif key in ("allOf", "anyOf", "oneOf"):
+                subs = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+                if key == "allOf":
+                    extra.extend(subs)
+                elif key == "anyOf":
+                    extra.append({"anyOf": subs} if len(subs) != 1 else subs[0])
+                else:
+                    extra.append(rw.one_of(subs, path, self.resolve, self.note))
+            elif key == "not":
+                extra.append(rw.not_(self.norm(value, here), path, self.resolve))
+            elif key == "if" and ("then" in node or "else" in node):
+                parts = [self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("if", "then", "else")]
+                extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
+            elif key == "dependencies" and isinstance(value, dict):
+                lists = {k: v for k, v in value.items() if isinstance(v, list)}
+                extra.extend(rw.dependent_required(lists))
+                schemas = {k: self.norm(v, f"{here}/{k}") for k, v in value.items() if not isinstance(v, list)}
+                extra.extend(rw.dependent_schemas(schemas))
+            elif key == "format":
+                if value in ENFORCED_FORMATS:
+                    out[key] = value
+            elif key in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
+                bound = "minimum" if key == "exclusiveMinimum" else "maximum"
+                if value and bound in node:
+                    out[key] = node[bound]
+            elif key in _COPY:
+                out[key] = value
+        if self.dialect == "draft4":  # a boolean exclusive bound replaces its inclusive one
+            for key, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+                if node.get(key) is True and bound in out:
+                    del out[bound]
+        self._post(out, path, extra)
+        return rw.conjoin(out, extra) if extra else out
+
+    def _post(self, out: dict, path: str, extra: list) -> None:
+        """The in-place rewrites of one node (after its subschemas are normalised)."""
+        if "uniqueItems" in out:
+            rw.unique_items(out, path, self.note)
+        if "contains" in out:
+            rw.contains(out, path, self.note)
+        elif "minContains" in out or "maxContains" in out:
+            out.pop("minContains", None), out.pop("maxContains", None)  # no effect without contains
+        if "dependentRequired" in out:
+            extra.extend(rw.dependent_required(out.pop("dependentRequired")))
+        if "dependentSchemas" in out:
+            extra.extend(rw.dependent_schemas(out.pop("dependentSchemas")))
+        if "propertyNames" in out:
+            if out["propertyNames"] == {}:
+                del out["propertyNames"]
+            else:
+                raise rw.refuse(path, "propertyNames", "no engine constrains property names",
+                                "List the allowed names under properties with additionalProperties: false, "
+                                "or use patternProperties")
+        if self.max_len is not None and "maxLength" not in out and not ({"format", "pattern", "enum", "const"} & set(out)):
+            t = out.get("type")
+            if t == "string" or (isinstance(t, list) and "string" in t):
+                out["maxLength"] = max(self.max_len, out.get("minLength", 0))
+
+    def expanded_size(self, node: Any) -> int:
+        """Nodes of ``node`` once written out (shared subtrees counted at each use)."""
+        key = id(node)
+        if key not in self.size:
+            if isinstance(node, dict):
+                self.size[key] = 1 + sum(self.expanded_size(v) for v in node.values())
+            elif isinstance(node, list):
+                self.size[key] = 1 + sum(self.expanded_size(v) for v in node)
+            else:
+                return 1
+        return self.size[key]
+
+
+def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None) -> NormalizedSchema:
+    """Normalise ``schema`` (a dict or bool) for the engines; see the module docstring.
+
+    Raises :class:`~continuum.errors.UnsupportedSchemaError` (with ``.keyword`` and ``.path``) for a
+    keyword that no engine enforces and that has no sound rewrite.
+    """
+    if max_string_length is not None and (not isinstance(max_string_length, int) or max_string_length < 1):
+        raise UnsupportedSchemaError(f"max_string_length must be a positive int or None, got {max_string_length!r}")
+    dialect = dialect_of(schema)
+    for inline in (True, False):
+        n = _Normalizer(schema, dialect, max_string_length, inline)
+        n.stack.append("#")
+        out = n.norm(schema, "")
+        n.done["#"] = out
+        if not inline or n.expanded_size(out) <= _INLINE_BUDGET:
+            break
+    if n.names:
+        defs = {n.names[r]: n.done[r] for r in list(n.names)}
+        out = {"allOf": [out], "$defs": defs} if not isinstance(out, dict) or "$defs" in out else {**out, "$defs": defs}
+    return NormalizedSchema(out, tuple(n.narrowed), dialect)

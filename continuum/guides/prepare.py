@@ -1,0 +1,131 @@
+"""One entry for every engine: normalise a JSON schema and build the output check.
+
+:func:`prepare_json_schema` is what ``generate.json`` (and any engine backend) calls: it runs the
+normaliser (:mod:`continuum.guides.normalize`), warns with a :class:`SchemaCoverageWarning` where the
+normalised schema is narrower than the original, and returns a ``parse`` that turns an output into
+a Python value only after ``jsonschema`` validated it against the ORIGINAL schema (with its draft's
+validator; ``format`` is not asserted), raising :class:`~continuum.errors.SchemaViolationError`
+otherwise. Pydantic models are validated by pydantic instead.
+
+Example:
+    >>> prepared = prepare_json_schema({"type": "integer", "minimum": 3})
+    >>> prepared.schema, prepared.parse("4")
+    ({'type': 'integer', 'minimum': 3}, 4)
+    >>> prepared.parse("2")
+    Traceback (most recent call last):
+    ...
+    continuum.errors.SchemaViolationError: the JSON output fails its schema at / (rule minimum at /minimum): 2 is less than the minimum of 3
+"""
+
+from __future__ import annotations
+
+import json as _json
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..errors import SchemaViolationError, UnsupportedSchemaError
+from .normalize import NormalizedSchema, normalize_schema
+from .schema import SchemaCoverageWarning, _closed_models
+
+__all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator"]
+
+
+@dataclass(frozen=True)
+class PreparedSchema:
+    """The normalised schema for the engines, the check of outputs, and the parser that applies it."""
+
+    schema: Any  # normalised JSON schema (draft 2020-12)
+    validate: Callable[[Any], None]  # raises SchemaViolationError
+    parse: Callable[[str], Any]  # text -> validated value
+    name: str = "schema"
+    normalized: Optional[NormalizedSchema] = None
+
+
+def _validator_class(dialect: str):
+    import jsonschema
+
+    return {"draft4": jsonschema.Draft4Validator, "draft6": jsonschema.Draft6Validator,
+            "draft7": jsonschema.Draft7Validator, "2019-09": jsonschema.Draft201909Validator}.get(
+        dialect, jsonschema.Draft202012Validator)
+
+
+def original_validator(schema: Any, dialect: str):
+    """A ``jsonschema`` validator of ``schema`` under its draft (formats are not asserted)."""
+    import jsonschema
+
+    cls = _validator_class(dialect)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise UnsupportedSchemaError(f"the JSON schema is not a valid {dialect} schema, so its outputs cannot be "
+                                     f"validated: {exc.message}") from exc
+    return cls(schema)
+
+
+def normalized_validator(normalized: NormalizedSchema):
+    """A validator of the normalised schema with the original draft's types (draft 4 counts ``1.0``
+    as a number, not an integer): for checking that the normaliser is sound."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    cls = jsonschema.validators.extend(base, type_checker=_validator_class(normalized.dialect).TYPE_CHECKER)
+    return cls(normalized.schema)
+
+
+def _pointer(parts) -> str:
+    return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _checker(validator) -> Callable[[Any], None]:
+    def validate(value: Any) -> None:
+        error = next(iter(sorted(validator.iter_errors(value), key=lambda e: e.path)), None)
+        if error is None:
+            return
+        path, rule = _pointer(error.absolute_path), f"{error.validator} at {_pointer(error.absolute_schema_path)}"
+        raise SchemaViolationError(f"the JSON output fails its schema at {path} (rule {rule}): {error.message[:300]}",
+                                   path=path, rule=rule, value=value)
+
+    return validate
+
+
+def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None) -> PreparedSchema:
+    """Normalise ``schema`` (a pydantic model class, a JSON schema dict or string) and build its output check.
+
+    Raises :class:`~continuum.errors.UnsupportedSchemaError` for what no engine can enforce and for
+    schemas ``jsonschema`` rejects; warns :class:`SchemaCoverageWarning` where outputs are narrowed.
+    """
+    from pydantic import BaseModel
+
+    if isinstance(schema, type) and issubclass(schema, BaseModel):  # pydantic validates its own outputs
+        normalized = normalize_schema(_closed_models(schema.model_json_schema()), max_string_length=max_string_length)
+
+        def validate_model(value: Any) -> None:
+            schema.model_validate(value)
+
+        return PreparedSchema(normalized.schema, validate_model, schema.model_validate_json, schema.__name__, normalized)
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except ValueError as exc:
+            raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
+    if not isinstance(schema, (dict, bool)):
+        raise UnsupportedSchemaError(
+            f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
+    normalized = normalize_schema(schema, max_string_length=max_string_length)
+    validate = _checker(original_validator(schema, normalized.dialect))
+    if normalized.narrowed:
+        warnings.warn("the JSON schema was narrowed to what the engines enforce; every output is valid, but some "
+                      "valid values cannot be generated: " + "; ".join(map(str, normalized.narrowed)),
+                      SchemaCoverageWarning, stacklevel=3)
+
+    def parse(text: str) -> Any:
+        try:
+            value = _json.loads(text)
+        except ValueError as exc:
+            raise SchemaViolationError(f"the output is not valid JSON ({exc}): {text[:200]!r}", rule="JSON syntax") from exc
+        validate(value)
+        return value
+
+    name = schema.get("title", "schema") if isinstance(schema, dict) else "schema"
+    return PreparedSchema(normalized.schema, validate, parse, str(name), normalized)
