@@ -406,7 +406,12 @@ class SequenceState:
 
     @classmethod
     def load(cls, path, model) -> "SequenceState":
-        """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer)."""
+        """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer).
+
+        Saved from another model (or by an older version that recorded no model), the state keeps
+        its tokens, weights, log-probs and last step but drops the KV cache, with a warning on the
+        ``"continuum"`` logger; the next generator recomputes it in one pass.
+        """
         return persistence.load(path, model)
 
 

@@ -39,7 +39,8 @@ def _guide_key(last: dict):
 
 
 def save(state: SequenceState, path) -> None:
-    """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata."""
+    """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata,
+    including the identity of the model that computed the cache (``model.fingerprint``)."""
     from safetensors.torch import save_file
 
     tensors = {"ids": state._ids, "mask": state._mask, "logprobs": state._logprobs, "weights": state._weights}
@@ -57,7 +58,11 @@ def save(state: SequenceState, path) -> None:
     save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
 
 def load(path, model) -> SequenceState:
-    """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer)."""
+    """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer).
+
+    Saved from another model (or by format 1, which recorded no model), the state keeps its tokens,
+    weights, log-probs and last step but drops the KV cache, with a warning on the ``"continuum"`` logger.
+    """
     from safetensors import safe_open
 
     try:
