@@ -42,6 +42,7 @@ __all__ = [
     "RegexLogitsProcessor",
     "ChoiceLogitsProcessor",
     "JSONLogitsProcessor",
+    "GrammarLogitsProcessor",
     "CFGLogitsProcessor",
 ]
 
@@ -160,38 +161,53 @@ class GuideLogitsProcessor(LogitsProcessor):
 
 
 class RegexLogitsProcessor(GuideLogitsProcessor):
-    """Generated text matches ``pattern`` (outlines-core regex syntax).
+    """Generated text matches ``pattern`` (outlines-core regex syntax; ``backend`` as in ``generate.regex``).
 
     Example:
         >>> proc = RegexLogitsProcessor(r"(yes|no)\\.", tokenizer)   # doctest: +SKIP
     """
 
-    def __init__(self, pattern: str, tokenizer):
-        from .guides import regex_guide
+    def __init__(self, pattern: str, tokenizer, *, backend: str = "auto"):
+        from .guides.compile import regex_for
 
         adapter = _adapter(tokenizer)
-        super().__init__(regex_guide(pattern, adapter), adapter)
+        super().__init__(regex_for(adapter, pattern, backend), adapter)
 
 
 class ChoiceLogitsProcessor(GuideLogitsProcessor):
     """Generated text is exactly one of ``choices`` (token by token, like ``choice(method="greedy")``)."""
 
-    def __init__(self, choices: Sequence[str], tokenizer):
-        from .guides import choice_regex, regex_guide
+    def __init__(self, choices: Sequence[str], tokenizer, *, backend: str = "auto"):
+        from .guides import choice_regex
+        from .guides.compile import regex_for
 
         adapter = _adapter(tokenizer)
-        super().__init__(regex_guide(choice_regex(choices), adapter), adapter)
+        super().__init__(regex_for(adapter, choice_regex(choices), backend), adapter)
 
 
 class JSONLogitsProcessor(GuideLogitsProcessor):
-    """Generated text is JSON following a pydantic model class or a JSON schema (dict or string)."""
+    """Generated text is JSON following a pydantic model class or a JSON schema (dict or string), with the
+    engine and normaliser of ``generate.json``; :attr:`parse` validates an output (``SchemaViolationError``)."""
 
-    def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: Optional[str] = r"[ ]?"):
-        from .guides import regex_guide, schema_to_regex
+    def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
+                 max_string_length: Optional[int] = None):
+        from .guides.compile import json_for
 
         adapter = _adapter(tokenizer)
-        pattern, self.parse = schema_to_regex(schema, whitespace_pattern)
-        super().__init__(regex_guide(pattern, adapter), adapter)
+        guide, prepared = json_for(adapter, schema, whitespace_pattern=whitespace_pattern, backend=backend,
+                                   max_string_length=max_string_length)
+        self.parse = prepared.parse
+        super().__init__(guide, adapter)
+
+
+class GrammarLogitsProcessor(GuideLogitsProcessor):
+    """Generated text follows a context-free grammar (llguidance Lark syntax, or GBNF with ``syntax="gbnf"``)."""
+
+    def __init__(self, grammar: str, tokenizer, *, syntax: str = "lark"):
+        from .guides.compile import grammar_for
+
+        adapter = _adapter(tokenizer)
+        super().__init__(grammar_for(adapter, grammar, syntax), adapter)
 
 
 def _hf_model(model):

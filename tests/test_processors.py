@@ -196,3 +196,34 @@ def test_cfg_processor_equals_the_guided_generator(model):
     theirs = _generate(model.model, tok, ["Once upon a time"], [CFGLogitsProcessor(2.0, model.model, negative_prompt_ids=neg_ids)],
                        "greedy", max_new_tokens=12)[0]
     assert ours == theirs
+
+
+GRAMMAR = r"""
+start: "(" NUM OP NUM ")"
+OP: "+" | "-"
+NUM: /[0-9]{1,2}/
+"""
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grammar_processor_outputs_parse(hf, mode):
+    import ast
+
+    model, tok = hf
+    from continuum.processors import GrammarLogitsProcessor
+
+    for text in _generate(model, tok, PROMPTS, [GrammarLogitsProcessor(GRAMMAR, tok)], mode):
+        assert re.fullmatch(r"\([0-9]{1,2}[+-][0-9]{1,2}\)", text), text
+        ast.parse(text, mode="eval")  # an independent parser accepts it
+
+
+@pytest.mark.parametrize("backend", ["outlines", "llguidance"])
+def test_json_processor_both_engines_validate(gpt2_model, backend):
+    jsonschema = pytest.importorskip("jsonschema")
+    tok = gpt2_model.tokenizer.hf
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    proc = JSONLogitsProcessor(SCHEMA, tok, backend=backend)
+    for text in _generate(gpt2_model.model, tok, PROMPTS, [proc], "beam", max_new_tokens=40):
+        jsonschema.validate(proc.parse(text), SCHEMA)

@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from ..cfg import CFG
-from ..errors import (GeneratorArgumentError, InvalidChoicesError, InvalidGrammarError, InvalidRegexError,
-                      UnsupportedSchemaError)
-from ..guides import check_backend, choice_regex, outlines_regex, prepare_json_schema, regex_guide
-from ..guides.llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
+from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
+from ..guides import check_backend, choice_regex
+from ..guides.compile import grammar_for, json_for, regex_for
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
@@ -80,21 +79,12 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
     _check_model(model)
     if not isinstance(pattern, str):
         raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
-    guide = _regex_guide(model, pattern, check_backend(backend))
+    guide = regex_for(model.tokenizer, pattern, backend)
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
     return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
-
-
-def _regex_guide(model, pattern: str, backend: str):
-    if backend in ("auto", "outlines"):
-        return regex_guide(pattern, model.tokenizer)
-    try:
-        return llguidance_guide(regex_grammar(pattern), model.tokenizer)
-    except GrammarCompileError as exc:
-        raise InvalidRegexError(f"llguidance cannot compile regex {pattern[:200]!r}: {exc}") from exc
 
 
 def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
@@ -142,7 +132,7 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
     cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
-        return Generator(model, sampler, _regex_guide(model, pattern, backend), kind="choice",
+        return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
                          description=repr(list(choices)), cfg=cfg, fast_forward=fast_forward, token_healing=token_healing)
     return ChoiceGenerator(model, list(choices), sampler, method=method, cfg=cfg, token_healing=token_healing)
 
@@ -184,20 +174,8 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
         {'tag': 'blue'}
     """
     _check_model(model)
-    check_backend(backend)
-    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
-    if backend == "outlines":
-        try:
-            guide = regex_guide(outlines_regex(prepared.schema, whitespace_pattern), model.tokenizer)
-        except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
-            raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
-    else:
-        try:
-            guide = llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), model.tokenizer)
-        except GrammarCompileError as exc:
-            raise UnsupportedSchemaError(
-                f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
-                "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
+    guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
+                               max_string_length=max_string_length)
     return Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
                      cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
@@ -230,24 +208,7 @@ def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str =
         '(2+7)-13'
     """
     _check_model(model)
-    check_backend(backend, ("auto", "llguidance"))
-    if not isinstance(grammar, str) or not grammar.strip():
-        raise GeneratorArgumentError(f"cfg takes a non-empty grammar string, got {grammar!r:.60}")
-    if syntax == "gbnf":
-        from llguidance.gbnf_to_lark import gbnf_to_lark
-
-        try:
-            lark = gbnf_to_lark(grammar)
-        except Exception as exc:  # GbnfToLarkError, or a parse failure inside the converter
-            raise InvalidGrammarError(f"cannot convert this GBNF grammar to Lark: {exc}") from exc
-    elif syntax == "lark":
-        lark = grammar
-    else:
-        raise GeneratorArgumentError(f"syntax must be 'lark' or 'gbnf', got {syntax!r}")
-    try:
-        guide = llguidance_guide(lark_grammar(lark), model.tokenizer)
-    except GrammarCompileError as exc:
-        raise InvalidGrammarError(f"llguidance cannot compile this {syntax} grammar: {exc}") from exc
+    guide = grammar_for(model.tokenizer, grammar, syntax, backend)
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
                      cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
                      token_healing=token_healing)

@@ -1,0 +1,71 @@
+"""Compiling a constraint for a tokenizer with the chosen engine: the one place the generators
+(``continuum.generate``) and the HF processors (``continuum.processors``) get their guides from.
+
+* :func:`regex_for`: outlines-core (``"auto"``/``"outlines"``) or llguidance's regex;
+* :func:`json_for`: the normalised schema (:func:`~continuum.guides.prepare.prepare_json_schema`)
+  enforced by llguidance (``"auto"``/``"llguidance"``) or outlines-core;
+* :func:`grammar_for`: a Lark (or GBNF) grammar, llguidance only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
+from .base import Guide, check_backend
+from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
+from .outlines import regex_guide
+from .prepare import PreparedSchema, prepare_json_schema
+from .schema import outlines_regex
+
+__all__ = ["regex_for", "json_for", "grammar_for"]
+
+
+def regex_for(tokenizer, pattern: str, backend: str = "auto") -> Guide:
+    """The guide of ``pattern`` (raises ``InvalidRegexError``)."""
+    if check_backend(backend) in ("auto", "outlines"):
+        return regex_guide(pattern, tokenizer)
+    try:
+        return llguidance_guide(regex_grammar(pattern), tokenizer)
+    except GrammarCompileError as exc:
+        raise InvalidRegexError(f"llguidance cannot compile regex {pattern[:200]!r}: {exc}") from exc
+
+
+def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
+             max_string_length: Optional[int] = None) -> tuple[Guide, PreparedSchema]:
+    """(guide, prepared schema) of a pydantic model class or JSON schema (raises ``UnsupportedSchemaError``)."""
+    check_backend(backend)
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
+    if backend == "outlines":
+        try:
+            return regex_guide(outlines_regex(prepared.schema, whitespace_pattern), tokenizer), prepared
+        except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
+            raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
+    try:
+        return llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), tokenizer), prepared
+    except GrammarCompileError as exc:
+        raise UnsupportedSchemaError(
+            f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
+            "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
+
+
+def grammar_for(tokenizer, grammar: str, syntax: str = "lark", backend: str = "auto") -> Guide:
+    """The guide of a Lark grammar in llguidance's syntax, or of a GBNF one (raises ``InvalidGrammarError``)."""
+    check_backend(backend, ("auto", "llguidance"))
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise GeneratorArgumentError(f"cfg takes a non-empty grammar string, got {grammar!r:.60}")
+    if syntax == "gbnf":
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(grammar)
+        except Exception as exc:  # GbnfToLarkError, or a parse failure inside the converter
+            raise InvalidGrammarError(f"cannot convert this GBNF grammar to Lark: {exc}") from exc
+    elif syntax == "lark":
+        lark = grammar
+    else:
+        raise GeneratorArgumentError(f"syntax must be 'lark' or 'gbnf', got {syntax!r}")
+    try:
+        return llguidance_guide(lark_grammar(lark), tokenizer)
+    except GrammarCompileError as exc:
+        raise InvalidGrammarError(f"llguidance cannot compile this {syntax} grammar: {exc}") from exc
