@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 from enum import Enum
 from typing import Annotated, Optional
 
@@ -269,14 +268,9 @@ def test_compiled_index_is_cached(model):
         b: list[bool]
         c: str = Field(max_length=4)
 
-    t0 = time.perf_counter()
     g1 = generate.json(model, Fresh, backend="outlines")
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
     g2 = generate.json(model, Fresh, backend="outlines")
-    second = time.perf_counter() - t0
-    assert g1.guide is g2.guide
-    assert second < first  # building an outlines-core index is slow; llguidance compiles lazily
+    assert g1.guide is g2.guide  # the second generator reuses the compiled index (no timing: CI machines are noisy)
     assert generate.json(model, Fresh).guide is generate.json(model, Fresh, backend="llguidance").guide
     assert generate.json(model, Fresh).guide is not g1.guide
 
