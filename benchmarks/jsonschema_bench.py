@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 import sys
 import time
 import warnings
