@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 import sys
 import time
 import warnings
@@ -149,11 +148,13 @@ def _walk(start, ids, masks: list | None) -> bool:
     return w.accepting()
 
 
-def _one(tools: _Tools, rec: dict, e2e: bool) -> dict:
+def _one(tools: _Tools, rec: dict, what: str) -> dict:
     from continuum.errors import UnsupportedSchemaError
 
-    out = {"id": rec["id"]}
-    for engine in ENGINES:
+    if what == "e2e":
+        return {"e2e": _end_to_end(tools, rec["schema"])}
+    out = {}
+    for engine in [what]:
         r = out[engine] = {}
         t0 = time.perf_counter()
         try:
@@ -198,8 +199,6 @@ def _one(tools: _Tools, rec: dict, e2e: bool) -> dict:
                                             add_special_tokens=False)
             r["mask_llama3"] = []
             _walk(start3, ids, r["mask_llama3"])
-    if e2e and out["outlines"]["status"] == "compiled":
-        out["e2e"] = _end_to_end(tools, rec["schema"])
     return out
 
 
@@ -230,7 +229,7 @@ def _worker(conn, e2e: bool) -> None:
             rec = conn.recv()
         except EOFError:
             return
-        conn.send(_one(tools, rec, e2e))
+        conn.send(_one(tools, *rec))
 
 
 class Worker:
@@ -244,15 +243,16 @@ class Worker:
         self.proc.start()
         self.first = True
 
-    def run(self, rec: dict, timeout: float) -> dict:
-        self.conn.send(rec)
-        if self.conn.poll(timeout + (60 if self.first else 0)):  # + loading tokenizers
+    def run(self, rec: dict, what: str, timeout: float) -> dict:
+        """One engine's measures of ``rec`` (``what``: an engine or "e2e"), each part with its own timeout."""
+        self.conn.send((rec, what))
+        if self.conn.poll(timeout + (120 if self.first else 0)):  # + loading tokenizers and the model
             self.first = False
             return self.conn.recv()
         self.proc.kill()
         self.proc.join()
         self._start()
-        return {"id": rec["id"], **{e: {"status": "timeout", "reason": "timeout"} for e in ENGINES}}
+        return {"e2e": "timeout"} if what == "e2e" else {what: {"status": "timeout", "reason": "timeout"}}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -275,6 +275,8 @@ def _table(records: list[dict], e2e: bool) -> str:
     for cat, rs in groups:
         for engine in ENGINES:
             es = [r[engine] for r in rs]
+            if all(e["status"] == "skipped" for e in es):
+                continue
             ok = [e for e in es if e["status"] == "compiled"]
             comp = [1000 * e["compile_s"] for e in ok]
             m2 = [1e6 * x for e in ok for x in e.get("mask_gpt2", [])]
@@ -286,7 +288,8 @@ def _table(records: list[dict], e2e: bool) -> str:
                          f"{vo}/{va} | {io}/{ia} | {_pct(m2, .5):.0f} / {_pct(m2, .99):.0f} | "
                          f"{_pct(m3, .5):.0f} / {_pct(m3, .99):.0f} |")
     out = "\n".join(lines)
-    reasons = {e: Counter(r[e].get("reason") for r in real if r[e]["status"] != "compiled") for e in ENGINES}
+    reasons = {e: Counter(r[e].get("reason") for r in real if r[e]["status"] not in ("compiled", "skipped"))
+               for e in ENGINES}
     for engine, c in reasons.items():
         out += f"\n\nNot compiled ({engine}, without Synthesized), by reason: " + \
                ", ".join(f"{k} {v}" for k, v in c.most_common(12))
@@ -304,21 +307,31 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="at most N schemas per file")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per schema")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end generation")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
     ap.add_argument("--json", help="write every record to this file")
     args = ap.parse_args(argv)
     files = sorted(Path(args.schemas).glob("*.jsonl"))
     if not files or not (FIXTURES / "tokenizers" / "llama3-bpe").exists():
         print(f"no schemas in {args.schemas} or no tokenizers: nothing to measure")
         return 0
-    worker, records = Worker(not args.no_e2e), []
+    engines = set(args.engines.split(","))
+    e2e = not args.no_e2e and "outlines" in engines
+    worker, records = Worker(e2e), []
     t0 = time.time()
     for path in files:
         lines = [ln for ln in path.read_text().split("\n") if ln.strip()][::args.every][:args.limit]
         for line in lines:
-            records.append(worker.run(json.loads(line), args.timeout))
+            rec, out = json.loads(line), {}
+            out["id"] = rec["id"]
+            for engine in ENGINES:
+                out.update(worker.run(rec, engine, args.timeout) if engine in engines else
+                           {engine: {"status": "skipped", "reason": "skipped"}})
+            if e2e and out["outlines"]["status"] == "compiled":
+                out.update(worker.run(rec, "e2e", args.timeout))
+            records.append(out)
         print(f"{path.stem}: {len(lines)} schemas ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
     worker.proc.kill()
-    print(_table(records, not args.no_e2e))
+    print(_table(records, e2e))
     if args.json:
         Path(args.json).write_text(json.dumps(records))
     silent = [r["id"] for r in records if r.get("e2e") == "SILENT-INVALID"]

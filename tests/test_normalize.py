@@ -7,11 +7,9 @@ the JSONSchemaBench sample (a slice here; the full sweep is ``benchmarks/jsonsch
 
 from __future__ import annotations
 
-import itertools
 import json
 import warnings
 
-import jsonschema
 import pytest
 
 from continuum.errors import SchemaViolationError, UnsupportedSchemaError
