@@ -22,9 +22,17 @@ IMPOSSIBLE = {"type": "object", "properties": {"n": {"type": "string", "minLengt
 
 
 def _gen(model, schema, sampler, **kw):
+    kw.setdefault("backend", "outlines")  # the engine that lets this through: post-validation must catch it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return generate.json(model, schema, sampler, **kw)
+
+
+def test_llguidance_refuses_the_impossible_schema_at_creation(model):
+    from continuum.errors import UnsupportedSchemaError
+
+    with pytest.raises(UnsupportedSchemaError, match="unsatisfiable"):
+        generate.json(model, IMPOSSIBLE, backend="llguidance")
 
 
 def test_violation_raises_naming_row_path_and_rule(model):
