@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import Counter
 from typing import Any, Optional, Sequence
 
 import torch
@@ -137,13 +138,14 @@ class GuideLogitsProcessor(LogitsProcessor):
         ids, _ = _to_torch(input_ids)
         logits, namespace = _to_torch(scores)
         keys, parents = self._rows.step(ids)
-        states, taken = [], set()
+        heirs = Counter(parents)  # a stateful engine advances in place: every heir but the last works on a copy
+        states = []
         for key, parent in zip(keys, parents):
             if not key:
                 states.append(self.guide.new_state())
-            elif parent is not None:  # the first heir of a row takes its state, later ones a copy
-                states.append(self._advance(self._states[parent], key[-1], parent in taken))
-                taken.add(parent)
+            elif parent is not None:
+                heirs[parent] -= 1
+                states.append(self._advance(self._states[parent], key[-1], heirs[parent] > 0))
             else:  # unknown history (e.g. input_ids edited between calls): replay the suffix
                 state = self.guide.new_state()
                 for token in key:
