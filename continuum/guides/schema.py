@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json as _json
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import UnsupportedSchemaError
 
-__all__ = ["prepare_schema", "schema_to_regex", "SchemaCoverageWarning"]
+__all__ = ["outlines_regex", "schema_to_regex", "SchemaCoverageWarning"]
 
 # Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14;
 # upstream issues dottxt-ai/outlines-core#147 and #261).
@@ -98,32 +98,6 @@ def _closed_models(schema: dict) -> dict:
     if isinstance(out.get("$defs"), dict):
         out = {**out, "$defs": {k: close(v) for k, v in out["$defs"].items()}}
     return out
-
-
-def prepare_schema(schema: Any) -> tuple[dict | bool, Callable[[str], Any]]:
-    """(schema, parser) for a pydantic model class, a JSON schema dict or a JSON schema string.
-
-    The ONE entry point every engine's JSON path goes through (the place a schema normaliser plugs
-    in): it checks the input, turns it into a JSON schema and picks how outputs are parsed
-    (``json.loads`` for schemas, the pydantic model's ``model_validate_json`` for models).
-    """
-    from pydantic import BaseModel
-
-    if isinstance(schema, type) and issubclass(schema, BaseModel):
-        return _closed_models(schema.model_json_schema()), schema.model_validate_json
-    if isinstance(schema, dict):
-        return schema, _json.loads
-    if isinstance(schema, str):
-        try:
-            loaded = _json.loads(schema)
-        except ValueError as exc:
-            raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
-        if not isinstance(loaded, (dict, bool)):
-            raise UnsupportedSchemaError(f"a JSON schema is an object (or true/false), got {type(loaded).__name__}")
-        return loaded, _json.loads
-    raise UnsupportedSchemaError(
-        f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
-
 
 
 # Formats outlines-core 0.2.14 turns into a regex; it refuses the others. Unasserted formats are
