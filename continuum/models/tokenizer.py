@@ -155,11 +155,7 @@ class Tokenizer:
 
     @cached_property
     def _byte_lengths(self) -> dict[int, int]:
-        lengths = {}
-        for token, idx in self.hf.get_vocab().items():
-            data = None if idx in self.special_ids else self.token_bytes(token)
-            lengths[idx] = len(data) if data else 0
-        return lengths
+        return {idx: len(data) if data else 0 for idx, data in enumerate(self.vocab_bytes)}
 
     @cached_property
     def vocab_bytes(self) -> list[bytes | None]:
@@ -205,10 +201,7 @@ class Tokenizer:
         if self.eos_token_id is None:
             raise TokenizerError("Constrained generation needs a tokenizer with an EOS token.")
         mapping: dict[bytes, list[int]] = {}
-        for token, idx in self.hf.get_vocab().items():
-            if idx in self.special_ids:
-                continue
-            data = self.token_bytes(token)
+        for idx, data in enumerate(self.vocab_bytes):  # special tokens are None there
             if data:
                 mapping.setdefault(data, []).append(idx)
         return Vocabulary(self.eos_token_id, mapping)
