@@ -285,6 +285,9 @@ class Row:
     reps: int = 0
     notes: list = field(default_factory=list)
     achievable: Optional[str] = None  # when the target cannot be met on this machine: why, and the best achievable
+    # For ``--plot``: {"title": str, "x": [...], "xlabel": str, "ylabel": str, "lines": {label: [y, ...]},
+    # "log_y": bool (optional)}; a scenario that has per-turn / per-call figures fills it.
+    series: Optional[dict] = None
 
     @property
     def passed(self) -> bool:
