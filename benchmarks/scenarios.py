@@ -1,4 +1,4 @@
-"""Benchmark scenarios B1-B11 (B10 in fastforward.py, B11 in cfg_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
+"""Benchmark scenarios B1-B11 (B10 in fastforward.py, B11 in guidance_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.cache import nbytes
 
-from .cfg_bench import b11
+from .guidance_bench import b11
 from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
 
 

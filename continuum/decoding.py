@@ -23,7 +23,7 @@ import torch
 
 from . import cache as kvcache
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
-from .cfg import CFG, UnconditionalBranch
+from .guidance import Guidance, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs
 from .guides import Guide
 from .healing import apply_heal_masks, heal
@@ -125,18 +125,18 @@ def decode(
     kind: str = "text",
     parse: Optional[Callable[[str], object]] = None,
     track_text: bool = False,
-    cfg: Optional[CFG] = None,
+    guidance: Optional[Guidance] = None,
     fast_forward: bool = True,
     token_healing: bool = False,
 ) -> Generator[Step, None, SequenceState]:
-    """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``cfg``); yields a
+    """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``guidance``); yields a
     :class:`Step` per forward pass, returns the new state.
 
     ``fast_forward``: append the tokens the guide forces after a sampled token and compute them in
     the same next forward pass (:mod:`continuum.fastforward`); ``max_tokens`` counts them.
     ``token_healing``: back up each row's last token and constrain the first generated token to
     re-cover its text (:mod:`continuum.healing`); the output still starts after the input's text.
-    With CFG the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
+    With guidance the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
     """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
@@ -152,8 +152,8 @@ def decode(
         state, heals = heal(state, guide, rows.guide_states or [None] * state.rows, rows.resumed)
         if any(h is not None for h in heals):
             rows = Rows(state, steps, guide, track_text or bool(stops), stops, heals)
-    if cfg is not None and steps > 0:  # a fresh unconditional branch per call: negative prompt + this call's tokens
-        rows.branch = UnconditionalBranch(cfg, state, steps)
+    if guidance is not None and steps > 0:  # a fresh unconditional branch per call: negative prompt + this call's tokens
+        rows.branch = UnconditionalBranch(guidance, state, steps)
         steps = rows.branch.steps  # capped where the unconditional rows reach the context
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids, tok.pad_token_id
@@ -166,7 +166,7 @@ def decode(
         else:
             pos = positions(mask)[:, start:]
         reserve = max(0, min(W + steps - end, _RESERVE_CAP))  # the columns still to come: KV storage allocated once
-        call = model.forward if rows.branch is None else rows.branch.forward  # CFG: runs both branches
+        call = model.forward if rows.branch is None else rows.branch.forward  # guidance: runs both branches
         return call(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 
     if steps == 0:
@@ -180,7 +180,7 @@ def decode(
     fed = col = W
     while True:
         logprobs = raw = torch.log_softmax(logits, dim=-1)
-        if rows.branch is not None:  # CFG before sampling and masks; the weights stay the raw log-probs
+        if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
             logprobs = rows.branch.guide(raw)
         healing = any(h is not None for h in rows.heal)
         if guide is not None:  # healed rows: their first token is masked by the heal plan instead

@@ -1,7 +1,7 @@
 """continuum's constraints and classifier-free guidance as ``transformers`` logits processors.
 
 Use them with ``model.generate(..., logits_processor=LogitsProcessorList([...]))``. They are built
-on the same guides (:mod:`continuum.guides`) and the same CFG formula (:mod:`continuum.cfg`) as the
+on the same guides (:mod:`continuum.guides`) and the same guidance formula (:mod:`continuum.guidance`) as the
 generators: there is no second implementation.
 
 Two things make a processor correct inside ``generate()``:
@@ -44,6 +44,7 @@ __all__ = [
     "ChoiceLogitsProcessor",
     "JSONLogitsProcessor",
     "GrammarLogitsProcessor",
+    "GuidanceLogitsProcessor",
     "CFGLogitsProcessor",
 ]
 
@@ -216,7 +217,7 @@ def _hf_model(model):
     return getattr(model, "model", model) if not hasattr(model, "generate") else model
 
 
-class CFGLogitsProcessor(LogitsProcessor):
+class GuidanceLogitsProcessor(LogitsProcessor):
     """Classifier-free guidance inside ``generate()``: ``uncond + scale * (cond - uncond)`` on log-probs.
 
     The unconditional branch is the negative prompt (``negative_prompt_ids``: one row for all, or
@@ -235,15 +236,15 @@ class CFGLogitsProcessor(LogitsProcessor):
 
     Example:
         >>> neg = tokenizer(["A sad story:"], return_tensors="pt").input_ids          # doctest: +SKIP
-        >>> proc = CFGLogitsProcessor(3.0, hf_model, negative_prompt_ids=neg)          # doctest: +SKIP
+        >>> proc = GuidanceLogitsProcessor(3.0, hf_model, negative_prompt_ids=neg)          # doctest: +SKIP
         >>> hf_model.generate(**inputs, logits_processor=LogitsProcessorList([proc]))  # doctest: +SKIP
     """
 
     def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, guidance_rescale: float = 0.0,
                  negative_attention_mask=None):
-        from .cfg import CFG
+        from .guidance import Guidance
 
-        CFG.make(None, guidance_scale, None, guidance_rescale)  # the generators' argument checks
+        Guidance.make(None, guidance_scale, None, guidance_rescale)  # the generators' argument checks
         self.guidance_scale, self.guidance_rescale = float(guidance_scale), float(guidance_rescale)
         self.model = _hf_model(model)
         self._negative = None if negative_prompt_ids is None else _to_torch(negative_prompt_ids)[0].long()
@@ -301,10 +302,13 @@ class CFGLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.guidance_scale == 1.0:
             return scores
-        from .cfg import guided_scores
+        from .guidance import guided_scores
 
         ids, _ = _to_torch(input_ids)
         logits, namespace = _to_torch(scores)
         uncond = self._unconditional(ids.long())
         out = guided_scores(logits.float(), uncond.to(logits.device), self.guidance_scale, self.guidance_rescale)
         return _from_torch(out.to(logits.dtype), namespace)
+
+
+CFGLogitsProcessor = GuidanceLogitsProcessor  # the earlier name (CFG = classifier-free guidance here)

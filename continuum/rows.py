@@ -1,6 +1,6 @@
 """Per-row decoding state: ids, masks, log-probs, weights, KV rows, guide states, stop and heal
 bookkeeping. :meth:`Rows.reorder` is the ONE place where rows follow their ancestors (forks, beam
-search), CFG's unconditional rows included.
+search), classifier-free guidance's unconditional rows included.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from . import cache as kvcache
-from .cfg import UnconditionalBranch
+from .guidance import UnconditionalBranch
 from .guides import DEAD, Guide
 from .healing import Heal
 from .state import SequenceState
@@ -23,7 +23,7 @@ __all__ = ["Rows"]
 class Rows:
     """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
 
-    branch: Optional[UnconditionalBranch] = None  # CFG's unconditional branch: its rows follow too
+    branch: Optional[UnconditionalBranch] = None  # classifier-free guidance's unconditional branch: its rows follow too
 
     def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool, stops: list[str],
                  heals: Optional[list[Optional[Heal]]] = None):

@@ -10,7 +10,7 @@ a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keep
 (row, option) pairs. The chosen pairs keep the KV cache of that forward pass.
 
 With classifier-free guidance, each option token's score is the guided log-prob
-(:func:`~continuum.cfg.guided_logprobs` of the conditional log-prob and the log-prob after the
+(:func:`~continuum.guidance.guided_logprobs` of the conditional log-prob and the log-prob after the
 row's unconditional prompt, one more forward over every distinct (unconditional prompt, option)
 pair); the sampler ranks by the summed (or mean) guided scores, the weights stay the raw ones.
 
@@ -27,7 +27,7 @@ from typing import Generator, Optional, Sequence
 import torch
 
 from . import cache as kvcache
-from .cfg import CFG, guided_logprobs
+from .guidance import Guidance, guided_logprobs
 from .decoding import Step, check_continuable, positions, prefill
 from .errors import ContextLengthError
 from .samplers import Sampler
@@ -37,7 +37,7 @@ __all__ = ["choose"]
 
 
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
-           rng: Optional[torch.Generator] = None, cfg: Optional[CFG] = None,
+           rng: Optional[torch.Generator] = None, guidance: Optional[Guidance] = None,
            token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_continuable(state, sampler, None)
@@ -81,10 +81,10 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
         token_lp[i, cols] = lp
         gain[i] = lp.sum()
         pair_lps.append(lp)
-    if cfg is not None:  # rank by guided scores; the weights (gain) stay raw
-        prefixes = cfg.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
+    if guidance is not None:  # rank by guided scores; the weights (gain) stay raw
+        prefixes = guidance.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
         uncond = _uncond_option_logprobs(model, [prefixes[i // K] for i in range(R * K)], option_ids)
-        guided = torch.stack([guided_logprobs(lp, u.to(lp.device), cfg.scale, cfg.rescale).sum()
+        guided = torch.stack([guided_logprobs(lp, u.to(lp.device), guidance.scale, guidance.rescale).sum()
                               for lp, u in zip(pair_lps, uncond)])
         scores = guided.cpu() / lengths if method == "mean" else guided.cpu()
     else:

@@ -13,6 +13,7 @@ from transformers import LogitsProcessorList
 
 from continuum.processors import (
     CFGLogitsProcessor,
+    GuidanceLogitsProcessor,
     ChoiceLogitsProcessor,
     JSONLogitsProcessor,
     RegexLogitsProcessor,
@@ -120,7 +121,7 @@ def test_disallowed_token_kills_the_row_without_raising(gpt2_model):
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [tok.eos_token_id]
 
 
-class _FromScratchCFG(CFGLogitsProcessor):
+class _FromScratchGuidance(GuidanceLogitsProcessor):
     """Reference: the unconditional branch recomputed from scratch (negative prompt + suffix) at every call."""
 
     def _unconditional(self, ids):
@@ -135,17 +136,17 @@ class _FromScratchCFG(CFGLogitsProcessor):
 
 
 @pytest.mark.parametrize("mode", ["greedy", "beam"])
-def test_cfg_processor_cache_follows_reorders(hf, mode):
+def test_guidance_processor_cache_follows_reorders(hf, mode):
     model, tok = hf
     neg = torch.tensor([tok("The sad end.")["input_ids"]])
-    cached = _generate(model, tok, PROMPTS, [CFGLogitsProcessor(3.0, model, negative_prompt_ids=neg)], mode)
-    scratch = _generate(model, tok, PROMPTS, [_FromScratchCFG(3.0, model, negative_prompt_ids=neg)], mode)
+    cached = _generate(model, tok, PROMPTS, [GuidanceLogitsProcessor(3.0, model, negative_prompt_ids=neg)], mode)
+    scratch = _generate(model, tok, PROMPTS, [_FromScratchGuidance(3.0, model, negative_prompt_ids=neg)], mode)
     plain = _generate(model, tok, PROMPTS, [], mode)
     assert cached == scratch
     assert cached != plain  # guidance changes the outputs of the tiny model at this scale
 
 
-def test_cfg_processor_first_step_matches_formula(gpt2_model):
+def test_guidance_processor_first_step_matches_formula(gpt2_model):
     model, tok = gpt2_model.model, gpt2_model.tokenizer.hf
     ids = torch.tensor([tok("Once upon a time")["input_ids"]])
     neg = torch.tensor([tok("The sad end.")["input_ids"]])
@@ -153,15 +154,15 @@ def test_cfg_processor_first_step_matches_formula(gpt2_model):
         cond = torch.log_softmax(model(ids).logits[:, -1].float(), -1)
         uncond = torch.log_softmax(model(neg).logits[:, -1].float(), -1)
     expected = uncond + 2.5 * (cond - uncond)
-    out = CFGLogitsProcessor(2.5, model, negative_prompt_ids=neg)(ids, model(ids).logits[:, -1].detach())
+    out = GuidanceLogitsProcessor(2.5, model, negative_prompt_ids=neg)(ids, model(ids).logits[:, -1].detach())
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
     scores = torch.randn(1, gpt2_model.vocab_size)
-    assert CFGLogitsProcessor(1.0, model)(ids, scores) is scores  # scale 1: nothing runs, nothing changes
+    assert GuidanceLogitsProcessor(1.0, model)(ids, scores) is scores  # scale 1: nothing runs, nothing changes
 
 
-def test_cfg_then_constraint(hf):
+def test_guidance_then_constraint(hf):
     model, tok = hf
-    procs = [CFGLogitsProcessor(2.0, model), RegexLogitsProcessor(r"[0-9]{2,3}", tok)]
+    procs = [GuidanceLogitsProcessor(2.0, model), RegexLogitsProcessor(r"[0-9]{2,3}", tok)]
     for text in _generate(model, tok, PROMPTS, procs, "beam"):
         assert re.fullmatch(r"[0-9]{2,3}", text)
 
@@ -183,8 +184,8 @@ def test_docs_example_runs(monkeypatch):
         assert re.fullmatch(re.escape(prompt) + r" [0-9]{1,4}\.", text), text
 
 
-def test_cfg_processor_equals_the_guided_generator(model):
-    """The processor and ``generate.text(..., guidance_scale=...)`` share the CFG code: same greedy text."""
+def test_guidance_processor_equals_the_guided_generator(model):
+    """The processor and ``generate.text(..., guidance_scale=...)`` share the guidance code: same greedy text."""
     from continuum import generate, samplers
 
     tok = model.tokenizer.hf
@@ -193,7 +194,7 @@ def test_cfg_processor_equals_the_guided_generator(model):
     negative = "The sad end."
     ours = generate.text(model, samplers.greedy(), guidance_scale=2.0, negative_prompt=negative)("Once upon a time", max_tokens=12)
     neg_ids = torch.tensor([model.tokenizer.encode_prompts([negative])[0]])
-    theirs = _generate(model.model, tok, ["Once upon a time"], [CFGLogitsProcessor(2.0, model.model, negative_prompt_ids=neg_ids)],
+    theirs = _generate(model.model, tok, ["Once upon a time"], [GuidanceLogitsProcessor(2.0, model.model, negative_prompt_ids=neg_ids)],
                        "greedy", max_new_tokens=12)[0]
     assert ours == theirs
 
@@ -227,3 +228,7 @@ def test_json_processor_both_engines_validate(gpt2_model, backend):
     proc = JSONLogitsProcessor(SCHEMA, tok, backend=backend)
     for text in _generate(gpt2_model.model, tok, PROMPTS, [proc], "beam", max_new_tokens=40):
         jsonschema.validate(proc.parse(text), SCHEMA)
+
+
+def test_guidance_processor_keeps_its_earlier_name():
+    assert CFGLogitsProcessor is GuidanceLogitsProcessor

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from ..cfg import CFG
+from ..guidance import Guidance
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
 from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
@@ -20,7 +20,7 @@ __all__ = ["text", "choice", "regex", "json", "cfg"]
 
 
 NegativePrompt = Union[str, Sequence[str], None]
-_CFG_DOC = """
+_GUIDANCE_DOC = """
     Every generator also takes:
         token_healing: when the input ends inside what would be one token (``"https:"`` before
             ``"//"``), back up its last token and make the first generated token start with the
@@ -59,7 +59,7 @@ def text(model, sampler: Optional[Sampler] = None, *, token_healing: bool = Fals
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    return Generator(model, sampler, kind="text", cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, kind="text", guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      token_healing=token_healing)
 
 
@@ -83,7 +83,7 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
@@ -130,11 +130,11 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     check_backend(backend)
     if method not in ("exact", "mean", "greedy"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
-    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+    guidance = Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
         return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
-                         description=repr(list(choices)), cfg=cfg, fast_forward=fast_forward, token_healing=token_healing)
-    return ChoiceGenerator(model, list(choices), sampler, method=method, cfg=cfg, token_healing=token_healing)
+                         description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward, token_healing=token_healing)
+    return ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance, token_healing=token_healing)
 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
@@ -177,7 +177,7 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                max_string_length=max_string_length)
     return Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
-                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
@@ -210,9 +210,9 @@ def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str =
     _check_model(model)
     guide = grammar_for(model.tokenizer, grammar, syntax, backend)
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
-                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
+                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
                      token_healing=token_healing)
 
 
 for _f in (text, regex, choice, json, cfg):
-    _f.__doc__ += _CFG_DOC
+    _f.__doc__ += _GUIDANCE_DOC

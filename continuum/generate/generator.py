@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..cfg import CFG
+from ..guidance import Guidance
 from ..decoding import Step, check_max_tokens, decode
 from ..errors import ContinuumTypeError, GeneratorArgumentError
 from ..guides import Guide
@@ -94,14 +94,14 @@ class Generator:
     """
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
-                 parse: Optional[Callable[[str], Any]] = None, description: str = "", cfg: Optional[CFG] = None,
+                 parse: Optional[Callable[[str], Any]] = None, description: str = "", guidance: Optional[Guidance] = None,
                  fast_forward: bool = True, token_healing: bool = False):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
             raise ContinuumTypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
-        self.cfg = cfg  # classifier-free guidance settings, None when guidance_scale == 1
+        self.guidance = guidance  # classifier-free guidance settings, None when guidance_scale == 1
         if not isinstance(fast_forward, bool):
             raise GeneratorArgumentError(f"fast_forward must be True or False, got {fast_forward!r}")
         if not isinstance(token_healing, bool):
@@ -110,14 +110,14 @@ class Generator:
 
     def __repr__(self) -> str:
         what = f", {self.description}" if self.description else ""
-        if self.cfg is not None:
-            what += f", guidance_scale={self.cfg.scale:g}"
+        if self.guidance is not None:
+            what += f", guidance_scale={self.guidance.scale:g}"
         return f"generate.{self.kind}({self.model!r}{what}, sampler={self.sampler!r})"
 
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
-                      kind=self.kind, parse=self.parse, track_text=track_text, cfg=self.cfg,
+                      kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
                       fast_forward=self.fast_forward, token_healing=self.token_healing)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
@@ -172,8 +172,8 @@ class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
     def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
-                 cfg: Optional[CFG] = None, token_healing: bool = False):
-        super().__init__(model, sampler, kind="choice", description=repr(options), cfg=cfg, token_healing=token_healing)
+                 guidance: Optional[Guidance] = None, token_healing: bool = False):
+        super().__init__(model, sampler, kind="choice", description=repr(options), guidance=guidance, token_healing=token_healing)
         self.options, self.method = options, method
 
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
@@ -181,5 +181,5 @@ class ChoiceGenerator(Generator):
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..scoring import choose
 
-        return choose(state, self.options, self.sampler, method=self.method, rng=rng, cfg=self.cfg,
+        return choose(state, self.options, self.sampler, method=self.method, rng=rng, guidance=self.guidance,
                       token_healing=self.token_healing)

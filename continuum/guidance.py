@@ -1,4 +1,4 @@
-"""Classifier-free guidance (CFG): the guided scores, the validated settings, the unconditional branch.
+"""Classifier-free guidance: the guided scores, the validated settings, the unconditional branch.
 
 The formula (Sanchez et al. 2023, "Stay on topic with classifier-free guidance"), on the
 log-softmaxed scores of both branches::
@@ -7,7 +7,7 @@ log-softmaxed scores of both branches::
     guided = r * cond + (1 - r) * guided          # guidance_rescale = r (0: no blend)
 
 :func:`guided_logprobs` is that formula and nothing else: the decoding loop, choice scoring and
-an HF ``LogitsProcessor`` all call it (one implementation). :class:`CFG` holds validated
+an HF ``LogitsProcessor`` all call it (one implementation). :class:`Guidance` holds validated
 generator settings; :class:`UnconditionalBranch` runs the unconditional branch next to the
 decoding loop with its own KV cache, in one forward with 2x rows (``"batched"``) or in a second
 forward per step (``"sequential"``).
@@ -30,7 +30,7 @@ import torch
 from . import cache as kvcache
 from .errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
 
-__all__ = ["guided_logprobs", "guided_scores", "CFG", "UnconditionalBranch"]
+__all__ = ["guided_logprobs", "guided_scores", "Guidance", "UnconditionalBranch"]
 
 _MODES = ("batched", "sequential")
 
@@ -54,8 +54,8 @@ def guided_scores(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, scale:
 
 
 @dataclass(frozen=True)
-class CFG:
-    """Validated CFG settings of a generator. :meth:`make` returns ``None`` when ``scale == 1`` (no guidance).
+class Guidance:
+    """Validated classifier-free guidance settings of a generator. :meth:`make` returns ``None`` when ``scale == 1`` (no guidance).
 
     ``negative``: the negative prompt(s) as token ids, one tuple (shared by every batch row) or one
     per batch row; ``None`` means the default unconditional prompt (BOS, else the row's last token).
@@ -69,7 +69,7 @@ class CFG:
 
     @classmethod
     def make(cls, tokenizer, guidance_scale: float = 1.0, negative_prompt: Union[str, Sequence[str], None] = None,
-             guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Optional["CFG"]:
+             guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Optional["Guidance"]:
         """Check the generator arguments; raise :class:`GeneratorArgumentError` saying what to pass instead."""
         for name, value in (("guidance_scale", guidance_scale), ("guidance_rescale", guidance_rescale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -134,11 +134,11 @@ class UnconditionalBranch:
       :meth:`release` copies it out at the end so the result state does not hold the other half.
     """
 
-    def __init__(self, cfg: CFG, state, steps: int):
+    def __init__(self, guidance: Guidance, state, steps: int):
         """``steps``: the most tokens the call may generate; :attr:`steps` may be lower (context cap)."""
         model, tok = state._model, state._model.tokenizer
-        self.cfg, self.model, self.steps = cfg, model, steps
-        prefixes = cfg.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
+        self.guidance, self.model, self.steps = guidance, model, steps
+        prefixes = guidance.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
         longest = max(len(p) for p in prefixes)
         ctx = model.context_length
         if ctx is not None and longest >= ctx:
@@ -155,7 +155,7 @@ class UnconditionalBranch:
 
     @property
     def batched(self) -> bool:
-        return self.cfg.mode == "batched"
+        return self.guidance.mode == "batched"
 
     def _cond_view(self, rows: int) -> kvcache.KV:
         return tuple((k[:rows, :, self.lead:], v[:rows, :, self.lead:]) for k, v in self.kv)
@@ -196,7 +196,7 @@ class UnconditionalBranch:
     def guide(self, cond_logprobs: torch.Tensor) -> torch.Tensor:
         """The guided scores of this step, from the conditional log-probs and the stored unconditional logits."""
         uncond = torch.log_softmax(self.uncond_logits.float(), -1)
-        return guided_logprobs(cond_logprobs, uncond, self.cfg.scale, self.cfg.rescale)
+        return guided_logprobs(cond_logprobs, uncond, self.guidance.scale, self.guidance.rescale)
 
     def reorder(self, ancestors: torch.Tensor, cond_kv: kvcache.KV) -> kvcache.KV:
         """Follow the conditional rows (forks, beams); returns the conditional KV reordered."""

@@ -70,7 +70,7 @@ def check_by_hand(model, state, row: int, prompt: list[int], negative, scale: fl
 
 
 def test_guided_logprobs_is_the_formula():
-    from continuum.cfg import guided_logprobs, guided_scores
+    from continuum.guidance import guided_logprobs, guided_scores
 
     cond, uncond = torch.randn(3, 7).log_softmax(-1), torch.randn(3, 7).log_softmax(-1)
     torch.testing.assert_close(guided_logprobs(cond, uncond, 2.5, 0.3), by_hand(cond, uncond, 2.5, 0.3))
@@ -83,7 +83,7 @@ def test_guided_logprobs_is_the_formula():
 def test_scale_one_is_unguided_and_runs_nothing_extra(model):
     plain = continuous(generate.text(model, samplers.greedy()))
     one = continuous(generate.text(model, samplers.greedy(), guidance_scale=1.0, negative_prompt=NEGATIVE))
-    assert one.generator.cfg is None
+    assert one.generator.guidance is None
     calls, tokens = model.forward_calls, model.tokens_computed
     a = plain(PROMPTS, max_tokens=6)
     calls_a, tokens_a = model.forward_calls - calls, model.tokens_computed - tokens
