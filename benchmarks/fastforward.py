@@ -12,13 +12,12 @@ from typing import List
 from continuum import continuous, generate, samplers
 
 from .common import Bench, Row, log, make_text, median, n_tokens, paired
+from .helpers import json_schema, new_tokens
 
 __all__ = ["b10"]
 
 
 def b10(bench: Bench, cfg) -> List[Row]:
-    from .scenarios import json_schema, new_tokens
-
     Person = json_schema()
     prompt = make_text(bench.tok, 32, offset=3) + "\nThe person as JSON: "
     plen = n_tokens(bench.tok, prompt)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from enum import Enum
-from typing import Annotated, Callable, List
+from typing import Callable, List
 
 import torch
 
-from continuum import SequenceState, continuous, generate, samplers
+from continuum import continuous, generate, samplers
 from continuum.cache import nbytes
 
-from .guidance_bench import b11
 from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
+from .fastforward import b10
+from .guidance_bench import b11
+from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -55,56 +56,6 @@ class Config:
                 f"B4 cut {self.b4_cut} chars of {self.b4_history}+{self.b4_new} tokens, B5 <= {self.b5_max} tokens, "
                 f"B7 {self.b7_samples} x {self.b7_new} new on {self.b7_prompt}, B8 {self.b8_beams} beams x {self.b8_new}, "
                 f"B9 {self.b9_samples} samples on {self.b9_prompt}, B11 {self.b11_batch} x {self.b11_prompt}+{self.b11_new} CFG")
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def hf_generate(bench: Bench, prompt, new: int, **kwargs) -> torch.Tensor:
-    """HF ``generate`` of ``new`` tokens per sequence.
-
-    With random weights EOS is (almost) never produced, so no ``min_new_tokens`` processor is added (it
-    costs HF ~1-2 ms per step); the scenarios check that both sides generated the same counts. With a
-    real model (``bench.force_length``) EOS is suppressed until ``new`` tokens.
-    """
-    enc = bench.tok(prompt, return_tensors="pt")
-    if bench.force_length:
-        kwargs.setdefault("min_new_tokens", new)
-    with torch.inference_mode():
-        out = bench.hf.generate(**enc, max_new_tokens=new, pad_token_id=bench.pad_id, **kwargs)
-    return out[:, enc["input_ids"].shape[1]:]
-
-
-def new_tokens(state: SequenceState, before: int) -> int:
-    """New real tokens in row 0 of ``state`` given ``before`` tokens in the input."""
-    return int(state.attention_masks[0].sum()) - before
-
-
-def real_len(state: SequenceState) -> int:
-    return int(state.attention_masks[0].sum())
-
-
-def fresh(state: SequenceState) -> SequenceState:
-    """A new state object equal to ``state`` (same tensors, no memoised texts): ``state + ""``."""
-    return state + ""
-
-
-def compare_with_hf(bench: Bench, prompt, new: int, run: Callable[[], SequenceState], reps: int,
-                    **hf_kwargs) -> tuple[list[Call], list[Call], bool]:
-    """Paired timing of HF ``generate(**hf_kwargs)`` and ``run()``; also whether row 0's tokens agree."""
-    plen = n_tokens(bench.tok, prompt)
-    outputs = {}
-
-    def base():
-        out = hf_generate(bench, prompt, new, **hf_kwargs)
-        outputs["hf"] = out[0].tolist()
-        return out.shape[1]
-
-    def cont():
-        s = run()
-        outputs["cont"] = s.token_ids[0, plen:].tolist()
-        return new_tokens(s, plen)
-
-    b, c = paired(bench, base, cont, reps, log=log)
-    return b, c, outputs.get("hf") == outputs.get("cont")
 
 
 def _check_counts(rows_notes: list, what: str, base: list[Call], cont: list[Call]) -> None:
@@ -346,28 +297,6 @@ def b4(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B5 + B6
-def json_schema():
-    from pydantic import BaseModel, Field
-
-    class Color(str, Enum):
-        red = "red"
-        green = "green"
-        blue = "blue"
-
-    class Address(BaseModel):
-        city: str = Field(max_length=12)
-        zip_code: str = Field(pattern=r"^[0-9]{5}$")
-
-    class Person(BaseModel):
-        name: str = Field(max_length=12)
-        age: int = Field(json_schema_extra={"maxDigits": 3})
-        favourite: Color
-        address: Address
-        tags: List[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
-
-    return Person
-
-
 def b5(bench: Bench, cfg: Config) -> List[Row]:
     Person = json_schema()
     prompt = make_text(bench.tok, 32, offset=3) + "\nThe person as JSON: "
@@ -518,7 +447,5 @@ def b9(bench: Bench, cfg: Config) -> List[Row]:
 SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B11": b11,
 }
-from .fastforward import b10  # noqa: E402  (B10 imports helpers from this module)
-
 SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}

@@ -28,8 +28,15 @@ import torch
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
-__all__ = ["KV", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
+__all__ = ["KV", "positions", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
            "gather_columns", "nbytes", "length", "stack_rows"]
+
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of every column of a token matrix: the number of real tokens before it (holes and
+    padding do not count), as the cache's column layout needs them."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
 
 
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits

@@ -22,6 +22,7 @@ from typing import Callable, Generator, Optional
 import torch
 
 from . import cache as kvcache
+from .cache import positions  # (re-exported: it lives with the cache's column layout)
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guidance import Guidance, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs
@@ -35,11 +36,6 @@ from .text import token_char_spans
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
 _RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of every column: the number of real tokens before it (holes do not count)."""
-    return (mask.cumsum(1) - 1).clamp(min=0)
 
 
 @dataclass

@@ -162,8 +162,6 @@ class UnconditionalBranch:
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv, *, logits: str = "last", reserve: int = 0):
         """``model.forward`` for the conditional rows (the same arguments); the unconditional branch runs alongside."""
-        from .decoding import positions  # (decoding imports this module)
-
         R = ids.shape[0]
         first = self.uncond_logits is None  # the prefill: the conditional suffix and the whole negative prompt
         if not first:  # a generated column: the same token and keep flag in the unconditional branch
@@ -173,7 +171,7 @@ class UnconditionalBranch:
         if first or not self.batched:
             cond, kv = self.model.forward(ids, mask, pos, kv, logits=logits, reserve=0 if self.batched else reserve)
             uids = self.prompt_ids if first else ids
-            upos = positions(umask)[:, -uids.shape[1]:]
+            upos = kvcache.positions(umask)[:, -uids.shape[1]:]
             self.uncond_logits, ukv = self.model.forward(uids, umask, upos, None if first else self.kv,
                                                          reserve=0 if self.batched else reserve)
             if not self.batched:

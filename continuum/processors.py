@@ -277,10 +277,10 @@ class GuidanceLogitsProcessor(LogitsProcessor):
         return neg.to(ids.device), mask.to(ids.device)
 
     def _forward(self, new: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -new.shape[1]:]
+        pos = kvcache.positions(mask)[:, -new.shape[1]:]
         past = kvcache.to_dynamic_cache(self._kv, self.model.config)
         with torch.inference_mode():
-            out = self.model(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=past,
+            out = self.model(input_ids=new, attention_mask=mask, position_ids=pos, past_key_values=past,
                              use_cache=True, logits_to_keep=1)
         self._kv, self._mask = kvcache.from_dynamic_cache(out.past_key_values), mask
         return out.logits[:, -1].float()

@@ -27,9 +27,10 @@ from typing import Generator, Optional, Sequence
 import torch
 
 from . import cache as kvcache
-from .guidance import Guidance, guided_logprobs
-from .decoding import Step, check_continuable, positions, prefill
+from .cache import positions
+from .decoding import Step, check_continuable, prefill
 from .errors import ContextLengthError
+from .guidance import Guidance, guided_logprobs
 from .samplers import Sampler
 from .state import LastStep, SequenceState
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from continuum import cache as kvcache
-from continuum.decoding import positions
+from continuum.cache import positions
 
 
 def _prefill(model, n: int, rows: int = 1, reserve: int = 0):

@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional
 
 from ..errors import SchemaViolationError, UnsupportedSchemaError
 from .normalize import NormalizedSchema, normalize_schema
-from .schema import SchemaCoverageWarning, _closed_models
+from .schema import SchemaCoverageWarning, outlines_regex
 
-__all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator"]
+__all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator", "schema_to_regex"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,25 @@ def normalized_validator(normalized: NormalizedSchema):
     base = jsonschema.Draft202012Validator
     cls = jsonschema.validators.extend(base, type_checker=_validator_class(normalized.dialect).TYPE_CHECKER)
     return cls(normalized.schema)
+
+
+def _closed_models(schema: dict) -> dict:
+    """A pydantic schema whose models take no extra keys unless they say so (``extra="allow"``).
+
+    Pydantic leaves ``additionalProperties`` out for its default ``extra="ignore"``, which JSON
+    Schema reads as "any extra key", so llguidance would let a model wander into keys that pydantic
+    then drops. Closing them generates a subset of the valid documents (outlines-core's regexes
+    never had extra keys either).
+    """
+    def close(node):
+        if isinstance(node, dict) and "properties" in node and "additionalProperties" not in node:
+            return {**node, "additionalProperties": False}
+        return node
+
+    out = close(schema)
+    if isinstance(out.get("$defs"), dict):
+        out = {**out, "$defs": {k: close(v) for k, v in out["$defs"].items()}}
+    return out
 
 
 def _pointer(parts) -> str:
@@ -129,3 +148,14 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None)
 
     name = schema.get("title", "schema") if isinstance(schema, dict) else "schema"
     return PreparedSchema(normalized.schema, validate, parse, str(name), normalized)
+
+
+def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?", *,
+                    max_string_length: int | None = None) -> tuple[str, Any]:
+    """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string.
+
+    The schema goes through :func:`prepare_json_schema` (normalised; the
+    parser validates every output against the original schema) and then to outlines-core.
+    """
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
+    return outlines_regex(prepared.schema, whitespace_pattern), prepared.parse

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import UnsupportedSchemaError
 
-__all__ = ["outlines_regex", "schema_to_regex", "SchemaCoverageWarning"]
+__all__ = ["outlines_regex", "SchemaCoverageWarning"]
 
 # Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14;
 # upstream issues dottxt-ai/outlines-core#147 and #261).
@@ -81,25 +81,6 @@ def _prepare_schema(node: Any, ignored: set[str]) -> Any:
         ignored.update(f"{k} beside {what}" for k in combinators)
     return out
 
-def _closed_models(schema: dict) -> dict:
-    """A pydantic schema whose models take no extra keys unless they say so (``extra="allow"``).
-
-    Pydantic leaves ``additionalProperties`` out for its default ``extra="ignore"``, which JSON
-    Schema reads as "any extra key", so llguidance would let a model wander into keys that pydantic
-    then drops. Closing them generates a subset of the valid documents (outlines-core's regexes
-    never had extra keys either).
-    """
-    def close(node):
-        if isinstance(node, dict) and "properties" in node and "additionalProperties" not in node:
-            return {**node, "additionalProperties": False}
-        return node
-
-    out = close(schema)
-    if isinstance(out.get("$defs"), dict):
-        out = {**out, "$defs": {k: close(v) for k, v in out["$defs"].items()}}
-    return out
-
-
 # Formats outlines-core 0.2.14 turns into a regex; it refuses the others. Unasserted formats are
 # annotations, so dropping one only widens toward what the original schema allows.
 _OUTLINES_FORMATS = {"date-time", "date", "time", "uuid", "email", "uri"}
@@ -149,16 +130,3 @@ def outlines_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> str
                       "outputs that violate them are refused by validation (SchemaViolationError)",
                       SchemaCoverageWarning, stacklevel=3)
     return regex
-
-
-def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?", *,
-                    max_string_length: int | None = None) -> tuple[str, Any]:
-    """(regex, parser) for a pydantic model class, a JSON schema dict or a JSON schema string.
-
-    The schema goes through :func:`~continuum.guides.prepare.prepare_json_schema` (normalised; the
-    parser validates every output against the original schema) and then to outlines-core.
-    """
-    from .prepare import prepare_json_schema
-
-    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
-    return outlines_regex(prepared.schema, whitespace_pattern), prepared.parse
