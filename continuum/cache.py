@@ -29,7 +29,7 @@ import torch
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 __all__ = ["KV", "positions", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
-           "gather_columns", "nbytes", "length", "stack_rows"]
+           "gather_columns", "nbytes", "length", "stack_rows", "assemble"]
 
 
 
@@ -298,6 +298,32 @@ def stack_rows(kvs: list[KV], width: int, reserve: int = 0) -> KV:
             arena.values[r:r + n, :, :lead] = 0
             arena.keys[r:r + n, :, lead:width], arena.values[r:r + n, :, lead:width] = k, v
             r += n
+        arena.filled = width
+        out.append(arena.views(width))
+    return tuple(out)
+
+
+def assemble(parts: list[list[KV]], width: int, reserve: int = 0) -> KV:
+    """One cache of ``len(parts)`` rows in new storage: row ``r`` is the one-row caches ``parts[r]``
+    laid side by side (columns in order), right-aligned to ``width`` columns.
+
+    Leading columns a row does not fill are zeros (the caller masks them; never uninitialised memory,
+    see :func:`stack_rows`). The storage leaves room for ``reserve`` appended columns. Used by the
+    prefix cache to lay cached blocks (and a state's own cached columns) into one batch.
+    """
+    like = next(p for row in parts for p in row)
+    out = []
+    for layer, (k0, _) in enumerate(like):
+        arena = _Arena.allocate(k0, len(parts), width + max(reserve, _MIN_SLACK))
+        for r, row in enumerate(parts):
+            end = width
+            for piece in reversed(row):
+                k, v = piece[layer]
+                n = k.shape[2]
+                arena.keys[r:r + 1, :, end - n:end], arena.values[r:r + 1, :, end - n:end] = k, v
+                end -= n
+            arena.keys[r, :, :end] = 0
+            arena.values[r, :, :end] = 0
         arena.filled = width
         out.append(arena.views(width))
     return tuple(out)

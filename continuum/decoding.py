@@ -22,6 +22,7 @@ from typing import Callable, Generator, Optional
 import torch
 
 from . import cache as kvcache
+from . import prefix_cache
 from .cache import positions  # (re-exported: it lives with the cache's column layout)
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guidance import Guidance, UnconditionalBranch
@@ -69,12 +70,15 @@ def _stop_list(stop_at) -> list[str]:
 
 
 def prefill(state: SequenceState) -> SequenceState:
-    """Cache everything but each row's last token (one forward pass over the uncached suffix)."""
+    """Cache everything but each row's last token (one forward pass over the uncached suffix; the
+    model's prefix cache, when on, supplies what it holds and keeps what was computed)."""
+    state = prefix_cache.reuse(state)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
     if W - 1 <= C:
         return state
     mask = state._mask[:, :W - 1]
     _, kv = state._model.forward(state._ids[:, C:W - 1], mask, positions(mask)[:, C:], state._kv, logits="none")
+    prefix_cache.remember(state._model, state._ids, mask, kv)
     return SequenceState(model=state._model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 
@@ -143,6 +147,8 @@ def decode(
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
+    else:  # the model's prefix cache (when on) extends each row's cache before the suffix is prefilled
+        state = prefix_cache.reuse(state, steps)
     rows = Rows(state, steps, guide, track_text or bool(stops), stops)
     if token_healing and steps > 0:
         state, heals = heal(state, guide, rows.guide_states or [None] * state.rows, rows.resumed)
@@ -173,6 +179,7 @@ def decode(
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
 
     logits, rows.kv = forward(C, W)
+    prefix_cache.remember(model, rows.ids, rows.mask, rows.kv)  # what this prefill computed, for later calls
     fed = col = W
     while True:
         logprobs = raw = torch.log_softmax(logits, dim=-1)

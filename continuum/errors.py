@@ -26,6 +26,7 @@ __all__ = [
     "ModelMismatch",
     "TokenizerMismatch",
     "ContinuumTypeError",
+    "PrefixCacheArgumentError",
 ]
 
 
@@ -140,3 +141,7 @@ class IncompleteGenerationError(ContinuumError, RuntimeError):
         super().__init__(message)
         self.rows = rows or []
         self.max_tokens = max_tokens
+
+
+class PrefixCacheArgumentError(ContinuumError, ValueError):
+    """A ``prefix_cache=`` budget that is not a size (negative, or a string without a known unit)."""

@@ -15,6 +15,7 @@ import torch
 
 from ..cache import KV, from_dynamic_cache, layer_kinds, to_dynamic_cache
 from ..errors import ContinuumError
+from ..prefix_cache import PrefixCache, parse_budget
 from .identity import ModelFingerprint, fingerprint_of
 from .tokenizer import Tokenizer
 
@@ -27,6 +28,8 @@ class Transformers:
     Args:
         model: a loaded ``PreTrainedModel`` with a causal LM head (GPT-2, Llama, Mistral, Qwen...).
         tokenizer: its ``PreTrainedTokenizer``; given no pad token, its EOS token is used.
+        prefix_cache: byte budget of the automatic prefix cache (an int, or ``"512MiB"``, ``"2GB"``);
+            ``None``/``0`` (default): off. See :mod:`continuum.prefix_cache` and ``docs/prefix_cache.md``.
 
     Example:
         >>> from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -34,7 +37,7 @@ class Transformers:
         >>> model = Transformers(hf, AutoTokenizer.from_pretrained("gpt2"))  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, tokenizer: Any):
+    def __init__(self, model: Any, tokenizer: Any, prefix_cache: int | str | None = None):
         self.model = model.eval()
         gen_cfg = getattr(model, "generation_config", None)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(
@@ -54,6 +57,8 @@ class Transformers:
         self.forward_calls = 0
         self._count_lock = threading.Lock()  # threads share one adapter: `+=` on an attribute is not atomic
         self._kv_dtypes: dict[torch.dtype, torch.dtype] = {}  # weights dtype -> KV dtype seen in forward
+        budget = parse_budget(prefix_cache)  # checked before anything is built on the model
+        self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget else None
 
     # -- identity -------------------------------------------------------------------------
     @cached_property
@@ -163,17 +168,20 @@ class Transformers:
         return {"full_attention": additive(causal), "sliding_attention": additive(sliding)}
 
 
-def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, **kwargs: Any) -> Transformers:
+def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+                 prefix_cache: int | str | None = None, **kwargs: Any) -> Transformers:
     """Load a causal LM and its tokenizer with ``from_pretrained`` and wrap them.
 
     Args:
         model_name: a hub id or a local folder.
         device: where to put the model (default: CPU).
         dtype: the weights' dtype (default: the checkpoint's).
+        prefix_cache: byte budget of the automatic prefix cache (``"512MiB"``, ``"2GB"``, an int); off by default.
         **kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    parse_budget(prefix_cache)  # a bad budget fails before anything is loaded
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
         model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype if dtype is not None else "auto", **kwargs)
@@ -181,4 +189,4 @@ def transformers(model_name: str, device: str | torch.device | None = None, dtyp
         raise ContinuumError(f"Could not load {model_name!r}: {exc}") from exc
     if device is not None:
         model = model.to(device)
-    return Transformers(model, tokenizer)
+    return Transformers(model, tokenizer, prefix_cache=prefix_cache)

@@ -1,0 +1,325 @@
+"""Automatic prefix cache: KV blocks of token prefixes, reused by every call on one model (off by default).
+
+Turn it on with ``models.transformers(..., prefix_cache="512MiB")`` (or ``Transformers(hf_model,
+hf_tokenizer, prefix_cache=2**29)``); ``model.prefix_cache.stats()`` and ``.clear()``.
+
+How it works (vLLM's automatic prefix caching, in process):
+
+* A row's real tokens are cut into fixed-size blocks of :attr:`PrefixCache.block_size` tokens.
+  A block's key is its tokens plus its parent's key (a hash chain: the KV of a token depends on
+  every token before it), so a block is found only behind the very same prefix. Only full blocks
+  are kept. Entries are keyed by the tokens themselves (a dict compares them), never by a bare
+  hash, so a collision cannot return another prefix's KV.
+* A block holds compact copies of its columns' keys and values, one ``(heads, block, head_dim)``
+  pair per layer on that layer's device: it never pins a state's larger storage, and nothing the
+  cache holds is handed out (a hit is copied into the call's own new storage).
+* The byte budget is a hard bound: a block is added only after least-recently-used blocks were
+  evicted to make room, else it is not added. Only leaves are evicted (a block whose children are
+  gone), and never a block a running call has pinned while copying it.
+* The cache belongs to one model: the model's fingerprint, dtype and device are checked on every
+  use, and a change (``model.model.double()``, new weights loaded in place are not detected, see
+  :mod:`continuum.models.identity`) empties it.
+
+The decoding loop consults it in one place, before it prefills the uncached suffix
+(:func:`reuse`: each row's cache is extended by its longest cached prefix, rows may differ), and
+adds what that prefill computed (:func:`remember`). Results are those of a fresh forward (the same
+keys and values, computed by the same model for the same tokens at the same positions).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import cache as kvcache
+from .errors import ContinuumTypeError, PrefixCacheArgumentError
+from .state import SequenceState
+
+__all__ = ["PrefixCache", "parse_budget", "reuse", "remember"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_RESERVE_CAP = 1024  # columns left free after a hit for the tokens to come (the decoding loop's cap)
+
+
+def parse_budget(spec: Union[None, int, str]) -> Optional[int]:
+    """Bytes of a ``prefix_cache=`` argument: ``None``/``0`` -> ``None`` (off); an int; ``"512MiB"``, ``"2GB"``.
+
+    Raises :class:`PrefixCacheArgumentError` (a ``ValueError``) for a negative or unreadable value.
+    """
+    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool) and spec == 0):
+        return None
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise ContinuumTypeError(f"prefix_cache takes a byte budget: an int or a string like '512MiB' or '2GB' "
+                                 f"(None or 0: off), got {type(spec).__name__}")
+    if isinstance(spec, int):
+        if spec < 0:
+            raise PrefixCacheArgumentError(f"prefix_cache must be >= 0 bytes (0 or None: off), got {spec}")
+        return spec
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", spec)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise PrefixCacheArgumentError(f"prefix_cache={spec!r} is not a size: write bytes as an int or a number with a "
+                                       f"unit, e.g. '512MiB', '2GB', '64kB' (units: {', '.join(u for u in _UNITS if u)})")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    return value or None
+
+
+class _Block:
+    """One cached block: its tokens' keys/values per layer, its place in the chain, its users."""
+
+    __slots__ = ("id", "key", "parent", "kv", "nbytes", "children", "pins")
+
+    def __init__(self, id: int, key: tuple, parent: Optional["_Block"], kv: kvcache.KV):
+        self.id, self.key, self.parent, self.kv = id, key, parent, kv
+        self.nbytes = sum(t.numel() * t.element_size() for pair in kv for t in pair)
+        self.children = 0  # cached blocks whose parent this is: only a block without any is evicted
+        self.pins = 0  # running calls copying it right now: never evicted meanwhile
+
+
+class PrefixCache:
+    """Blocks of cached keys/values by token prefix, LRU under ``max_bytes`` (see the module docstring).
+
+    Thread-safe: one lock guards the table; copies into a call's storage happen outside it, with the
+    blocks pinned.
+
+    Example:
+        >>> model = models.transformers("gpt2", prefix_cache="256MiB")        # doctest: +SKIP
+        >>> gen = generate.text(model, samplers.greedy())                      # doctest: +SKIP
+        >>> gen(few_shot + "Q1", max_tokens=8); gen(few_shot + "Q2", max_tokens=8)  # doctest: +SKIP
+        >>> model.prefix_cache.stats()["tokens_reused"]                         # doctest: +SKIP
+        592
+    """
+
+    def __init__(self, max_bytes: int, block_size: int = 16):
+        if block_size < 1:
+            raise PrefixCacheArgumentError(f"block_size must be >= 1 token, got {block_size}")
+        self.max_bytes, self.block_size = int(max_bytes), int(block_size)
+        self._lock = threading.Lock()
+        self._blocks: "OrderedDict[tuple, _Block]" = OrderedDict()  # least recently used first
+        self._identity: Optional[tuple] = None
+        self._next_id = 1
+        self._bytes = 0
+        self._counts = dict(hits=0, misses=0, tokens_reused=0, evictions=0)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PrefixCache({s['bytes'] / 2**20:.1f} of {s['max_bytes'] / 2**20:.1f} MiB, {s['entries']} blocks of "
+                f"{self.block_size} tokens, {s['hits']} hits / {s['misses']} misses)")
+
+    def stats(self) -> dict:
+        """``hits``/``misses`` (rows looked up that did / did not reuse a block), ``tokens_reused``
+        (positions not computed thanks to the cache), ``bytes`` (held, always <= ``max_bytes``),
+        ``max_bytes``, ``entries`` (blocks), ``evictions``, ``block_size``."""
+        with self._lock:
+            return dict(self._counts, bytes=self._bytes, max_bytes=self.max_bytes, entries=len(self._blocks),
+                        block_size=self.block_size)
+
+    def clear(self) -> None:
+        """Drop every block (the counters stay). A call copying a block right now keeps its copy."""
+        with self._lock:
+            self._drop_all()
+
+    # -- the table (every method below runs under self._lock) -------------------------------
+    def _drop_all(self) -> None:
+        self._blocks.clear()
+        self._bytes = 0
+
+    def _sync(self, identity: tuple) -> None:
+        if identity != self._identity:  # another model, dtype or device: nothing cached is valid
+            self._drop_all()
+            self._identity = identity
+
+    def _touch(self, chain: Sequence[_Block]) -> None:
+        for block in reversed(chain):  # ancestors end up more recent than their descendants
+            self._blocks.move_to_end(block.key)
+
+    def _make_room(self, need: int) -> bool:
+        while self._bytes + need > self.max_bytes:
+            victim = next((b for b in self._blocks.values() if b.children == 0 and b.pins == 0), None)
+            if victim is None:
+                return False
+            del self._blocks[victim.key]
+            self._bytes -= victim.nbytes
+            if victim.parent is not None:
+                victim.parent.children -= 1
+            self._counts["evictions"] += 1
+        return True
+
+    def _chain(self, tokens: Sequence[int], blocks: int) -> list[_Block]:
+        chain: list[_Block] = []
+        B = self.block_size
+        for i in range(blocks):
+            block = self._blocks.get((chain[-1].id if chain else 0, tuple(tokens[i * B:(i + 1) * B])))
+            if block is None:
+                break
+            chain.append(block)
+        return chain
+
+    # -- what the decoding loop calls ------------------------------------------------------------
+    def acquire(self, identity: tuple, tokens: Sequence[int], have: int) -> list[_Block]:
+        """The pinned blocks of the longest cached prefix of ``tokens`` (full blocks only), when it
+        is longer than the ``have`` tokens the row already has cached; else ``[]``. Counts a hit or
+        a miss. Give the blocks back with :meth:`release` once copied."""
+        with self._lock:
+            self._sync(identity)
+            chain = self._chain(tokens, len(tokens) // self.block_size)
+            if len(chain) * self.block_size <= have:
+                self._counts["misses"] += 1
+                return []
+            self._touch(chain)
+            for block in chain:
+                block.pins += 1
+            self._counts["hits"] += 1
+            self._counts["tokens_reused"] += len(chain) * self.block_size - have
+            return chain
+
+    def release(self, chain: Sequence[_Block]) -> None:
+        with self._lock:
+            for block in chain:
+                block.pins -= 1
+
+    def insert(self, identity: tuple, tokens: Sequence[int], kv: kvcache.KV, row: int, columns: torch.Tensor) -> int:
+        """Add the full blocks of ``tokens`` not cached yet; their keys/values are row ``row`` of
+        ``kv`` at ``columns`` (one column per token). Returns how many blocks were added (adding
+        stops when the budget cannot make room)."""
+        B = self.block_size
+        added = 0
+        with self._lock:
+            self._sync(identity)
+            chain = self._chain(tokens, len(tokens) // B)
+            for block in chain:
+                block.pins += 1  # the chain being extended must stay while LRU blocks are evicted
+            try:
+                for i in range(len(chain), len(tokens) // B):
+                    cols = columns[i * B:(i + 1) * B]
+                    start = int(cols[0])
+                    contiguous = int(cols[-1]) - start == B - 1
+                    copy = tuple((k[row, :, start:start + B].clone() if contiguous else k[row].index_select(1, cols),
+                                  v[row, :, start:start + B].clone() if contiguous else v[row].index_select(1, cols))
+                                 for k, v in kv)
+                    parent = chain[-1] if chain else None
+                    block = _Block(self._next_id, (parent.id if parent else 0, tuple(tokens[i * B:(i + 1) * B])), parent, copy)
+                    if block.nbytes > self.max_bytes or not self._make_room(block.nbytes):
+                        break
+                    self._next_id += 1
+                    self._blocks[block.key] = block
+                    self._bytes += block.nbytes
+                    if parent is not None:
+                        parent.children += 1
+                    block.pins += 1
+                    chain.append(block)
+                    added += 1
+                self._touch(chain)
+            finally:
+                for block in chain:
+                    block.pins -= 1
+        return added
+
+    def block_bytes(self, kv: kvcache.KV) -> int:
+        """Bytes one block of ``kv``'s layers would take."""
+        return sum(2 * k.shape[1] * self.block_size * k.shape[3] * k.element_size() for k, _ in kv)
+
+
+def _identity(model) -> tuple:
+    return (getattr(model, "fingerprint", id(model)), str(model.model.dtype), str(model.device))
+
+
+def reuse(state: SequenceState, room: int = 0) -> SequenceState:
+    """``state`` with each row's cache extended by the longest cached prefix of its tokens (rows may differ).
+
+    A row's last token is never taken from the cache (its logits are needed). Rows with a hit get
+    the cached blocks as their cached columns; the other rows keep their own cache. The new state
+    has the same tokens, log-probs, weights and last step; its KV is new storage (with ``room``
+    spare columns for the tokens the caller will append). ``state`` itself when nothing is reused.
+    """
+    cache = getattr(state._model, "prefix_cache", None)
+    if cache is None:
+        return state
+    B, C = cache.block_size, kvcache.length(state._kv)
+    real, own = state._real_rows(), state._cached_real()
+    todo = [r for r in range(state.rows) if (len(real[r][0]) - 1) // B * B > own[r]]
+    if not todo:
+        return state
+    identity = _identity(state._model)
+    hits: dict[int, list[_Block]] = {}
+    for r in todo:
+        chain = cache.acquire(identity, real[r][0][:-1], own[r])
+        if chain:
+            hits[r] = chain
+    if not hits:
+        return state
+    try:
+        if state._kv is not None and state._kv[0][0].dtype != next(iter(hits.values()))[0].kv[0][0].dtype:
+            return state  # a cache of another dtype (to_model recomputes such states)
+        return _relayout(state, hits, B, C, room)
+    finally:
+        for chain in hits.values():
+            cache.release(chain)
+
+
+def _first_real(mask: torch.Tensor, start: int, end: int) -> list[int]:
+    """Per row, the first column in ``[start, end)`` holding a real token (``end`` when none)."""
+    region = mask[:, start:end].bool()
+    if end <= start:
+        return [end] * mask.shape[0]
+    return [start + int(i) if ok else end for i, ok in zip(region.int().argmax(1).tolist(), region.any(1).tolist())]
+
+
+def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: int, room: int) -> SequenceState:
+    """The state with hit rows laid out as [cached blocks | rest of the row], every other row as
+    [its own cached columns | its uncached columns] (leading padding dropped); both parts
+    right-aligned at a common column, so one forward computes every row's uncached part."""
+    R, W = state._ids.shape
+    real = state._real_rows()
+    lead, start = _first_real(state._mask, 0, C), _first_real(state._mask, C, W)  # own rows: where content begins
+    cached = [len(hits[r]) * B if r in hits else C - lead[r] for r in range(R)]
+    tails = [len(real[r][0]) - cached[r] if r in hits else W - start[r] for r in range(R)]
+    width = max(cached)
+    total = width + max(tails)
+    dev, pad = state._ids.device, state._model.tokenizer.pad_token_id
+    ids = torch.full((R, total), pad, dtype=state._ids.dtype, device=dev)
+    mask = torch.zeros((R, total), dtype=state._mask.dtype, device=dev)
+    lp = torch.full((R, total), float("nan"), dtype=state._logprobs.dtype, device=dev)
+    parts: list[list[kvcache.KV]] = []
+    for r in range(R):
+        h, t = cached[r], tails[r]
+        if r in hits:
+            toks, lps = real[r]
+            ids[r, width - h:width], ids[r, total - t:] = torch.tensor(toks[:h]), torch.tensor(toks[h:])
+            mask[r, width - h:width] = mask[r, total - t:] = 1
+            lp[r, width - h:width] = torch.tensor(lps[:h], dtype=lp.dtype)
+            lp[r, total - t:] = torch.tensor(lps[h:], dtype=lp.dtype)
+            parts.append([tuple((k[None], v[None]) for k, v in block.kv) for block in hits[r]])
+            continue
+        for dst, src in ((ids, state._ids), (mask, state._mask), (lp, state._logprobs)):
+            dst[r, width - h:width] = src[r, lead[r]:C]
+            dst[r, total - t:] = src[r, start[r]:]
+        parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)] if h else [])
+    kv = kvcache.assemble(parts, width, (total - width) + min(room, _RESERVE_CAP))
+    return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=state._weights, kv=kv,
+                         batch=state.batch, samples=state.samples, last=state._last)
+
+
+def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> None:
+    """Add the full blocks of every row that a prefill just computed (``kv`` covers the first
+    ``length(kv)`` columns of ``ids``/``mask``)."""
+    cache = getattr(model, "prefix_cache", None)
+    if cache is None or kv is None:
+        return
+    if cache.block_bytes(kv) > cache.max_bytes:  # not even one block fits: nothing to copy
+        return
+    L = kvcache.length(kv)
+    identity = _identity(model)
+    seen: set[tuple] = set()
+    for r in range(ids.shape[0]):
+        columns = mask[r, :L].nonzero().flatten()
+        tokens = ids[r, columns].tolist()
+        key = tuple(tokens[:len(tokens) // cache.block_size * cache.block_size])
+        if key and key not in seen:  # rows repeated (samples of one prompt) are inserted once
+            seen.add(key)
+            cache.insert(identity, tokens, kv, r, columns)
