@@ -26,6 +26,7 @@ __all__ = [
     "ModelMismatch",
     "TokenizerMismatch",
     "ContinuumTypeError",
+    "ModelLoadError",
 ]
 
 
@@ -140,3 +141,9 @@ class IncompleteGenerationError(ContinuumError, RuntimeError):
         super().__init__(message)
         self.rows = rows or []
         self.max_tokens = max_tokens
+
+
+class ModelLoadError(ContinuumError, ValueError):
+    """``models.transformers`` cannot load the model as asked: the checkpoint is missing, or the parallel
+    layout cannot work (``tp_plan`` outside ``torchrun``, heads not divisible by the number of processes,
+    ``tp_plan`` with ``device_map``). The message says how to launch or what to change."""

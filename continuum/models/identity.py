@@ -69,12 +69,19 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel ``DTensor`` (no communication); any other tensor as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def weights_hash(module: torch.nn.Module) -> str:
     """A hash of a few fixed elements of every parameter and of the embeddings' first and last rows."""
     h = hashlib.sha256()
     slices: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
     def take(t: torch.Tensor) -> None:
+        t = _local(t)
         if t.device.type == "meta" or t.numel() == 0:
             return
         slices.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
@@ -82,6 +89,7 @@ def weights_hash(module: torch.nn.Module) -> str:
     with torch.no_grad():
         for name, p in module.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+            p = _local(p)
             flat = p.detach().reshape(-1) if p.is_contiguous() else p.detach()[(0,) * (p.dim() - 1)]
             n = flat.numel()
             for start in (0, max(0, n // 2 - _SLICE // 2), max(0, n - _SLICE)):
