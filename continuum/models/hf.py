@@ -99,6 +99,24 @@ class Transformers:
         return self.model.device
 
     @property
+    def layer_devices(self) -> tuple[torch.device, ...]:
+        """The device of each layer's KV cache: the device of that decoder layer under a ``device_map``
+        that spreads layers (accelerate's execution device for offloaded ones), else ``self.device``.
+        Inputs (ids, masks, positions) go to ``self.device``, where the embeddings are."""
+        n, _ = layer_kinds(self.config)
+        spread = getattr(self.model, "hf_device_map", None)
+        blocks = self._decoder_layers(n) if spread and len({str(d) for d in spread.values()}) > 1 else None
+        if not blocks:
+            return (self.device,) * n
+        return tuple(_execution_device(block, self.device) for block in blocks)
+
+    def _decoder_layers(self, n: int) -> list | None:
+        """The model's list of ``n`` decoder layers (``model.layers``, ``transformer.h``...), found once."""
+        if not hasattr(self, "_blocks"):
+            self._blocks = next((list(m) for m in self.model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+        return self._blocks
+
+    @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
@@ -161,6 +179,16 @@ class Transformers:
         if not self._per_layer_masks:  # every layer slides (Mistral-style configs)
             return additive(sliding)
         return {"full_attention": additive(causal), "sliding_attention": additive(sliding)}
+
+
+def _execution_device(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where ``module`` computes: accelerate's hook device when it has one (offloaded weights sit on ``meta``
+    or the CPU between calls), else the device of its first parameter."""
+    hooked = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hooked is not None:
+        return torch.device(hooked if not isinstance(hooked, int) else f"cuda:{hooked}")
+    param = next(module.parameters(), None)
+    return param.device if param is not None else default
 
 
 def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, *,

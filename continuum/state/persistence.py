@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 
+from .. import cache as kvcache
 from ..errors import StateFileError
 from ..models.identity import ModelFingerprint
 from .convert import uncached
@@ -86,6 +87,8 @@ def load(path, model) -> SequenceState:
                              f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
     try:
         kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
+        if kv is not None and len(kv) == len(model.layer_devices):  # device_map: each layer where its layer runs
+            kv = kvcache.to_devices(kv, model.layer_devices)
         saved = meta.get("model")
         saved = ModelFingerprint.from_dict(saved) if isinstance(saved, dict) else None
         foreign = kv is not None and saved != model.fingerprint
