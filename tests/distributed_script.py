@@ -175,6 +175,28 @@ def save_load(ctx: Context) -> dict[str, dict]:
     return out
 
 
+@section
+def seeding(ctx: Context) -> dict[str, dict]:
+    """A random sampler without ``rng`` is warned about under tensor parallelism only (``max_tokens=0``:
+    nothing is drawn, so the ranks stay in step)."""
+    import logging
+
+    from continuum import parallel
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())
+    logging.getLogger("continuum").addHandler(handler)
+    try:
+        parallel._warned = False
+        continuous(generate.text(ctx.model))(PROMPTS, max_tokens=0)  # default sampler: multinomial, no rng
+        continuous(generate.text(ctx.model, samplers.multinomial()))(PROMPTS, max_tokens=0, rng=rng(7))
+    finally:
+        logging.getLogger("continuum").removeHandler(handler)
+    warned = any("without rng=" in m for m in seen)
+    return {"unseeded_warning": record(value=warned == (ctx.model.fingerprint.world_size > 1))}
+
+
 # ------------------------------------------------------------------------------------ driver
 def load_model(path: str):
     """The same checkpoint: tensor-parallel under torchrun, plain otherwise."""
