@@ -522,3 +522,4 @@ from .fastforward import b10  # noqa: E402  (B10 imports helpers from this modul
 
 SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}
+from .distributed_bench import b14; SCENARIOS["B14"] = b14  # noqa: E402,E702  (TP under torchrun, its own module)

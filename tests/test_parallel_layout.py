@@ -212,3 +212,20 @@ def kvcache_devices(state):
     from continuum import cache as kvcache
 
     return kvcache.devices(state._kv)
+
+
+# ---------------------------------------------------------------- the torchrun example, in one process
+def test_torchrun_demo_runs_in_one_process(llama_dir, tmp_path, capsys):
+    """``examples/torchrun_demo.py`` is the same program with or without torchrun; here without (the torchrun
+    side of every feature it uses is covered by test_distributed.py)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "torchrun_demo.py"
+    spec = importlib.util.spec_from_file_location("torchrun_demo", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    result = demo.main(["--model", llama_dir, "--max-tokens", "4", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "single process" in out and "saved and reloaded with its cache: True" in out
+    assert len(result["texts"]) == 5 and (tmp_path / "state-rank0-of-1.safetensors").exists()
