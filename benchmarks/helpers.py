@@ -87,3 +87,19 @@ def json_schema():
         tags: List[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
 
     return Person
+
+
+USER_TURNS = [
+    "\nQ: Who saw the ship first?\nA:",
+    "\nQ: What colour were its sails?\nA:",
+    "\nQ: Where did the ship go next?\nA:",
+    "\nQ: What did Anna write down?\nA:",
+    "\nQ: Was the weather good that day?\nA:",
+    "\nQ: Who climbed the tower?\nA:",
+    "\nQ: What did the baker forget?\nA:",
+    "\nQ: What happened at the end?\nA:",
+]
+
+
+def user_turns(n: int) -> list[str]:
+    return [USER_TURNS[i % len(USER_TURNS)] for i in range(n)]

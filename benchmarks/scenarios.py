@@ -14,7 +14,7 @@ from continuum.cache import nbytes
 from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
 from .fastforward import b10
 from .guidance_bench import b11
-from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len  # noqa: F401  (re-exported)
+from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -95,22 +95,6 @@ def b1_b2(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B3
-USER_TURNS = [
-    "\nQ: Who saw the ship first?\nA:",
-    "\nQ: What colour were its sails?\nA:",
-    "\nQ: Where did the ship go next?\nA:",
-    "\nQ: What did Anna write down?\nA:",
-    "\nQ: Was the weather good that day?\nA:",
-    "\nQ: Who climbed the tower?\nA:",
-    "\nQ: What did the baker forget?\nA:",
-    "\nQ: What happened at the end?\nA:",
-]
-
-
-def user_turns(n: int) -> list[str]:
-    return [USER_TURNS[i % len(USER_TURNS)] for i in range(n)]
-
-
 def session_token_counts(model, history: str, users: list[str], new: int) -> list[dict]:
     """Run a continuous greedy session and report, per turn, the positions the model computed.
 
@@ -449,3 +433,4 @@ SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
 }
 SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}
+from .distributed_bench import b14; SCENARIOS["B14"] = b14  # noqa: E402,E702  (TP under torchrun, its own module)

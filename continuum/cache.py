@@ -15,6 +15,11 @@ hand out views of its first columns. Copy-on-write rule: an arena's ``filled`` c
 and every view covers at most ``filled`` columns, so appending at ``filled`` (the state that
 wrote last, continued again) writes where nobody can look; appending anywhere else (a state cut
 back, or continued a second time) starts a new arena.
+
+Devices: every operation keeps each layer's tensors on that layer's device (a model loaded with a
+``device_map`` spreading layers over devices has its cache spread the same way); index tensors are
+copied to each layer's device once (``_per_device``). Under tensor parallelism a layer holds this
+rank's heads only: the operations never look at the head axis, so nothing changes there.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 __all__ = ["KV", "positions", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
-           "gather_columns", "nbytes", "length", "stack_rows", "assemble"]
+           "gather_columns", "nbytes", "length", "stack_rows", "assemble", "devices", "to_devices"]
 
 
 
@@ -186,7 +191,6 @@ def select_rows(kv: Optional[KV], rows: torch.Tensor) -> Optional[KV]:
     """
     if kv is None:
         return None
-    rows = rows.to(kv[0][0].device)
     n = rows.numel()
     first = int(rows[0]) if n else 0
     if n and torch.equal(rows, torch.arange(first, first + n, device=rows.device)):
@@ -197,14 +201,39 @@ def select_rows(kv: Optional[KV], rows: torch.Tensor) -> Optional[KV]:
         return tuple(
             (k.narrow(0, first, 1).expand(n, -1, -1, -1), v.narrow(0, first, 1).expand(n, -1, -1, -1)) for k, v in kv
         )
-    out = []
+    out, on = [], _per_device(rows)
     for k, v in kv:
         arena = _arena_of(k, v)
         if arena is not None:  # beam reorder: copy into a new arena, ready to append
-            out.append(arena.select_rows(rows, k.shape[2]).views(k.shape[2]))
+            out.append(arena.select_rows(on(k.device), k.shape[2]).views(k.shape[2]))
         else:
-            out.append((k.index_select(0, rows), v.index_select(0, rows)))
+            out.append((k.index_select(0, on(k.device)), v.index_select(0, on(k.device))))
     return tuple(out)
+
+
+def _per_device(index: torch.Tensor):
+    """``index`` on a given device, copied once per device: under a ``device_map`` the layers of one
+    cache live on several devices, and each layer's index must be where that layer is."""
+    copies: dict[torch.device, torch.Tensor] = {index.device: index}
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in copies:
+            copies[device] = index.to(device)
+        return copies[device]
+
+    return on
+
+
+def devices(kv: Optional[KV]) -> Optional[tuple[torch.device, ...]]:
+    """The device of each layer (several under a ``device_map`` that spreads layers), or None."""
+    return None if kv is None else tuple(k.device for k, _ in kv)
+
+
+def to_devices(kv: Optional[KV], where: tuple[torch.device, ...]) -> Optional[KV]:
+    """``kv`` with layer ``i`` on ``where[i]`` (layers already there are kept as they are, views included)."""
+    if kv is None or devices(kv) == tuple(where):
+        return kv
+    return tuple((k, v) if k.device == d else (k.to(d), v.to(d)) for (k, v), d in zip(kv, where))
 
 
 def crop(kv: Optional[KV], columns: int) -> Optional[KV]:
@@ -334,8 +363,8 @@ def gather_columns(kv: Optional[KV], index: torch.Tensor) -> Optional[KV]:
     if kv is None or index.shape[1] == 0:
         return None
     k0 = kv[0][0]
-    idx = index.to(k0.device)[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3])
-    return tuple((k.gather(2, idx), v.gather(2, idx)) for k, v in kv)
+    on = _per_device(index[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3]))
+    return tuple((k.gather(2, on(k.device)), v.gather(2, on(k.device))) for k, v in kv)
 
 
 def nbytes(kv: Optional[KV], seen: Optional[set] = None) -> int:

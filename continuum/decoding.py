@@ -31,6 +31,7 @@ from .guides import Guide
 from .healing import apply_heal_masks, heal
 from .rows import Rows
 from .samplers import Sampler
+from .parallel import check_seeded
 from .state import LastStep, SequenceState
 from .text import token_char_spans
 
@@ -141,6 +142,7 @@ def decode(
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
     steps = check_continuable(state, sampler, max_tokens)
+    check_seeded(state._model, sampler, rng)  # under torchrun: every rank must draw the same tokens
     exhausted = "length" if max_tokens is not None and steps == max_tokens else "context"  # why the last step ends
     model, tok = state._model, state._model.tokenizer
     group, n = state.samples, sampler.samples

@@ -27,6 +27,7 @@ __all__ = [
     "TokenizerMismatch",
     "ContinuumTypeError",
     "PrefixCacheArgumentError",
+    "ModelLoadError",
 ]
 
 
@@ -145,3 +146,7 @@ class IncompleteGenerationError(ContinuumError, RuntimeError):
 
 class PrefixCacheArgumentError(ContinuumError, ValueError):
     """A ``prefix_cache=`` budget that is not a size (negative, or a string without a known unit)."""
+class ModelLoadError(ContinuumError, ValueError):
+    """``models.transformers`` cannot load the model as asked: the checkpoint is missing, or the parallel
+    layout cannot work (``tp_plan`` outside ``torchrun``, heads not divisible by the number of processes,
+    ``tp_plan`` with ``device_map``). The message says how to launch or what to change."""

@@ -39,6 +39,8 @@ class Sampler:
     samples: int = 1
     #: Beam search keeps rows sorted best first and ranks finished rows with live ones.
     is_beam_search: bool = False
+    #: Draws random numbers (from ``rng``, or torch's global generator without one).
+    is_random: bool = False
 
     def __call__(
         self, logprobs: torch.Tensor, scores: torch.Tensor, group: int, rng: Optional[torch.Generator] = None
@@ -101,6 +103,8 @@ class MultinomialSampler(Sampler):
         >>> sampler.samples
         4
     """
+
+    is_random = True
 
     def __init__(self, samples: int = 1, *, top_k: int | None = None, top_p: float | None = None, temperature: float | None = None):
         _check("samples", samples, _is_int(samples) and samples >= 1, "an int >= 1")

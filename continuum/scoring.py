@@ -32,6 +32,7 @@ from .decoding import Step, check_continuable, prefill
 from .errors import ContextLengthError
 from .guidance import Guidance, guided_logprobs
 from .samplers import Sampler
+from .parallel import check_seeded
 from .state import LastStep, SequenceState
 
 __all__ = ["choose"]
@@ -42,6 +43,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
            token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_continuable(state, sampler, None)
+    check_seeded(state._model, sampler, rng)  # under torchrun: every rank must draw the same option
     starts = [len(t) for t in state.texts]
     removed = [""] * state.rows  # token healing: the text of each row's backed-up token
     if token_healing:

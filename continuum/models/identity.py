@@ -2,7 +2,7 @@
 
 A KV cache is only valid under the model that computed it. Two adapters are the *same model* when
 they wrap the same Hugging Face module, or when their :class:`ModelFingerprint` (architecture, a
-hash of the config, and a cheap hash of the weights) is equal. The weights hash reads a few fixed
+hash of the config, a cheap hash of the weights, and the parallel layout) is equal. The weights hash reads a few fixed
 elements of every parameter tensor (start, middle and end) and the first and last rows of the
 embeddings, in their stored dtype: cheap for any model size (one small copy per device), and any
 fine-tune, LoRA merge, re-seeded init or dtype change moves some of those elements.
@@ -10,6 +10,11 @@ fine-tune, LoRA merge, re-seeded init or dtype change moves some of those elemen
 It is computed once per adapter and cached: weights changed *in place* after the first use
 (``param.data.mul_(2)``, ``model.double()``...) are not re-detected by the fingerprint. A dtype change
 is still caught when a state is continued (see ``SequenceState.to_model``).
+
+Parallel layout: under tensor parallelism (``tp_plan`` under torchrun) each process holds a slice of
+every layer's heads, so its KV cache holds only its heads and is valid only for the same rank of the
+same layout. The fingerprint records the world size, the rank and the plan; the weights hash reads
+this rank's shards (no communication: computing it is never a collective that other ranks must join).
 
 Example:
     >>> fp = model.fingerprint                    # doctest: +SKIP
@@ -26,13 +31,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelFingerprint", "fingerprint_of", "config_hash", "weights_hash"]
+__all__ = ["ModelFingerprint", "fingerprint_of", "config_hash", "weights_hash", "parallel_layout"]
 
 # Config keys that describe how a model was loaded or is run, not what it computes.
 _VOLATILE_KEYS = frozenset({
     "_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "dtype", "torch_dtype", "architectures",
     "_attn_implementation", "_attn_implementation_autoset", "_attn_implementation_internal", "attn_implementation",
     "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_experts_implementation",
+    "distributed_config",  # the layout is recorded on its own (ModelFingerprint.world_size, rank, tp_plan)
 })
 _SLICE = 8  # elements read at the start, the middle and the end of every parameter
 
@@ -44,12 +50,29 @@ class ModelFingerprint:
     Attributes:
         architecture: the model class name (``LlamaForCausalLM``).
         config: a hash of the config dict (without load-time keys such as the path or dtype).
-        weights: a hash of fixed slices of the weights (see the module docstring).
+        weights: a hash of fixed slices of the weights (this rank's shards under tensor parallelism).
+        world_size: the number of tensor-parallel processes (1: a single process, device maps included).
+        rank: this process's rank among them (0 in a single process).
+        tp_plan: the tensor-parallel plan, as ``"auto:<hash>"`` / ``"custom:<hash>"`` of the plan
+            applied, or None in a single process.
     """
 
     architecture: str
     config: str
     weights: str
+    world_size: int = 1
+    rank: int = 0
+    tp_plan: str | None = None
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "ModelFingerprint":
+        """The fingerprint a file recorded; files saved before layouts were recorded were single-process."""
+        return cls(**{k: saved[k] for k in ("architecture", "config", "weights", "world_size", "rank", "tp_plan") if k in saved})
+
+    @property
+    def layout(self) -> str:
+        """``"single process"`` or ``"rank R of N (tp_plan P)"``, for messages."""
+        return "single process" if self.world_size == 1 else f"rank {self.rank} of {self.world_size} (tp_plan {self.tp_plan})"
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
@@ -69,12 +92,19 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel ``DTensor`` (no communication); any other tensor as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def weights_hash(module: torch.nn.Module) -> str:
     """A hash of a few fixed elements of every parameter and of the embeddings' first and last rows."""
     h = hashlib.sha256()
     slices: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
     def take(t: torch.Tensor) -> None:
+        t = _local(t)
         if t.device.type == "meta" or t.numel() == 0:
             return
         slices.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
@@ -82,6 +112,7 @@ def weights_hash(module: torch.nn.Module) -> str:
     with torch.no_grad():
         for name, p in module.named_parameters():
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+            p = _local(p)
             flat = p.detach().reshape(-1) if p.is_contiguous() else p.detach()[(0,) * (p.dim() - 1)]
             n = flat.numel()
             for start in (0, max(0, n // 2 - _SLICE // 2), max(0, n - _SLICE)):
@@ -98,6 +129,25 @@ def weights_hash(module: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def parallel_layout(module: torch.nn.Module) -> tuple[int, int, str | None]:
+    """(world size, rank, plan) of a model loaded with tensor parallelism; ``(1, 0, None)`` otherwise."""
+    world = getattr(module, "_tp_size", None) or 1
+    if world <= 1:
+        return 1, 0, None
+    mesh = getattr(module, "_device_mesh", None)
+    try:
+        rank = mesh["tp"].get_local_rank()
+    except Exception:  # a mesh without a "tp" dimension name: the global rank is the tp rank
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+    dist_cfg = getattr(module.config, "distributed_config", None)
+    name = getattr(dist_cfg, "tp_plan", None)
+    plan = json.dumps(getattr(module, "_tp_plan", None) or {}, sort_keys=True, default=str)
+    return world, rank, f"{name if isinstance(name, str) else 'custom'}:{hashlib.sha256(plan.encode()).hexdigest()[:8]}"
+
+
 def fingerprint_of(module: torch.nn.Module) -> ModelFingerprint:
-    """The :class:`ModelFingerprint` of a Hugging Face ``PreTrainedModel``."""
-    return ModelFingerprint(type(module).__name__, config_hash(module.config), weights_hash(module))
+    """The :class:`ModelFingerprint` of a Hugging Face ``PreTrainedModel`` (its parallel layout included)."""
+    world, rank, plan = parallel_layout(module)
+    return ModelFingerprint(type(module).__name__, config_hash(module.config), weights_hash(module), world, rank, plan)

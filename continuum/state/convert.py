@@ -57,11 +57,12 @@ def to_model(state: SequenceState, model) -> SequenceState:
         logger.warning("This state's KV cache is %s but the model now computes %s (its dtype changed after the "
                        "state was made): the cache is dropped and recomputed.", kv[0][0].dtype, model.kv_dtype)
         return uncached(state, model)
-    moved = state._ids.device != dev or (kv is not None and kv[0][0].device != dev)
+    where = model.layer_devices if kv is not None else None
+    moved = state._ids.device != dev or (kv is not None and kvcache.devices(kv) != where)
     if model is state._model and not moved:
         return state
-    if moved:  # same values, other device: move them
-        kv = None if kv is None else tuple((k.to(dev), v.to(dev)) for k, v in kv)
+    if moved:  # same values, other device(s): move them, each layer to its layer's device (device_map)
+        kv = kvcache.to_devices(kv, where)
     return SequenceState(model=model, ids=state._ids.to(dev), mask=state._mask.to(dev), logprobs=state._logprobs.to(dev),
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 

@@ -1,10 +1,14 @@
 """Saving and loading states: tensors in safetensors, metadata (shape, tokenizer, model, last step) as JSON.
 
 A file records the identity of the model that computed its KV cache (architecture, config hash,
-weights fingerprint: see ``continuum.models.identity``). Loading it into a model with another
+weights fingerprint, parallel layout: see ``continuum.models.identity``). Loading it into a model with another
 identity (same tokenizer) keeps the tokens, weights, log-probs and last step but DROPS the cache,
 with a warning on the ``"continuum"`` logger: the next generator recomputes it in one pass. Files
 of format 1 (before model identities were recorded) are treated as coming from an unknown model.
+Under tensor parallelism each rank saves its own file (its cache holds its heads only): it loads with
+its cache into the same rank of the same layout; anywhere else (another rank, another world size, a
+single process) the cache is dropped with the same warning and recomputed (files saved before layouts
+were recorded count as single-process).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 
+from .. import cache as kvcache
 from ..errors import StateFileError
 from .convert import uncached
 from .core import LastStep, SequenceState
@@ -81,11 +86,16 @@ def load(path, model) -> SequenceState:
                              f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
     try:
         kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
+        if kv is not None and len(kv) == len(model.layer_devices):  # device_map: each layer where its layer runs
+            kv = kvcache.to_devices(kv, model.layer_devices)
         saved = meta.get("model")
-        foreign = kv is not None and saved != model.fingerprint.as_dict()
+        from ..models.identity import ModelFingerprint  # continuum.models imports the prefix cache, which imports state
+
+        saved = ModelFingerprint.from_dict(saved) if isinstance(saved, dict) else None
+        foreign = kv is not None and saved != model.fingerprint
         if foreign:
-            origin = (f"model {saved.get('architecture')} (config {saved.get('config')}, weights {saved.get('weights')})"
-                      if isinstance(saved, dict) else "an unknown model (a file without a model identity)")
+            origin = (f"model {saved.architecture} (config {saved.config}, weights {saved.weights}, {saved.layout})"
+                      if saved is not None else "an unknown model (a file without a model identity)")
             logger.warning("%s was saved from %s, not this model (%s): its KV cache is dropped; tokens, weights, "
                            "log-probs and the last step are kept, and the next generator recomputes the cache in one "
                            "pass.", path, origin, model.fingerprint)
