@@ -26,6 +26,7 @@ __all__ = [
     "ModelMismatch",
     "TokenizerMismatch",
     "ContinuumTypeError",
+    "ChatTemplateError",
 ]
 
 
@@ -140,3 +141,8 @@ class IncompleteGenerationError(ContinuumError, RuntimeError):
         super().__init__(message)
         self.rows = rows or []
         self.max_tokens = max_tokens
+
+
+class ChatTemplateError(ContinuumError, ValueError):
+    """A chat template refused the messages (Gemma's system turn, Mistral's non-alternating roles...),
+    or there is no template to render them with; the message carries the template's own words."""
