@@ -86,7 +86,7 @@ class _Setup:
             if marker:
                 tok = self.model.tokenizer
                 first = list(self.hf(marker, add_special_tokens=False)["input_ids"])
-                if len(first) == 1 and first[0] in tok.special_ids:
+                if len(first) == 1 and (first[0] in tok.special_ids or not tok.decode(first)):
                     ids = frozenset(first)  # a special token (<|im_end|>, <|eot_id|>, </s>): an extra EOS id
                 else:
                     texts = (marker,)  # plain text (<end_of_turn> in a tokenizer without it): a stop string
@@ -283,8 +283,8 @@ class _Turn:
             raise ChatTemplateError("a chat with no message cannot be replied to: add one, e.g. chat.user('Hi')")
         self.chat, self.generator, self.max_tokens = chat, generator, max_tokens
         setup = chat._setup
-        prompts = [list(setup.render(r, tokenize=True, generation=True)) for r in chat._rows]
-        self.state = _reconcile(chat._state, prompts, setup.model).to_model(generator.model)
+        self.prompts = [list(setup.render(r, tokenize=True, generation=True)) for r in chat._rows]
+        self.state = _reconcile(chat._state, self.prompts, setup.model).to_model(generator.model)
         # a continued prefill: the rendering ends with it, or with it right-stripped (a trimming template)
         self.prefills = []
         for r in chat._rows:
@@ -320,10 +320,12 @@ class _Turn:
                 state = SequenceState(model=cut._model, ids=cut._ids, mask=cut._mask, logprobs=cut._logprobs,
                                       weights=cut._weights, kv=cut._kv, batch=cut.batch, samples=cut.samples, last=last)
         replies = self.reply_texts(state)
-        per = state.rows // len(self.chat._rows)  # a one-row chat forked into n samples: n rows
         new_rows = []
-        for r, text in enumerate(replies):
-            msgs, pre = self.chat._rows[r // per], self.prefills[r // per]
+        for r, (text, (ids, _)) in enumerate(zip(replies, state._real_rows())):
+            # the row it descends from (forks copy a row; beam search reorders rows and sorts them):
+            # the one whose prompt it continues
+            src = max(range(len(self.prompts)), key=lambda i: (_common_prefix(ids, self.prompts[i]), -i))
+            msgs, pre = self.chat._rows[src], self.prefills[src]
             if pre is None:
                 new_rows.append(msgs + ({"role": "assistant", "content": text},))
             else:
