@@ -522,3 +522,5 @@ from .fastforward import b10  # noqa: E402  (B10 imports helpers from this modul
 
 SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}
+from .chat_bench import b12  # noqa: E402
+SCENARIOS["B12"] = b12
