@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
+from .chattemplate import Renderer
 from .errors import ChatTemplateError, ContinuumTypeError
 from .generate.continuous import ContinuousGenerator
 from .generate.generator import Generator
@@ -36,62 +36,9 @@ from .state.indexing import truncate
 
 __all__ = ["Chat", "ChatStream"]
 
-_SENTINEL = "\u2063CONTINUUM_END_OF_TURN_PROBE\u2063"
 _ROLES = ("system", "user", "assistant", "tool")
 
 Message = dict
-
-
-@dataclass(eq=False)
-class _Setup:
-    """What every chat derived from one ``Chat(...)`` shares: the model and how messages render."""
-
-    model: Any
-    template: Optional[str]
-    tools: Optional[list]
-    template_kwargs: dict
-    _end: Optional[tuple[frozenset, tuple[str, ...]]] = field(default=None, repr=False)
-
-    @property
-    def hf(self):
-        return self.model.tokenizer.hf
-
-    def render(self, messages: Sequence[Message], *, tokenize: bool, generation: bool) -> Any:
-        """``apply_chat_template`` of ``messages``: a prompt for a reply (``generation=True``:
-        generation prompt, or continuing a final assistant message) or the history as it stands."""
-        cont = generation and bool(messages) and messages[-1]["role"] == "assistant"
-        try:
-            return self.hf.apply_chat_template(
-                [dict(m) for m in messages], tools=self.tools, chat_template=self.template,
-                add_generation_prompt=generation and not cont, continue_final_message=cont,
-                tokenize=tokenize, return_dict=False, **self.template_kwargs)
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # jinja2.TemplateError (raise_exception), ValueError (continue_final_message)...
-            raise ChatTemplateError(f"the chat template refused these messages: {exc} (roles: "
-                                    f"{[m['role'] for m in messages]}); change the messages to what the template "
-                                    f"accepts, or pass another template=") from exc
-
-    def end_of_turn(self) -> tuple[frozenset, tuple[str, ...]]:
-        """(token ids, texts) that end an assistant turn, read from a rendered sentinel reply."""
-        if self._end is None:
-            ids, texts = frozenset(), ()
-            probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
-            try:
-                rendered = self.render(probe, tokenize=False, generation=False)
-            except ChatTemplateError:
-                rendered = ""
-            after = rendered.split(_SENTINEL, 1)[1] if _SENTINEL in rendered else ""
-            marker = after.strip().split()[0] if after.strip() else ""
-            if marker:
-                tok = self.model.tokenizer
-                first = list(self.hf(marker, add_special_tokens=False)["input_ids"])
-                if len(first) == 1 and (first[0] in tok.special_ids or not tok.decode(first)):
-                    ids = frozenset(first)  # a special token (<|im_end|>, <|eot_id|>, </s>): an extra EOS id
-                else:
-                    texts = (marker,)  # plain text (<end_of_turn> in a tokenizer without it): a stop string
-            self._end = (ids, texts)
-        return self._end
 
 
 def _check_content(role: str, content: Any) -> str:
@@ -136,12 +83,12 @@ class Chat:
                                     f"Chat(model, template=jinja_text) (e.g. the chat_template of an instruct model)")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise ContinuumTypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
-        setup = _Setup(model, template, list(tools) if tools is not None else None, dict(template_kwargs or {}))
+        setup = Renderer(model, template, list(tools) if tools is not None else None, dict(template_kwargs or {}))
         self._init(setup, ((),), None)
         if system is not None:
             self._rows = self.system(system)._rows
 
-    def _init(self, setup: _Setup, rows: tuple[tuple[Message, ...], ...], state: Optional[SequenceState]) -> "Chat":
+    def _init(self, setup: Renderer, rows: tuple[tuple[Message, ...], ...], state: Optional[SequenceState]) -> "Chat":
         self._setup, self._rows, self._state = setup, rows, state
         return self
 
