@@ -434,3 +434,5 @@ SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
 SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}
 from .distributed_bench import b14; SCENARIOS["B14"] = b14  # noqa: E402,E702  (TP under torchrun, its own module)
+from .chat_bench import b12  # noqa: E402
+SCENARIOS["B12"] = b12

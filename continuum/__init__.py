@@ -4,7 +4,7 @@ Generate, slice, add, fork and resume token sequences without recomputing what t
 already seen. See ``docs/`` for the state model and ``README.md`` for a quick start.
 """
 
-from . import generate, models, samplers
+from . import chat, generate, models, samplers
 from .completion import Completion
 from .errors import (
     BatchMismatch,
@@ -14,6 +14,7 @@ from .errors import (
     SampleMismatch,
     SlicingError,
     TokenizerMismatch,
+    ChatTemplateError,
 )
 from .generate import continuous
 from .state import SequenceState
@@ -21,6 +22,7 @@ from .state import SequenceState
 __version__ = "0.1.0"
 
 __all__ = [
+    "chat",
     "models",
     "generate",
     "samplers",
@@ -34,4 +36,5 @@ __all__ = [
     "IncompleteGenerationError",
     "ModelMismatch",
     "TokenizerMismatch",
+    "ChatTemplateError",
 ]

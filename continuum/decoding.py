@@ -129,6 +129,7 @@ def decode(
     guidance: Optional[Guidance] = None,
     fast_forward: bool = True,
     token_healing: bool = False,
+    extra_eos: frozenset = frozenset(),
 ) -> Generator[Step, None, SequenceState]:
     """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``guidance``); yields a
     :class:`Step` per forward pass, returns the new state.
@@ -137,6 +138,7 @@ def decode(
     the same next forward pass (:mod:`continuum.fastforward`); ``max_tokens`` counts them.
     ``token_healing``: back up each row's last token and constrain the first generated token to
     re-cover its text (:mod:`continuum.healing`); the output still starts after the input's text.
+    ``extra_eos``: token ids that end a row like the tokenizer's EOS ids (a chat's end-of-turn token).
     With guidance the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
     """
     check_max_tokens(max_tokens)
@@ -160,7 +162,7 @@ def decode(
         rows.branch = UnconditionalBranch(guidance, state, steps)
         steps = rows.branch.steps  # capped where the unconditional rows reach the context
     C, W = kvcache.length(rows.kv), rows.width
-    eos, pad = tok.eos_token_ids, tok.pad_token_id
+    eos, pad = tok.eos_token_ids | frozenset(extra_eos), tok.pad_token_id
     ff = fast_forward and guide is not None and rows.branch is None
 
     def forward(start: int, end: int, logits: str = "last"):

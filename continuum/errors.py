@@ -28,6 +28,7 @@ __all__ = [
     "ContinuumTypeError",
     "PrefixCacheArgumentError",
     "ModelLoadError",
+    "ChatTemplateError",
 ]
 
 
@@ -150,3 +151,6 @@ class ModelLoadError(ContinuumError, ValueError):
     """``models.transformers`` cannot load the model as asked: the checkpoint is missing, or the parallel
     layout cannot work (``tp_plan`` outside ``torchrun``, heads not divisible by the number of processes,
     ``tp_plan`` with ``device_map``). The message says how to launch or what to change."""
+class ChatTemplateError(ContinuumError, ValueError):
+    """A chat template refused the messages (Gemma's system turn, Mistral's non-alternating roles...),
+    or there is no template to render them with; the message carries the template's own words."""

@@ -115,10 +115,10 @@ class Generator:
         return f"generate.{self.kind}({self.model!r}{what}, sampler={self.sampler!r})"
 
     # the plumbing shared with continuous()
-    def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
+    def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
                       kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
-                      fast_forward=self.fast_forward, token_healing=self.token_healing)
+                      fast_forward=self.fast_forward, token_healing=self.token_healing, extra_eos=extra_eos)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)
@@ -176,8 +176,8 @@ class ChoiceGenerator(Generator):
         super().__init__(model, sampler, kind="choice", description=repr(options), guidance=guidance, token_healing=token_healing)
         self.options, self.method = options, method
 
-    def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool):
-        if max_tokens == 0:  # prefill only, like every generator
+    def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
+        if max_tokens == 0:  # prefill only, like every generator (options end themselves: extra_eos is moot)
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..scoring import choose
 

@@ -1,0 +1,371 @@
+"""Chat sessions on continuous states: a chat is a ``SequenceState`` plus its messages.
+
+::
+
+    messages ──apply_chat_template──▶ canonical token ids ──┐ longest common token prefix
+    state (last reply, KV cache) ───────────────────────────┴─▶ cut there (cache kept), append the rest
+                                                              ──▶ any generator ──▶ new state + reply message
+
+Every reply continues exactly the tokens a stateless loop would feed the model: the messages
+rendered by transformers' ``apply_chat_template`` (``add_generation_prompt=True``, or
+``continue_final_message=True`` after :meth:`Chat.assistant`) and tokenized canonically. Templates
+that rewrite history (Qwen3 drops earlier ``<think>`` blocks, Llama-3 and Mistral trim messages) are
+why the state is *reconciled* with each new rendering by tokens instead of appending text: a turn
+computes only the tokens after the common prefix, plus the generated ones.
+
+The end of a turn is read from the template (a sentinel reply is rendered and what follows it is
+the end-of-turn marker: ``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``). A text reply
+stops there (or at the model's EOS); the marker is not kept: the next rendering closes the turn.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+
+from .chattemplate import Renderer
+from .errors import ChatTemplateError, ContinuumTypeError
+from .generate.continuous import ContinuousGenerator
+from .generate.generator import Generator
+from .state import SequenceState
+from .state.core import _NAN
+from .state.indexing import truncate
+
+__all__ = ["Chat", "ChatStream"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+Message = dict
+
+
+def _check_content(role: str, content: Any) -> str:
+    if not isinstance(content, str):
+        hint = " (decode bytes first)" if isinstance(content, (bytes, bytearray)) else (
+            " (serialise it first, e.g. json.dumps(obj))" if isinstance(content, (dict, list)) else "")
+        raise ContinuumTypeError(f"a {role} message's content must be a str, got {type(content).__name__}{hint}")
+    return content
+
+
+class Chat:
+    """An immutable chat: messages, the chat template that renders them, and the state behind them.
+
+    Args:
+        model: a continuum model (``models.transformers(...)``).
+        system: an optional first system message.
+        template: the Jinja chat template (default: the tokenizer's ``chat_template``).
+        tools: tool definitions (JSON schemas or functions) the template renders.
+        template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+
+    ``system/user/assistant/tool`` return a new chat with one more message (nothing is computed;
+    the template is rendered to check it accepts them: a refusal raises :class:`ChatTemplateError`).
+    :meth:`reply` generates the assistant turn with any generator. A chat has the rows of its
+    state: ``multinomial(n)`` or ``beam_search(n)`` fork it, ``c[i]`` is row ``i``'s chat.
+
+    Example:
+        >>> c = Chat(model, system="You are terse.").user("Name three colors.")   # doctest: +SKIP
+        >>> c = c.reply(generate.text(model, samplers.greedy()), max_tokens=30)  # doctest: +SKIP
+        >>> c.value, c.finish_reason, c.state.cached_tokens                      # doctest: +SKIP
+    """
+
+    __slots__ = ("_setup", "_rows", "_state")
+
+    def __init__(self, model, system: Optional[str] = None, *, template: Optional[str] = None,
+                 tools: Optional[Sequence[Any]] = None, template_kwargs: Optional[dict] = None):
+        if not hasattr(model, "tokenizer") or not hasattr(model, "forward"):
+            raise ContinuumTypeError(f"Chat takes a continuum model (models.transformers(...)), got {type(model).__name__}")
+        if template is not None and not isinstance(template, str):
+            raise ContinuumTypeError(f"template must be the Jinja text of a chat template, got {type(template).__name__}")
+        if template is None and not getattr(model.tokenizer.hf, "chat_template", None):
+            raise ChatTemplateError(f"the tokenizer {model.tokenizer.name!r} has no chat template: pass one, "
+                                    f"Chat(model, template=jinja_text) (e.g. the chat_template of an instruct model)")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ContinuumTypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
+        setup = Renderer(model, template, list(tools) if tools is not None else None, dict(template_kwargs or {}))
+        self._init(setup, ((),), None)
+        if system is not None:
+            self._rows = self.system(system)._rows
+
+    def _init(self, setup: Renderer, rows: tuple[tuple[Message, ...], ...], state: Optional[SequenceState]) -> "Chat":
+        self._setup, self._rows, self._state = setup, rows, state
+        return self
+
+    @classmethod
+    def _make(cls, setup, rows, state) -> "Chat":
+        return cls.__new__(cls)._init(setup, rows, state)
+
+    # ------------------------------------------------------------------ messages (nothing is computed)
+    def message(self, role: str, content: str, **fields: Any) -> "Chat":
+        """A new chat with one more message (``fields``: extra keys such as ``tool_calls`` or ``name``)."""
+        if role not in _ROLES:
+            raise ChatTemplateError(f"unknown role {role!r}: use one of {list(_ROLES)}")
+        msg = {"role": role, "content": _check_content(role, content), **copy.deepcopy(fields)}
+        rows = tuple(r + (msg,) for r in self._rows)
+        for r in rows:
+            self._setup.render(r, tokenize=False, generation=False)  # the template's refusal, raised here
+        return Chat._make(self._setup, rows, self._state)
+
+    def system(self, content: str) -> "Chat":
+        """Append a system message."""
+        return self.message("system", content)
+
+    def user(self, content: str) -> "Chat":
+        """Append a user message."""
+        return self.message("user", content)
+
+    def assistant(self, content: str, **fields: Any) -> "Chat":
+        """Append an assistant message. Left last, it is a *prefill*: :meth:`reply` continues it."""
+        return self.message("assistant", content, **fields)
+
+    def tool(self, content: str, **fields: Any) -> "Chat":
+        """Append a tool result message (``fields``: e.g. ``name`` or ``tool_call_id``)."""
+        return self.message("tool", content, **fields)
+
+    # ------------------------------------------------------------------ replies
+    def reply(self, generator: Union[Generator, ContinuousGenerator], max_tokens: Optional[int] = None,
+              stop_at: Union[str, Sequence[str], None] = None, rng: Optional[torch.Generator] = None) -> "Chat":
+        """The chat with the assistant's reply generated by ``generator`` (text, choice, regex, json, cfg).
+
+        A text reply ends at the template's end-of-turn marker or the model's EOS (the marker is
+        not part of the content); a constrained one when its constraint completes. ``max_tokens``,
+        ``stop_at`` and ``rng`` are passed to the generator.
+        """
+        turn = _Turn(self, generator, max_tokens, stop_at)
+        steps = turn.generator._steps(turn.state, max_tokens, turn.stops, rng, False, extra_eos=turn.end_ids)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return turn.finish(stop.value)
+
+    def stream_reply(self, generator: Union[Generator, ContinuousGenerator], max_tokens: Optional[int] = None,
+                     stop_at: Union[str, Sequence[str], None] = None, rng: Optional[torch.Generator] = None) -> "ChatStream":
+        """Like :meth:`reply`, but yields the reply's text as it is generated; then ``.chat`` is the new chat."""
+        turn = _Turn(self, generator, max_tokens, stop_at)
+        steps = turn.generator._steps(turn.state, max_tokens, turn.stops, rng, True, extra_eos=turn.end_ids)
+        return ChatStream(turn, steps)
+
+    def render(self, row: int = 0) -> str:
+        """The prompt text a reply of row ``row`` would continue (the template's rendering)."""
+        return self._setup.render(self._rows[row], tokenize=False, generation=True)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def messages(self) -> Union[list[Message], list[list[Message]]]:
+        """The messages (copies): one list, or one list per row when the chat has several rows."""
+        out = [copy.deepcopy(list(r)) for r in self._rows]
+        return out[0] if len(out) == 1 else out
+
+    @property
+    def state(self) -> Optional[SequenceState]:
+        """The state of the last reply (tokens, KV cache, weights); ``None`` before the first reply."""
+        return self._state
+
+    def _reply_state(self) -> SequenceState:
+        if self._state is None:
+            raise ValueError("this chat has no reply yet: call chat.reply(generator) first")
+        return self._state
+
+    @property
+    def value(self) -> Any:
+        """The last reply's value: its text (text, regex, cfg), the option (choice) or the parsed JSON;
+        a list over rows when there are several. A reply that continued an :meth:`assistant` prefill
+        gives the continuation (the message holds prefill + continuation)."""
+        return self._reply_state().value
+
+    @property
+    def finish_reason(self) -> Union[str, list[str], None]:
+        """Why the last reply ended: ``"eos"`` (end of turn or the model's EOS), ``"length"``,
+        ``"stop"``, ``"pattern"`` (the constraint completed) or ``"context"``; a list over rows."""
+        reasons = self._reply_state().finish_reasons
+        flat = [x for row in reasons for x in row] if reasons is not None else [None] * self.rows
+        return flat[0] if len(flat) == 1 else flat
+
+    @property
+    def model(self):
+        return self._setup.model
+
+    def __getitem__(self, i: int) -> "Chat":
+        """Row ``i``'s chat (its messages and its row of the state)."""
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ContinuumTypeError(f"a chat is indexed by a row number, got {type(i).__name__}")
+        if not -self.rows <= i < self.rows:
+            raise IndexError(f"row {i} out of range for a chat with {self.rows} row(s)")
+        i %= self.rows
+        if self.rows == 1:
+            return self
+        return Chat._make(self._setup, (self._rows[i],), self._state[0, i, :])
+
+    def __repr__(self) -> str:
+        msgs = self._rows[0]
+        state = "no reply yet"
+        if self._state is not None:
+            n = len(self._state._real_rows()[0][0])
+            state = f"{n} tokens, {self._state._cached_real()[0]} cached"
+        head = f"Chat({len(msgs)} messages, rows={self.rows}, {state}"
+        lines = [head + (", row 0 shown)" if self.rows > 1 else ")")]
+        for m in msgs[-8:] if len(msgs) <= 8 else msgs[-7:]:
+            text = m["content"] if len(m["content"]) <= 70 else m["content"][:40] + " ... " + m["content"][-25:]
+            lines.append(f"  {m['role']}: {text!r}")
+        if len(msgs) > 8:
+            lines.insert(1, f"  ... ({len(msgs) - 7} earlier messages)")
+        return "\n".join(lines)
+
+
+class _Turn:
+    """One reply in the making: the reconciled state going in, and how the result becomes a chat."""
+
+    def __init__(self, chat: Chat, generator, max_tokens, stop_at):
+        if isinstance(generator, ContinuousGenerator):
+            generator = generator.generator
+        if not isinstance(generator, Generator):
+            raise ContinuumTypeError(f"reply takes a generator (e.g. generate.text(model)), got {type(generator).__name__}")
+        if any(not r for r in chat._rows):
+            raise ChatTemplateError("a chat with no message cannot be replied to: add one, e.g. chat.user('Hi')")
+        self.chat, self.generator, self.max_tokens = chat, generator, max_tokens
+        setup = chat._setup
+        self.prompts = [list(setup.render(r, tokenize=True, generation=True)) for r in chat._rows]
+        self.state = _reconcile(chat._state, self.prompts, setup.model).to_model(generator.model)
+        # a continued prefill: the rendering ends with it, or with it right-stripped (a trimming template)
+        self.prefills = []
+        for r in chat._rows:
+            last = r[-1]
+            if last["role"] != "assistant":
+                self.prefills.append(None)
+                continue
+            text = setup.render(r, tokenize=False, generation=True)
+            self.prefills.append(last["content"] if text.endswith(last["content"]) else last["content"].rstrip())
+        end_ids, self.markers = setup.end_of_turn()
+        free = generator.guide is None and generator.kind == "text"  # a constrained reply ends with its constraint
+        self.end_ids = end_ids if free else frozenset()
+        self.markers = self.markers if free else ()
+        user_stops = [stop_at] if isinstance(stop_at, str) else list(stop_at or [])
+        self.stops = (user_stops + list(self.markers)) or None
+
+    def reply_texts(self, state: SequenceState) -> list[str]:
+        last, texts = state._last, state.texts
+        return [t[s:e] for t, s, e in zip(texts, last.starts, last.ends)]
+
+    def finish(self, state: SequenceState) -> Chat:
+        """Cut end-of-turn markers a stop string caught, then record the reply messages."""
+        finish = list(state._last.finish or ("",) * state.rows)
+        if self.markers:
+            texts, ends = state.texts, list(state._last.ends)
+            for r, (t, e) in enumerate(zip(texts, ends)):
+                marker = next((m for m in self.markers if finish[r] == "stop" and t[:e].endswith(m)), None)
+                if marker is not None:
+                    ends[r], finish[r] = e - len(marker), "eos"
+            if ends != list(state._last.ends):
+                cut = truncate(state, [e if e < len(t) else len(t) for e, t in zip(ends, texts)])
+                last = cut._last.edited(finish=tuple(finish), complete=state._last.complete)
+                state = SequenceState(model=cut._model, ids=cut._ids, mask=cut._mask, logprobs=cut._logprobs,
+                                      weights=cut._weights, kv=cut._kv, batch=cut.batch, samples=cut.samples, last=last)
+        replies = self.reply_texts(state)
+        new_rows = []
+        for r, (text, (ids, _)) in enumerate(zip(replies, state._real_rows())):
+            # the row it descends from (forks copy a row; beam search reorders rows and sorts them):
+            # the one whose prompt it continues
+            src = max(range(len(self.prompts)), key=lambda i: (_common_prefix(ids, self.prompts[i]), -i))
+            msgs, pre = self.chat._rows[src], self.prefills[src]
+            if pre is None:
+                new_rows.append(msgs + ({"role": "assistant", "content": text},))
+            else:
+                new_rows.append(msgs[:-1] + ({**msgs[-1], "content": pre + text},))
+        return Chat._make(self.chat._setup, tuple(new_rows), state)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _reconcile(state: Optional[SequenceState], prompts: list[list[int]], model) -> SequenceState:
+    """A state holding ``prompts`` (one per row) that keeps ``state``'s cache over their longest common
+    token prefix: each row is cut there and the rest of its prompt appended (uncached). Weights keep
+    the log-probs of the generated tokens inside the common prefix."""
+    if state is None:
+        rows = [list(p) for p in prompts]
+        return SequenceState._from_rows(model, rows, [[_NAN] * len(r) for r in rows], torch.zeros(len(rows)),
+                                        1, len(rows), None)
+    real, cached = state._real_rows(), state._cached_real()
+    if len(prompts) == 1 and state.rows > 1:
+        prompts = prompts * state.rows
+    keep, tails, weights = [], [], []
+    for r, new in enumerate(prompts):
+        ids, lps = real[r]
+        p = _common_prefix(ids, new)
+        c = min(p, cached[r])
+        keep.append(c)
+        tails.append((new[c:], lps[c:p] + [_NAN] * (len(new) - p)))
+        weights.append(math.fsum(x for x in lps[:p] if x == x))
+    return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), None)
+
+
+def _held_back(text: str, markers: Sequence[str]) -> str:
+    """``text`` without an end-of-turn marker and what follows it, nor a suffix that may start one."""
+    for m in markers:
+        at = text.find(m)
+        if at >= 0:
+            text = text[:at]
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), 0, -1):
+            if text.endswith(m[:k]):
+                return text[:-k]
+    return text
+
+
+class ChatStream:
+    """Iterates the reply's text chunks (a ``str``, or a list over rows); then :attr:`chat` is the new chat.
+
+    Beam search reorders its beams at every step, so it yields one chunk: the final replies.
+    """
+
+    def __init__(self, turn: _Turn, steps):
+        self._turn, self._steps, self._chat = turn, steps, None
+        self._beams = turn.generator.sampler.is_beam_search
+        self._iter = self._run()
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        return next(self._iter)
+
+    def _run(self):
+        emitted: list[str] = []
+        shape = lambda chunks: chunks[0] if len(chunks) == 1 else chunks  # noqa: E731
+        while True:
+            try:
+                step = next(self._steps)
+            except StopIteration as stop:
+                self._chat = self._turn.finish(stop.value)
+                break
+            if self._beams or step.texts is None:
+                continue
+            safe = [_held_back(t, self._turn.markers) for t in step.texts]
+            emitted = emitted if len(emitted) == len(safe) else [""] * len(safe)
+            chunks = [s[len(e):] if s.startswith(e) else "" for s, e in zip(safe, emitted)]
+            emitted = [e + c for e, c in zip(emitted, chunks)]
+            if any(chunks):
+                yield shape(chunks)
+        final = self._turn.reply_texts(self._chat.state)
+        emitted = emitted if len(emitted) == len(final) else [""] * len(final)
+        rest = [f[len(e):] if f.startswith(e) else f for f, e in zip(final, emitted)]
+        if self._beams or any(rest):
+            yield shape(rest)
+
+    @property
+    def chat(self) -> Chat:
+        """The chat with the reply (available once the stream is exhausted)."""
+        if self._chat is None:
+            raise RuntimeError("the stream is not finished yet: iterate over it first")
+        return self._chat
