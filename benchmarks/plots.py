@@ -34,6 +34,16 @@ def require_matplotlib():
     return plt
 
 
+def _log_axis(axis, set_scale) -> None:
+    """A log scale labelled 0.2, 0.3, 0.5, 1, 2... (plain numbers, not powers of ten)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    set_scale("log")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _filename(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "chart"
 
@@ -49,14 +59,14 @@ def line_chart(series: Mapping, path: Path, *, subtitle: str = "") -> Path:
         ax.plot([a for a, _ in pts], [b for _, b in pts], marker=markers[i % len(markers)], markersize=4,
                 linewidth=1.6, label=str(label))
     if series.get("log_y"):
-        ax.set_yscale("log")
+        _log_axis(ax.yaxis, ax.set_yscale)
     if all(isinstance(v, int) for v in x) and len(x) <= 20:
         ax.set_xticks(x)
     ax.set_xlabel(series.get("xlabel", ""))
     ax.set_ylabel(series.get("ylabel", ""))
     ax.set_title(series.get("title", ""), fontsize=11)
     if subtitle:
-        fig.text(0.99, 0.01, subtitle, ha="right", va="bottom", fontsize=7, color="#666")
+        fig.text(0.01, 0.01, subtitle[:120], ha="left", va="bottom", fontsize=6.5, color="#666")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -87,12 +97,12 @@ def plot_distributions(samples: Mapping[str, Sequence[float]], path, *, title: s
     ax.set_yticks(range(1, len(labels) + 1), labels, fontsize=8)
     ax.invert_yaxis()
     if log_x:
-        ax.set_xscale("log")
+        _log_axis(ax.xaxis, ax.set_xscale)
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=11)
     ax.grid(True, axis="x", which="both", alpha=0.3)
     if subtitle:
-        fig.text(0.99, 0.01, subtitle, ha="right", va="bottom", fontsize=7, color="#666")
+        fig.text(0.01, 0.01, subtitle[:120], ha="left", va="bottom", fontsize=6.5, color="#666")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         Path(args.markdown).write_text(common.format_markdown(rows) + "\n")
     if args.plot:
         from benchmarks.plots import plot_rows
-        sub = f"{bench.name} · {meta['mode']} mode · {meta['date']} · load {load0 and round(load0, 1)}"
+        sub = f"{bench.name.split(' (')[0]} · {meta['mode']} mode · {meta['date']} · load average {load0 and round(load0, 1)}"
         for path in plot_rows(rows, args.plot, subtitle=sub):
             print(f"chart: {path}")
     return 1 if (args.strict and failed) else 0

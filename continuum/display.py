@@ -166,7 +166,7 @@ def _tokens_html(row: _Row, lo: int, hi: int, *, cached: int = 0, marks=(), bars
                     continue
                 text = text[max(clip[0] - a, 0):len(text) - max(b - clip[1], 0)]
             tid, lp = row.ids[k], row.lps[k]
-            kind = next((m for s, e, m in marks if a >= 0 and s <= a and b <= e and (b > a or s < e)), "")
+            kind = next((m for s, e, m in marks if 0 <= a and s <= a and b <= e), "")
             tip = _esc(_tooltip(k, tid, text, lp, kind, k < cached))
             style = ("" if lp != lp else _shade(lp)) + (_FORCED if kind == "forced" else _HEALED if kind == "healed" else "")
             if text:
