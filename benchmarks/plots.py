@@ -12,6 +12,7 @@ matplotlib is an optional extra (``pip install -e .[plot]``), imported only when
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -35,11 +36,15 @@ def require_matplotlib():
 
 
 def _log_axis(axis, set_scale) -> None:
-    """A log scale labelled 0.2, 0.3, 0.5, 1, 2... (plain numbers, not powers of ten)."""
+    """A log scale labelled with plain numbers (0.2, 0.5, 1, 2...: not powers of ten), fewer over a wide range."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     set_scale("log")
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    axis.axes.autoscale_view()
+    lo, hi = sorted(axis.get_view_interval())
+    decades = math.log10(hi / lo) if lo > 0 else 9.0
+    subs = (1.0, 2.0, 3.0, 5.0) if decades <= 1.5 else (1.0, 2.0, 5.0) if decades <= 2.5 else (1.0,)  # no overlaps
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 

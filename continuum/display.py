@@ -34,7 +34,7 @@ MAX_ROWS = 64  # rows drawn at most; the rest are counted
 _CONTEXT = 8  # tokens decoded before a window, so its first token decodes as it does in the row
 
 _BOX = ("font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;line-height:1.7;"
-        "color:#1a1a1a;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px;max-width:100%")
+        "color:#1a1a1a;background:#fff;border:1px solid #d0d7de;border-radius:6px;padding:8px;margin:4px 0;max-width:100%")
 _HEAD = "font-family:system-ui,-apple-system,Segoe UI,sans-serif;font-size:12px;color:#444;margin:2px 0"
 _TEXT = "white-space:pre-wrap;word-break:break-word;overflow-wrap:anywhere"
 _FORCED = "border-bottom:2px solid #1f5fd1;"
@@ -217,12 +217,13 @@ def _row_html(state, r: int, label: str) -> str:
             f'{_row_header(state, r, label)}<div style="{_TEXT}">{body}</div></div>')
 
 
-def _legend() -> str:
+def _legend(bars: bool = True) -> str:
     ramp = "".join(f'<span style="{_shade(math.log(p))}padding:0 3px">{p:g}</span>' for p in (0.01, 0.25, 0.5, 0.75, 1))
-    return (f'<div style="{_HEAD};color:#666">prompt/added text plain · generated, shaded by probability {ramp} · '
-            f'<span style="{_FORCED}">forced</span> · <span style="{_HEALED}padding:0 2px">healed</span> · '
-            f'{_bar("#1f5fd1", "KV cache boundary")} cache ends · {_bar("#d1242f", "last step boundary")} last step · '
-            f"hover a token for its id and log-prob</div>")
+    marks = (f'{_bar("#1f5fd1", "KV cache boundary")} cache ends · {_bar("#d1242f", "last step boundary")} last step · '
+             if bars else "")
+    return (f'<div style="{_HEAD};color:#666">{"prompt/added text plain · " if bars else ""}generated, shaded by '
+            f'probability {ramp} · <span style="{_FORCED}">forced</span> · <span style="{_HEALED}padding:0 2px">healed'
+            f"</span> · {marks}hover a token for its id and log-prob</div>")
 
 
 def _ascii(markup: str) -> str:
@@ -318,7 +319,7 @@ def chat_to_html(messages, state=None) -> str:
                             f"pass one message list per batch row of the state (or no state)")
     parts = [f'<div style="{_BOX}">']
     if state is not None:
-        parts.append(_legend())
+        parts.append(_legend(bars=False))
     for b, conv in enumerate(convs):
         parts.append(f'<div data-chat="{b}" style="margin-top:4px">')
         if len(convs) > 1:
