@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, metavar="DIR", help="also write DIR/guide_mask.png (needs matplotlib)")
     args = ap.parse_args(argv)
     dists: dict[str, list[float]] = {}  # --plot: per-row mask times per tokenizer / engine / batch
+    if args.plot:  # fail now (matplotlib missing), not after measuring
+        from benchmarks.plots import require_matplotlib
+        require_matplotlib()
     torch.set_num_threads(1)
     print(f"{'tokenizer':<12} {'engine':<11} {'rows':>4} {'tokens':>6} {'compile ms':>10} "
           f"{'p50 us/row':>10} {'p99 us/row':>10} {'max us/row':>10}")
