@@ -72,7 +72,7 @@ def measure(tokenizer, backend: str, rows: int, reps: int = 3) -> dict:
             assert all(s is not None for s in states)
         assert all(guide.is_final(s) for s in states)
     return {"backend": backend, "rows": rows, "tokens": len(ids), "compile_ms": compile_s * 1e3,
-            "p50_us": statistics.median(per_row), "p99_us": _pct(per_row, 0.99), "max_us": max(per_row)}
+            "p50_us": statistics.median(per_row), "p99_us": _pct(per_row, 0.99), "max_us": max(per_row), "samples": per_row}
 
 
 def main(argv=None) -> int:
@@ -81,7 +81,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizers", default="gpt2,llama3-bpe")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--plot", default=None, metavar="DIR", help="also write DIR/guide_mask.png (needs matplotlib)")
     args = ap.parse_args(argv)
+    dists: dict[str, list[float]] = {}  # --plot: per-row mask times per tokenizer / engine / batch
+    if args.plot:  # fail now (matplotlib missing), not after measuring
+        from benchmarks.plots import require_matplotlib
+        require_matplotlib()
     torch.set_num_threads(1)
     print(f"{'tokenizer':<12} {'engine':<11} {'rows':>4} {'tokens':>6} {'compile ms':>10} "
           f"{'p50 us/row':>10} {'p99 us/row':>10} {'max us/row':>10}")
@@ -99,8 +104,13 @@ def main(argv=None) -> int:
         for backend in ("llguidance", "outlines"):
             for rows in (1, 8):
                 r = measure(tok, backend, rows, args.reps)
+                dists[f"{name} {backend} x{rows}"] = r["samples"]
                 print(f"{name:<12} {backend:<11} {rows:>4} {r['tokens']:>6} {r['compile_ms']:>10.1f} "
                       f"{r['p50_us']:>10.1f} {r['p99_us']:>10.1f} {r['max_us']:>10.1f}")
+    if args.plot and dists:
+        from benchmarks.plots import plot_distributions
+        print("chart:", plot_distributions(dists, Path(args.plot) / "guide_mask.png", xlabel="microseconds per row per token",
+                                           title="JSON guide mask time per engine (rows x1 / x8 per call)"))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Benchmark runner: ``python -m benchmarks [--quick] [--only B1,B3] [--model PATH] [--json out.json]``.
+"""Benchmark runner: ``python -m benchmarks [--quick] [--only B1,B3] [--model PATH] [--json out.json] [--plot DIR]``.
 
 Every figure is a ratio against a baseline measured in the same run (median of paired repetitions
 after a warm-up), so the check holds on a noisy machine. Exit code 0 even when targets are missed
@@ -33,6 +33,8 @@ def _parse(argv):
     p.add_argument("--json", default=None, help="write all figures and notes to this JSON file")
     p.add_argument("--markdown", default=None, help="write the table as Markdown to this file")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write PNG charts of the per-turn / per-call figures to DIR (needs matplotlib: pip install -e '.[plot]')")
     return p.parse_args(argv)
 
 
@@ -42,6 +44,10 @@ def main(argv=None) -> int:
         if "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
             print("note: torch was imported before the runner; OMP_WAIT_POLICY could not be set", file=sys.stderr)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    if args.plot:  # fail now, not after the run
+        from benchmarks.plots import require_matplotlib
+        require_matplotlib()
 
     import torch
 
@@ -109,6 +115,11 @@ def main(argv=None) -> int:
         common.write_json(args.json, meta, rows)
     if args.markdown:
         Path(args.markdown).write_text(common.format_markdown(rows) + "\n")
+    if args.plot:
+        from benchmarks.plots import plot_rows
+        sub = f"{bench.name.split(' (')[0]} · {meta['mode']} mode · {meta['date']} · load average {load0 and round(load0, 1)}"
+        for path in plot_rows(rows, args.plot, subtitle=sub):
+            print(f"chart: {path}")
     return 1 if (args.strict and failed) else 0
 
 

@@ -226,7 +226,12 @@ def b3(bench: Bench, cfg: Config) -> List[Row]:
                    baseline="HF generate re-prompting the whole text, 1 token", figure=speedups[worst], op=">=",
                    threshold=targets[worst], unit="x faster", base_s=bt[worst], cont_s=ct[worst], base_tps=1 / bt[worst],
                    cont_tps=1 / ct[worst], base_rss_mb=b_rss, cont_rss_mb=c_rss, reps=len(runs),
-                   notes=notes + turn_notes)
+                   notes=notes + turn_notes,
+                   series={"title": f"B3: time to first token per turn ({hlen}-token history)", "x": list(range(1, T + 1)),
+                           "xlabel": "turn", "ylabel": "seconds", "log_y": True,
+                           "lines": {"re-prompting (HF generate)": bt, "continuum": ct,
+                                     "model-only bound (forward over the uncached suffix)":
+                                     [median([x["c_fwd"][k] for x in runs]) for k in range(T)]}})
     flats = [median([x["c_ttft"][k] / x["c_ref"][k] for x in runs]) for k in range(T)]
     flat_row = Row(id="B3b", title=f"session TTFT flatness (turn {T} / turn 1)", baseline="continuum turn-1 TTFT",
                    figure=flats[-1], op="<=", threshold=1.5, unit="x time", base_s=median([x["c_ref"][-1] for x in runs]),

@@ -26,7 +26,7 @@ from . import prefix_cache
 from .cache import positions  # (re-exported: it lives with the cache's column layout)
 from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
 from .guidance import Guidance, UnconditionalBranch
-from .fastforward import forced_runs, run_logprobs
+from .fastforward import forced_runs, run_logprobs, step_marks
 from .guides import Guide
 from .healing import apply_heal_masks, heal
 from .rows import Rows
@@ -270,6 +270,7 @@ def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -
             if not rows.accept(r, t):
                 del run[i:]
                 break
+            rows.forced[r] += (rows.generated[r] - 1,)  # a tuple, rebound: beam heirs never share it
             if rows.finished[r]:
                 del run[i + 1:]
                 break
@@ -279,7 +280,7 @@ def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -
 def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,
             exhausted: str) -> SequenceState:
     """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
-    R = rows.ids.shape[0]
+    R, tok = rows.ids.shape[0], state._model.tokenizer
     for r in range(R):  # rows still running when the steps ran out
         if rows.reason[r] is None:
             rows.end(r, exhausted)
@@ -306,9 +307,13 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
     resumable = None
     if guide is not None and not any(c is not None for c in cuts):
         resumable = tuple(rows.guide_states[r] for r in order)
+    real = out._real_rows()  # forced and healed tokens, for the display (LastStep.marks)
+    marks = tuple(step_marks(tok, real[i][0], texts[i], rows.generated[r],
+                             {**{o: "forced" for o in rows.forced[r]}, **({0: "healed"} if rows.heal_chars[r] else {})},
+                             starts[i]) for i, r in enumerate(order))
     last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse,
                     max_tokens=max_tokens, guide_key=guide.key if guide is not None else None, guide_states=resumable,
-                    finish=tuple(rows.reason[r] for r in order))
+                    finish=tuple(rows.reason[r] for r in order), marks=marks)
     if any(c is not None for c in cuts):
         out = out._truncate(ends)
     return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["forced_runs", "run_logprobs"]
+__all__ = ["forced_runs", "run_logprobs", "step_marks"]
 
 
 def forced_runs(guide, states: Sequence, live: Sequence[bool], budgets: Sequence[int], group: int,
@@ -77,3 +77,27 @@ def run_logprobs(logits: torch.Tensor, runs: Sequence[Sequence[int]], width: int
         out[r] = lps[i:i + len(run)]
         i += len(run)
     return out
+
+
+def step_marks(tokenizer, ids: Sequence[int], text: str, generated: int, kinds: dict[int, str], start: int) -> tuple:
+    """The ``LastStep.marks`` of one row: ``(start, end, kind)`` character spans relative to ``start``.
+
+    ``ids``/``text``: the row's real tokens and text, ending with the ``generated`` tokens of this
+    step; ``kinds``: ordinal of a generated token (0 = the step's first) -> ``"forced"`` or
+    ``"healed"``. Only the step's tokens (and a few before, for context) are decoded; a row whose
+    text does not end with that window's text (a character split at the window's edge) stays unmarked.
+    """
+    if not kinds or generated <= 0:
+        return ()
+    from .text import token_char_spans
+
+    first = len(ids) - generated
+    lo = max(0, first - 8)
+    window = list(ids[lo:])
+    tail = tokenizer.decode(window)
+    if not text.endswith(tail):
+        return ()
+    shift = len(text) - len(tail) - start
+    spans = token_char_spans(tokenizer, window)
+    return tuple((spans[first - lo + k][0] + shift, spans[first - lo + k][1] + shift, kind)
+                 for k, kind in sorted(kinds.items()) if first - lo + k < len(spans))

@@ -42,6 +42,7 @@ class Rows:
         self.complete = [guide is None] * R
         self.stop_cut: list[Optional[int]] = [None] * R
         self.generated = [0] * R  # tokens appended per row (sampled and forced): max_tokens counts both
+        self.forced: list[tuple[int, ...]] = [()] * R  # ordinals (in generated) of fast-forwarded tokens
         self.reason: list[Optional[str]] = [None] * R  # why each row finished (LastStep.finish)
         ctx = state._model.context_length  # tokens each row may still add before its own context limit
         self.room = (ctx - state._mask.sum(1)).tolist() if ctx is not None else [math.inf] * R
@@ -74,7 +75,7 @@ class Rows:
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
         self.kv = kvcache.select_rows(self.kv, ancestors) if self.branch is None else self.branch.reorder(ancestors, self.kv)
         self.weights = self.weights.index_select(0, ancestors.cpu())
-        for name in ("finished", "complete", "stop_cut", "reason", "room", "start_chars", "generated", "heal",
+        for name in ("finished", "complete", "stop_cut", "reason", "room", "start_chars", "generated", "forced", "heal",
                      "heal_chars", "resumed"):
             setattr(self, name, [getattr(self, name)[i] for i in idx])
         if self.guide_states is not None:

@@ -145,6 +145,7 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
         l0 = states[0]._last
         last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
                          complete=sum((s._last.complete for s in states), ()),
-                         finish=sum((s._last.finish for s in states), ()) if all(s._last.finish for s in states) else None)
+                         finish=sum((s._last.finish for s in states), ()) if all(s._last.finish for s in states) else None,
+                         marks=sum((s._last.marks for s in states), ()) if all(s._last.marks for s in states) else None)
     return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
                          batch=sum(s.batch for s in states), samples=first.samples, last=last)

@@ -313,6 +313,14 @@ class SequenceState:
         return (f"SequenceState(batch={self.batch}, samples={self.samples}, tokens={[len(r) for r, _ in self._real_rows()][:4]}, "
                 f"cached={cached[:4]}, weights={w}, texts=[{shown}])")
 
+    def to_html(self) -> str:
+        """This state as HTML, what a notebook shows (tokens shaded by probability, cache and last-step
+        boundaries, weights, finish reasons; :mod:`continuum.display`); write it to a file to view it."""
+        from ..display import state_to_html
+        return state_to_html(self)
+
+    _repr_html_ = to_html  # Jupyter, VS Code and Colab draw a state with it
+
     # ------------------------------------------------------------------ row selection
     def _select(self, rows: Sequence[int], batch: int, samples: int) -> "SequenceState":
         """Rows ``rows`` (any order, repeats allowed); columns that are padding in all of them are dropped."""

@@ -125,9 +125,19 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
         clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
         last = state._last.edited(starts=tuple(clip(x, r) for r, x in enumerate(state._last.starts)),
                        ends=tuple(clip(x, r) for r, x in enumerate(state._last.ends)),
-                       complete=tuple(c and state._last.ends[r] <= bounds[r][1] for r, c in enumerate(state._last.complete)))
+                       complete=tuple(c and state._last.ends[r] <= bounds[r][1] for r, c in enumerate(state._last.complete)),
+                       marks=_rebase_marks(state._last, bounds))
     return SequenceState._from_rows(state._model, rows, [[_NAN] * len(x) for x in rows],
                                     torch.tensor(weights, dtype=state._weights.dtype), state.batch, state.samples, last)
+
+
+def _rebase_marks(last, bounds: Sequence[tuple[int, int]]):
+    """``LastStep.marks`` (relative to the step's start) after cutting ``text[start:stop]``: a cut
+    inside the step moves its start to 0, so its marks move back by what was cut of the step."""
+    if last.marks is None:
+        return None
+    return tuple(tuple((a - max(b0 - s, 0), b - max(b0 - s, 0), k) for a, b, k in row)
+                 for row, s, (b0, _) in zip(last.marks, last.starts, bounds))
 
 
 def _axis(key, size: int, name: str) -> list[int]:

@@ -26,11 +26,16 @@ class LastStep:
     guide_states: tuple[Any, ...] | None = None
     # Why each row's step ended: "eos", "stop", "length" (max_tokens), "context", "pattern". Kept through edits.
     finish: tuple[str, ...] | None = None
+    # Per row, the tokens of the step that the loop did not sample freely, as ``(start, end, kind)``
+    # character spans RELATIVE TO ``starts[r]`` (so prepending text keeps them): kind ``"forced"``
+    # (fast-forward, :mod:`continuum.fastforward`) or ``"healed"`` (token healing: the first token,
+    # which starts before the step, :mod:`continuum.healing`). Read by :mod:`continuum.display`.
+    marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
 
     def select(self, rows: Sequence[int]) -> "LastStep":
         pick = lambda t: tuple(t[r] for r in rows) if t is not None else None  # noqa: E731
         return replace(self, starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
-                       guide_states=pick(self.guide_states), finish=pick(self.finish))
+                       guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks))
 
     def edited(self, **changes) -> "LastStep":
         """The same step after the text was edited: resumable guide states are dropped."""
