@@ -202,6 +202,23 @@ class Chat:
             return self
         return Chat._make(self._setup, (self._rows[i],), self._state[0, i, :])
 
+    def to_html(self) -> str:
+        """The chat as HTML: turns (role, content), the last reply's tokens shaded by probability
+        (samples or beams side by side); see :func:`continuum.display.chat_to_html`."""
+        from .display import chat_to_html
+
+        st, rows = self._state, self._rows
+        S = st.samples if st is not None else 1
+        shared = st is not None and st.batch * S == self.rows and all(
+            rows[i][:-1] == rows[i - i % S][:-1] for i in range(self.rows))
+        if not shared:  # no reply yet, or samples whose histories differ: each row's turns as text
+            return chat_to_html([list(r) for r in rows])
+        # one conversation per batch row: its samples share the history; their replies come from the state
+        return chat_to_html([list(rows[b * S]) for b in range(st.batch)], st)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
     def __repr__(self) -> str:
         msgs = self._rows[0]
         state = "no reply yet"

@@ -455,3 +455,19 @@ def test_a_200_turn_chat_keeps_memory_flat():
     held200, reach200 = per_token[200]
     assert held200 <= 1.5 * held50 and reach200 <= 1.5 * reach50, per_token
     assert len(chat.messages) == 400
+
+
+def test_a_chat_renders_as_html_turns_with_the_reply_shaded():
+    from html.parser import HTMLParser
+
+    model, chat = chat_for("smollm2")
+    assert "Hi &lt;b&gt;" in chat.user("Hi <b>").to_html()  # before any reply: turns as escaped text
+    c = chat.user("Hi <b>").reply(generate.text(model, samplers.multinomial(2)), max_tokens=4,
+                                  rng=torch.Generator().manual_seed(0))
+    markup = c._repr_html_()
+    HTMLParser().feed(markup)
+    assert "Hi &lt;b&gt;" in markup and "Hi <b>" not in markup
+    assert markup.count("data-row") >= 2  # both samples' replies drawn from the state
+    later = c.user("More")
+    HTMLParser().feed(later.to_html())
+    assert "More" in later.to_html()
