@@ -10,7 +10,8 @@ Work: a greedy generation (``new`` tokens on a 32-token prompt) and an 8-turn co
 (a 128-token history, each turn appends a question and generates ``turn_new`` tokens). The model is
 a random Llama shaped like GPT-2 small (768 wide, 12 heads, 12 layers; 4 in quick mode) over the
 benchmark tokenizer, saved to a temporary folder. The figure is the median time of the TP run over
-the median time of the 1-thread single process: it documents the overhead, not a speed-up. Under TP every
+the median time of the 1-thread single process, checked against <= 2 (a bound on the overhead,
+not a speed-up claim). Under TP every
 layer's attention and MLP end in an all-reduce of the hidden states, the embedding in one more, and
 the logits are all-gathered: ``2 * layers + 2`` collectives per forward, each a gloo round trip
 between processes on a 2-core CPU, and every op on a DTensor weight goes through the DTensor
@@ -177,11 +178,12 @@ def b14(bench, cfg) -> List:
         notes.append("launches (model load included): " + ", ".join(f"{w} process(es) x {t} thread(s) {s:.0f}s"
                                                                       for (w, t), s in launch_s.items()))
         row = Row(id="B14" + ("a" if what == "greedy" else "b"), title=f"TP 2 procs (gloo) vs 1 proc: {title}",
-                  baseline="the same calls in 1 process, 1 thread", figure=tp_s / one_s, op="<=", threshold=4.0,
+                  baseline="the same calls in 1 process, 1 thread", figure=tp_s / one_s, op="<=", threshold=2.0,
                   unit="x time", base_s=one_s, cont_s=tp_s, reps=reps,
-                  notes=notes + ["overhead, not a speed-up: on a 2-core CPU the 2 ranks share the cores one process "
-                                 "already uses, and each forward adds 2 gloo round trips per layer; each rank computes "
-                                 "half of every layer, so on idle cores the ideal is 0.5x plus the collectives"])
+                  notes=notes + ["each rank computes half of every layer on its own core (ideal 0.5x) and waits for "
+                                 "2 gloo round trips per layer; on a machine shared with other jobs, 2 processes also "
+                                 "get up to twice the CPU share of 1. The target bounds the overhead (TP never costs "
+                                 "more than 2x one process); it is not a speed-up claim"])
         if what == "session":
             row.series = {"title": "B14: time per turn, TP (2 processes, gloo) vs 1 process", "x": list(range(1, 9)),
                           "xlabel": "turn", "ylabel": "seconds", "lines": {"1 process": per_turn_one, "TP, 2 processes": per_turn_tp}}

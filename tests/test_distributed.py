@@ -32,7 +32,8 @@ def _gloo_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-pytestmark = pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with gloo is not available")
+pytestmark = [pytest.mark.skipif(not _gloo_available(), reason="torch.distributed with gloo is not available"),
+              pytest.mark.slow]  # ~45 s: one torchrun launch (2 processes), the single-process run, the tokenizer
 
 
 @pytest.fixture(scope="module")
