@@ -321,6 +321,10 @@ def test_bad_inputs_get_clear_errors():
         chat.user("hi").value
     with pytest.raises(ContinuumTypeError, match="generator"):
         chat.user("hi").reply("not a generator")
+    from continuum.errors import GeneratorArgumentError
+
+    with pytest.raises(GeneratorArgumentError, match="stop_at"):
+        chat.user("hi").reply(generate.text(model), stop_at=3)
 
 
 # ------------------------------------------------------------------------------------ constrained replies
