@@ -57,7 +57,7 @@ def chat_bench_model(bench: Bench) -> Bench:
 def b12(bench: Bench, cfg) -> List[Row]:
     bench = chat_bench_model(bench)
     turns, new = getattr(cfg, "b12_turns", 16), getattr(cfg, "b12_new", 16)
-    inner = 1 if cfg.quick else 3  # TTFT probes per side and turn (median)
+    inner = 3  # TTFT probe pairs per turn: the turn's figure is the median of their paired ratios
     reps = 1 if cfg.quick else cfg.heavy_reps
     tpl, tok = smollm2_template(), bench.tok
     # size the user turns (~40 tokens) so that the last turn fits the context
@@ -79,7 +79,7 @@ def b12(bench: Bench, cfg) -> List[Row]:
         return {"generated": 1, "first": int(out[0, -1]), "prompt": len(ids), "ids": list(ids)}
 
     def session(rep: int) -> dict:
-        r = {"b": [], "c": [], "c_fwd": [], "probe": [], "computed": [], "expected": [], "prompt": [], "agree": True, "rewritten": 0}
+        r = {"b": [], "c": [], "c_fwd": [], "ratio": [], "cpu": [], "bound": [], "probe": [], "computed": [], "expected": [], "prompt": [], "agree": True, "rewritten": 0}
         chat = Chat(bench.model, template=tpl)
         for k, u in enumerate(users):
             asked = chat.user(u)
@@ -89,7 +89,7 @@ def b12(bench: Bench, cfg) -> List[Row]:
                 held["probe"] = asked.reply(gen, max_tokens=1)
                 return 1
 
-            bs, cs, fw, pc = [], [], [], []
+            bs, cs, fw, pc, rs, cpu, bd = [], [], [], [], [], [], []
             for i in range(inner):
                 order = (rep + k + i) % 2
                 first = measure(bench, cont) if order else None
@@ -99,10 +99,16 @@ def b12(bench: Bench, cfg) -> List[Row]:
                 cs.append(c.seconds)
                 fw.append(c.forward_seconds)
                 pc.append(c.computed)
+                rs.append(b.seconds / c.seconds)
+                cpu.append(b.cpu_seconds / c.cpu_seconds)
+                bd.append(b.seconds / c.forward_seconds)
             r["b"].append(median(bs))
             r["c"].append(median(cs))
             r["c_fwd"].append(median(fw))
             r["probe"].append(int(median(pc)))
+            r["ratio"].append(median(rs))
+            r["cpu"].append(median(cpu))
+            r["bound"].append(median(bd))
             r["agree"] &= b.extra["first"] == int(held["probe"].state.token_ids[0, -1])
             r["prompt"].append(b.extra["prompt"])
             before, ids = chat.state, b.extra["ids"]
@@ -117,7 +123,7 @@ def b12(bench: Bench, cfg) -> List[Row]:
             generated = int(chat.state.attention_masks[0].sum()) - b.extra["prompt"]
             r["computed"].append(turn.computed)
             r["expected"].append(len(ids) - keep + generated - 1)  # the prompt after the prefix + generated - 1
-        log(f"    rep {rep + 1}/{reps}: TTFT speedup per turn " + " ".join(f"{x / y:.1f}" for x, y in zip(r["b"], r["c"])))
+        log(f"    rep {rep + 1}/{reps}: TTFT speedup per turn " + " ".join(f"{x:.1f}" for x in r["ratio"]))
         return r
 
     # warm-up: a short chat on both sides
@@ -128,15 +134,17 @@ def b12(bench: Bench, cfg) -> List[Row]:
     T = turns
     bt = [median([x["b"][k] for x in runs]) for k in range(T)]
     ct = [median([x["c"][k] for x in runs]) for k in range(T)]
-    speed = [median([x["b"][k] / x["c"][k] for x in runs]) for k in range(T)]
-    bound = [median([x["b"][k] / x["c_fwd"][k] for x in runs]) for k in range(T)]
+    speed = [median([x["ratio"][k] for x in runs]) for k in range(T)]
+    cpu = [median([x["cpu"][k] for x in runs]) for k in range(T)]
+    bound = [median([x["bound"][k] for x in runs]) for k in range(T)]
     computed, expected, prompts = runs[0]["computed"], runs[0]["expected"], runs[0]["prompt"]
     notes = [
         f"{T} turns, user turns ~{user_len} tokens, {new} tokens per reply; the prompt grows "
         f"{prompts[0]} -> {prompts[-1]} tokens; TTFT = a 1-token reply, median of {inner} probe(s) per side and turn",
         "TTFT per turn (s), stateless: " + " ".join(f"{x:.3f}" for x in bt),
         "TTFT per turn (s), chat:      " + " ".join(f"{x:.3f}" for x in ct),
-        "TTFT speedup per turn: " + " ".join(f"{x:.1f}" for x in speed),
+        "TTFT speedup per turn (median of the paired probe ratios): " + " ".join(f"{x:.1f}" for x in speed),
+        "the same in process CPU time (less sensitive to other jobs): " + " ".join(f"{x:.1f}" for x in cpu),
         "model-only bound per turn (stateless TTFT / the model's forward in the chat's probe): "
         + " ".join(f"{x:.1f}" for x in bound),
         "positions computed per turn (chat, whole reply): " + " ".join(map(str, computed))
@@ -146,10 +154,15 @@ def b12(bench: Bench, cfg) -> List[Row]:
         f"changed token; otherwise a turn computes its new tokens + the generated ones)",
         f"first reply token equal on both sides at every turn: {'OK' if all(x['agree'] for x in runs) else 'NO'}",
     ]
+    achievable = None
+    if bound[-1] < 11.0:  # as in B3: small-batch GEMMs run at a fraction of a long prefill's throughput on CPU
+        achievable = (f"the model's own forward over the chat's {runs[0]['probe'][-1]}-position suffix takes 1/{bound[-1]:.1f} "
+                      f"of the stateless TTFT in this run: no implementation can beat {bound[-1]:.1f}x here; the chat "
+                      f"reaches {speed[-1] / bound[-1]:.0%} of that bound")
     row = Row(id="B12", title=f"chat TTFT at turn {T} ({prompts[-1]}-token prompt)",
               baseline="apply_chat_template + HF generate (stateless), 1 token", figure=speed[-1], op=">=",
               threshold=10.0, unit="x faster", base_s=bt[-1], cont_s=ct[-1], base_tps=1 / bt[-1], cont_tps=1 / ct[-1],
-              base_computed=prompts[-1], cont_computed=runs[0]["probe"][-1], reps=len(runs), notes=notes,
+              base_computed=prompts[-1], cont_computed=runs[0]["probe"][-1], reps=len(runs), notes=notes, achievable=achievable,
               series={"title": "B12: chat time to first token per turn", "x": list(range(1, T + 1)), "xlabel": "turn",
                       "ylabel": "TTFT (s)", "log_y": True,
                       "lines": {"stateless (apply_chat_template + HF generate)": bt, "continuum chat": ct}})

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from .chattemplate import Renderer
+from .decoding import _stop_list
 from .errors import ChatTemplateError, ContinuumTypeError
 from .generate.continuous import ContinuousGenerator
 from .generate.generator import Generator
@@ -262,8 +263,7 @@ class _Turn:
         free = generator.guide is None and generator.kind == "text"  # a constrained reply ends with its constraint
         self.end_ids = end_ids if free else frozenset()
         self.markers = self.markers if free else ()
-        user_stops = [stop_at] if isinstance(stop_at, str) else list(stop_at or [])
-        self.stops = (user_stops + list(self.markers)) or None
+        self.stops = (_stop_list(stop_at) + list(self.markers)) or None  # (a bad stop_at raises here)
 
     def reply_texts(self, state: SequenceState) -> list[str]:
         last, texts = state._last, state.texts
