@@ -197,6 +197,40 @@ def seeding(ctx: Context) -> dict[str, dict]:
     return {"unseeded_warning": record(value=warned == (ctx.model.fingerprint.world_size > 1))}
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@section
+def chat(ctx: Context) -> dict[str, dict]:
+    """Chat sessions: a text reply, a choice reply, forks across turns, an assistant prefill."""
+    from continuum.chat import Chat
+
+    m = ctx.model
+    c = Chat(m, template=CHATML, system="Be brief.")
+    c1 = c.user("Tell me a story.").reply(generate.text(m, samplers.greedy()), max_tokens=6)
+    c2 = c1.user("Again?").reply(generate.choice(m, ["yes", "no"], samplers.greedy()))
+    forks = c2.user("More.").reply(generate.text(m, samplers.multinomial(2)), max_tokens=4, rng=rng(8))
+    pre = forks[1].assistant("Once").reply(generate.text(m, samplers.greedy()), max_tokens=3)
+    return {"text": record(c1.state, value=c1.messages), "choice": record(c2.state, value=c2.value),
+            "forks": record(forks.state, value=forks.messages), "prefill": record(pre.state, value=pre.messages)}
+
+
+@section
+def prefix_cache(ctx: Context) -> dict[str, dict]:
+    """The automatic prefix cache on the same (sharded) model: hits reuse each rank's own heads."""
+    m = ctx.model
+    cached = models.Transformers(m.model, m.tokenizer.hf, prefix_cache="16MiB")
+    shared = "Once upon a time there was a dog who liked to run in the park with his friends. " * 2
+    gen = continuous(generate.text(cached, samplers.greedy()))
+    first = gen([shared + "One day", shared + "The cat"], max_tokens=4)
+    again = gen([shared + "Then", shared + "One day"], max_tokens=4)
+    stats = cached.prefix_cache.stats()
+    plain = continuous(generate.text(m, samplers.greedy()))([shared + "Then", shared + "One day"], max_tokens=4)
+    return {"first": record(first), "again": record(again), "again_uncached": record(plain),
+            "hits": record(value=[stats["hits"] > 0, stats["tokens_reused"], stats["bytes"] <= stats["max_bytes"]])}
+
+
 # ------------------------------------------------------------------------------------ driver
 def load_model(path: str):
     """The same checkpoint: tensor-parallel under torchrun, plain otherwise."""

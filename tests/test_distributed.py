@@ -84,6 +84,16 @@ def test_every_rank_gives_the_single_process_results(runs):
                 _same(f"rank {rank}: {case}", results[case], want)
 
 
+def test_prefix_cache_and_chat_under_tensor_parallelism(runs):
+    """Beyond equal ranks: the prefix cache was hit on every rank and changed nothing, and a chat ran its turns."""
+    single, ranks, _, _ = runs
+    for results in [single, *ranks]:
+        hit, reused, bounded = results["prefix_cache/hits"]["value"]
+        assert hit and reused > 0 and bounded
+        _same("prefix cache hit vs no cache", results["prefix_cache/again"], results["prefix_cache/again_uncached"])
+        assert [m["role"] for m in results["chat/forks"]["value"][0]][-2:] == ["user", "assistant"]
+
+
 def test_saved_states_across_layouts(runs, caplog):
     """A rank's own file keeps its cache; the single-process file and another rank's file are recomputed on
     every rank (with the same continuation as the single process's own file); the ranks' files loaded in one
