@@ -449,3 +449,4 @@ SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
 }
 SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}
+from .prefix_bench import b13; SCENARIOS["B13"] = b13  # noqa: E402, E702
