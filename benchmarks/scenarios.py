@@ -1,4 +1,4 @@
-"""Benchmark scenarios B1-B11 (B10 in fastforward.py, B11 in guidance_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
+"""Benchmark scenarios B1-B14 (B10 in fastforward.py, B11 guidance_bench.py, B12 chat_bench.py, B13 prefix_bench.py, B14 distributed_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from continuum import continuous, generate, samplers
 from continuum.cache import nbytes
 
 from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
+from .chat_bench import b12
+from .distributed_bench import b14
 from .fastforward import b10
 from .guidance_bench import b11
+from .prefix_bench import b13
 from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns  # noqa: F401  (re-exported)
 
 
@@ -434,10 +437,7 @@ def b9(bench: Bench, cfg: Config) -> List[Row]:
 
 
 SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
-    "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B11": b11,
+    "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B10": b10, "B11": b11,
+    "B12": b12, "B13": b13, "B14": b14,
 }
-SCENARIOS["B10"] = b10
 ALIASES = {"B2": "B1"}
-from .distributed_bench import b14; SCENARIOS["B14"] = b14  # noqa: E402,E702  (TP under torchrun, its own module)
-from .chat_bench import b12  # noqa: E402
-SCENARIOS["B12"] = b12

@@ -345,12 +345,10 @@ def assemble(parts: list[list[KV]], width: int, reserve: int = 0) -> KV:
     for layer, (k0, _) in enumerate(like):
         arena = _Arena.allocate(k0, len(parts), width + max(reserve, _MIN_SLACK))
         for r, row in enumerate(parts):
-            end = width
-            for piece in reversed(row):
-                k, v = piece[layer]
-                n = k.shape[2]
-                arena.keys[r:r + 1, :, end - n:end], arena.values[r:r + 1, :, end - n:end] = k, v
-                end -= n
+            end = width - sum(piece[layer][0].shape[2] for piece in row)
+            if row:  # one cat per row and layer (a row may be dozens of blocks)
+                torch.cat([piece[layer][0][0] for piece in row], 1, out=arena.keys[r, :, end:width])
+                torch.cat([piece[layer][1][0] for piece in row], 1, out=arena.values[r, :, end:width])
             arena.keys[r, :, :end] = 0
             arena.values[r, :, :end] = 0
         arena.filled = width

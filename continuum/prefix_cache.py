@@ -84,8 +84,8 @@ class _Block:
 class PrefixCache:
     """Blocks of cached keys/values by token prefix, LRU under ``max_bytes`` (see the module docstring).
 
-    Thread-safe: one lock guards the table; copies into a call's storage happen outside it, with the
-    blocks pinned.
+    Thread-safe: one lock guards the table (new blocks are copied in under it); a hit is copied into
+    the call's storage outside it, with its blocks pinned.
 
     Example:
         >>> model = models.transformers("gpt2", prefix_cache="256MiB")        # doctest: +SKIP
@@ -194,8 +194,11 @@ class PrefixCache:
             chain = self._chain(tokens, len(tokens) // B)
             for block in chain:
                 block.pins += 1  # the chain being extended must stay while LRU blocks are evicted
+            need = self.block_bytes(kv)
             try:
                 for i in range(len(chain), len(tokens) // B):
+                    if need > self.max_bytes or not self._make_room(need):  # room first, then copy
+                        break
                     cols = columns[i * B:(i + 1) * B]
                     start = int(cols[0])
                     contiguous = int(cols[-1]) - start == B - 1
@@ -204,8 +207,6 @@ class PrefixCache:
                                  for k, v in kv)
                     parent = chain[-1] if chain else None
                     block = _Block(self._next_id, (parent.id if parent else 0, tuple(tokens[i * B:(i + 1) * B])), parent, copy)
-                    if block.nbytes > self.max_bytes or not self._make_room(block.nbytes):
-                        break
                     self._next_id += 1
                     self._blocks[block.key] = block
                     self._bytes += block.nbytes
