@@ -51,17 +51,21 @@ def _executor():
     return _EXECUTOR
 
 
-def json_grammar(schema: dict, whitespace_pattern: Optional[str] = r"[ ]?") -> str:
+def json_grammar(schema: dict, whitespace_pattern: Optional[str] = r"[ ]?", lenient: bool = False) -> str:
     """The llguidance grammar of a (prepared) JSON schema dict.
 
     ``whitespace_pattern`` bounds the whitespace between tokens like the outlines-core engine does
     (default: one optional space), so a weak model or a beam search cannot pad forever; ``None``
     leaves llguidance's default (flexible whitespace). An ``"x-guidance"`` entry of the schema
-    overrides it.
+    overrides it. ``lenient``: llguidance ignores the keywords it does not implement and reads
+    ``oneOf`` as ``anyOf`` (an over-approximation: outputs must be validated).
     """
     from llguidance import LLMatcher
 
-    defaults = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern is not None else None
+    defaults = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern is not None else {}
+    if lenient:
+        defaults.update(lenient=True, coerce_one_of=True)
+    defaults = defaults or None
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     except Exception as exc:  # not a JSON object, or x-guidance options it does not know
