@@ -238,3 +238,31 @@ def test_closing_and_key_bounds_are_sound_on_the_sample():
                 except (jsonschema.exceptions.RefResolutionError, RecursionError):
                     continue
     assert checked > 0
+
+
+def test_llguidance_mask_is_the_brute_force_allowed_set(gpt2_model):
+    """The preallocated-bitmask path (numpy masked copy) against advancing every token, with a free
+    row, a padded LM head and a non-contiguous / non-float32 input (the torch path)."""
+    tok = gpt2_model.tokenizer
+    guide = generate.json(gpt2_model, {"type": "object", "properties": {"n": {"type": "integer"}}}, backend="llguidance",
+                          whitespace_pattern="").guide
+    a = guide.new_state()
+    b = guide.advance(guide.new_state(), tok.encode_continuation("{")[0])
+    vocab = guide.n_vocab
+
+    def allowed(state):
+        out = set()
+        for t in range(vocab):
+            if guide.advance(guide.copy(state), t) is not None:
+                out.add(t)
+        if guide.is_final(state):
+            out |= set(tok.eos_token_ids)
+        return out
+
+    want = [allowed(a), None, allowed(b)]
+    for dtype, width in ((torch.float32, vocab), (torch.float32, vocab + 7), (torch.float64, vocab + 7)):
+        logits = torch.zeros((3, width), dtype=dtype)
+        out = guide.apply_mask(logits, [guide.copy(a), None, guide.copy(b)])
+        for row, w in enumerate(want):
+            got = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
+            assert got == (set(range(width)) if w is None else {t for t in w if t < width}), (dtype, width, row)
