@@ -17,7 +17,8 @@ uses (outlines-core in this branch), end to end on a tiny random GPT-2-vocabular
 ``SchemaViolationError``, incomplete, and SILENT invalid outputs (returned yet invalid: must be 0).
 
 Each schema runs in a worker process killed after ``--timeout`` seconds (an outlines-core automaton
-can blow up). ``--json FILE`` writes every record.
+can blow up). ``--json FILE`` writes every record. ``--model PATH`` runs end to end with a real model
+instead (see :mod:`benchmarks.jsonschema_e2e`).
 """
 
 from __future__ import annotations
@@ -309,7 +310,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end generation")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
     ap.add_argument("--json", help="write every record to this file")
+    ap.add_argument("--model", help="a model directory: end to end with generate.json instead "
+                    "(benchmarks/jsonschema_e2e.py; e.g. ../shared/fixtures/models/stories260K)")
+    ap.add_argument("--per-category", type=int, default=10, help="--model: schemas per category (0: all)")
+    ap.add_argument("--schema-timeout", type=float, default=30.0, help="--model: seconds allowed per schema")
+    ap.add_argument("--max-tokens", type=int, default=512, help="--model: max_tokens (capped by the context)")
+    ap.add_argument("--compile-only", action="store_true", help="--model: only create the generators")
     args = ap.parse_args(argv)
+    if args.model:
+        from benchmarks.jsonschema_e2e import run
+
+        return run(args)
     files = sorted(Path(args.schemas).glob("*.jsonl"))
     if not files or not (FIXTURES / "tokenizers" / "llama3-bpe").exists():
         print(f"no schemas in {args.schemas} or no tokenizers: nothing to measure")

@@ -190,17 +190,46 @@ class ChoiceLogitsProcessor(GuideLogitsProcessor):
 
 class JSONLogitsProcessor(GuideLogitsProcessor):
     """Generated text is JSON following a pydantic model class or a JSON schema (dict or string), with the
-    engine and normaliser of ``generate.json``; :attr:`parse` validates an output (``SchemaViolationError``)."""
+    engine and normaliser of ``generate.json``; :meth:`parse` parses and validates a generated text
+    against the original schema (raising ``SchemaViolationError``).
+
+    Objects are closed by default (``additional_properties=False``, as in ``generate.json``). Unlike
+    the generators, ``on_unsupported`` defaults to ``"raise"``: ``model.generate()`` returns token ids
+    that nothing validates, so a schema that cannot be enforced exactly raises
+    ``UnsupportedSchemaError`` here. ``on_unsupported="approximate"`` generates under a wider
+    schema and warns (``SchemaCoverageWarning``) that every output must be checked with
+    :meth:`parse`; :attr:`exact` says whether it is needed.
+    """
 
     def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
-                 max_string_length: Optional[int] = None):
+                 max_string_length: Optional[int] = None, additional_properties: bool = False,
+                 on_unsupported: str = "raise"):
+        import warnings
+
         from .guides.compile import json_for
+        from .guides.schema import SchemaCoverageWarning
 
         adapter = _adapter(tokenizer)
-        guide, prepared = json_for(adapter, schema, whitespace_pattern=whitespace_pattern, backend=backend,
-                                   max_string_length=max_string_length)
-        self.parse = prepared.parse
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            guide, prepared = json_for(adapter, schema, whitespace_pattern=whitespace_pattern, backend=backend,
+                                       max_string_length=max_string_length, additional_properties=additional_properties,
+                                       on_unsupported=on_unsupported)
+        for w in caught:
+            message = str(w.message)
+            if issubclass(w.category, SchemaCoverageWarning) and not prepared.exact:
+                message += (" | model.generate() does not validate its outputs: check each decoded text with "
+                            "JSONLogitsProcessor.parse(text), which raises SchemaViolationError")
+            warnings.warn(message, w.category, stacklevel=2)
+        self._parse = prepared.parse
+        self.exact: bool = prepared.exact
+        self.not_enforced = tuple(map(str, (*prepared.approximated, *prepared.engine_ignored)))
         super().__init__(guide, adapter)
+
+    def parse(self, text: str) -> Any:
+        """The value of a generated ``text`` (the decoded new tokens), validated against the original
+        schema: raises ``SchemaViolationError`` when it is not valid JSON or fails the schema."""
+        return self._parse(text)
 
 
 class GrammarLogitsProcessor(GuideLogitsProcessor):

@@ -138,30 +138,42 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
-         backend: str = "auto", max_string_length: Optional[int] = None, fast_forward: bool = True,
+         backend: str = "auto", max_string_length: Optional[int] = None, additional_properties: bool = False,
+         on_unsupported: str = "approximate", fast_forward: bool = True,
          token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
     The schema is normalised first (``prepare_json_schema``: references inlined, keywords the
-    engines do not enforce rewritten exactly or narrowed soundly, with a ``SchemaCoverageWarning``);
-    schemas no engine can enforce raise ``UnsupportedSchemaError`` here (naming the keyword and its
-    JSON path), not during decoding. Every output of a dict/string schema is validated with
-    ``jsonschema`` against the original schema before it is returned: one that fails raises
-    ``SchemaViolationError`` (naming the row, the path and the rule); pydantic outputs are
-    validated by pydantic.
+    engines do not enforce rewritten exactly or narrowed soundly); what is not enforced exactly is
+    named in ONE ``SchemaCoverageWarning`` at creation. Every output of a dict/string schema is
+    validated with ``jsonschema`` against the ORIGINAL schema before it is returned: one that fails
+    raises ``SchemaViolationError`` (naming the row, the path and the rule); pydantic outputs are
+    validated by pydantic. So no invalid value is ever returned silently.
+
+    The generator's ``exact`` attribute is True when every keyword is enforced while generating
+    (outputs cannot fail validation), False when some are approximated (``not_enforced`` lists them).
 
     Args:
-        backend: ``"auto"``/``"llguidance"`` enforce the normalised schema with llguidance, which
-            refuses (``UnsupportedSchemaError`` with its message) what it cannot enforce;
-            ``"outlines"`` compiles it to a regex with outlines-core, which ignores some keywords (a
-            ``SchemaCoverageWarning`` names them; validation still refuses violating outputs).
+        additional_properties: False (default, strict JSON): an object schema that says nothing
+            about extra keys (no ``additionalProperties``, ``patternProperties`` or
+            ``unevaluatedProperties``) is generated with only its declared properties; True: the
+            JSON Schema default (any extra key). A schema that allows extra keys keeps them.
+        on_unsupported: ``"approximate"`` (default): a keyword no engine enforces exactly
+            (overlapping ``oneOf``, ``not`` without an exact negation, ``propertyNames``...) is
+            widened or dropped, everything else is enforced, and the outputs are validated;
+            ``"raise"``: ``UnsupportedSchemaError`` here instead (naming the keyword and its path).
+        backend: ``"auto"``/``"llguidance"`` enforce the normalised schema with llguidance;
+            ``"outlines"`` compiles it to a regex with outlines-core, which ignores some keywords
+            (named in the warning; validation still refuses violating outputs).
         whitespace_pattern: the whitespace allowed between tokens on both engines (default: one
             optional space), so a weak model or a beam search cannot pad forever; ``None`` leaves
             the engine's default (unbounded); ``""`` gives compact JSON, where keys and punctuation
             are forced tokens (the best case for ``fast_forward``).
         max_string_length: bounds every string without ``maxLength`` (and without format, pattern or
-            enum) to this many characters, so small models terminate; None (default) leaves them unbounded.
+            enum) to this many characters, and every generated property name that has no bound of
+            its own (extra keys; each repetition of a ``patternProperties`` pattern), so small models
+            terminate; None (default) leaves them unbounded.
 
     Example:
         >>> class User(BaseModel):
@@ -175,10 +187,14 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     """
     _check_model(model)
     guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
-                               max_string_length=max_string_length)
-    return Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
-                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
-                     fast_forward=fast_forward, token_healing=token_healing)
+                               max_string_length=max_string_length, additional_properties=additional_properties,
+                               on_unsupported=on_unsupported)
+    gen = Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
+                    guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                    fast_forward=fast_forward, token_healing=token_healing)
+    gen.exact = prepared.exact
+    gen.not_enforced = tuple(map(str, (*prepared.approximated, *prepared.engine_ignored)))
+    return gen
 
 
 def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str = "lark", backend: str = "auto",

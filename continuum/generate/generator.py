@@ -91,7 +91,14 @@ class Generator:
     Calls never share mutable state, so a generator can be called again, and from several
     threads at once (give each call its own ``rng`` for reproducible sampling; see
     ``docs/generators.md#threads``).
+
+    ``exact``: True when the constraint is enforced exactly while generating; a JSON generator
+    whose schema was approximated (``on_unsupported="approximate"``) has ``exact = False`` and lists
+    the keywords it does not enforce in ``not_enforced`` (its outputs are still validated).
     """
+
+    exact: bool = True
+    not_enforced: tuple = ()
 
     def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
                  parse: Optional[Callable[[str], Any]] = None, description: str = "", guidance: Optional[Guidance] = None,

@@ -9,14 +9,16 @@
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
 from typing import Any, Optional
 
 from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
 from .base import Guide, check_backend
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
-from .prepare import PreparedSchema, prepare_json_schema
-from .schema import outlines_regex
+from .prepare import PreparedSchema, coverage_message, prepare_json_schema
+from .schema import SchemaCoverageWarning, outlines_regex_ignored
 
 __all__ = ["regex_for", "json_for", "grammar_for"]
 
@@ -31,22 +33,61 @@ def regex_for(tokenizer, pattern: str, backend: str = "auto") -> Guide:
         raise InvalidRegexError(f"llguidance cannot compile regex {pattern[:200]!r}: {exc}") from exc
 
 
+_LIMIT_WORDS = ("limit", "fuel", "too large", "too big", "too many", "exceeded")
+
+
 def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
-             max_string_length: Optional[int] = None) -> tuple[Guide, PreparedSchema]:
-    """(guide, prepared schema) of a pydantic model class or JSON schema (raises ``UnsupportedSchemaError``)."""
+             max_string_length: Optional[int] = None, additional_properties: bool = False,
+             on_unsupported: str = "approximate") -> tuple[Guide, PreparedSchema]:
+    """(guide, prepared schema) of a pydantic model class or JSON schema (raises ``UnsupportedSchemaError``).
+
+    Emits ONE :class:`SchemaCoverageWarning` listing what is not enforced exactly (normaliser and
+    engine together); ``prepared.exact`` says whether every keyword is enforced.
+    """
     check_backend(backend)
-    prepared = prepare_json_schema(schema, max_string_length=max_string_length)
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length, warn=False,
+                                   additional_properties=additional_properties, on_unsupported=on_unsupported)
+    approximate = on_unsupported == "approximate"
     if backend == "outlines":
         try:
-            return regex_guide(outlines_regex(prepared.schema, whitespace_pattern), tokenizer), prepared
+            regex, ignored = outlines_regex_ignored(prepared.schema, whitespace_pattern)
+            guide = regex_guide(regex, tokenizer)
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
+        return guide, _done_prepared(prepared, ignored)
     try:
-        return llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), tokenizer), prepared
+        guide = llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), tokenizer)
+        return guide, _done_prepared(prepared, ())
     except GrammarCompileError as exc:
-        raise UnsupportedSchemaError(
-            f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, or pass "
-            "backend='outlines' (it compiles more schemas, but does not enforce every keyword)") from exc
+        if any(w in str(exc).lower() for w in _LIMIT_WORDS):
+            raise UnsupportedSchemaError(
+                f"this JSON schema is too large for llguidance's limits ({exc}): raise the engine's limit it names, "
+                "or simplify the schema (fewer alternatives, shorter patterns, bounded repetitions)",
+                keyword="engine limit") from exc
+        if not approximate:
+            raise UnsupportedSchemaError(
+                f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, pass "
+                "on_unsupported='approximate' (what llguidance cannot enforce is dropped, outputs are validated), "
+                "or backend='outlines'") from exc
+        refused = str(exc)
+    from llguidance import LLMatcher
+
+    grammar = json_grammar(prepared.schema, whitespace_pattern, lenient=True)
+    try:
+        guide = llguidance_guide(grammar, tokenizer)
+    except GrammarCompileError as exc:
+        raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {exc}") from exc
+    _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
+    return guide, _done_prepared(prepared, [f"llguidance: {n}" for n in (notes or [refused])])
+
+
+def _done_prepared(prepared: PreparedSchema, engine_ignored) -> PreparedSchema:
+    """``prepared`` with what the engine does not enforce, after its ONE coverage warning."""
+    prepared = replace(prepared, engine_ignored=tuple(sorted(map(str, engine_ignored))))
+    message = coverage_message(prepared.narrowed, prepared.approximated, prepared.engine_ignored)
+    if message:
+        warnings.warn(message, SchemaCoverageWarning, stacklevel=4)
+    return prepared
 
 
 def grammar_for(tokenizer, grammar: str, syntax: str = "lark", backend: str = "auto") -> Guide:

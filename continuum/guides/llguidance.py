@@ -9,8 +9,10 @@ bitmask. This module puts it behind the guide protocol (:mod:`continuum.guides.b
   (~1 us, whereas compiling costs 0.5-5 ms);
 * matchers are mutable: :meth:`LLGuidanceGuide.advance` consumes the token in place, so a row owns
   its matcher; the loop copies it when a row is duplicated (forks, beam reorders) or resumed;
-* the bitmasks of all live rows are filled into one buffer (in parallel on a shared ``LLExecutor``
-  for large batches on several cores), unpacked with numpy and applied with one ``masked_fill_``;
+* the bitmasks of all live rows are filled with llguidance's helpers (``llguidance.numpy``) into one
+  preallocated per-thread buffer (in parallel on a shared ``LLExecutor`` for large batches on several
+  cores), unpacked with numpy and applied with one masked copy (numpy on CPU, ``masked_fill_`` on
+  accelerators);
 * llguidance allows its EOS token when the grammar accepts; every EOS id of our tokenizer
   (``generation_eos`` included) gets the same verdict.
 """
@@ -51,17 +53,21 @@ def _executor():
     return _EXECUTOR
 
 
-def json_grammar(schema: dict, whitespace_pattern: Optional[str] = r"[ ]?") -> str:
+def json_grammar(schema: dict, whitespace_pattern: Optional[str] = r"[ ]?", lenient: bool = False) -> str:
     """The llguidance grammar of a (prepared) JSON schema dict.
 
     ``whitespace_pattern`` bounds the whitespace between tokens like the outlines-core engine does
     (default: one optional space), so a weak model or a beam search cannot pad forever; ``None``
     leaves llguidance's default (flexible whitespace). An ``"x-guidance"`` entry of the schema
-    overrides it.
+    overrides it. ``lenient``: llguidance ignores the keywords it does not implement and reads
+    ``oneOf`` as ``anyOf`` (an over-approximation: outputs must be validated).
     """
     from llguidance import LLMatcher
 
-    defaults = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern is not None else None
+    defaults = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern is not None else {}
+    if lenient:
+        defaults.update(lenient=True, coerce_one_of=True)
+    defaults = defaults or None
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     except Exception as exc:  # not a JSON object, or x-guidance options it does not know
@@ -109,6 +115,7 @@ class LLGuidanceGuide:
         self._words = (self.n_vocab + 31) // 32
         self.eos_token_id: int = tokenizer.eos_token_id
         self._extra_eos = sorted(i for i in tokenizer.eos_token_ids if i != self.eos_token_id and i < self.n_vocab)
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"LLGuidanceGuide({self.key})"
@@ -135,19 +142,29 @@ class LLGuidanceGuide:
     def forced_tokens(self, state) -> list[int]:
         return list(state.compute_ff_tokens()) if state is not None else []
 
+    def _bitmask(self, rows: int) -> np.ndarray:
+        """This thread's preallocated ``(rows, words)`` bitmask (grown, never reallocated per step;
+        per thread because a guide is shared by concurrent calls)."""
+        buf = getattr(self._local, "bitmask", None)
+        if buf is None or buf.shape[0] < rows:
+            from llguidance.numpy import allocate_token_bitmask
+
+            buf = self._local.bitmask = allocate_token_bitmask(max(rows, 8), self.n_vocab)
+        return buf[:rows]
+
     def disallowed_mask(self, states: Sequence[Any]) -> np.ndarray:
         """Boolean ``(len(states), n_vocab)`` array: True where a state does NOT allow the token."""
-        # The matchers write their bitmasks straight into this buffer (what llguidance.torch's
-        # fill_next_token_bitmask(_par) do; that module is not imported: it builds a torch.compile kernel).
-        bitmask = np.empty((len(states), self._words), dtype=np.int32)
-        ptr, row_bytes = bitmask.ctypes.data, self._words * 4
+        from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+        bitmask = self._bitmask(len(states))
         if len(states) >= _PAR_MIN_ROWS and _CPUS >= 4:
-            _executor().unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(states)], ptr, row_bytes, len(states))
+            fill_next_token_bitmask_par(_executor(), [(m, i) for i, m in enumerate(states)], bitmask)
         else:
             for i, m in enumerate(states):
-                m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
-        # invert the 32-bit words (cheap), then unpack: the mask to fill, with no pass over vocab-wide bools
-        bits = np.unpackbits(np.invert(bitmask).view(np.uint8), axis=1, bitorder="little", count=self.n_vocab)
+                fill_next_token_bitmask(m, bitmask, i)
+        # invert the 32-bit words in place (cheap), then unpack: the mask to fill, with no pass over vocab-wide bools
+        np.invert(bitmask, out=bitmask)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little", count=self.n_vocab)
         if self._extra_eos:
             bits[:, self._extra_eos] = bits[:, self.eos_token_id, None]
         return bits.view(np.bool_)
@@ -158,17 +175,30 @@ class LLGuidanceGuide:
         if not live:
             return logprobs
         R, V = logprobs.shape
-        banned = torch.from_numpy(self.disallowed_mask([states[r] for r in live]))
-        if V != self.n_vocab:  # an LM head wider than the vocabulary (padding): its extra ids are never allowed
+        banned = self.disallowed_mask([states[r] for r in live])
+        n = min(V, self.n_vocab)
+        if (logprobs.device.type == "cpu" and logprobs.dtype == torch.float32 and logprobs.is_contiguous()
+                and not logprobs.requires_grad):
+            # numpy's masked copy is ~1.5x torch's masked_fill_ on CPU; writes through the shared memory
+            out = logprobs.numpy()
+            if len(live) == R:
+                np.copyto(out[:, :n], -np.inf, where=banned[:, :n])
+            else:
+                for i, r in enumerate(live):
+                    np.copyto(out[r, :n], -np.inf, where=banned[i, :n])
+            if V > n:  # an LM head wider than the vocabulary (padding): its extra ids are never allowed
+                out[live, n:] = -np.inf
+            return logprobs
+        mask = torch.from_numpy(banned)
+        if V != self.n_vocab:
             full = torch.ones((len(live), V), dtype=torch.bool)
-            n = min(V, self.n_vocab)
-            full[:, :n] = banned[:, :n]
-            banned = full
-        banned = banned.to(logprobs.device, non_blocking=True)
+            full[:, :n] = mask[:, :n]
+            mask = full
+        mask = mask.to(logprobs.device, non_blocking=True)
         if len(live) == R:
-            return logprobs.masked_fill_(banned, float("-inf"))
+            return logprobs.masked_fill_(mask, float("-inf"))
         rows = torch.tensor(live, device=logprobs.device)
-        logprobs[rows] = logprobs[rows].masked_fill(banned, float("-inf"))
+        logprobs[rows] = logprobs[rows].masked_fill(mask, float("-inf"))
         return logprobs
 
 

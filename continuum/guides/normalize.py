@@ -76,6 +76,8 @@ class NormalizedSchema:
     schema: Any
     narrowed: tuple[Narrowing, ...]
     dialect: str
+    #: keywords dropped or widened (``approximate=True``): NOT enforced, outputs must be validated
+    approximated: tuple[Narrowing, ...] = ()
 
 
 def dialect_of(schema: Any) -> str:
@@ -118,9 +120,12 @@ def _pointer(root: Any, ref: str, path: str) -> Any:
 
 
 class _Normalizer:
-    def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool):
+    def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool,
+                 approximate: bool = False):
         self.root, self.dialect, self.max_len, self.inline = root, dialect, max_string_length, inline
+        self.approximate = approximate
         self.narrowed: list[Narrowing] = []
+        self.approximated: list[Narrowing] = []
         self.done: dict[str, Any] = {}  # ref -> normalised target
         self.stack: list[str] = []
         self.names: dict[str, str] = {}  # ref -> name in the output's $defs
@@ -128,6 +133,13 @@ class _Normalizer:
 
     def note(self, path: str, keyword: str, what: str) -> None:
         self.narrowed.append(Narrowing(f"{path}/{keyword}", keyword, what))
+
+    def widen(self, exc: UnsupportedSchemaError, fallback: Any, what: str) -> Any:
+        """``approximate``: ``fallback`` (wider: the keyword is not enforced) in place of a refusal."""
+        if not self.approximate:
+            raise exc
+        self.approximated.append(Narrowing(exc.path or "/", exc.keyword or "", what))
+        return fallback
 
     def resolve(self, node: Any) -> Any:
         """A `$ref`-only node's target, for the analyses (unknown while the target is in progress)."""
@@ -168,7 +180,7 @@ class _Normalizer:
             raise rw.refuse(path, "", f"a schema must be an object or a boolean, got {type(node).__name__}",
                             "Fix the schema")
         if "$ref" in node:
-            target = self.ref(node["$ref"], path)
+            target = self.ref(node["$ref"], path)  # unresolvable: refused always (the output could not be validated)
             if self.dialect in ("draft4", "draft6", "draft7"):
                 return target  # siblings of $ref are ignored before 2019-09
             rest = {k: v for k, v in node.items() if k != "$ref"}
@@ -200,9 +212,16 @@ class _Normalizer:
                 elif key == "anyOf":
                     extra.append({"anyOf": subs} if len(subs) != 1 else subs[0])
                 else:
-                    extra.append(rw.one_of(subs, path, self.resolve, self.note))
+                    try:
+                        extra.append(rw.one_of(subs, path, self.resolve, self.note))
+                    except UnsupportedSchemaError as exc:
+                        extra.append(self.widen(exc, {"anyOf": subs}, "generated as anyOf: a value may match "
+                                                "several branches"))
             elif key == "not":
-                extra.append(rw.not_(self.norm(value, here), path, self.resolve))
+                try:
+                    extra.append(rw.not_(self.norm(value, here), path, self.resolve))
+                except UnsupportedSchemaError as exc:
+                    self.widen(exc, None, "dropped: values it excludes may be generated")
             elif key == "if" and ("then" in node or "else" in node):
                 parts = [self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("if", "then", "else")]
                 extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
@@ -230,9 +249,15 @@ class _Normalizer:
     def _post(self, out: dict, path: str, extra: list) -> None:
         """The in-place rewrites of one node (after its subschemas are normalised)."""
         if "uniqueItems" in out:
-            rw.unique_items(out, path, self.note)
+            try:
+                rw.unique_items(out, path, self.note)
+            except UnsupportedSchemaError as exc:
+                self.widen(exc, out.pop("uniqueItems", None), "dropped: items may repeat")
         if "contains" in out:
-            rw.contains(out, path, self.note)
+            try:
+                rw.contains(out, path, self.note)  # pops contains/minContains/maxContains before refusing
+            except UnsupportedSchemaError as exc:
+                self.widen(exc, None, "dropped with minContains/maxContains: the items are not counted")
         elif "minContains" in out or "maxContains" in out:
             out.pop("minContains", None), out.pop("maxContains", None)  # no effect without contains
         if "dependentRequired" in out:
@@ -240,12 +265,11 @@ class _Normalizer:
         if "dependentSchemas" in out:
             extra.extend(rw.dependent_schemas(out.pop("dependentSchemas")))
         if "propertyNames" in out:
-            if out["propertyNames"] == {}:
-                del out["propertyNames"]
-            else:
-                raise rw.refuse(path, "propertyNames", "no engine constrains property names",
-                                "List the allowed names under properties with additionalProperties: false, "
-                                "or use patternProperties")
+            names = out.pop("propertyNames")
+            if names != {} and not rw.property_names(out, names):
+                self.widen(rw.refuse(path, "propertyNames", "no engine constrains property names",
+                                     "List the allowed names under properties with additionalProperties: false, "
+                                     "or use patternProperties"), None, "dropped: any property name may be generated")
         if self.max_len is not None and "maxLength" not in out and not ({"format", "pattern", "enum", "const"} & set(out)):
             t = out.get("type")
             if t == "string" or (isinstance(t, list) and "string" in t):
@@ -264,17 +288,20 @@ class _Normalizer:
         return self.size[key]
 
 
-def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None) -> NormalizedSchema:
+def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None,
+                     approximate: bool = False) -> NormalizedSchema:
     """Normalise ``schema`` (a dict or bool) for the engines; see the module docstring.
 
     Raises :class:`~continuum.errors.UnsupportedSchemaError` (with ``.keyword`` and ``.path``) for a
-    keyword that no engine enforces and that has no sound rewrite.
+    keyword that no engine enforces and that has no sound rewrite; with ``approximate=True`` that
+    keyword is dropped or widened instead (``oneOf`` -> ``anyOf``, ``not`` dropped...) and listed in
+    :attr:`NormalizedSchema.approximated`.
     """
     if max_string_length is not None and (not isinstance(max_string_length, int) or max_string_length < 1):
         raise UnsupportedSchemaError(f"max_string_length must be a positive int or None, got {max_string_length!r}")
     dialect = dialect_of(schema)
     for inline in (True, False):
-        n = _Normalizer(schema, dialect, max_string_length, inline)
+        n = _Normalizer(schema, dialect, max_string_length, inline, approximate)
         n.stack.append("#")
         out = n.norm(schema, "")
         n.done["#"] = out
@@ -283,4 +310,4 @@ def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None) ->
     if n.names:
         defs = {n.names[r]: n.done[r] for r in list(n.names)}
         out = {"allOf": [out], "$defs": defs} if not isinstance(out, dict) or "$defs" in out else {**out, "$defs": defs}
-    return NormalizedSchema(out, tuple(n.narrowed), dialect)
+    return NormalizedSchema(out, tuple(n.narrowed), dialect, tuple(n.approximated))

@@ -28,7 +28,8 @@ from ..errors import SchemaViolationError, UnsupportedSchemaError
 from .normalize import NormalizedSchema, normalize_schema
 from .schema import SchemaCoverageWarning, outlines_regex
 
-__all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator", "schema_to_regex"]
+__all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator", "coverage_message",
+           "ON_UNSUPPORTED", "schema_to_regex"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,23 @@ class PreparedSchema:
     parse: Callable[[str], Any]  # text -> validated value
     name: str = "schema"
     normalized: Optional[NormalizedSchema] = None
+    #: what the engine does not enforce (outlines-core's ignored keywords, llguidance's lenient notes)
+    engine_ignored: tuple = ()
+
+    @property
+    def exact(self) -> bool:
+        """True when every keyword is enforced while generating (no output can fail validation)."""
+        return not self.approximated and not self.engine_ignored
+
+    @property
+    def approximated(self) -> tuple:
+        """The keywords (with their JSON paths) that are dropped or widened, so NOT enforced."""
+        return self.normalized.approximated if self.normalized is not None else ()
+
+    @property
+    def narrowed(self) -> tuple:
+        """Where the generated values are a sound subset of the valid ones."""
+        return self.normalized.narrowed if self.normalized is not None else ()
 
 
 def _validator_class(dialect: str):
@@ -73,25 +91,6 @@ def normalized_validator(normalized: NormalizedSchema):
     return cls(normalized.schema)
 
 
-def _closed_models(schema: dict) -> dict:
-    """A pydantic schema whose models take no extra keys unless they say so (``extra="allow"``).
-
-    Pydantic leaves ``additionalProperties`` out for its default ``extra="ignore"``, which JSON
-    Schema reads as "any extra key", so llguidance would let a model wander into keys that pydantic
-    then drops. Closing them generates a subset of the valid documents (outlines-core's regexes
-    never had extra keys either).
-    """
-    def close(node):
-        if isinstance(node, dict) and "properties" in node and "additionalProperties" not in node:
-            return {**node, "additionalProperties": False}
-        return node
-
-    out = close(schema)
-    if isinstance(out.get("$defs"), dict):
-        out = {**out, "$defs": {k: close(v) for k, v in out["$defs"].items()}}
-    return out
-
-
 def _pointer(parts) -> str:
     return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
@@ -108,46 +107,100 @@ def _checker(validator) -> Callable[[Any], None]:
     return validate
 
 
-def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None) -> PreparedSchema:
+ON_UNSUPPORTED = ("approximate", "raise")
+
+
+def coverage_message(narrowed=(), approximated=(), ignored=()) -> Optional[str]:
+    """The text of the one :class:`SchemaCoverageWarning` of a schema, or None when everything is enforced exactly."""
+    parts = []
+    if approximated:
+        parts.append("NOT enforced (the engine generates under a wider schema; every output is validated against "
+                     "the original schema and one that fails raises SchemaViolationError): "
+                     + "; ".join(map(str, approximated)))
+    if ignored:
+        parts.append("NOT enforced by the outlines-core engine (outputs that violate them raise "
+                     "SchemaViolationError): " + ", ".join(sorted(map(str, ignored))))
+    if narrowed:
+        parts.append("narrowed (every output is valid, but some valid values cannot be generated): "
+                     + "; ".join(map(str, narrowed)))
+    return "the JSON schema is not enforced exactly as written. " + " | ".join(parts) if parts else None
+
+
+def check_options(additional_properties: Any, on_unsupported: Any) -> None:
+    """The argument checks of ``additional_properties`` and ``on_unsupported`` (``GeneratorArgumentError``)."""
+    from ..errors import GeneratorArgumentError
+
+    if not isinstance(additional_properties, bool):
+        raise GeneratorArgumentError(f"additional_properties must be True or False, got {additional_properties!r}")
+    if on_unsupported not in ON_UNSUPPORTED:
+        raise GeneratorArgumentError(f"on_unsupported must be 'approximate' or 'raise', got {on_unsupported!r}")
+
+
+def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None, additional_properties: bool = False,
+                        on_unsupported: str = "approximate", warn: bool = True) -> PreparedSchema:
     """Normalise ``schema`` (a pydantic model class, a JSON schema dict or string) and build its output check.
 
-    Raises :class:`~continuum.errors.UnsupportedSchemaError` for what no engine can enforce and for
-    schemas ``jsonschema`` rejects; warns :class:`SchemaCoverageWarning` where outputs are narrowed.
+    Args:
+        max_string_length: bounds every string value and every generated property name that has no
+            bound of its own.
+        additional_properties: False (default): objects that say nothing about extra keys are
+            generated closed (only their declared properties); True: the JSON Schema default.
+        on_unsupported: ``"approximate"`` (default): a keyword no engine enforces is dropped or
+            widened (listed in :attr:`PreparedSchema.approximated`; outputs are validated);
+            ``"raise"``: :class:`~continuum.errors.UnsupportedSchemaError` instead.
+        warn: emit the :class:`SchemaCoverageWarning` here (the compile step emits one for the
+            schema and the engine together instead).
+
+    Raises :class:`~continuum.errors.UnsupportedSchemaError` for schemas ``jsonschema`` rejects (and,
+    with ``on_unsupported="raise"``, for what no engine can enforce).
     """
     from pydantic import BaseModel
 
+    from .closing import close_objects
+
+    check_options(additional_properties, on_unsupported)
+    approximate = on_unsupported == "approximate"
+
+    def engine_schema(normalized: NormalizedSchema) -> Any:
+        return close_objects(normalized.schema, additional_properties=additional_properties,
+                             max_key_length=max_string_length)
+
     if isinstance(schema, type) and issubclass(schema, BaseModel):  # pydantic validates its own outputs
-        normalized = normalize_schema(_closed_models(schema.model_json_schema()), max_string_length=max_string_length)
+        normalized = normalize_schema(schema.model_json_schema(), max_string_length=max_string_length,
+                                      approximate=approximate)
 
         def validate_model(value: Any) -> None:
             schema.model_validate(value)
 
-        return PreparedSchema(normalized.schema, validate_model, schema.model_validate_json, schema.__name__, normalized)
-    if isinstance(schema, str):
-        try:
-            schema = _json.loads(schema)
-        except ValueError as exc:
-            raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
-    if not isinstance(schema, (dict, bool)):
-        raise UnsupportedSchemaError(
-            f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
-    normalized = normalize_schema(schema, max_string_length=max_string_length)
-    validate = _checker(original_validator(schema, normalized.dialect))
-    if normalized.narrowed:
-        warnings.warn("the JSON schema was narrowed to what the engines enforce; every output is valid, but some "
-                      "valid values cannot be generated: " + "; ".join(map(str, normalized.narrowed)),
-                      SchemaCoverageWarning, stacklevel=3)
+        prepared = PreparedSchema(engine_schema(normalized), validate_model, schema.model_validate_json,
+                                  schema.__name__, normalized)
+    else:
+        if isinstance(schema, str):
+            try:
+                schema = _json.loads(schema)
+            except ValueError as exc:
+                raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
+        if not isinstance(schema, (dict, bool)):
+            raise UnsupportedSchemaError(f"generate.json takes a pydantic model class, a JSON schema dict or a JSON "
+                                         f"string, not {type(schema).__name__}")
+        normalized = normalize_schema(schema, max_string_length=max_string_length, approximate=approximate)
+        validate = _checker(original_validator(schema, normalized.dialect))
 
-    def parse(text: str) -> Any:
-        try:
-            value = _json.loads(text)
-        except ValueError as exc:
-            raise SchemaViolationError(f"the output is not valid JSON ({exc}): {text[:200]!r}", rule="JSON syntax") from exc
-        validate(value)
-        return value
+        def parse(text: str) -> Any:
+            try:
+                value = _json.loads(text)
+            except ValueError as exc:
+                raise SchemaViolationError(f"the output is not valid JSON ({exc}): {text[:200]!r}",
+                                           rule="JSON syntax") from exc
+            validate(value)
+            return value
 
-    name = schema.get("title", "schema") if isinstance(schema, dict) else "schema"
-    return PreparedSchema(normalized.schema, validate, parse, str(name), normalized)
+        name = schema.get("title", "schema") if isinstance(schema, dict) else "schema"
+        prepared = PreparedSchema(engine_schema(normalized), validate, parse, str(name), normalized)
+    message = coverage_message(normalized.narrowed, normalized.approximated)
+    if warn and message:
+        warnings.warn(message, SchemaCoverageWarning, stacklevel=3)
+    return prepared
 
 
 def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?", *,

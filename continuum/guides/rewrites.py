@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 from ..errors import UnsupportedSchemaError
@@ -178,3 +179,43 @@ def contains(node: dict, path: str, note: Note) -> None:
     node["prefixItems"] = [all_of([first, sub])] + prefix[1:]
     node["minItems"] = max(node.get("minItems", 0), 1)
     note(path, "contains", "the first item is the one that satisfies `contains`")
+
+
+def property_names(node: dict, names: Any) -> bool:
+    """``propertyNames`` as keys the engines enforce, in place; False when it cannot be written so.
+
+    An ``enum``/``const`` of names becomes the only properties (exact); a ``pattern`` or length
+    bounds become the one key pattern of the extra keys (``patternProperties``) with declared names
+    that fail it forbidden (exact when extra keys take any value, else narrower: a declared name
+    matching the pattern also takes the extra keys' schema)."""
+    if names is False:
+        node["properties"], node["additionalProperties"] = {}, False
+        node.pop("patternProperties", None)
+        return True
+    if not isinstance(names, dict) or set(names) - {"type", "enum", "const", "pattern", "minLength", "maxLength"}:
+        return False
+    if names.get("type", "string") != "string" or "patternProperties" in node:
+        return False
+    extra = node.get("additionalProperties", {})
+    props = dict(node.get("properties", {}))
+    if "enum" in names or "const" in names:
+        allowed = [names["const"]] if "const" in names else names["enum"]
+        if not all(isinstance(n, str) for n in allowed) or set(names) - {"type", "enum", "const"}:
+            return False
+        node["properties"] = {n: props.get(n, extra) for n in allowed if props.get(n, extra) is not False}
+        node["additionalProperties"] = False
+        return True
+    if "pattern" in names and ("minLength" in names or "maxLength" in names):
+        return False
+    if "pattern" in names:
+        key = names["pattern"]
+    else:
+        lo, hi = names.get("minLength", 0), names.get("maxLength")
+        key = f"^.{{{lo},{'' if hi is None else hi}}}$"
+    try:
+        ok = {n: re.search(key, n) is not None for n in props}
+    except re.error:
+        return False
+    node["properties"] = {n: (v if ok[n] else False) for n, v in props.items()}
+    node["patternProperties"], node["additionalProperties"] = {key: extra}, False
+    return True

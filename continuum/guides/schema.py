@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import UnsupportedSchemaError
 
-__all__ = ["outlines_regex", "SchemaCoverageWarning"]
+__all__ = ["outlines_regex", "outlines_regex_ignored", "SchemaCoverageWarning"]
 
 # Keywords outlines-core 0.2 accepts but does not enforce in the regex (checked against 0.2.14;
 # upstream issues dottxt-ai/outlines-core#147 and #261).
@@ -29,7 +29,9 @@ _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", 
 
 
 class SchemaCoverageWarning(UserWarning):
-    """The schema uses keywords the regex compiler ignores: outputs may violate them."""
+    """The schema is not enforced exactly as written: keywords the engine does not enforce (dropped
+    or widened: outputs that violate them raise ``SchemaViolationError``, never returned), or
+    narrowings (every output is valid, some valid values cannot be generated). One per generator."""
 
 
 def _group_pattern(pattern: str) -> str:
@@ -113,9 +115,8 @@ def _for_outlines(node: Any) -> Any:
     return out
 
 
-def outlines_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> str:
-    """The outlines-core regex of a NORMALISED schema (see ``prepare_json_schema``); warns
-    :class:`SchemaCoverageWarning` about what outlines-core will not enforce."""
+def outlines_regex_ignored(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> tuple[str, set[str]]:
+    """(regex, keywords outlines-core will not enforce) of a NORMALISED schema; no warning."""
     from outlines_core.json_schema import build_regex_from_schema
 
     ignored: set[str] = set()
@@ -125,6 +126,13 @@ def outlines_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> str
     except Exception as exc:  # outlines-core raises ValueError/TypeError/pyo3 errors
         raise UnsupportedSchemaError(f"cannot compile this JSON schema to a regex: {exc}. Remove or rewrite the "
                                      f"unsupported part (docs/generators.md lists what is supported)") from exc
+    return regex, ignored
+
+
+def outlines_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?") -> str:
+    """The outlines-core regex of a NORMALISED schema (see ``prepare_json_schema``); warns
+    :class:`SchemaCoverageWarning` about what outlines-core will not enforce."""
+    regex, ignored = outlines_regex_ignored(schema, whitespace_pattern)
     if ignored:
         warnings.warn(f"the JSON schema uses {sorted(ignored)}, which the outlines-core engine does not enforce: "
                       "outputs that violate them are refused by validation (SchemaViolationError)",
