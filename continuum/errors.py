@@ -26,6 +26,8 @@ __all__ = [
     "ModelMismatch",
     "TokenizerMismatch",
     "ContinuumTypeError",
+    "GuideLimitError",
+    "UnencodableTextError",
 ]
 
 
@@ -140,3 +142,22 @@ class IncompleteGenerationError(ContinuumError, RuntimeError):
         super().__init__(message)
         self.rows = rows or []
         self.max_tokens = max_tokens
+
+
+class GuideLimitError(GeneratorArgumentError):
+    """A constraint made the engine hit one of its resource limits while decoding (llguidance's lexer
+    fuel, Earley items...); the message names the limit (``continuum.guides.limits``) and how to raise it."""
+
+
+class UnencodableTextError(ContinuumError, ValueError):
+    """Text that cannot be encoded as UTF-8 (a lone surrogate such as ``"\\ud800"``, what a careless
+    decode produces). The message names the argument and the position of the first bad character.
+
+    Attributes:
+        argument: the argument holding the text (``"prompt"``, ``"stop_at"``, ...).
+        position: the index of the first character that cannot be encoded.
+    """
+
+    def __init__(self, message: str, argument: str = "", position: int = -1):
+        super().__init__(message)
+        self.argument, self.position = argument, position

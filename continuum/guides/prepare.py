@@ -109,6 +109,8 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None)
             schema = _json.loads(schema)
         except ValueError as exc:
             raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise UnsupportedSchemaError("the JSON schema string is nested too deeply to parse: flatten it") from None
     if not isinstance(schema, (dict, bool)):
         raise UnsupportedSchemaError(
             f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
