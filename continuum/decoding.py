@@ -27,6 +27,7 @@ from .cfg import CFG, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs
 from .guides import Guide
 from .healing import apply_heal_masks, heal
+from .models.tokenizer import check_encodable
 from .rows import Rows
 from .samplers import Sampler
 from .state import LastStep, SequenceState
@@ -69,6 +70,7 @@ def _stop_list(stop_at) -> list[str]:
     if not all(isinstance(s, str) and s for s in stops):
         raise GeneratorArgumentError(f"stop_at must be a non-empty string or a list of them (e.g. '.' or ['.', '\\n']), "
                                      f"got {stop_at!r}: an empty stop string would stop before the first token")
+    check_encodable(stops if isinstance(stop_at, (list, tuple)) else stop_at, "stop_at")
     return stops
 
 

@@ -13,6 +13,7 @@ from ..cfg import CFG
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
 from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
+from ..models.tokenizer import check_encodable
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
@@ -42,6 +43,14 @@ _CFG_DOC = """
 """
 
 
+def _guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode) -> Optional[CFG]:
+    """``CFG.make``, with the negative prompt's text checked first (so errors name ``negative_prompt``)."""
+    if isinstance(negative_prompt, (str, list, tuple)):
+        check_encodable(negative_prompt if isinstance(negative_prompt, str) else
+                        [p for p in negative_prompt if isinstance(p, str)], "negative_prompt")
+    return CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+
+
 def _check_model(model) -> None:
     if not hasattr(model, "tokenizer") or not hasattr(model, "forward"):
         raise GeneratorArgumentError(
@@ -59,7 +68,7 @@ def text(model, sampler: Optional[Sampler] = None, *, token_healing: bool = Fals
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    return Generator(model, sampler, kind="text", cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, kind="text", cfg=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      token_healing=token_healing)
 
 
@@ -83,7 +92,7 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), cfg=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
@@ -130,7 +139,7 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     check_backend(backend)
     if method not in ("exact", "mean", "greedy"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
-    cfg = CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+    cfg = _guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
         return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
                          description=repr(list(choices)), cfg=cfg, fast_forward=fast_forward, token_healing=token_healing)
@@ -177,7 +186,7 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                max_string_length=max_string_length)
     return Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
-                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                     cfg=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
@@ -210,7 +219,7 @@ def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str =
     _check_model(model)
     guide = grammar_for(model.tokenizer, grammar, syntax, backend)
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
-                     cfg=CFG.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
+                     cfg=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
                      token_healing=token_healing)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
+from ..models.tokenizer import check_encodable
 from .base import Guide, check_backend
 from .limits import compile_limits
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
@@ -45,6 +46,7 @@ def regex_for(tokenizer, pattern: str, backend: str = "auto") -> Guide:
     """
     if not isinstance(pattern, str):
         raise InvalidRegexError(f"a regex must be a str, got {type(pattern).__name__}")
+    check_encodable(pattern, "the regex")
     backend = check_backend(backend)
     if backend in ("auto", "outlines"):
         why = _too_large_for_outlines(tokenizer, pattern)
@@ -84,6 +86,7 @@ def grammar_for(tokenizer, grammar: str, syntax: str = "lark", backend: str = "a
     check_backend(backend, ("auto", "llguidance"))
     if not isinstance(grammar, str) or not grammar.strip():
         raise GeneratorArgumentError(f"cfg takes a non-empty grammar string, got {grammar!r:.60}")
+    check_encodable(grammar, "the grammar")
     if syntax == "gbnf":
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
