@@ -22,7 +22,7 @@ from typing import Callable, Generator, Optional
 import torch
 
 from . import cache as kvcache
-from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
+from .errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
 from .cfg import CFG, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs
 from .guides import Guide
@@ -58,6 +58,12 @@ def check_max_tokens(max_tokens: Optional[int]) -> None:
         raise GeneratorArgumentError(f"max_tokens must be an int or None, got {type(max_tokens).__name__}")
     if max_tokens < 0:
         raise GeneratorArgumentError(f"max_tokens must be >= 0 (0 = prefill only), got {max_tokens}")
+
+
+def _check_rng(rng) -> None:
+    if rng is not None and not isinstance(rng, torch.Generator):
+        raise ContinuumTypeError(f"rng must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
+                                 f"got {type(rng).__name__}")
 
 
 def _stop_list(stop_at) -> list[str]:
@@ -142,6 +148,7 @@ def decode(
     """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
+    _check_rng(rng)
     steps = check_continuable(state, sampler, max_tokens)
     exhausted = "length" if max_tokens is not None and steps == max_tokens else "context"  # why the last step ends
     model, tok = state._model, state._model.tokenizer

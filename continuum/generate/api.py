@@ -44,7 +44,10 @@ _CFG_DOC = """
 
 
 def _guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode) -> Optional[CFG]:
-    """``CFG.make``, with the negative prompt's text checked first (so errors name ``negative_prompt``)."""
+    """``CFG.make``, with the negative prompt's type and text checked first (so errors name ``negative_prompt``)."""
+    if negative_prompt is not None and not isinstance(negative_prompt, (str, list, tuple)):
+        raise GeneratorArgumentError(f"negative_prompt must be a string or a non-empty list of strings (one per "
+                                     f"prompt), got {type(negative_prompt).__name__}")
     if isinstance(negative_prompt, (str, list, tuple)):
         check_encodable(negative_prompt if isinstance(negative_prompt, str) else
                         [p for p in negative_prompt if isinstance(p, str)], "negative_prompt")

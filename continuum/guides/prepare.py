@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import SchemaViolationError, UnsupportedSchemaError
-from .normalize import NormalizedSchema, normalize_schema
+from .limits import check_schema_bounds
+from .normalize import NormalizedSchema, dialect_of, normalize_schema
 from .schema import SchemaCoverageWarning, _closed_models
 
 __all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator"]
@@ -98,7 +99,11 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None)
     from pydantic import BaseModel
 
     if isinstance(schema, type) and issubclass(schema, BaseModel):  # pydantic validates its own outputs
-        normalized = normalize_schema(_closed_models(schema.model_json_schema()), max_string_length=max_string_length)
+        try:
+            model_schema = schema.model_json_schema()
+        except Exception as exc:  # BaseModel itself, a field type pydantic cannot express in JSON Schema...
+            raise UnsupportedSchemaError(f"pydantic cannot give the JSON schema of {schema.__name__}: {exc}") from exc
+        normalized = normalize_schema(_closed_models(model_schema), max_string_length=max_string_length)
 
         def validate_model(value: Any) -> None:
             schema.model_validate(value)
@@ -114,8 +119,10 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None)
     if not isinstance(schema, (dict, bool)):
         raise UnsupportedSchemaError(
             f"generate.json takes a pydantic model class, a JSON schema dict or a JSON string, not {type(schema).__name__}")
+    check_schema_bounds(schema)  # before anything walks it recursively
+    validator = original_validator(schema, dialect_of(schema))  # the metaschema refuses malformed keywords first
     normalized = normalize_schema(schema, max_string_length=max_string_length)
-    validate = _checker(original_validator(schema, normalized.dialect))
+    validate = _checker(validator)
     if normalized.narrowed:
         warnings.warn("the JSON schema was narrowed to what the engines enforce; every output is valid, but some "
                       "valid values cannot be generated: " + "; ".join(map(str, normalized.narrowed)),
