@@ -60,7 +60,8 @@ def check_max_tokens(max_tokens: Optional[int]) -> None:
         raise GeneratorArgumentError(f"max_tokens must be >= 0 (0 = prefill only), got {max_tokens}")
 
 
-def _check_rng(rng) -> None:
+def check_rng(rng) -> None:
+    """``rng`` must be a ``torch.Generator`` or None (torch's own error names no argument)."""
     if rng is not None and not isinstance(rng, torch.Generator):
         raise ContinuumTypeError(f"rng must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
                                  f"got {type(rng).__name__}")
@@ -148,7 +149,7 @@ def decode(
     """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
-    _check_rng(rng)
+    check_rng(rng)
     steps = check_continuable(state, sampler, max_tokens)
     exhausted = "length" if max_tokens is not None and steps == max_tokens else "context"  # why the last step ends
     model, tok = state._model, state._model.tokenizer

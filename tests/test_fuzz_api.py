@@ -314,6 +314,8 @@ def test_found_rng_of_the_wrong_type(gpt2_model):
         with pytest.raises(ContinuumTypeError, match="rng must be a torch.Generator"):
             generate.text(gpt2_model)("hi", max_tokens=2, rng=rng)
         with pytest.raises(ContinuumTypeError, match="rng must be a torch.Generator"):
+            generate.choice(gpt2_model, ["a", "b"])("hi", rng=rng)
+        with pytest.raises(ContinuumTypeError, match="rng must be a torch.Generator"):
             continuous(generate.text(gpt2_model))(state, max_tokens=2, rng=rng)
 
 
