@@ -305,6 +305,42 @@ def test_the_tally_saw_errors_and_successes():
     assert not math.isnan(SLOWEST[0])
 
 
+INDEXES = [0, -1, 1, 5, 2**70, -(2**70), 1.5, None, "a", True, slice(None), slice(1, 3), slice(None, None, 2),
+           slice(None, None, -1), slice(2, 2), slice(0, 10**9), [0], [], [0, 0], [5], Ellipsis, NAN, torch.tensor(0)]
+state_arg = st.one_of(text, st.lists(text, max_size=3), st.sampled_from([3, None, b"x", 1.5, ["a", 3], object()]),
+                      st.tuples(st.just("STATE"), st.sampled_from(["same", "other", "forked", "empty-slice", "cut", "beams"])))
+
+
+@settings(max_examples=max(20, EXAMPLES // 2), deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(which=st.sampled_from(["same", "forked", "cut", "beams", "empty-slice"]), op=st.sampled_from(["add", "radd", "index", "stack"]),
+       arg=state_arg, index=st.lists(st.sampled_from(INDEXES), min_size=1, max_size=4), model_name=st.sampled_from(["gpt2", "llama"]))
+def test_state_operations_return_or_raise_a_continuum_error(gpt2_model, llama_model, which, op, arg, index, model_name):
+    """``state + x``, ``x + state``, ``state[...]`` and ``SequenceState.stack`` with odd arguments."""
+    model, other = (gpt2_model, llama_model) if model_name == "gpt2" else (llama_model, gpt2_model)
+    state, _ = _inputs({"prompts": ("STATE", which)}, model, other)
+    operand, extra = _inputs({"prompts": arg}, model, other)
+    snaps = [snapshot(s) for s in [state, *extra]]
+    try:
+        if op == "add":
+            result = state + operand
+        elif op == "radd":
+            result = operand + state
+        elif op == "index":
+            result = state[tuple(index)] if len(index) > 1 else state[index[0]]
+        else:
+            result = SequenceState.stack([state, operand] if not isinstance(operand, list) else [state, *operand])
+        assert isinstance(result, SequenceState) and len(list(result)) == result.batch * result.samples
+        outcome = "state-ok"
+    except ContinuumError as exc:
+        outcome = "state-" + type(exc).__name__
+    except Exception as exc:
+        raise AssertionError(f"raw {type(exc).__name__} escaped a state operation: {exc!s:.500}") from exc
+    for s, snap in zip([state, *extra], snaps):
+        check_unchanged(s, snap)
+    _tally(outcome, {"which": which, "op": op, "arg": arg, "index": index, "model": model_name})
+
+
 # ------------------------------------------------------------------ what the harness found, fixed at the source
 def test_found_rng_of_the_wrong_type(gpt2_model):
     from continuum.errors import ContinuumTypeError
