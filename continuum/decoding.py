@@ -24,11 +24,12 @@ import torch
 from . import cache as kvcache
 from . import prefix_cache
 from .cache import positions  # (re-exported: it lives with the cache's column layout)
-from .errors import ContextLengthError, GeneratorArgumentError, SampleMismatch
+from .errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
 from .guidance import Guidance, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs, step_marks
 from .guides import Guide
 from .healing import apply_heal_masks, heal
+from .models.tokenizer import check_encodable
 from .rows import Rows
 from .samplers import Sampler
 from .parallel import check_seeded
@@ -57,6 +58,13 @@ def check_max_tokens(max_tokens: Optional[int]) -> None:
         raise GeneratorArgumentError(f"max_tokens must be >= 0 (0 = prefill only), got {max_tokens}")
 
 
+def check_rng(rng) -> None:
+    """``rng`` must be a ``torch.Generator`` or None (torch's own error names no argument)."""
+    if rng is not None and not isinstance(rng, torch.Generator):
+        raise ContinuumTypeError(f"rng must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
+                                 f"got {type(rng).__name__}")
+
+
 def _stop_list(stop_at) -> list[str]:
     if stop_at is None:
         return []
@@ -67,6 +75,7 @@ def _stop_list(stop_at) -> list[str]:
     if not all(isinstance(s, str) and s for s in stops):
         raise GeneratorArgumentError(f"stop_at must be a non-empty string or a list of them (e.g. '.' or ['.', '\\n']), "
                                      f"got {stop_at!r}: an empty stop string would stop before the first token")
+    check_encodable(stops if isinstance(stop_at, (list, tuple)) else stop_at, "stop_at")
     return stops
 
 
@@ -143,6 +152,7 @@ def decode(
     """
     check_max_tokens(max_tokens)
     stops = _stop_list(stop_at)
+    check_rng(rng)
     steps = check_continuable(state, sampler, max_tokens)
     check_seeded(state._model, sampler, rng)  # under torchrun: every rank must draw the same tokens
     exhausted = "length" if max_tokens is not None and steps == max_tokens else "context"  # why the last step ends

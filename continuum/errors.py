@@ -29,6 +29,8 @@ __all__ = [
     "PrefixCacheArgumentError",
     "ModelLoadError",
     "ChatTemplateError",
+    "GuideLimitError",
+    "UnencodableTextError",
 ]
 
 
@@ -147,10 +149,33 @@ class IncompleteGenerationError(ContinuumError, RuntimeError):
 
 class PrefixCacheArgumentError(ContinuumError, ValueError):
     """A ``prefix_cache=`` budget that is not a size (negative, or a string without a known unit)."""
+
+
 class ModelLoadError(ContinuumError, ValueError):
     """``models.transformers`` cannot load the model as asked: the checkpoint is missing, or the parallel
     layout cannot work (``tp_plan`` outside ``torchrun``, heads not divisible by the number of processes,
     ``tp_plan`` with ``device_map``). The message says how to launch or what to change."""
+
+
 class ChatTemplateError(ContinuumError, ValueError):
     """A chat template refused the messages (Gemma's system turn, Mistral's non-alternating roles...),
     or there is no template to render them with; the message carries the template's own words."""
+
+
+class GuideLimitError(GeneratorArgumentError):
+    """A constraint made the engine hit one of its resource limits while decoding (llguidance's lexer
+    fuel, Earley items...); the message names the limit (``continuum.guides.limits``) and how to raise it."""
+
+
+class UnencodableTextError(ContinuumError, ValueError):
+    """Text that cannot be encoded as UTF-8 (a lone surrogate such as ``"\\ud800"``, what a careless
+    decode produces). The message names the argument and the position of the first bad character.
+
+    Attributes:
+        argument: the argument holding the text (``"prompt"``, ``"stop_at"``, ...).
+        position: the index of the first character that cannot be encoded.
+    """
+
+    def __init__(self, message: str, argument: str = "", position: int = -1):
+        super().__init__(message)
+        self.argument, self.position = argument, position

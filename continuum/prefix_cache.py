@@ -31,13 +31,15 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
 from . import cache as kvcache
 from .errors import ContinuumTypeError, PrefixCacheArgumentError
-from .state import SequenceState
+
+if TYPE_CHECKING:  # at run time state is imported where a state is built: continuum.models (which holds the
+    from .state import SequenceState  # prefix cache) is imported by state's own modules
 
 __all__ = ["PrefixCache", "parse_budget", "reuse", "remember"]
 
@@ -302,6 +304,8 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
             dst[r, total - t:] = src[r, start[r]:]
         parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)] if h else [])
     kv = kvcache.assemble(parts, width, (total - width) + min(room, _RESERVE_CAP))
+    from .state import SequenceState
+
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=state._weights, kv=kv,
                          batch=state.batch, samples=state.samples, last=state._last)
 

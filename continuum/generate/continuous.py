@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..decoding import check_max_tokens
+from ..errors import ContinuumTypeError
 from ..state import SequenceState
 from .generator import Generator, Stream
 
@@ -32,7 +33,8 @@ class ContinuousGenerator:
 
     def __init__(self, generator: Generator):
         if not isinstance(generator, Generator):
-            raise TypeError(f"continuous() takes a generator from continuum.generate, got {type(generator).__name__}")
+            raise ContinuumTypeError(f"continuous() takes a generator from continuum.generate (e.g. "
+                                     f"continuous(generate.text(model))), got {type(generator).__name__}")
         self.generator = generator
 
     def __repr__(self) -> str:

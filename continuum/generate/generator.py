@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..guidance import Guidance
-from ..decoding import Step, check_max_tokens, decode
+from ..decoding import Step, check_max_tokens, check_rng, decode
 from ..errors import ContinuumTypeError, GeneratorArgumentError
 from ..guides import Guide
 from ..samplers import Sampler, multinomial
@@ -188,5 +188,6 @@ class ChoiceGenerator(Generator):
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..scoring import choose
 
+        check_rng(rng)
         return choose(state, self.options, self.sampler, method=self.method, rng=rng, guidance=self.guidance,
                       token_healing=self.token_healing)

@@ -14,19 +14,51 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
+from ..models.tokenizer import check_encodable
 from .base import Guide, check_backend
+from .limits import compile_limits
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
 from .prepare import PreparedSchema, coverage_message, prepare_json_schema
+from .regex_size import estimate_regex
 from .schema import SchemaCoverageWarning, outlines_regex_ignored
 
 __all__ = ["regex_for", "json_for", "grammar_for"]
 
 
+def _too_large_for_outlines(tokenizer, pattern: str) -> str | None:
+    """Why an outlines-core index of ``pattern`` would blow the compile budget, or None (see ``limits``)."""
+    if pattern in tokenizer.index_cache:
+        return None
+    size = estimate_regex(pattern)
+    vocab = len(tokenizer.hf)
+    limit = compile_limits().outlines_max_work
+    if size.cost(vocab) <= limit:
+        return None
+    states = f"~{size.states:.3g}" if size.states < 1e15 else "astronomically many"
+    return (f"its outlines-core index would have {states} automaton states over a vocabulary of {vocab} tokens "
+            f"(estimated work {size.cost(vocab):.2g} > limit {limit:.2g}, i.e. several seconds or more to build)")
+
+
 def regex_for(tokenizer, pattern: str, backend: str = "auto") -> Guide:
-    """The guide of ``pattern`` (raises ``InvalidRegexError``)."""
-    if check_backend(backend) in ("auto", "outlines"):
-        return regex_guide(pattern, tokenizer)
+    """The guide of ``pattern`` (raises ``InvalidRegexError``).
+
+    ``"auto"`` builds an outlines-core index unless its estimated cost is over the compile budget
+    (:mod:`continuum.guides.limits`), in which case llguidance compiles it lazily instead.
+    """
+    if not isinstance(pattern, str):
+        raise InvalidRegexError(f"a regex must be a str, got {type(pattern).__name__}")
+    check_encodable(pattern, "the regex")
+    backend = check_backend(backend)
+    if backend in ("auto", "outlines"):
+        why = _too_large_for_outlines(tokenizer, pattern)
+        if why is None:
+            return regex_guide(pattern, tokenizer)
+        if backend == "outlines":
+            raise InvalidRegexError(
+                f"the regex {pattern[:100]!r} is too large for outlines-core: {why}. Use backend='llguidance' "
+                f"(it compiles lazily), or smaller repetition bounds (e.g. {{1,100}} instead of {{1,100000}}); "
+                f"continuum.guides.limits.set_compile_limits(outlines_max_work=...) raises the budget")
     try:
         return llguidance_guide(regex_grammar(pattern), tokenizer)
     except GrammarCompileError as exc:
@@ -51,7 +83,7 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
     if backend == "outlines":
         try:
             regex, ignored = outlines_regex_ignored(prepared.schema, whitespace_pattern)
-            guide = regex_guide(regex, tokenizer)
+            guide = regex_for(tokenizer, regex, "outlines")
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
         return guide, _done_prepared(prepared, ignored)
@@ -95,6 +127,7 @@ def grammar_for(tokenizer, grammar: str, syntax: str = "lark", backend: str = "a
     check_backend(backend, ("auto", "llguidance"))
     if not isinstance(grammar, str) or not grammar.strip():
         raise GeneratorArgumentError(f"cfg takes a non-empty grammar string, got {grammar!r:.60}")
+    check_encodable(grammar, "the grammar")
     if syntax == "gbnf":
         from llguidance.gbnf_to_lark import gbnf_to_lark
 

@@ -38,6 +38,10 @@ _PAR_MIN_ROWS = 16
 _CPUS = os.cpu_count() or 1
 
 
+from ..errors import GuideLimitError
+from .limits import compile_limits, explain_llguidance_error, llguidance_limit_hit, llguidance_limits
+
+
 class GrammarCompileError(Exception):
     """llguidance refused a grammar; callers turn it into the error of their constraint kind."""
 
@@ -78,14 +82,20 @@ def lark_grammar(grammar: str) -> str:
     """The llguidance grammar of a Lark grammar in llguidance's syntax."""
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_lark(grammar)
+    try:
+        return LLMatcher.grammar_from_lark(grammar)
+    except Exception as exc:  # e.g. a NUL character in the text
+        raise GrammarCompileError(str(exc)) from exc
 
 
 def regex_grammar(regex: str) -> str:
     """The llguidance grammar of a regex (Rust ``regex`` syntax, matched in full)."""
     from llguidance import LLMatcher
 
-    return LLMatcher.grammar_from_regex(regex)
+    try:
+        return LLMatcher.grammar_from_regex(regex)
+    except Exception as exc:
+        raise GrammarCompileError(str(exc)) from exc
 
 
 class LLGuidanceGuide:
@@ -104,12 +114,15 @@ class LLGuidanceGuide:
         self.grammar = grammar
         self.key = "llguidance:" + hashlib.sha256(grammar.encode()).hexdigest()[:24]
         lltok = tokenizer.llg_tokenizer
-        try:
-            template = LLMatcher(lltok, grammar, log_level=0)
+        try:  # explicit resource limits (continuum.guides.limits), not llguidance's defaults
+            template = LLMatcher(lltok, grammar, log_level=0, limits=llguidance_limits())
+            if not template.is_error():  # the first mask builds the initial lexer: a limit may stop it here
+                first = np.empty((lltok.vocab_size + 31) // 32, dtype=np.int32)
+                template.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
         except Exception as exc:  # documented not to raise, but be safe
-            raise GrammarCompileError(str(exc)) from exc
+            raise GrammarCompileError(explain_llguidance_error(str(exc))) from exc
         if template.is_error():
-            raise GrammarCompileError(template.get_error())
+            raise GrammarCompileError(explain_llguidance_error(template.get_error()))
         self._template = template
         self.n_vocab: int = lltok.vocab_size
         self._words = (self.n_vocab + 31) // 32
@@ -136,6 +149,9 @@ class LLGuidanceGuide:
     def advance(self, state, token_id: int):
         """Consume ``token_id`` in place; ``None`` (dead) when the grammar does not allow it."""
         if state is None or not state.consume_token(token_id):
+            if state is not None and state.is_error() and llguidance_limit_hit(state.get_error()):
+                raise GuideLimitError("the constraint stopped while decoding: "
+                                      + explain_llguidance_error(state.get_error()))
             return None
         return state
 
@@ -207,7 +223,7 @@ def llguidance_guide(grammar: str, tokenizer) -> LLGuidanceGuide:
 
     Raises :class:`GrammarCompileError` with llguidance's message when the grammar is refused.
     """
-    key = ("llguidance", grammar)
+    key = ("llguidance", grammar, compile_limits())  # a guide compiled under other limits is another guide
     with _LOCK:
         guide = tokenizer.index_cache.get(key)
     if guide is None:

@@ -31,6 +31,7 @@ from urllib.parse import unquote
 
 from ..errors import UnsupportedSchemaError
 from . import rewrites as rw
+from .limits import check_schema_bounds
 
 __all__ = ["normalize_schema", "NormalizedSchema", "dialect_of", "ENFORCED_FORMATS"]
 
@@ -299,6 +300,7 @@ def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None,
     """
     if max_string_length is not None and (not isinstance(max_string_length, int) or max_string_length < 1):
         raise UnsupportedSchemaError(f"max_string_length must be a positive int or None, got {max_string_length!r}")
+    check_schema_bounds(schema)  # depth, size, enum: before any recursive walk
     dialect = dialect_of(schema)
     for inline in (True, False):
         n = _Normalizer(schema, dialect, max_string_length, inline, approximate)

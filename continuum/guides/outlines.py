@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import EmptyChoicesError, InvalidRegexError
+from ..models.tokenizer import check_encodable
 
 __all__ = ["OutlinesGuide", "regex_guide", "choice_regex", "escape", "build_mask"]
 
@@ -38,6 +39,7 @@ def choice_regex(choices: Sequence[str]) -> str:
     bad = [o for o in options if not isinstance(o, str) or o == ""]
     if bad:
         raise EmptyChoicesError(f"choice options must be non-empty strings; got {bad!r}")
+    check_encodable(options, "choice option")
     return "(" + "|".join(escape(o) for o in options) + ")"
 
 

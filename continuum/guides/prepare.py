@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import SchemaViolationError, UnsupportedSchemaError
-from .normalize import NormalizedSchema, normalize_schema
+from .limits import check_schema_bounds
+from .normalize import NormalizedSchema, dialect_of, normalize_schema
 from .schema import SchemaCoverageWarning, outlines_regex
 
 __all__ = ["prepare_json_schema", "PreparedSchema", "original_validator", "normalized_validator", "coverage_message",
@@ -166,8 +167,11 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None,
                              max_key_length=max_string_length)
 
     if isinstance(schema, type) and issubclass(schema, BaseModel):  # pydantic validates its own outputs
-        normalized = normalize_schema(schema.model_json_schema(), max_string_length=max_string_length,
-                                      approximate=approximate)
+        try:
+            model_schema = schema.model_json_schema()
+        except Exception as exc:  # BaseModel itself, a field type pydantic cannot express in JSON Schema...
+            raise UnsupportedSchemaError(f"pydantic cannot give the JSON schema of {schema.__name__}: {exc}") from exc
+        normalized = normalize_schema(model_schema, max_string_length=max_string_length, approximate=approximate)
 
         def validate_model(value: Any) -> None:
             schema.model_validate(value)
@@ -180,11 +184,15 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None,
                 schema = _json.loads(schema)
             except ValueError as exc:
                 raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
+            except RecursionError:
+                raise UnsupportedSchemaError("the JSON schema string is nested too deeply to parse: flatten it") from None
         if not isinstance(schema, (dict, bool)):
             raise UnsupportedSchemaError(f"generate.json takes a pydantic model class, a JSON schema dict or a JSON "
                                          f"string, not {type(schema).__name__}")
+        check_schema_bounds(schema)  # before anything walks it recursively
+        validator = original_validator(schema, dialect_of(schema))  # the metaschema refuses malformed keywords first
         normalized = normalize_schema(schema, max_string_length=max_string_length, approximate=approximate)
-        validate = _checker(original_validator(schema, normalized.dialect))
+        validate = _checker(validator)
 
         def parse(text: str) -> Any:
             try:

@@ -21,11 +21,11 @@ import threading
 from functools import cached_property
 from typing import Any, Sequence
 
-from ..errors import TokenizerError
+from ..errors import TokenizerError, UnencodableTextError
 
 logger = logging.getLogger("continuum")
 
-__all__ = ["Tokenizer"]
+__all__ = ["Tokenizer", "check_encodable"]
 
 # Sentinels tried in order by encode_continuation; "\n" is a byte token in every common tokenizer.
 _SENTINELS = ("\n", "\u00a7", "#")
@@ -46,6 +46,26 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def check_encodable(texts: str | Sequence[str], argument: str) -> None:
+    """Raise :class:`~continuum.errors.UnencodableTextError` if a text holds a character UTF-8 cannot encode
+    (a lone surrogate), naming ``argument``, the list item and the character's position.
+
+    Every text reaching the tokenizer passes here (tokenizers would raise an opaque ``TypeError``).
+    """
+    single = isinstance(texts, str)
+    for i, text in enumerate([texts] if single else texts):
+        if not isinstance(text, str) or text.isascii():
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = argument if single else f"{argument} {i} of the list"
+            raise UnencodableTextError(
+                f"{where} cannot be encoded as UTF-8: character {exc.start} ({text[exc.start]!r}) is a lone surrogate "
+                f"(a careless decode makes them); clean it first, e.g. text.encode('utf-8', 'replace').decode() "
+                f"(or errors='ignore' to drop it)", argument=argument, position=exc.start) from None
 
 
 class Tokenizer:
@@ -102,17 +122,23 @@ class Tokenizer:
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     # -- encoding ---------------------------------------------------------------------------
-    def encode_prompts(self, prompts: Sequence[str]) -> list[list[int]]:
-        """Tokenize prompts like HF does (with the tokenizer's default special tokens, e.g. BOS)."""
+    def encode_prompts(self, prompts: Sequence[str], argument: str = "prompt") -> list[list[int]]:
+        """Tokenize prompts like HF does (with the tokenizer's default special tokens, e.g. BOS).
+
+        Raises :class:`~continuum.errors.UnencodableTextError` (naming ``argument``) for text UTF-8 cannot encode.
+        """
+        prompts = list(prompts)
+        check_encodable(prompts[0] if len(prompts) == 1 else prompts, argument)
         return [list(ids) for ids in self.hf(list(prompts), add_special_tokens=True)["input_ids"]]
 
     def _encode_plain(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
-    def encode_continuation(self, text: str) -> list[int]:
+    def encode_continuation(self, text: str, argument: str = "the text added") -> list[int]:
         """Tokens of ``text`` appended to an existing row (no special tokens, no SentencePiece prefix)."""
         if not text:
             return []
+        check_encodable(text, argument)
         for sentinel in _SENTINELS:
             head = self._encode_plain(sentinel)
             ids = self._encode_plain(sentinel + text)
@@ -120,10 +146,11 @@ class Tokenizer:
                 return ids[len(head) :]
         return self._encode_plain(text)  # pragma: no cover - no sentinel stays separate
 
-    def encode_continuations(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_continuations(self, texts: Sequence[str], argument: str = "the text added") -> list[list[int]]:
         """:meth:`encode_continuation` of many texts, in one batched tokenizer call where it can."""
         if not texts:
             return []
+        check_encodable(list(texts), argument)
         head = self._encode_plain(_SENTINELS[0])
         batch = [list(ids) for ids in self.hf([_SENTINELS[0] + t for t in texts], add_special_tokens=False)["input_ids"]]
         head_text = self.decode(head)

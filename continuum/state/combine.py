@@ -8,11 +8,13 @@ import torch
 
 from .. import cache as kvcache
 from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
+from ..models.tokenizer import check_encodable
 from .convert import check_same_model
 from .core import _NAN, SequenceState
 
 __all__ = ["add", "radd", "stack"]
 
+_ARGUMENT = {"adding": "the text added to the state", "prepending": "the text put before the state"}
 _ADDABLE = "a str, a list of str (one per batch row) or another SequenceState (same tokenizer)"
 
 
@@ -24,6 +26,7 @@ def _not_addable(other, op: str) -> ContinuumTypeError:
 
 def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: str) -> list[str]:
     if isinstance(other, str):
+        check_encodable(other, _ARGUMENT[op])
         return [other] * state.rows
     other = list(other)
     if len(other) != state.batch:
@@ -32,6 +35,7 @@ def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: st
     if not all(isinstance(t, str) for t in other):
         bad = next(t for t in other if not isinstance(t, str))
         raise ContinuumTypeError(f"{op} a list with an item of type {type(bad).__name__}: a state takes {_ADDABLE}")
+    check_encodable(other, _ARGUMENT[op] + ": item")
     return [other[r // state.samples] for r in range(state.rows)]
 
 def add(state: SequenceState, other) -> SequenceState:

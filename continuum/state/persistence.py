@@ -18,6 +18,7 @@ import logging
 
 from .. import cache as kvcache
 from ..errors import StateFileError
+from ..models.identity import ModelFingerprint
 from .convert import uncached
 from .core import LastStep, SequenceState
 
@@ -89,8 +90,6 @@ def load(path, model) -> SequenceState:
         if kv is not None and len(kv) == len(model.layer_devices):  # device_map: each layer where its layer runs
             kv = kvcache.to_devices(kv, model.layer_devices)
         saved = meta.get("model")
-        from ..models.identity import ModelFingerprint  # continuum.models imports the prefix cache, which imports state
-
         saved = ModelFingerprint.from_dict(saved) if isinstance(saved, dict) else None
         foreign = kv is not None and saved != model.fingerprint
         if foreign:
