@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
 from .base import Guide, check_backend
+from .closing import close_objects
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
 from .prepare import PreparedSchema, coverage_message, prepare_json_schema
@@ -55,30 +56,45 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
         return guide, _done_prepared(prepared, ignored)
-    try:
-        guide = llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), tokenizer)
-        return guide, _done_prepared(prepared, ())
-    except GrammarCompileError as exc:
-        if any(w in str(exc).lower() for w in _LIMIT_WORDS):
-            raise UnsupportedSchemaError(
-                f"this JSON schema is too large for llguidance's limits ({exc}): raise the engine's limit it names, "
-                "or simplify the schema (fewer alternatives, shorter patterns, bounded repetitions)",
-                keyword="engine limit") from exc
-        if not approximate:
-            raise UnsupportedSchemaError(
-                f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, pass "
-                "on_unsupported='approximate' (what llguidance cannot enforce is dropped, outputs are validated), "
-                "or backend='outlines'") from exc
-        refused = str(exc)
+    if prepared.schema is False:
+        raise UnsupportedSchemaError("the JSON schema accepts no value once normalised (it is unsatisfiable, or was "
+                                     "narrowed to nothing: see the SchemaCoverageWarning), so nothing can be generated")
+    # the strict form first; if llguidance refuses it (disjoint key patterns, circular refs with siblings...),
+    # the same schema with unbounded keys, then with open objects: each is still sound, only less strict
+    forms = [prepared.schema]
+    if prepared.normalized is not None:
+        forms += [close_objects(prepared.normalized.schema, additional_properties=additional_properties),
+                  prepared.normalized.schema]
+    forms = [f for i, f in enumerate(forms) if f not in forms[:i]]
+    errors = []
+    for form in forms:
+        try:
+            return llguidance_guide(json_grammar(form, whitespace_pattern), tokenizer), _done_prepared(prepared, ())
+        except GrammarCompileError as exc:
+            errors.append(exc)
+    exc = errors[-1]
+    if any(w in str(exc).lower() for w in _LIMIT_WORDS):
+        raise UnsupportedSchemaError(
+            f"this JSON schema is too large for llguidance's limits ({exc}): raise the engine's limit it names, "
+            "or simplify the schema (fewer alternatives, shorter patterns, bounded repetitions)",
+            keyword="engine limit") from exc
+    if not approximate or not isinstance(prepared.schema, dict):
+        raise UnsupportedSchemaError(
+            f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, pass "
+            "on_unsupported='approximate' (what llguidance cannot enforce is dropped, outputs are validated), "
+            "or backend='outlines'") from exc
     from llguidance import LLMatcher
 
-    grammar = json_grammar(prepared.schema, whitespace_pattern, lenient=True)
-    try:
-        guide = llguidance_guide(grammar, tokenizer)
-    except GrammarCompileError as exc:
-        raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {exc}") from exc
-    _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
-    return guide, _done_prepared(prepared, [f"llguidance: {n}" for n in (notes or [refused])])
+    for form in forms:
+        try:
+            grammar = json_grammar(form, whitespace_pattern, lenient=True)
+            guide = llguidance_guide(grammar, tokenizer)
+        except GrammarCompileError as lenient_exc:
+            errors.append(lenient_exc)
+            continue
+        _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
+        return guide, _done_prepared(prepared, [f"llguidance: {n}" for n in (notes or [str(exc)])])
+    raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {errors[-1]}") from exc
 
 
 def _done_prepared(prepared: PreparedSchema, engine_ignored) -> PreparedSchema:
