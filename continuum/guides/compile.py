@@ -85,6 +85,8 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
             "or backend='outlines'") from exc
     from llguidance import LLMatcher
 
+    dropped: list[str] = []
+    forms = [_drop_patterns(f, "", dropped) for f in forms]  # string patterns llguidance cannot read: widened
     for form in forms:
         try:
             grammar = json_grammar(form, whitespace_pattern, lenient=True)
@@ -93,8 +95,41 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
             errors.append(lenient_exc)
             continue
         _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
-        return guide, _done_prepared(prepared, [f"llguidance: {n}" for n in (notes or [str(exc)])])
+        notes = [f"llguidance: {n}" for n in notes] + list(dict.fromkeys(dropped))
+        return guide, _done_prepared(prepared, notes or [f"llguidance: {exc}"])
     raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {errors[-1]}") from exc
+
+
+def _drop_patterns(node: Any, path: str, dropped: list) -> Any:
+    """``node`` without the string ``pattern``s llguidance cannot compile (look-arounds, syntax it
+    does not parse), each named in ``dropped``: a wider schema, so outputs must be (and are) validated."""
+    if isinstance(node, list):
+        return [_drop_patterns(v, f"{path}/{i}", dropped) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "pattern" and isinstance(value, str) and not _regex_ok(value):
+            dropped.append(f"{path}/pattern: dropped (llguidance cannot compile {value[:60]!r})")
+            continue
+        if key in ("enum", "const"):
+            out[key] = value
+        elif key in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
+            out[key] = {k: _drop_patterns(v, f"{path}/{key}/{k}", dropped) for k, v in value.items()}
+        else:
+            out[key] = _drop_patterns(value, f"{path}/{key}", dropped)
+    return out
+
+
+def _regex_ok(pattern: str) -> bool:
+    from llguidance import LLMatcher
+
+    try:
+        is_error, _ = LLMatcher.validate_grammar_with_warnings(
+            LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern}))
+    except Exception:  # noqa: BLE001 - refused while building the grammar
+        return False
+    return not is_error
 
 
 def _done_prepared(prepared: PreparedSchema, engine_ignored) -> PreparedSchema:
