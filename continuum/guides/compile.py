@@ -17,6 +17,7 @@ from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexEr
 from ..models.tokenizer import check_encodable
 from .base import Guide, check_backend
 from .limits import compile_limits
+from .closing import close_objects
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
 from .prepare import PreparedSchema, coverage_message, prepare_json_schema
@@ -87,30 +88,80 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
         return guide, _done_prepared(prepared, ignored)
-    try:
-        guide = llguidance_guide(json_grammar(prepared.schema, whitespace_pattern), tokenizer)
-        return guide, _done_prepared(prepared, ())
-    except GrammarCompileError as exc:
-        if any(w in str(exc).lower() for w in _LIMIT_WORDS):
-            raise UnsupportedSchemaError(
-                f"this JSON schema is too large for llguidance's limits ({exc}): raise the engine's limit it names, "
-                "or simplify the schema (fewer alternatives, shorter patterns, bounded repetitions)",
-                keyword="engine limit") from exc
-        if not approximate:
-            raise UnsupportedSchemaError(
-                f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, pass "
-                "on_unsupported='approximate' (what llguidance cannot enforce is dropped, outputs are validated), "
-                "or backend='outlines'") from exc
-        refused = str(exc)
+    if prepared.schema is False:
+        raise UnsupportedSchemaError("the JSON schema accepts no value once normalised (it is unsatisfiable, or was "
+                                     "narrowed to nothing: see the SchemaCoverageWarning), so nothing can be generated")
+    # the strict form first; if llguidance refuses it (disjoint key patterns, circular refs with siblings...),
+    # the same schema with unbounded keys, then with open objects: each is still sound, only less strict
+    forms = [prepared.schema]
+    if prepared.normalized is not None:
+        forms += [close_objects(prepared.normalized.schema, additional_properties=additional_properties),
+                  prepared.normalized.schema]
+    forms = [f for i, f in enumerate(forms) if f not in forms[:i]]
+    errors = []
+    for form in forms:
+        try:
+            return llguidance_guide(json_grammar(form, whitespace_pattern), tokenizer), _done_prepared(prepared, ())
+        except GrammarCompileError as exc:
+            errors.append(exc)
+    exc = errors[-1]
+    if any(w in str(exc).lower() for w in _LIMIT_WORDS):
+        raise UnsupportedSchemaError(
+            f"this JSON schema is too large for llguidance's limits ({exc}): raise the engine's limit it names, "
+            "or simplify the schema (fewer alternatives, shorter patterns, bounded repetitions)",
+            keyword="engine limit") from exc
+    if not approximate or not isinstance(prepared.schema, dict):
+        raise UnsupportedSchemaError(
+            f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, pass "
+            "on_unsupported='approximate' (what llguidance cannot enforce is dropped, outputs are validated), "
+            "or backend='outlines'") from exc
     from llguidance import LLMatcher
 
-    grammar = json_grammar(prepared.schema, whitespace_pattern, lenient=True)
+    dropped: list[str] = []
+    forms = [_drop_patterns(f, "", dropped) for f in forms]  # string patterns llguidance cannot read: widened
+    for form in forms:
+        try:
+            grammar = json_grammar(form, whitespace_pattern, lenient=True)
+            guide = llguidance_guide(grammar, tokenizer)
+        except GrammarCompileError as lenient_exc:
+            errors.append(lenient_exc)
+            continue
+        _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
+        notes = [f"llguidance: {n}" for n in notes] + list(dict.fromkeys(dropped))
+        return guide, _done_prepared(prepared, notes or [f"llguidance: {exc}"])
+    raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {errors[-1]}") from exc
+
+
+def _drop_patterns(node: Any, path: str, dropped: list) -> Any:
+    """``node`` without the string ``pattern``s llguidance cannot compile (look-arounds, syntax it
+    does not parse), each named in ``dropped``: a wider schema, so outputs must be (and are) validated."""
+    if isinstance(node, list):
+        return [_drop_patterns(v, f"{path}/{i}", dropped) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "pattern" and isinstance(value, str) and not _regex_ok(value):
+            dropped.append(f"{path}/pattern: dropped (llguidance cannot compile {value[:60]!r})")
+            continue
+        if key in ("enum", "const"):
+            out[key] = value
+        elif key in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
+            out[key] = {k: _drop_patterns(v, f"{path}/{key}/{k}", dropped) for k, v in value.items()}
+        else:
+            out[key] = _drop_patterns(value, f"{path}/{key}", dropped)
+    return out
+
+
+def _regex_ok(pattern: str) -> bool:
+    from llguidance import LLMatcher
+
     try:
-        guide = llguidance_guide(grammar, tokenizer)
-    except GrammarCompileError as exc:
-        raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {exc}") from exc
-    _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
-    return guide, _done_prepared(prepared, [f"llguidance: {n}" for n in (notes or [refused])])
+        is_error, _ = LLMatcher.validate_grammar_with_warnings(
+            LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern}))
+    except Exception:  # noqa: BLE001 - refused while building the grammar
+        return False
+    return not is_error
 
 
 def _done_prepared(prepared: PreparedSchema, engine_ignored) -> PreparedSchema:
