@@ -331,7 +331,10 @@ def test_state_operations_return_or_raise_a_continuum_error(gpt2_model, llama_mo
             result = state[tuple(index)] if len(index) > 1 else state[index[0]]
         else:
             result = SequenceState.stack([state, operand] if not isinstance(operand, list) else [state, *operand])
-        assert isinstance(result, SequenceState) and len(list(result)) == result.batch * result.samples
+        if isinstance(result, SequenceState):
+            assert len(list(result)) == result.batch * result.samples
+        else:  # an int chars index reads one character per row (docs/state.md)
+            assert op == "index" and isinstance(result, (str, list)), type(result)
         outcome = "state-ok"
     except ContinuumError as exc:
         outcome = "state-" + type(exc).__name__
@@ -385,3 +388,22 @@ def test_found_continuous_of_something_else():
     for bad in ("text", None, generate.text):
         with pytest.raises(ContinuumTypeError, match="continuous\\(\\) takes a generator"):
             continuous(bad)
+
+
+@pytest.mark.parametrize("make", [lambda: samplers.multinomial(10**6), lambda: samplers.beam_search(10**6),
+                                  lambda: samplers.multinomial(2**70)])
+def test_found_a_fork_larger_than_memory(gpt2_model, make):
+    """multinomial(10**6) got the process killed by the kernel (no exception); now refused before the fork."""
+    from continuum.errors import GeneratorArgumentError
+    from continuum.memory import available_bytes
+
+    if available_bytes(gpt2_model.device) is None:
+        pytest.skip("available memory unknown here")
+    state = SequenceState.from_prompts(gpt2_model, ["hi"])
+    before = snapshot(state)
+    with pytest.raises(GeneratorArgumentError, match="rows would need"):
+        continuous(generate.text(gpt2_model, make()))(state, max_tokens=2)
+    with pytest.raises(GeneratorArgumentError, match="rows would need"):
+        generate.choice(gpt2_model, ["a", "b"], make())("hi")
+    check_unchanged(state, before)
+    assert len(continuous(generate.text(gpt2_model, samplers.multinomial(3)))(state, max_tokens=2).texts) == 3
