@@ -45,9 +45,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = run(args.examples, args.timeout)
     outcomes = out.get("outcomes", {})
-    raised = {k: v for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]) if k != "ok"}
-    print(f"examples {out.get('examples', 0)}, distinct inputs {out.get('distinct_inputs', 0)}, "
-          f"returned {outcomes.get('ok', 0)}, raised a ContinuumError {sum(raised.values())}, "
+    raised = {k: v for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]) if not k.endswith("ok")}
+    returned = sum(v for k, v in outcomes.items() if k.endswith("ok"))
+    print(f"examples {out.get('examples', 0)} (generator calls, then state operations: 'state-' outcomes), "
+          f"distinct inputs {out.get('distinct_inputs', 0)}, returned {returned}, "
+          f"raised a ContinuumError {sum(raised.values())}, "
           f"raw exceptions {0 if out['returncode'] == 0 else 'SEE FAILURE'}, slowest call {out.get('slowest_call_s')} s, "
           f"wall {out['wall_s']} s")
     for name, n in raised.items():
