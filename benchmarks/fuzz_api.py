@@ -30,7 +30,7 @@ def run(examples: int, timeout_s: int) -> dict:
                    OMP_NUM_THREADS="1")
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_fuzz_api.py", "-q", "-x", "-p", "no:warnings",
-                               "-k", "every_call"], cwd=ROOT, env=env, timeout=timeout_s, capture_output=True, text=True)
+                               "-k", "every_call or state_operations"], cwd=ROOT, env=env, timeout=timeout_s, capture_output=True, text=True)
         out = json.loads(tally.read_text()) if tally.exists() else {}
         out.update(returncode=proc.returncode, wall_s=round(time.perf_counter() - t, 1))
         if proc.returncode:
@@ -45,13 +45,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = run(args.examples, args.timeout)
     outcomes = out.get("outcomes", {})
-    raised = {k: v for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]) if k != "ok"}
-    print(f"examples {out.get('examples', 0)}, distinct inputs {out.get('distinct_inputs', 0)}, "
-          f"returned {outcomes.get('ok', 0)}, raised a ContinuumError {sum(raised.values())}, "
+    raised = {k: v for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]) if not k.endswith("ok")}
+    returned = sum(v for k, v in outcomes.items() if k.endswith("ok"))
+    print(f"examples {out.get('examples', 0)} (generator calls, then state operations: 'state-' outcomes), "
+          f"distinct inputs {out.get('distinct_inputs', 0)}, returned {returned}, "
+          f"raised a ContinuumError {sum(raised.values())}, "
           f"raw exceptions {0 if out['returncode'] == 0 else 'SEE FAILURE'}, slowest call {out.get('slowest_call_s')} s, "
           f"wall {out['wall_s']} s")
     for name, n in raised.items():
         print(f"  {name:28s} {n}")
+    print("slowest:", out.get("slowest_call", ""))
     if out["returncode"]:
         print(out.get("failure", ""))
     return 1 if out["returncode"] else 0

@@ -29,6 +29,7 @@ from .guidance import Guidance, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs, step_marks
 from .guides import Guide
 from .healing import apply_heal_masks, heal
+from .memory import check_rows_fit
 from .models.tokenizer import check_encodable
 from .rows import Rows
 from .samplers import Sampler
@@ -107,11 +108,15 @@ def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: Option
         raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
     ctx = state._model.context_length
     if ctx is None:
-        return max_tokens if max_tokens is not None else 2**31
-    if int(lengths.max()) > ctx:
-        raise ContextLengthError(_too_long(state, ctx))
-    room = ctx - int(lengths.min())  # the loop stops every row at its own limit
-    return room if max_tokens is None else min(max_tokens, room)
+        steps = max_tokens if max_tokens is not None else 2**31
+    else:
+        if int(lengths.max()) > ctx:
+            raise ContextLengthError(_too_long(state, ctx))
+        room = ctx - int(lengths.min())  # the loop stops every row at its own limit
+        steps = room if max_tokens is None else min(max_tokens, room)
+    if n > group:  # a fork: the new rows must fit in memory (a kernel OOM kill is no error message)
+        check_rows_fit(state._model, state.batch, n, int(lengths.max()) + min(steps, 2**20), state._model.device)
+    return steps
 
 
 def _too_long(state: SequenceState, ctx: int) -> str:

@@ -82,7 +82,9 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
 
     ``backend``: ``"auto"``/``"outlines"`` compile the pattern to an outlines-core index (its
     regex syntax); ``"llguidance"`` uses llguidance's regex (Rust ``regex`` syntax), compiled lazily
-    while decoding, so large patterns start faster.
+    while decoding, so large patterns start faster. The size of the outlines-core index is estimated
+    first (``continuum.guides.limits``): past the compile budget (a few seconds), ``"auto"`` uses
+    llguidance and ``"outlines"`` raises ``InvalidRegexError`` (e.g. ``[a-z]{1000000}``).
 
     Example:
         >>> regex(model, r"[0-9]{3}-[a-z]+")("Code: ", max_tokens=12)  # doctest: +SKIP

@@ -27,6 +27,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from ..errors import GuideLimitError
+from .limits import compile_limits, explain_llguidance_error, llguidance_limit_hit, llguidance_limits
+
 __all__ = ["LLGuidanceGuide", "GrammarCompileError", "llguidance_guide", "json_grammar", "lark_grammar",
            "regex_grammar"]
 
@@ -36,10 +39,6 @@ _EXECUTOR: Any = None
 # (measured on 2 busy cores: dispatching 8 rows cost ~50x more than filling them one by one).
 _PAR_MIN_ROWS = 16
 _CPUS = os.cpu_count() or 1
-
-
-from ..errors import GuideLimitError
-from .limits import compile_limits, explain_llguidance_error, llguidance_limit_hit, llguidance_limits
 
 
 class GrammarCompileError(Exception):
