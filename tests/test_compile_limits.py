@@ -140,3 +140,18 @@ def test_a_json_schema_too_large_for_outlines(gpt2_model):
     schema = {"type": "string", "pattern": "^[a-z]{100000}$"}
     exc, took = _timed(lambda: generate.json(gpt2_model, schema, backend="outlines"))
     assert took < GENEROUS_S and isinstance(exc, UnsupportedSchemaError) and "backend='llguidance'" in str(exc)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_optional_json_properties_are_not_a_blowup(gpt2_model):
+    """``(...)?`` chains of JSON properties have 2 places to end each, not 2^k: the estimate stays near the real size."""
+    from outlines_core import Index
+
+    from continuum.guides.prepare import prepare_json_schema
+    from continuum.guides.schema import outlines_regex
+
+    props = {f"p{i}": {"type": "string", "minLength": 1, "maxLength": 5} for i in range(6)}
+    regex = outlines_regex(prepare_json_schema({"type": "object", "properties": props}).schema, r"[ ]?")
+    real = len(Index(regex, gpt2_model.tokenizer.vocabulary).get_transitions())
+    est = estimate_regex(regex).states
+    assert real / 8 <= est <= real * 16, (real, est)

@@ -52,6 +52,7 @@ class _Node:
     max_len: float
     first: frozenset  # sample characters that can start it
     chars: frozenset  # sample characters it can consume anywhere
+    iters: float = 0  # how many more iterations a repetition may take (hi - lo): the places its end can be
 
 
 def _rust_to_python(pattern: str) -> str:
@@ -139,7 +140,7 @@ def _seq(nodes: list[_Node]) -> _Node:
     # tracks every place the item may have ended (up to 2^k states for a run of k such positions).
     blowup = 0.0
     for i, nd in enumerate(nodes):
-        width = nd.max_len - nd.min_len
+        width = nd.iters  # an optional item (?) has 2 places to end: (k+1) states; X* has any: 2^k
         if width <= 0:
             continue
         k, distinct = 0.0, False
@@ -182,7 +183,7 @@ def _walk(sub, c) -> _Node:
             times = (lo + 1) if hi is c.MAXREPEAT else hi
             max_len = math.inf if hi is c.MAXREPEAT else b.max_len * hi
             nodes.append(_Node(min(_CAP, b.states * max(times, 1)), min(_CAP, b.work * max(times, 1)),
-                               b.min_len * lo, max_len, b.first, b.chars))
+                               b.min_len * lo, max_len, b.first, b.chars, math.inf if hi is c.MAXREPEAT else hi - lo))
         elif op is getattr(c, "ATOMIC_GROUP", None):
             nodes.append(_walk(av, c))
         else:  # anchors, assertions, back-references: outlines-core judges them
