@@ -82,11 +82,11 @@ class Guidance:
         negative, per_row = None, False
         if negative_prompt is not None:
             per_row = not isinstance(negative_prompt, str)
-            prompts = list(negative_prompt) if per_row else [negative_prompt]
+            prompts = list(negative_prompt) if isinstance(negative_prompt, (list, tuple)) else [negative_prompt]
             if not prompts or not all(isinstance(p, str) for p in prompts):
                 raise GeneratorArgumentError(f"negative_prompt must be a string or a non-empty list of strings (one per "
                                              f"prompt), got {negative_prompt!r}")
-            negative = tuple(tuple(ids) for ids in tokenizer.encode_prompts(prompts))
+            negative = tuple(tuple(ids) for ids in tokenizer.encode_prompts(prompts, argument="negative_prompt"))
             empty = [i for i, ids in enumerate(negative) if not ids]
             if empty:
                 raise GeneratorArgumentError(f"negative prompt(s) {empty} tokenize to no token (this tokenizer adds no "

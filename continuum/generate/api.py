@@ -13,7 +13,6 @@ from ..guidance import Guidance
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
 from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
-from ..models.tokenizer import check_encodable
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
@@ -43,17 +42,6 @@ _GUIDANCE_DOC = """
 """
 
 
-def _guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode) -> Optional[Guidance]:
-    """``Guidance.make``, with the negative prompt's type and text checked first (so errors name ``negative_prompt``)."""
-    if negative_prompt is not None and not isinstance(negative_prompt, (str, list, tuple)):
-        raise GeneratorArgumentError(f"negative_prompt must be a string or a non-empty list of strings (one per "
-                                     f"prompt), got {type(negative_prompt).__name__}")
-    if isinstance(negative_prompt, (str, list, tuple)):
-        check_encodable(negative_prompt if isinstance(negative_prompt, str) else
-                        [p for p in negative_prompt if isinstance(p, str)], "negative_prompt")
-    return Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
-
-
 def _check_model(model) -> None:
     if not hasattr(model, "tokenizer") or not hasattr(model, "forward"):
         raise GeneratorArgumentError(
@@ -71,7 +59,7 @@ def text(model, sampler: Optional[Sampler] = None, *, token_healing: bool = Fals
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    return Generator(model, sampler, kind="text", guidance=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, kind="text", guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      token_healing=token_healing)
 
 
@@ -97,7 +85,7 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), guidance=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
@@ -144,7 +132,7 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     check_backend(backend)
     if method not in ("exact", "mean", "greedy"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
-    guidance = _guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+    guidance = Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
         return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
                          description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward, token_healing=token_healing)
@@ -204,7 +192,7 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
                                max_string_length=max_string_length, additional_properties=additional_properties,
                                on_unsupported=on_unsupported)
     gen = Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
-                    guidance=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                    guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                     fast_forward=fast_forward, token_healing=token_healing)
     gen.exact = prepared.exact
     gen.not_enforced = tuple(map(str, (*prepared.approximated, *prepared.engine_ignored)))
@@ -240,7 +228,7 @@ def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str =
     _check_model(model)
     guide = grammar_for(model.tokenizer, grammar, syntax, backend)
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
-                     guidance=_guidance(model, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
+                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
                      token_healing=token_healing)
 
 
