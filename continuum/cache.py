@@ -44,6 +44,7 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(1) - 1).clamp(min=0)
 
 
+RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits
 
 

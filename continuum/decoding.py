@@ -39,8 +39,6 @@ from .text import token_char_spans
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
-_RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
-
 
 @dataclass
 class Step:
@@ -186,7 +184,7 @@ def decode(
             pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
         else:
             pos = positions(mask)[:, start:]
-        reserve = max(0, min(W + steps - end, _RESERVE_CAP))  # the columns still to come: KV storage allocated once
+        reserve = max(0, min(W + steps - end, kvcache.RESERVE_CAP))  # the columns still to come: KV storage allocated once
         call = model.forward if rows.branch is None else rows.branch.forward  # guidance: runs both branches
         return call(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
 

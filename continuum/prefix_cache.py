@@ -45,7 +45,6 @@ __all__ = ["PrefixCache", "parse_budget", "reuse", "remember"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_RESERVE_CAP = 1024  # columns left free after a hit for the tokens to come (the decoding loop's cap)
 
 
 def parse_budget(spec: Union[None, int, str]) -> Optional[int]:
@@ -303,7 +302,7 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
             dst[r, width - h:width] = src[r, lead[r]:C]
             dst[r, total - t:] = src[r, start[r]:]
         parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)] if h else [])
-    kv = kvcache.assemble(parts, width, (total - width) + min(room, _RESERVE_CAP))
+    kv = kvcache.assemble(parts, width, (total - width) + min(room, kvcache.RESERVE_CAP))
     from .state import SequenceState
 
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=state._weights, kv=kv,
