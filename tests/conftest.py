@@ -109,6 +109,16 @@ def spm_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, spm_tokenizer) -> str:
+    """A tiny Llama (4 heads, 2 key/value heads) and its tokenizer saved as a checkpoint folder (read only)."""
+    tok = spm_tokenizer
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def gpt2_model(bpe_tokenizer):
     from continuum import models
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
 
 WORLD = 2
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,16 +36,13 @@ pytestmark = [pytest.mark.skipif(not _gloo_available(), reason="torch.distribute
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spm_tokenizer):
+def runs(tmp_path_factory, llama_dir):
     """(single-process results, [results of each rank], output folder, model folder)."""
     import distributed_script
 
     from continuum import models
 
-    tok = spm_tokenizer
-    model_dir = tmp_path_factory.mktemp("tiny-llama-tp")
-    tiny_llama(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = llama_dir
     out = tmp_path_factory.mktemp("tp-out")
     single = distributed_script.main(str(model_dir), out, model=models.transformers(str(model_dir)))
 

@@ -8,20 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
 
 from continuum import ContinuumError, models
 from continuum.errors import ModelLoadError
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, spm_tokenizer):
-    """A tiny Llama (4 heads, 2 key/value heads) and its tokenizer saved as a checkpoint folder."""
-    tok = spm_tokenizer
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 # ---------------------------------------------------------------- loading errors
