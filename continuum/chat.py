@@ -31,6 +31,7 @@ from .decoding import _stop_list
 from .errors import ChatTemplateError, ContinuumTypeError
 from .generate.continuous import ContinuousGenerator
 from .generate.generator import Generator
+from .models.tokenizer import check_encodable
 from .state import SequenceState
 from .state.core import _NAN
 from .state.indexing import truncate
@@ -47,6 +48,7 @@ def _check_content(role: str, content: Any) -> str:
         hint = " (decode bytes first)" if isinstance(content, (bytes, bytearray)) else (
             " (serialise it first, e.g. json.dumps(obj))" if isinstance(content, (dict, list)) else "")
         raise ContinuumTypeError(f"a {role} message's content must be a str, got {type(content).__name__}{hint}")
+    check_encodable(content, f"the {role} message")  # else the tokenizer's TypeError would read as the template's
     return content
 
 

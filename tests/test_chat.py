@@ -325,6 +325,11 @@ def test_bad_inputs_get_clear_errors():
 
     with pytest.raises(GeneratorArgumentError, match="stop_at"):
         chat.user("hi").reply(generate.text(model), stop_at=3)
+    from continuum.errors import UnencodableTextError
+
+    with pytest.raises(UnencodableTextError, match="the user message cannot be encoded") as info:
+        chat.user("hi \ud800")  # a lone surrogate: named where it was added, not as a template refusal
+    assert info.value.position == 3 and chat.messages == []
 
 
 # ------------------------------------------------------------------------------------ constrained replies
