@@ -27,7 +27,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from .chattemplate import Renderer
-from .decoding import _stop_list
+from .loop.decoding import _stop_list
 from .errors import ChatTemplateError, ContinuumTypeError
 from .generate.continuous import ContinuousGenerator
 from .generate.generator import Generator

@@ -28,7 +28,7 @@ import torch
 
 from . import cache as kvcache
 from .cache import positions
-from .decoding import Step, check_continuable, prefill
+from .loop.decoding import Step, check_continuable, prefill
 from .errors import ContextLengthError
 from .guidance import Guidance, guided_logprobs
 from .samplers import Sampler

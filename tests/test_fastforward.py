@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from continuum import continuous, generate, samplers
-from continuum.fastforward import forced_runs
+from continuum.loop.fastforward import forced_runs
 
 from conftest import assert_reuse_exact
 

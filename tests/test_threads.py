@@ -1,8 +1,9 @@
 """One model, several threads: shared and separate generators give the results of sequential runs.
 
 Every job runs twice: sequentially, then all at once from a thread pool started behind a barrier
-(so the calls overlap). Results must be equal, and ``model.tokens_computed`` / ``forward_calls``
-must grow by exactly what the sequential runs added.
+(so the calls overlap). Results must be equal, and ``model.tokens_computed`` must grow by exactly
+what the sequential runs added. ``forward_calls`` may grow less: concurrent calls share forwards
+(continuum/loop/scheduler.py), never more.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import torch
 from continuum import SequenceState, continuous, generate, samplers
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Le café est", "Numbers: 0 1 2", "She said", "Review: great"]
+
+
+def same_work(thr_counts, seq_counts) -> bool:
+    """The same positions computed; merged forwards: at most as many model calls."""
+    return thr_counts[0] == seq_counts[0] and 0 < thr_counts[1] <= seq_counts[1]
 
 
 def run_both(model, jobs, workers: int = 6):
@@ -50,9 +56,22 @@ def run_both(model, jobs, workers: int = 6):
     return sequential, concurrent, (c1[0] - c0[0], c1[1] - c0[1]), (c2[0] - c1[0], c2[1] - c1[1])
 
 
+class Close:
+    """Weights compare within 1e-4: a merged forward sums in another order than a lone one (same tokens)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values.detach().float()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Close) and torch.allclose(self.values, other.values, atol=1e-4, rtol=0, equal_nan=True)
+
+    def __repr__(self) -> str:
+        return repr(self.values.tolist())
+
+
 def comparable(result):
     if isinstance(result, SequenceState):
-        return list(result), result.weights.tolist(), result.token_ids.tolist()
+        return list(result), Close(result.weights), result.token_ids.tolist()
     return result
 
 
@@ -77,7 +96,7 @@ def test_shared_and_separate_generators_match_sequential_runs(model, kind):
         jobs.append(lambda i=i: shared_c(base[:, :12] + " and", max_tokens=4, rng=rng(i)))
     sequential, concurrent, seq_counts, thr_counts = run_both(model, jobs)
     assert [comparable(r) for r in concurrent] == [comparable(r) for r in sequential]
-    assert thr_counts == seq_counts and seq_counts[0] > 0
+    assert same_work(thr_counts, seq_counts) and seq_counts[0] > 0
     # the shared input state is untouched and still continues as before
     assert comparable(shared_c(base, max_tokens=3, rng=rng(0))) == comparable(sequential[2])
 
@@ -92,7 +111,7 @@ def test_constrained_generators_in_threads(model):
             jobs.append(lambda p=p, r=r: comparable(continuous(generate.regex(model, r, samplers.greedy()))(p, max_tokens=8)))
         jobs.append(lambda p=p: generate.choice(model, ["red", "green", "blue"], samplers.greedy())(p))
     sequential, concurrent, seq_counts, thr_counts = run_both(model, jobs, workers=8)
-    assert concurrent == sequential and thr_counts == seq_counts
+    assert concurrent == sequential and same_work(thr_counts, seq_counts)
 
 
 def test_tokens_computed_is_exact_under_contention(gpt2_model):
@@ -101,7 +120,7 @@ def test_tokens_computed_is_exact_under_contention(gpt2_model):
     jobs = [lambda: gen("a", max_tokens=1) for _ in range(64)]
     sequential, concurrent, seq_counts, thr_counts = run_both(gpt2_model, jobs, workers=16)
     one = len(gpt2_model.tokenizer.encode_prompts(["a"])[0])  # max_tokens=1: one forward over the prompt
-    assert concurrent == sequential and thr_counts == seq_counts == (64 * one, 64)
+    assert concurrent == sequential and same_work(thr_counts, seq_counts) and seq_counts == (64 * one, 64)
 
 
 def test_stream_used_from_two_threads_is_a_clear_error(gpt2_model):

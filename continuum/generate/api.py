@@ -28,7 +28,7 @@ _GUIDANCE_DOC = """
             text. Default off.
         fast_forward (constrained generators): tokens the constraint forces (JSON keys and
             punctuation, the tail of a choice) are appended as one run and computed in ONE forward
-            pass (:mod:`continuum.fastforward`). Default on; not applied with guidance.
+            pass (:mod:`continuum.loop.fastforward`). Default on; not applied with guidance.
 
     Classifier-free guidance (every generator; see docs/generators.md):
         guidance_scale: next-token scores are ``uncond + guidance_scale * (cond - uncond)`` on the

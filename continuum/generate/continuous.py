@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..decoding import check_max_tokens
+from ..loop.decoding import check_max_tokens
 from ..errors import ContinuumTypeError
 from ..state import SequenceState
 from .generator import Generator, Stream

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from ..guidance import Guidance
-from ..decoding import Step, check_max_tokens, check_rng, decode
+from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..errors import ContinuumTypeError, GeneratorArgumentError
 from ..guides import Guide
 from ..samplers import Sampler, multinomial

@@ -19,7 +19,7 @@ an ``LLMatcher`` for llguidance). The loop keeps one state per row and asks the 
   through the run with ``advance`` token by token (so a stop string or the ``max_tokens`` budget may
   cut the run). An engine may return a canonical tokenization of forced *text* (llguidance's
   ``compute_ff_tokens``) or the tokens that are each the only one allowed (outlines-core); see
-  :mod:`continuum.fastforward`;
+  :mod:`continuum.loop.fastforward`;
 * ``key``: a stable string naming the constraint *and* the engine: an unfinished constrained step
   is resumed only by a guide with the same key (``LastStep.guide_key``).
 

@@ -125,6 +125,24 @@ class Transformers:
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
+    @property
+    def scheduler(self) -> "Scheduler":
+        """The scheduler that merges the forwards of concurrent calls on this model (created on first use).
+
+        ``model.scheduler.max_rows`` bounds the rows of calls decoding at once (default 256);
+        ``model.scheduler.stats()`` counts merged forwards and reports padding and step waits.
+        See ``docs/scheduler.md``.
+        """
+        sched = self.__dict__.get("_scheduler")
+        if sched is None:
+            with self._count_lock:
+                sched = self.__dict__.get("_scheduler")
+                if sched is None:
+                    from ..loop.scheduler import Scheduler
+
+                    sched = self.__dict__["_scheduler"] = Scheduler(self)
+        return sched
+
     @torch.inference_mode()
     def forward(
         self,
@@ -143,8 +161,31 @@ class Transformers:
         every new column ``(rows, new, vocab)`` (``"all"``) or ``None`` (``"none"``), and the KV
         tensors covering all columns. ``cache`` is not modified. ``reserve``: columns the caller will
         append after this call (decoding steps to come), so the KV storage is allocated once.
+
+        While other calls decode on this model (other threads), the forward is merged with theirs
+        (:mod:`continuum.loop.scheduler`); the result is the same.
         """
+        sched = self.__dict__.get("_scheduler")
+        if sched is not None:
+            return sched.forward(input_ids, attention_mask, position_ids, cache, logits, reserve)
+        return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve)
+
+    @torch.inference_mode()
+    def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0):
+        """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""
         past = to_dynamic_cache(cache, self.config, reserve)
+        out = self._run(input_ids, attention_mask, position_ids, past, logits)
+        with self._count_lock:
+            self.tokens_computed += input_ids.numel()
+        result = {"last": lambda: out[:, -1, :], "all": lambda: out, "none": lambda: None}[logits]()
+        kv = from_dynamic_cache(past)
+        if cache is None and kv:  # a cache computed from scratch: remember what dtype these weights produce
+            self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
+        return result, kv
+
+    def _run(self, input_ids, attention_mask, position_ids, past, logits: str) -> torch.Tensor:
+        """One model forward on the ``Cache`` object ``past``; the float32 logits of the last column
+        (``logits != "all"``: shape ``(rows, 1, vocab)``) or of every new column."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask if self._window is None else self._window_masks(attention_mask, input_ids.shape[1]),
@@ -154,14 +195,12 @@ class Transformers:
             logits_to_keep=0 if logits == "all" else 1,
         )
         with self._count_lock:
-            self.tokens_computed += input_ids.numel()
             self.forward_calls += 1
-        result = {"last": lambda: out.logits[:, -1, :].float(), "all": lambda: out.logits.float(), "none": lambda: None}[logits]()
-        kv = from_dynamic_cache(out.past_key_values)
-        if cache is None and kv:  # a cache computed from scratch: remember what dtype these weights produce
-            self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
-        return result, kv
+        return out.logits.float()
 
+    @property
+    def _layers(self) -> int:
+        return layer_kinds(self.config)[0]
 
     def _window_masks(self, mask: torch.Tensor, new: int):
         """4-D additive masks ``(rows, 1, new, columns)`` for models with sliding-window layers.

@@ -28,7 +28,7 @@ class LastStep:
     finish: tuple[str, ...] | None = None
     # Per row, the tokens of the step that the loop did not sample freely, as ``(start, end, kind)``
     # character spans RELATIVE TO ``starts[r]`` (so prepending text keeps them): kind ``"forced"``
-    # (fast-forward, :mod:`continuum.fastforward`) or ``"healed"`` (token healing: the first token,
+    # (fast-forward, :mod:`continuum.loop.fastforward`) or ``"healed"`` (token healing: the first token,
     # which starts before the step, :mod:`continuum.healing`). Read by :mod:`continuum.display`.
     marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
 

@@ -10,12 +10,12 @@ from typing import Optional
 
 import torch
 
-from . import cache as kvcache
-from .guidance import UnconditionalBranch
-from .guides import DEAD, Guide
-from .healing import Heal
-from .state import SequenceState
-from .text import Detokenizer
+from .. import cache as kvcache
+from ..guidance import UnconditionalBranch
+from ..guides import DEAD, Guide
+from ..healing import Heal
+from ..state import SequenceState
+from ..text import Detokenizer
 
 __all__ = ["Rows"]
 

@@ -10,7 +10,7 @@
 
 The loop is a Python generator: it yields a :class:`Step` after every forward pass (streaming reads
 them) and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one,
-the whole run is appended and computed in the same next forward pass (:mod:`continuum.fastforward`).
+the whole run is appended and computed in the same next forward pass (:mod:`continuum.loop.fastforward`).
 """
 
 from __future__ import annotations
@@ -21,21 +21,22 @@ from typing import Callable, Generator, Optional
 
 import torch
 
-from . import cache as kvcache
-from . import prefix_cache
-from .cache import positions  # (re-exported: it lives with the cache's column layout)
-from .errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
-from .guidance import Guidance, UnconditionalBranch
+from .. import cache as kvcache
+from .. import prefix_cache
+from ..cache import positions  # (re-exported: it lives with the cache's column layout)
+from ..errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
+from ..guidance import Guidance, UnconditionalBranch
 from .fastforward import forced_runs, run_logprobs, step_marks
-from .guides import Guide
-from .healing import apply_heal_masks, heal
-from .memory import check_rows_fit
-from .models.tokenizer import check_encodable
+from .merge import slot_of
+from ..guides import Guide
+from ..healing import apply_heal_masks, heal
+from ..memory import check_rows_fit
+from ..models.tokenizer import check_encodable
 from .rows import Rows
-from .samplers import Sampler
-from .parallel import check_seeded
-from .state import LastStep, SequenceState
-from .text import token_char_spans
+from ..samplers import Sampler
+from ..parallel import check_seeded
+from ..state import LastStep, SequenceState
+from ..text import token_char_spans
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
@@ -81,6 +82,11 @@ def _stop_list(stop_at) -> list[str]:
 def prefill(state: SequenceState) -> SequenceState:
     """Cache everything but each row's last token (one forward pass over the uncached suffix; the
     model's prefix cache, when on, supplies what it holds and keeps what was computed)."""
+    with state._model.scheduler.enter(state.rows):  # concurrent calls share the forward
+        return _prefill(state)
+
+
+def _prefill(state: SequenceState) -> SequenceState:
     state = prefix_cache.reuse(state)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
     if W - 1 <= C:
@@ -127,7 +133,32 @@ def _too_long(state: SequenceState, ctx: int) -> str:
             f"state[..., -{chars}:] (or prompt[-{chars}:]) keeps about {keep} tokens of every row")
 
 
-def decode(
+def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step, None, SequenceState]:
+    """Continue ``state`` with ``sampler``: the decoding loop (:func:`_decode`, same options), registered
+    with the model's scheduler so that concurrent calls share every forward.
+
+    The loop counts as running from here until it returns, raises or is closed, except while it is
+    parked at a ``yield`` (its caller holds the thread); see :mod:`continuum.loop.scheduler`.
+    """
+    loop = _decode(state, sampler, **options)
+    rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
+    ticket = state._model.scheduler.enter(rows)
+    try:
+        while True:
+            try:
+                step = next(loop)
+            except StopIteration as done:
+                return done.value
+            ticket.park()
+            yield step  # GeneratorExit here (the caller closed the stream): the loop leaves in `finally`
+            ticket.resume()
+            ticket.step()  # step hooks, e.g. a cancellation check: they raise to stop this loop
+    finally:
+        loop.close()
+        ticket.leave()
+
+
+def _decode(
     state: SequenceState,
     sampler: Sampler,
     *,
@@ -147,7 +178,7 @@ def decode(
     :class:`Step` per forward pass, returns the new state.
 
     ``fast_forward``: append the tokens the guide forces after a sampled token and compute them in
-    the same next forward pass (:mod:`continuum.fastforward`); ``max_tokens`` counts them.
+    the same next forward pass (:mod:`continuum.loop.fastforward`); ``max_tokens`` counts them.
     ``token_healing``: back up each row's last token and constrain the first generated token to
     re-cover its text (:mod:`continuum.healing`); the output still starts after the input's text.
     ``extra_eos``: token ids that end a row like the tokenizer's EOS ids (a chat's end-of-turn token).
@@ -297,8 +328,11 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
     for r in range(R):  # rows still running when the steps ran out
         if rows.reason[r] is None:
             rows.end(r, exhausted)
+    kv = kvcache.crop(rows.kv, fed)
+    # a view of a merged batch's storage keeps its own copy when it holds a small part of it
+    kv = kvcache.compact(kv) if slot_of(rows.kv) is not None else kvcache.shrink(kv)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
-                        logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kvcache.shrink(kvcache.crop(rows.kv, fed)),
+                        logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kv,
                         batch=state.batch, samples=samples)
     real, cached = raw._real_rows(), raw._cached_real()
     tails = [(ids[c:], lps[c:]) for (ids, lps), c in zip(real, cached)]

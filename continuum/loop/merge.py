@@ -1,0 +1,300 @@
+"""One model forward for the requests of several concurrent calls: the KV layout of merged batches.
+
+A *request* is what one call's decoding loop passes to ``model.forward``: new columns ``ids``
+``(rows, new)``, a 2-D ``mask`` over its cached + new columns, positions, its cache (or None) and
+which logits it wants. Requests are merged into *slabs*: one preallocated key/value tensor per
+layer, ``(row capacity, heads, column capacity, head_dim)``, in which each call owns a contiguous
+range of rows and every call's columns END at the same column (``slab.end``)::
+
+    row 0-1  (call A, 7 cached) . . . a a a a a a a | n      . = masked hole (zeros)
+    row 2    (call B, 4 cached) . . . . . . b b b b | n      | = slab.end: the next columns go here
+    row 3    (call C, left)     . . c c c c c c c c | x      x = a departed call's dead row (masked)
+    rows 4-7 spare (never handed out: a newcomer's cache is copied here once when it joins)
+
+A call gets back row-slices of the slab (views: no copy), covering exactly its own columns. At
+the next step its cache is recognised as "in place" (a view of a slab that ends where the view
+ends) and the new columns are written at ``slab.end`` for every row: a stable cohort costs no copy
+per step. Copy-on-write, as in :mod:`continuum.cache`: ``end`` only grows, every view ends at or
+before it, and only never-used rows are filled with a newcomer's cache, so no state ever sees a
+value change. A newcomer (a cache that is not in place: a fork, a beam reorder, a state from
+elsewhere) is copied into spare rows, left-padded to ``end`` (its own KV, once). When that is not
+possible (no spare rows, a newcomer longer than ``end``, no spare columns, too many dead rows) the
+group is laid out in a new slab (one copy of everyone's KV).
+
+Requests are grouped by the number of new columns (a one-column decoding step is never padded to
+a 500-column prefill): fresh prefills (no cache) merge across lengths, right-aligned (the last
+column of every row is real); cached requests merge with those of the same width. Each group is
+one forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .. import cache as kvcache
+
+__all__ = ["Request", "Slab", "plan", "run_group", "slot_of"]
+
+_SPARE_ROWS = 0.5  # a new slab keeps this fraction of its rows (at least 4) free for joiners
+_MAX_DEAD = 0.5  # dead rows allowed in a reused slab, as a fraction of the live rows
+_PREFILL_PAD = 1.5  # fresh prefills of different lengths share a forward while padded cells <= this x real ones
+
+
+@dataclass(eq=False)
+class Request:
+    """One call's forward: the arguments of ``Transformers.forward`` and, once run, its result."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    pos: torch.Tensor
+    kv: Optional[kvcache.KV]
+    logits: str = "last"
+    reserve: int = 0
+    thread: int = 0
+    result: Any = None
+    error: Optional[BaseException] = None
+    done: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def new(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def cached(self) -> int:
+        return kvcache.length(self.kv)
+
+    @property
+    def mergeable(self) -> bool:
+        """2-D masks only (a tree-shaped 3-D/4-D mask runs alone)."""
+        return self.mask.dim() == 2 and self.ids.dim() == 2
+
+
+class Slab:
+    """Merged KV storage (see the module docstring); allocated layer by layer on first use."""
+
+    def __init__(self, layers: int, rows_cap: int, cols_cap: int):
+        self.keys: list[Optional[torch.Tensor]] = [None] * layers
+        self.values: list[Optional[torch.Tensor]] = [None] * layers
+        self.rows_cap, self.cols_cap = rows_cap, cols_cap
+        self.rows_used = 0  # rows [0, rows_used) have been handed out (live or dead); the rest never were
+        self.end = 0  # columns [0, end) are written; the next step writes at end
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+
+def slot_of(kv: Optional[kvcache.KV]) -> Optional[tuple[Slab, int, int, int]]:
+    """``(slab, first row, row count, first column)`` when ``kv`` is a view a merged forward handed out."""
+    if kv is None:
+        return None
+    return getattr(kv[0][0], "_continuum_slot", None)
+
+
+@dataclass
+class Plan:
+    """How one group of requests is laid out: the slab, each request's first row, the cached width."""
+
+    slab: Slab
+    requests: list[Request]
+    first_rows: list[int]
+    cached: int  # C: columns before the new ones (slab.end before this step)
+    new: int  # N
+    forward_rows: int  # rows [0, forward_rows) of the slab run (dead rows included)
+    copies: list[tuple[Optional[kvcache.KV], int, int]] = field(default_factory=list)  # (newcomer's cache, first row, rows)
+    fresh: bool = False  # a new slab (every row copied in, zero-filled where masked)
+
+
+def _in_place(r: Request) -> Optional[tuple[Slab, int, int, int]]:
+    """The slot of ``r``'s cache when it is exactly a view a merged forward handed out, ending at its slab's end."""
+    slot = slot_of(r.kv)
+    if slot is None or r.kv is None:
+        return None
+    slab, row, rows, start = slot
+    C = r.cached
+    if rows != r.rows or slab.end != start + C or len(r.kv) != len(slab.keys):
+        return None
+    for (k, v), K, V in zip(r.kv, slab.keys, slab.values):  # every layer, not only the marked one
+        if K is None or k.shape != (rows, K.shape[1], C, K.shape[3]) or k.data_ptr() != K[row, :, start].data_ptr() \
+                or v.data_ptr() != V[row, :, start].data_ptr() or k.stride() != K.stride():
+            return None
+    return slot
+
+
+def plan(requests: list[Request], layers: int) -> Plan:
+    """Lay out one group (same new width, or all fresh): reuse the slab most of them are in, or a new one."""
+    N = max(r.new for r in requests)
+    best: dict[int, tuple[Slab, int]] = {}
+    for r in requests:
+        slot = _in_place(r)
+        if slot is not None:
+            s, rows = best.get(id(slot[0]), (slot[0], 0))
+            best[id(slot[0])] = (s, rows + r.rows)
+    slab = max(best.values(), key=lambda x: x[1])[0] if best else None
+    if slab is not None:
+        taken: set[int] = set()
+        members, newcomers = [], []
+        for r in requests:
+            slot = _in_place(r)
+            ok = (slot is not None and slot[0] is slab
+                  and not taken.intersection(range(slot[1], slot[1] + r.rows)))
+            if ok:
+                taken.update(range(slot[1], slot[1] + r.rows))
+                members.append(r)
+            else:
+                newcomers.append(r)
+        live = sum(r.rows for r in requests)
+        joining = sum(r.rows for r in newcomers)
+        dead = slab.rows_used - sum(r.rows for r in members)
+        if (all(r.cached <= slab.end for r in newcomers) and slab.rows_used + joining <= slab.rows_cap
+                and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and N == min(r.new for r in requests)):
+            first = {id(r): _in_place(r)[1] for r in members}  # type: ignore[index]
+            copies = []
+            row = slab.rows_used
+            for r in newcomers:
+                first[id(r)] = row
+                copies.append((r.kv, row, r.rows))
+                row += r.rows
+            return Plan(slab, requests, [first[id(r)] for r in requests], slab.end, N, row, copies)
+    # a new slab: rows in request order, columns right-aligned at the longest cache
+    C = max(r.cached for r in requests)
+    rows = sum(r.rows for r in requests)
+    reserve = min(max(r.reserve for r in requests), kvcache.RESERVE_CAP)
+    new = Slab(layers, rows + max(4, int(rows * _SPARE_ROWS)), C + N + max(reserve, 64))
+    first, row, copies = [], 0, []
+    for r in requests:
+        first.append(row)
+        copies.append((r.kv, row, r.rows))
+        row += r.rows
+    return Plan(new, requests, first, C, N, row, copies, fresh=True)
+
+
+def groups(requests: list[Request]) -> list[list[Request]]:
+    """Requests that share a forward: fresh prefills by similar length, cached ones by equal new width."""
+    out: list[list[Request]] = []
+    fresh = sorted((r for r in requests if r.kv is None and r.logits != "all"), key=lambda r: -r.new)
+    group: list[Request] = []
+    real = 0
+    for r in fresh:
+        n = group[0].new if group else r.new
+        if group and (sum(g.rows for g in group) + r.rows) * n > _PREFILL_PAD * (real + r.rows * r.new):
+            out.append(group)
+            group, real = [], 0
+        group.append(r)
+        real += r.rows * r.new
+    if group:
+        out.append(group)
+    by_width: dict[int, list[Request]] = {}
+    for r in requests:
+        if r.kv is not None or r.logits == "all":
+            by_width.setdefault(r.new, []).append(r)
+    return out + list(by_width.values())
+
+
+@functools.cache
+def _slab_layer() -> type:
+    """A ``DynamicLayer`` that reads its cache from, and writes its new columns into, a :class:`Slab`."""
+    from transformers.cache_utils import DynamicLayer
+
+    class SlabLayer(DynamicLayer):
+        def __init__(self, plan: Plan, index: int):
+            super().__init__()
+            self.plan, self.index = plan, index
+            self.is_initialized = True
+
+        def get_seq_length(self) -> int:
+            return self.plan.cached
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            p, i = self.plan, self.index
+            slab, C, N, R = p.slab, p.cached, p.new, p.forward_rows
+            self.dtype, self.device = key_states.dtype, key_states.device
+            if slab.keys[i] is None:
+                shape = (slab.rows_cap, key_states.shape[1], slab.cols_cap, key_states.shape[3])
+                slab.keys[i], slab.values[i] = key_states.new_empty(shape), value_states.new_empty(shape)
+            K, V = slab.keys[i], slab.values[i]
+            for kv, row, rows in p.copies:  # newcomers: their cache right-aligned at C, zeros before (masked, never NaN)
+                n = 0 if kv is None else kv[i][0].shape[2]
+                K[row:row + rows, :, :C - n] = 0
+                V[row:row + rows, :, :C - n] = 0
+                if n:
+                    K[row:row + rows, :, C - n:C] = kv[i][0].to(K.device)
+                    V[row:row + rows, :, C - n:C] = kv[i][1].to(V.device)
+            K[:R, :, C:C + N] = key_states
+            V[:R, :, C:C + N] = value_states
+            self.keys, self.values = K[:R, :, :C + N], V[:R, :, :C + N]
+            return self.keys, self.values
+
+    return SlabLayer
+
+
+def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids ``(R, N)``, mask ``(R, C + N)`` and positions ``(R, N)`` of the merged forward.
+
+    A request's cached columns end at C (masked holes before); its new columns end at C + N
+    (fresh prefills shorter than N: masked holes before them). Dead rows attend only to their
+    own new column (never an all-masked row, whose softmax would be NaN).
+    """
+    R, C, N = p.forward_rows, p.cached, p.new
+    ids = torch.full((R, N), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((R, C + N), dtype=torch.long, device=device)
+    pos = torch.zeros((R, N), dtype=torch.long, device=device)
+    live = torch.zeros(R, dtype=torch.bool)
+    for r, row in zip(p.requests, p.first_rows):
+        n, c = r.new, r.cached
+        ids[row:row + r.rows, N - n:] = r.ids
+        mask[row:row + r.rows, C - c:C] = r.mask[:, :c]
+        mask[row:row + r.rows, C + N - n:] = r.mask[:, c:]
+        pos[row:row + r.rows, N - n:] = r.pos
+        live[row:row + r.rows] = True
+    dead = (~live).nonzero().flatten().to(device)
+    if dead.numel():
+        mask[dead, C + N - 1] = 1
+    return ids, mask, pos
+
+
+def split_outputs(p: Plan, logits: Optional[torch.Tensor], kv: kvcache.KV) -> list[tuple[Optional[torch.Tensor], kvcache.KV]]:
+    """Each request's logits and its row-slice of the slab (views covering exactly its own columns)."""
+    C, N = p.cached, p.new
+    out = []
+    for r, row in zip(p.requests, p.first_rows):
+        width = r.cached + r.new
+        start = C + N - width  # contiguous: a cached request has N new columns, a fresh one no cached ones
+        views = tuple((k.narrow(0, row, r.rows).narrow(2, start, width), v.narrow(0, row, r.rows).narrow(2, start, width))
+                      for k, v in kv)
+        views[0][0]._continuum_slot = (p.slab, row, r.rows, start)  # type: ignore[attr-defined]
+        if logits is None or r.logits == "none":
+            lg = None
+        elif r.logits == "last":
+            lg = logits[row:row + r.rows, -1]
+        else:
+            lg = logits[row:row + r.rows, N - r.new:]
+        out.append((lg, views))
+    return out
+
+
+def run_group(model, p: Plan) -> list[tuple[Optional[torch.Tensor], kvcache.KV]]:
+    """Run one planned group as ONE forward of ``model`` (a ``Transformers`` adapter)."""
+    from transformers import DynamicCache
+
+    layer_cls = _slab_layer()
+    cache = DynamicCache()
+    cache.layers = [layer_cls(p, i) for i in range(len(p.slab.keys))]
+    ids, mask, pos = merged_inputs(p, model.device, model.tokenizer.pad_token_id)
+    want = "all" if any(r.logits == "all" for r in p.requests) else (
+        "none" if all(r.logits == "none" for r in p.requests) else "last")
+    logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last")  # (rows, 1 or N, vocab)
+    slab = p.slab
+    kv = tuple((slab.keys[i][:p.forward_rows, :, :p.cached + p.new], slab.values[i][:p.forward_rows, :, :p.cached + p.new])
+               for i in range(len(slab.keys)))
+    slab.rows_used = max(slab.rows_used, p.forward_rows)
+    slab.end = p.cached + p.new
+    p.copies = []
+    return split_outputs(p, None if want == "none" else logits, kv)

@@ -1,0 +1,260 @@
+"""Concurrent calls on one model share every forward (continuous batching of decoding loops).
+
+Where things happen::
+
+    generator call (any thread) ──▶ decoding.decode / prefill ──enter()──▶ Ticket (this loop is running)
+         each step: model.forward(...) ──▶ Scheduler.forward ──┬─ nobody else running: run it now, alone
+                                                               └─ others running: queue the request;
+                                                                  the last running loop to arrive runs
+                                                                  every queued request in merged forwards
+                                                                  (merge.py) and hands out the results
+         yield a step to the caller: park() (a parked loop is not waited for) ... resume()
+         return / raise / close: leave()
+
+A loop is *running* from ``enter`` to ``leave``, except while parked at a ``yield`` (its consumer
+holds the thread: a stream read slowly, or several streams interleaved in one thread, must not
+stall the others). A forward request waits until every running loop of another thread has queued
+its own request, then the last one to arrive runs them all (no timer, no extra thread: a lone
+call takes one uncontended lock and runs its forward itself). A loop joins at its next forward and
+leaves when it is done; nobody waits for another call to finish.
+
+Admission: a loop enters only while the rows of running loops stay within ``max_rows`` (a loop
+larger than that runs when it is alone); others wait at ``enter``, nothing fails for lack of room.
+
+Errors: if a merged forward raises, each request is run alone so the error reaches only its owner.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+from . import merge
+from .merge import Request
+
+__all__ = ["Scheduler", "Ticket", "step_hooks", "DEFAULT_MAX_ROWS"]
+
+DEFAULT_MAX_ROWS = 256
+
+# Called once per decoding step by every running loop, in its own thread (after the step's tokens are
+# appended, before its next forward): the place for a cancellation check (run_batch, Ctrl-C), which
+# raises to stop the loop. A hook must be cheap.
+step_hooks: list[Callable[[], None]] = []
+
+
+class Ticket:
+    """One decoding loop's registration with its model's scheduler (see the module docstring)."""
+
+    __slots__ = ("_sched", "rows", "_thread", "_left")
+
+    def __init__(self, sched: "Scheduler", rows: int):
+        self._sched, self.rows = sched, rows
+        self._thread: Optional[int] = None  # the thread running it, None while parked
+        self._left = False
+
+    def step(self) -> None:
+        """Once per decoding step: run the step hooks (e.g. a cancellation check)."""
+        for hook in step_hooks:
+            hook()
+
+    def park(self) -> None:
+        """The loop yields to its caller: the others stop waiting for it."""
+        if self._thread is not None:
+            self._sched._stop(self)
+
+    def resume(self) -> None:
+        """The caller resumed the loop (possibly from another thread)."""
+        if self._thread is None and not self._left:
+            self._sched._start(self, admit=False)
+
+    def leave(self) -> None:
+        """The loop is done (returned, raised, or its generator was closed). Idempotent."""
+        if not self._left:
+            self.park()
+            self._left = True
+
+    def __enter__(self) -> "Ticket":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.leave()
+
+
+class Scheduler:
+    """Merges the forwards of concurrent decoding loops on one model (``model.scheduler``).
+
+    Args:
+        model: the ``Transformers`` adapter (runs ``_forward_alone`` and ``_run``).
+        max_rows: the most rows of running loops at once (admission bound; default 256).
+    """
+
+    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS):
+        self._model = model
+        self.max_rows = max_rows
+        self._cond = threading.Condition(threading.Lock())
+        self._running: dict[int, int] = {}  # thread id -> running loops on its stack (nested loops count once)
+        self._rows = 0  # rows of running loops
+        self._pending: list[Request] = []
+        self._stats = {"merged_forwards": 0, "requests_merged": 0, "alone": 0, "fallbacks": 0, "new_slabs": 0,
+                       "joins_copied": 0, "peak_rows": 0, "peak_padding": 1.0, "peak_kv_bytes": 0}
+        self._gaps: list[float] = []  # seconds between two forwards of one thread, merged steps (bounded sample)
+        self._last: dict[int, float] = {}
+
+    # -- registration --------------------------------------------------------------------
+    def enter(self, rows: int) -> Ticket:
+        """Register a decoding loop of ``rows`` rows, waiting for room (``max_rows``); returns its ticket."""
+        ticket = Ticket(self, rows)
+        self._start(ticket, admit=True)
+        return ticket
+
+    def _start(self, ticket: Ticket, admit: bool) -> None:
+        tid = threading.get_ident()
+        with self._cond:
+            if admit and tid not in self._running:
+                while self._rows and self._rows + ticket.rows > self.max_rows:
+                    self._cond.wait()
+            self._running[tid] = self._running.get(tid, 0) + 1
+            self._rows += ticket.rows
+            ticket._thread = tid
+            self._cond.notify_all()
+
+    def _stop(self, ticket: Ticket) -> None:
+        with self._cond:
+            tid = ticket._thread
+            ticket._thread = None
+            left = self._running.get(tid, 0) - 1  # type: ignore[arg-type]
+            if left > 0:
+                self._running[tid] = left  # type: ignore[index]
+            else:
+                self._running.pop(tid, None)  # type: ignore[arg-type]
+                self._last.pop(tid, None)  # type: ignore[arg-type]
+            self._rows -= ticket.rows
+            self._cond.notify_all()
+
+    def _ready(self) -> bool:
+        """Every running thread has a request queued."""
+        queued = {r.thread for r in self._pending}
+        return all(t in queued for t in self._running)
+
+    # -- forwards ------------------------------------------------------------------------
+    def forward(self, ids, mask, pos, kv, logits: str, reserve: int):
+        """``model.forward`` under the scheduler: alone when no other loop runs, else merged."""
+        tid = threading.get_ident()
+        with self._cond:
+            alone = not self._pending and all(t == tid for t in self._running)
+            if not alone:
+                req = Request(ids, mask, pos, kv, logits, reserve, tid)
+                temporary = tid not in self._running  # a forward outside any loop (scoring, a user's own call)
+                if temporary:
+                    self._running[tid] = 1
+                self._pending.append(req)
+                self._cond.notify_all()
+        if alone:
+            return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve)
+        try:
+            batch = self._wait(req)
+        finally:
+            if temporary:
+                with self._cond:
+                    self._running.pop(tid, None)
+                    self._cond.notify_all()
+        if batch is not None:
+            self._run(batch)
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _wait(self, req: Request) -> Optional[list[Request]]:
+        """Wait until ``req`` was run by another thread (None), or until this thread should run the batch."""
+        with self._cond:
+            try:
+                while not req.done:
+                    if self._ready() and req in self._pending:
+                        batch, self._pending = self._pending, []
+                        return batch
+                    self._cond.wait()
+            except BaseException:  # e.g. KeyboardInterrupt while waiting: withdraw the request
+                if req in self._pending:
+                    self._pending.remove(req)
+                self._cond.notify_all()
+                raise
+        return None
+
+    def _run(self, batch: list[Request]) -> None:
+        """Run ``batch`` (this thread is the runner), then wake every owner."""
+        try:
+            self._run_groups(batch)
+        except BaseException:  # the runner itself was interrupted: the others' requests go back in the queue
+            with self._cond:
+                self._pending[:0] = [r for r in batch if not r.done and r.thread != threading.get_ident()]
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            now = time.perf_counter()
+            for r in batch:
+                r.done = True
+                last = self._last.get(r.thread)
+                if last is not None and len(self._gaps) < 100_000:
+                    self._gaps.append(now - last)
+                self._last[r.thread] = now
+            self._cond.notify_all()
+
+    def _run_groups(self, batch: list[Request]) -> None:
+        model = self._model
+        alone = [r for r in batch if not r.mergeable]
+        merged = [r for r in batch if r.mergeable]
+        for group in merge.groups(merged):
+            if len(group) == 1 and merge.slot_of(group[0].kv) is None:
+                alone.append(group[0])
+                continue
+            try:
+                p = merge.plan(group, len(group[0].kv) if group[0].kv is not None else model._layers)
+                self._note(p)
+                results = merge.run_group(model, p)
+            except Exception:  # the merged forward failed: run each alone, so an error reaches only its owner
+                self._stats["fallbacks"] += 1
+                alone.extend(group)
+                continue
+            for r, res in zip(group, results):
+                r.result = res
+            with model._count_lock:
+                model.tokens_computed += sum(r.ids.numel() for r in group)
+            self._stats["merged_forwards"] += 1
+            self._stats["requests_merged"] += len(group)
+        for r in alone:
+            self._stats["alone"] += 1
+            try:
+                r.result = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve)
+            except Exception as exc:
+                r.error = exc
+
+    def _note(self, p: merge.Plan) -> None:
+        """Statistics of a planned merged forward: rows, padding (cells / real tokens), KV bytes."""
+        s = self._stats
+        s["new_slabs"] += p.fresh
+        s["joins_copied"] += sum(kv is not None for kv, _, _ in p.copies) if not p.fresh else 0
+        real = sum(int(r.mask.sum()) for r in p.requests)
+        cells = p.forward_rows * (p.cached + p.new)
+        s["peak_rows"] = max(s["peak_rows"], p.forward_rows)
+        if cells >= s.get("_peak_cells", 0):
+            s["_peak_cells"] = cells
+            s["peak_padding"] = cells / max(real, 1)
+
+    # -- reporting -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters of merged forwards, and at the largest merged step: ``peak_padding`` (KV cells of the
+        merged cache, holes and dead rows included, over real tokens); ``p99_step_wait_s``: the 99th
+        percentile of the time between two forwards of one thread while calls were merged."""
+        with self._cond:
+            out = {k: v for k, v in self._stats.items() if not k.startswith("_")}
+            gaps = sorted(self._gaps)
+        out["p99_step_wait_s"] = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
+        out["max_rows"] = self.max_rows
+        return out
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            for k in self._stats:
+                self._stats[k] = 1.0 if k == "peak_padding" else 0
+            self._gaps.clear()
