@@ -40,7 +40,7 @@ from .. import cache as kvcache
 __all__ = ["Request", "Slab", "plan", "run_group", "slot_of"]
 
 _SPARE_ROWS = 0.5  # a new slab keeps this fraction of its rows (at least 4) free for joiners
-_MAX_DEAD = 0.5  # dead rows allowed in a reused slab, as a fraction of the live rows
+_MAX_DEAD = 0.25  # dead rows allowed in a reused slab, as a fraction of the live rows
 _PREFILL_PAD = 1.5  # fresh prefills of different lengths share a forward while padded cells <= this x real ones
 
 
