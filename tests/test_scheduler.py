@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
+from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
+from test_threads import comparable
 
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.cache import positions
-
-from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
-from test_threads import comparable
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Le café est", "Numbers: 0 1 2", "She said", "Review: great"]
 
@@ -31,7 +29,7 @@ def concurrently(jobs, timeout: float = 120):
         barrier.wait(timeout=60)
         try:
             results[i] = jobs[i]()
-        except BaseException as exc:  # re-raised in the test's thread
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the test's thread)
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -51,12 +51,12 @@ class Request:
     ids: torch.Tensor
     mask: torch.Tensor
     pos: torch.Tensor
-    kv: Optional[kvcache.KV]
+    kv: kvcache.KV | None
     logits: str = "last"
     reserve: int = 0
     thread: int = 0
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     done: bool = False
 
     @property
@@ -81,8 +81,8 @@ class Slab:
     """Merged KV storage (see the module docstring); allocated layer by layer on first use."""
 
     def __init__(self, layers: int, rows_cap: int, cols_cap: int):
-        self.keys: list[Optional[torch.Tensor]] = [None] * layers
-        self.values: list[Optional[torch.Tensor]] = [None] * layers
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
         self.rows_cap, self.cols_cap = rows_cap, cols_cap
         self.rows_used = 0  # rows [0, rows_used) have been handed out (live or dead); the rest never were
         self.end = 0  # columns [0, end) are written; the next step writes at end
@@ -91,7 +91,7 @@ class Slab:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
-def slot_of(kv: Optional[kvcache.KV]) -> Optional[tuple[Slab, int, int, int]]:
+def slot_of(kv: kvcache.KV | None) -> tuple[Slab, int, int, int] | None:
     """``(slab, first row, row count, first column)`` when ``kv`` is a view a merged forward handed out."""
     if kv is None:
         return None
@@ -108,11 +108,11 @@ class Plan:
     cached: int  # C: columns before the new ones (slab.end before this step)
     new: int  # N
     forward_rows: int  # rows [0, forward_rows) of the slab run (dead rows included)
-    copies: list[tuple[Optional[kvcache.KV], int, int]] = field(default_factory=list)  # (newcomer's cache, first row, rows)
+    copies: list[tuple[kvcache.KV | None, int, int]] = field(default_factory=list)  # (newcomer's cache, first row, rows)
     fresh: bool = False  # a new slab (every row copied in, zero-filled where masked)
 
 
-def _in_place(r: Request) -> Optional[tuple[Slab, int, int, int]]:
+def _in_place(r: Request) -> tuple[Slab, int, int, int] | None:
     """The slot of ``r``'s cache when it is exactly a view a merged forward handed out, ending at its slab's end."""
     slot = slot_of(r.kv)
     if slot is None or r.kv is None:
@@ -122,7 +122,7 @@ def _in_place(r: Request) -> Optional[tuple[Slab, int, int, int]]:
     if rows != r.rows or slab.end != start + C or len(r.kv) != len(slab.keys):
         return None
     for (k, v), K, V in zip(r.kv, slab.keys, slab.values):  # every layer, not only the marked one
-        if K is None or k.shape != (rows, K.shape[1], C, K.shape[3]) or k.data_ptr() != K[row, :, start].data_ptr() \
+        if K is None or V is None or k.shape != (rows, K.shape[1], C, K.shape[3]) or k.data_ptr() != K[row, :, start].data_ptr() \
                 or v.data_ptr() != V[row, :, start].data_ptr() or k.stride() != K.stride():
             return None
     return slot
@@ -143,9 +143,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
         members, newcomers = [], []
         for r in requests:
             slot = _in_place(r)
-            ok = (slot is not None and slot[0] is slab
-                  and not taken.intersection(range(slot[1], slot[1] + r.rows)))
-            if ok:
+            if slot is not None and slot[0] is slab and not taken.intersection(range(slot[1], slot[1] + r.rows)):
                 taken.update(range(slot[1], slot[1] + r.rows))
                 members.append(r)
             else:
@@ -155,7 +153,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
         dead = slab.rows_used - sum(r.rows for r in members)
         if (all(r.cached <= slab.end for r in newcomers) and slab.rows_used + joining <= slab.rows_cap
                 and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and N == min(r.new for r in requests)):
-            first = {id(r): _in_place(r)[1] for r in members}  # type: ignore[index]
+            first = {id(r): _in_place(r)[1] for r in members}  # type: ignore[index]  # (members are in place)
             copies = []
             row = slab.rows_used
             for r in newcomers:
@@ -168,12 +166,14 @@ def plan(requests: list[Request], layers: int) -> Plan:
     rows = sum(r.rows for r in requests)
     reserve = min(max(r.reserve for r in requests), kvcache.RESERVE_CAP)
     new = Slab(layers, rows + max(4, int(rows * _SPARE_ROWS)), C + N + max(reserve, 64))
-    first, row, copies = [], 0, []
+    starts: list[int] = []
+    fill: list[tuple[kvcache.KV | None, int, int]] = []
+    row = 0
     for r in requests:
-        first.append(row)
-        copies.append((r.kv, row, r.rows))
+        starts.append(row)
+        fill.append((r.kv, row, r.rows))
         row += r.rows
-    return Plan(new, requests, first, C, N, row, copies, fresh=True)
+    return Plan(new, requests, starts, C, N, row, fill, fresh=True)
 
 
 def groups(requests: list[Request]) -> list[list[Request]]:
@@ -260,7 +260,7 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
     return ids, mask, pos
 
 
-def split_outputs(p: Plan, logits: Optional[torch.Tensor], kv: kvcache.KV) -> list[tuple[Optional[torch.Tensor], kvcache.KV]]:
+def split_outputs(p: Plan, logits: torch.Tensor | None, kv: kvcache.KV) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     """Each request's logits and its row-slice of the slab (views covering exactly its own columns)."""
     C, N = p.cached, p.new
     out = []
@@ -280,7 +280,7 @@ def split_outputs(p: Plan, logits: Optional[torch.Tensor], kv: kvcache.KV) -> li
     return out
 
 
-def run_group(model, p: Plan) -> list[tuple[Optional[torch.Tensor], kvcache.KV]]:
+def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     """Run one planned group as ONE forward of ``model`` (a ``Transformers`` adapter)."""
     from transformers import DynamicCache
 
@@ -292,8 +292,9 @@ def run_group(model, p: Plan) -> list[tuple[Optional[torch.Tensor], kvcache.KV]]
         "none" if all(r.logits == "none" for r in p.requests) else "last")
     logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last")  # (rows, 1 or N, vocab)
     slab = p.slab
-    kv = tuple((slab.keys[i][:p.forward_rows, :, :p.cached + p.new], slab.values[i][:p.forward_rows, :, :p.cached + p.new])
-               for i in range(len(slab.keys)))
+    width = p.cached + p.new
+    kv = tuple((K[:p.forward_rows, :, :width], V[:p.forward_rows, :, :width])  # every layer was written by the forward
+               for K, V in zip(slab.keys, slab.values) if K is not None and V is not None)
     slab.rows_used = max(slab.rows_used, p.forward_rows)
     slab.end = p.cached + p.new
     p.copies = []

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from . import merge
 from .merge import Request
 
-__all__ = ["Scheduler", "Ticket", "step_hooks", "DEFAULT_MAX_ROWS"]
+__all__ = ["DEFAULT_MAX_ROWS", "Scheduler", "Ticket", "step_hooks"]
 
 DEFAULT_MAX_ROWS = 256
 
@@ -46,11 +46,11 @@ step_hooks: list[Callable[[], None]] = []
 class Ticket:
     """One decoding loop's registration with its model's scheduler (see the module docstring)."""
 
-    __slots__ = ("_sched", "rows", "_thread", "_left")
+    __slots__ = ("_left", "_sched", "_thread", "rows")
 
-    def __init__(self, sched: "Scheduler", rows: int):
+    def __init__(self, sched: Scheduler, rows: int):
         self._sched, self.rows = sched, rows
-        self._thread: Optional[int] = None  # the thread running it, None while parked
+        self._thread: int | None = None  # the thread running it, None while parked
         self._left = False
 
     def step(self) -> None:
@@ -74,7 +74,7 @@ class Ticket:
             self.park()
             self._left = True
 
-    def __enter__(self) -> "Ticket":
+    def __enter__(self) -> Ticket:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc) -> None:
@@ -165,7 +165,7 @@ class Scheduler:
             raise req.error
         return req.result
 
-    def _wait(self, req: Request) -> Optional[list[Request]]:
+    def _wait(self, req: Request) -> list[Request] | None:
         """Wait until ``req`` was run by another thread (None), or until this thread should run the batch."""
         with self._cond:
             try:
@@ -212,7 +212,7 @@ class Scheduler:
                 p = merge.plan(group, len(group[0].kv) if group[0].kv is not None else model._layers)
                 self._note(p)
                 results = merge.run_group(model, p)
-            except Exception:  # the merged forward failed: run each alone, so an error reaches only its owner
+            except Exception:  # noqa: BLE001  (the merged forward failed: run each alone, so an error reaches only its owner)
                 self._stats["fallbacks"] += 1
                 alone.extend(group)
                 continue
@@ -226,7 +226,7 @@ class Scheduler:
             self._stats["alone"] += 1
             try:
                 r.result = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (handed to the request's owner, raised there)
                 r.error = exc
 
     def _note(self, p: merge.Plan) -> None:

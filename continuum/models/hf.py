@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from ..errors import ModelLoadError
 from ..prefix_cache import PrefixCache, parse_budget
 from .identity import ModelFingerprint, fingerprint_of
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ..loop.scheduler import Scheduler
 
 __all__ = ["Transformers", "transformers"]
 
@@ -126,7 +129,7 @@ class Transformers:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
-    def scheduler(self) -> "Scheduler":
+    def scheduler(self) -> Scheduler:
         """The scheduler that merges the forwards of concurrent calls on this model (created on first use).
 
         ``model.scheduler.max_rows`` bounds the rows of calls decoding at once (default 256);
