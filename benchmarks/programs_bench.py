@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -113,34 +113,44 @@ def _rows(id: str, title: str, n: int, calls: Dict[str, List[Call]], targets: Di
 
 
 # ---------------------------------------------------------------------------------------------- B15
-def _hf_generate_batch(bench: Bench, prompts: List[str], new: int):
+def _hf_generate_batch(bench: Bench, prompts: List[str], new: int, quick: bool = False):
     """transformers' continuous batching (``generate_batch``) on the same prompts, or None when unavailable."""
     from transformers import GenerationConfig
 
     if not hasattr(bench.hf, "generate_batch"):
         return None
+    hf_model: Any = bench.hf
+    tok: Any = bench.tok
+    cb_config: Any = None
     try:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation import configuration_utils
+
+        cb_config = getattr(configuration_utils, "ContinuousBatchingConfig", None)
     except ImportError:  # older transformers: its defaults
-        ContinuousBatchingConfig = None  # noqa: N806
-    ids = [bench.tok(p)["input_ids"] for p in prompts]
-    gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=bench.tok.eos_token_id, pad_token_id=bench.pad_id)
+        pass
+    ids = [tok(p)["input_ids"] for p in prompts]
+    gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=tok.eos_token_id,
+                               pad_token_id=bench.pad_id)
     if bench.force_length:
         gen_cfg.min_new_tokens = new
     # a paged cache sized for this batch (the default sizes it from free memory: tens of seconds to set up here)
-    kw = {}
-    if ContinuousBatchingConfig is not None:
+    kw: Dict[str, Any] = {}
+    if cb_config is not None:
         longest = max(map(len, ids)) + new
-        kw["continuous_batching_config"] = ContinuousBatchingConfig(
+        kw["continuous_batching_config"] = cb_config(
             num_blocks=len(ids) * (1 + longest // 256) + 8, max_batch_tokens=max(512, sum(map(len, ids))))
 
     def run():
         with torch.inference_mode():
-            out = bench.hf.generate_batch(inputs=ids, generation_config=gen_cfg, progress_bar=False, warmup=False, **kw)
+            out = hf_model.generate_batch(inputs=ids, generation_config=gen_cfg, progress_bar=False, warmup=False, **kw)
         return sum(len(o.generated_tokens) for o in out.values())
 
     try:
-        run()  # warm-up, and the check that it works here
+        if not quick:
+            run()  # warm-up, and the check that it works here
+        else:  # quick: no warm-up (it takes as long as the run); a 1-token call checks that it works here
+            hf_model.generate_batch(inputs=ids[:1], generation_config=GenerationConfig(
+                max_new_tokens=1, do_sample=False, pad_token_id=bench.pad_id), progress_bar=False, warmup=False, **kw)
     except Exception as exc:  # noqa: BLE001 - skipped cleanly, with the reason in the notes
         return repr(exc)[:200]
     return run
@@ -158,7 +168,9 @@ def b15(bench: Bench, cfg) -> List[Row]:
         "run_batch": lambda: continuum.run_batch(lambda p: gen(p, max_tokens=new), prompts, concurrency=n) and n * new,
     }
     notes = []
-    hf = _hf_generate_batch(bench, prompts, new) if getattr(cfg, "b15_hf", True) else "turned off (cfg.b15_hf)"
+    hf = "turned off (cfg.b15_hf)"
+    if getattr(cfg, "b15_hf", True):
+        hf = _hf_generate_batch(bench, prompts, new, getattr(cfg, "quick", False))
     if callable(hf):
         variants["generate_batch"] = hf
     else:
@@ -176,9 +188,9 @@ def _chat_bench(bench: Bench) -> Bench:
         return bench
     from transformers import GPT2LMHeadModel
 
-    tok = copy.deepcopy(bench.tok)
+    tok: Any = copy.deepcopy(bench.tok)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    hf_cfg = copy.deepcopy(bench.hf.config)
+    hf_cfg = copy.deepcopy(getattr(bench.hf, "config"))
     hf_cfg.vocab_size, hf_cfg.n_positions = len(tok), max(2048, getattr(hf_cfg, "n_positions", 0))
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_cfg).eval()
@@ -206,10 +218,11 @@ def b16(bench: Bench, cfg) -> List[Row]:
         chat = Chat(model, "You are a helpful assistant.", template=template)
         for u in users[s]:
             chat = chat.user(u).reply(gen, max_tokens=new)
-        return chat.messages[-1]["content"]
+        messages: Any = chat.messages
+        return messages[-1]["content"]
 
     def lockstep() -> int:  # the same turns as list calls over the sessions' states (ChatML text)
-        states = None
+        states: Any = None
         for t in range(turns):
             if states is None:
                 inputs = [Chat(model, "You are a helpful assistant.", template=template).user(users[s][0]).render()
@@ -227,7 +240,8 @@ def b16(bench: Bench, cfg) -> List[Row]:
         "run_batch": lambda: continuum.run_batch(session, range(sessions), concurrency=sessions) and sessions * turns * new,
     }, _reps(cfg))
     return _rows("B16", f"chat {sessions} sessions x {turns} turns", sessions, calls, {"sequential": 1.5, "lockstep": 0.85},
-                 {"sequential": "sessions one after another", "lockstep": "lockstep list calls"}, [f"template: {len(template)} chars"])
+                 {"sequential": "sessions one after another", "lockstep": "lockstep list calls"},
+                 [f"template: {len(template)} chars"])
 
 
 # ---------------------------------------------------------------------------------------------- B17
@@ -242,9 +256,9 @@ def b17(bench: Bench, cfg) -> List[Row]:
         rng = torch.Generator().manual_seed(i)
         prompt = (f"<|im_start|>system\nThink step by step.<|im_end|>\n<|im_start|>user\n{questions[i]}<|im_end|>\n"
                   f"<|im_start|>assistant\nLet us think.")
-        frontier = [fork(prompt, max_tokens=new, rng=rng)]
+        frontier: List[Any] = [fork(prompt, max_tokens=new, rng=rng)]
         for _ in range(levels - 1):
-            nxt = []
+            nxt: List[Any] = []
             for s in frontier:  # each branch forks 3 ways again
                 for k in range(s.samples):
                     nxt.append(fork(s[:, k, :] + "\nNext:", max_tokens=new, rng=rng))
@@ -263,8 +277,8 @@ def b17(bench: Bench, cfg) -> List[Row]:
 
 # ---------------------------------------------------------------------------------------------- B18
 def b18(bench: Bench, cfg) -> List[Row]:
-    n, prefix_len = _size(cfg, 32, 8, "b18_n"), _size(cfg, 400, 400, "b18_prefix")
-    model = models.Transformers(bench.hf, bench.model.tokenizer, prefix_cache="1GiB")
+    n, prefix_len = _size(cfg, 32, 4, "b18_n"), _size(cfg, 400, 400, "b18_prefix")
+    model = models.Transformers(bench.hf, getattr(bench.model, "tokenizer"), prefix_cache="1GiB")
     bench = Bench(hf=bench.hf, tok=bench.tok, model=model, name=bench.name, random_weights=bench.random_weights,
                   counter=bench.counter, force_length=bench.force_length)
     shots = make_text(bench.tok, prefix_len, offset=5)
@@ -304,7 +318,8 @@ def b19(bench: Bench, cfg) -> List[Row]:
     model = bench.model
     text_c = continuous(generate.text(model, samplers.greedy()))
     articles = [make_text(bench.tok, article_len, offset=41 * i) for i in range(n)]
-    log(f"B19: judge, {article_len}-token article, fork {len(DIMENSIONS)} judgements of {new} tokens, merge, verdict, {n} instances")
+    log(f"B19: judge, {article_len}-token article, fork {len(DIMENSIONS)} judgements of {new} tokens, merge, verdict, "
+        f"{n} instances")
 
     def program(i: int) -> str:
         article = text_c(articles[i], max_tokens=0)  # prefilled once, shared by the forks

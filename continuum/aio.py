@@ -84,7 +84,7 @@ class AsyncStream:
     ``async with gen.astream(...) as stream``) closes it deterministically and waits until the loop left.
     """
 
-    def __init__(self, stream):
+    def __init__(self, stream: Any) -> None:
         self._stream = stream
         self._token = CancelToken(parent=current())
         self._queue: Optional[asyncio.Queue] = None
