@@ -15,8 +15,10 @@ from .errors import (
     SlicingError,
     TokenizerMismatch,
     ChatTemplateError,
+    ProgramError,
 )
 from .generate import continuous
+from .programs import run_batch
 from .state import SequenceState
 
 __version__ = "0.1.0"
@@ -27,6 +29,7 @@ __all__ = [
     "generate",
     "samplers",
     "continuous",
+    "run_batch",
     "SequenceState",
     "Completion",
     "ContinuumError",
@@ -37,4 +40,5 @@ __all__ = [
     "ModelMismatch",
     "TokenizerMismatch",
     "ChatTemplateError",
+    "ProgramError",
 ]

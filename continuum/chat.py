@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
+from .aio import AsyncStream, to_thread
 from .chattemplate import Renderer
 from .loop.decoding import _stop_list
 from .errors import ChatTemplateError, ContinuumTypeError
@@ -149,6 +150,16 @@ class Chat:
         turn = _Turn(self, generator, max_tokens, stop_at)
         steps = turn.generator._steps(turn.state, max_tokens, turn.stops, rng, True, extra_eos=turn.end_ids)
         return ChatStream(turn, steps)
+
+    async def areply(self, generator: Union[Generator, ContinuousGenerator], max_tokens: Optional[int] = None,
+                     stop_at: Union[str, Sequence[str], None] = None, rng: Optional[torch.Generator] = None) -> "Chat":
+        """``await chat.areply(...)``: :meth:`reply` without blocking the event loop (concurrent replies share forwards)."""
+        return await to_thread(self.reply, generator, max_tokens, stop_at, rng)
+
+    def astream_reply(self, generator: Union[Generator, ContinuousGenerator], max_tokens: Optional[int] = None,
+                      stop_at: Union[str, Sequence[str], None] = None, rng: Optional[torch.Generator] = None) -> AsyncStream:
+        """``async for chunk in chat.astream_reply(...)``: :meth:`stream_reply`'s chunks; then ``.chat`` is the new chat."""
+        return AsyncStream(self.stream_reply(generator, max_tokens, stop_at, rng))
 
     def render(self, row: int = 0) -> str:
         """The prompt text a reply of row ``row`` would continue (the template's rendering)."""

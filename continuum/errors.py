@@ -31,6 +31,7 @@ __all__ = [
     "ChatTemplateError",
     "GuideLimitError",
     "UnencodableTextError",
+    "ProgramError",
 ]
 
 
@@ -51,7 +52,7 @@ class SlicingError(ContinuumError, IndexError):
 
 
 class GeneratorArgumentError(ContinuumError, ValueError):
-    """A generator was created or called with an invalid argument."""
+    """A generator (or :func:`continuum.run_batch`) was created or called with an invalid argument."""
 
 
 class InvalidRegexError(GeneratorArgumentError):
@@ -179,3 +180,19 @@ class UnencodableTextError(ContinuumError, ValueError):
     def __init__(self, message: str, argument: str = "", position: int = -1):
         super().__init__(message)
         self.argument, self.position = argument, position
+
+
+class ProgramError(ContinuumError, RuntimeError):
+    """Some instances of a :func:`continuum.run_batch` program raised; the others ran to completion.
+
+    Raised after every instance finished, chained to the first failure (``raise ... from``).
+
+    Attributes:
+        results: one entry per input, in input order: the program's result, ``None`` where it failed.
+        errors: ``{input index: the exception it raised}``, in input order.
+    """
+
+    def __init__(self, message: str, results: list | None = None, errors: dict | None = None):
+        super().__init__(message)
+        self.results = results if results is not None else []
+        self.errors = errors if errors is not None else {}

@@ -27,6 +27,7 @@ from typing import Generator, Optional, Sequence
 import torch
 
 from . import cache as kvcache
+from .cancel import check_cancelled
 from .cache import positions
 from .loop.decoding import Step, check_continuable, prefill
 from .errors import ContextLengthError
@@ -42,6 +43,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
            rng: Optional[torch.Generator] = None, guidance: Optional[Guidance] = None,
            token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
+    check_cancelled(state.rows)  # Ctrl-C / a closed stream: stop before the scoring forward
     check_continuable(state, sampler, None)
     check_seeded(state._model, sampler, rng)  # under torchrun: every rank must draw the same option
     starts = [len(t) for t in state.texts]

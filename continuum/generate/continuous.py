@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..aio import AsyncStream, to_thread
 from ..loop.decoding import check_max_tokens
 from ..errors import ContinuumTypeError
 from ..state import SequenceState
@@ -66,6 +67,17 @@ class ContinuousGenerator:
         shape = Generator._shape_for("x" if state.batch == 1 else ["x"] * state.batch, samples)
         return Stream(self.generator._steps(state, max_tokens, stop_at, rng, True), shape,
                       self.generator.sampler.is_beam_search, lambda s: s)
+
+    async def acall(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+                    rng: Optional[torch.Generator] = None) -> SequenceState:
+        """``await gen.acall(...)``: the same arguments and state as calling it, without blocking the event loop
+        (run on a shared worker thread; concurrent calls share forwards; cancelling the task stops the call)."""
+        return await to_thread(self, inputs, max_tokens, stop_at, rng)
+
+    def astream(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+                rng: Optional[torch.Generator] = None) -> AsyncStream:
+        """``async for chunk in gen.astream(...)``: the chunks of :meth:`stream`; then ``.state`` is the new state."""
+        return AsyncStream(self.stream(inputs, max_tokens, stop_at, rng))
 
 
 def continuous(generator: Generator) -> ContinuousGenerator:

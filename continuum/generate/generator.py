@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from ..aio import AsyncStream, to_thread
 from ..guidance import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..errors import ContinuumTypeError, GeneratorArgumentError
@@ -173,6 +174,19 @@ class Generator:
         state = self._prompt_state(prompts)
         return Stream(self._steps(state, max_tokens, stop_at, rng, True), self._shape_for(prompts, self.sampler.samples),
                       self.sampler.is_beam_search, lambda s: self._value(prompts, s))
+
+    # asyncio (continuum.aio): the blocking call on a shared worker thread; concurrent calls share forwards
+    async def acall(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+                    rng: Optional[torch.Generator] = None):
+        """``await gen.acall(...)``: the same arguments and result as ``gen(...)``, without blocking the event loop.
+
+        Cancelling the awaiting task stops the call at its next decoding step."""
+        return await to_thread(self, prompts, max_tokens, stop_at, rng)
+
+    def astream(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
+                rng: Optional[torch.Generator] = None) -> AsyncStream:
+        """``async for chunk in gen.astream(...)``: the chunks of :meth:`stream`; leaving the loop early stops it."""
+        return AsyncStream(self.stream(prompts, max_tokens, stop_at, rng))
 
 
 class ChoiceGenerator(Generator):

@@ -23,6 +23,7 @@ import torch
 
 from .. import cache as kvcache
 from .. import prefix_cache
+from ..cancel import check_cancelled
 from ..cache import positions  # (re-exported: it lives with the cache's column layout)
 from ..errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
 from ..guidance import Guidance, UnconditionalBranch
@@ -230,6 +231,7 @@ def _decode(
     prefix_cache.remember(model, rows.ids, rows.mask, rows.kv)  # what this prefill computed, for later calls
     fed = col = W
     while True:
+        check_cancelled(rows.finished.count(False))  # Ctrl-C / a closed stream: stop between two forwards
         logprobs = raw = torch.log_softmax(logits, dim=-1)
         if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
             logprobs = rows.branch.guide(raw)

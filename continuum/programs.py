@@ -1,0 +1,204 @@
+"""``run_batch``: run one program over many inputs, many instances at once, results in input order.
+
+::
+
+    inputs ──(pulled lazily, one per free worker)──▶ concurrency worker threads ──▶ program(x)
+                                                        │ every generator call is a decoding loop;
+                                                        │ concurrent loops on one model share forwards
+                                                        ▼
+    results (input order) ◀── after every instance finished ── errors gathered in ProgramError
+
+A program is any Python function of one input that calls continuum generators (plain, continuous,
+chats) and branches on their outputs. Each instance runs on a worker thread; the decoding loops of the
+instances are merged into shared forwards by the model's scheduler (see ``docs/scheduler.md``), so the
+program is written for one input and runs batched. Ctrl-C (``KeyboardInterrupt`` in the calling thread)
+cancels every instance at its next decoding step (:mod:`continuum.cancel`) and re-raises once they
+have all left the model. See ``docs/concurrency.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from .cancel import CancelToken, Cancelled, bound, check_cancelled, current
+from .errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
+
+__all__ = ["run_batch", "check_cancelled"]
+
+_POLL = 0.1  # seconds between two looks of the waiting thread (progress bar, a simulated Ctrl-C)
+
+
+def _check(program, inputs, concurrency, progress, return_exceptions) -> None:
+    if not callable(program):
+        raise ContinuumTypeError(f"run_batch(program, inputs): program must be a callable of one input "
+                                 f"(e.g. def program(doc): ...), got {type(program).__name__}")
+    if isinstance(inputs, (str, bytes, bytearray)):
+        raise ContinuumTypeError("run_batch(program, inputs): inputs is a single string; pass an iterable of inputs, "
+                                 "e.g. run_batch(program, [text]) (a string would run the program once per character)")
+    try:
+        iter(inputs)
+    except TypeError:
+        raise ContinuumTypeError(f"run_batch(program, inputs): inputs must be an iterable of program inputs (a list, "
+                                 f"a generator...), got {type(inputs).__name__}") from None
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+        raise ContinuumTypeError(f"concurrency must be an int (the most program instances run at once, e.g. 32), "
+                                 f"got {type(concurrency).__name__}")
+    if concurrency < 1:
+        raise GeneratorArgumentError(f"concurrency must be >= 1 (the most program instances run at once, e.g. 32), "
+                                     f"got {concurrency}")
+    for name, value in (("progress", progress), ("return_exceptions", return_exceptions)):
+        if not isinstance(value, bool):
+            raise GeneratorArgumentError(f"{name} must be True or False, got {value!r}")
+
+
+class _Run:
+    """One ``run_batch`` call: the input feed, the worker threads and what they produced."""
+
+    def __init__(self, program: Callable[[Any], Any], inputs: Iterator, concurrency: int):
+        self.program, self.inputs = program, inputs
+        self.token = CancelToken(parent=current())  # a nested run_batch stops with its caller's
+        self.lock = threading.Lock()
+        self.count = itertools.count()
+        self.exhausted = False
+        self.feed_error: Optional[BaseException] = None  # the inputs iterator itself raised
+        self.results: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.done = 0
+        self.tokens: list[CancelToken] = [CancelToken(parent=self.token) for _ in range(concurrency)]
+        self.alive = concurrency
+        self.finished = threading.Event()
+        self.threads = [threading.Thread(target=self._work, args=(t,), name=f"continuum-run_batch-{w}", daemon=True)
+                        for w, t in enumerate(self.tokens)]
+
+    def _next(self) -> Optional[tuple[int, Any]]:
+        """The next (index, input), pulled only now (a generator of inputs is never run ahead)."""
+        with self.lock:
+            if self.exhausted or self.token.cancelled:
+                return None
+            try:
+                x = next(self.inputs)
+            except StopIteration:
+                self.exhausted = True
+                return None
+            except BaseException as exc:  # the iterator failed: start nothing more, raise it at the end
+                self.exhausted, self.feed_error = True, exc
+                return None
+            return next(self.count), x
+
+    def _work(self, token: CancelToken) -> None:
+        try:
+            with bound(token):
+                while (item := self._next()) is not None:
+                    i, x = item
+                    try:
+                        self.results[i] = self.program(x)
+                    except Cancelled:
+                        break
+                    except BaseException as exc:  # one instance's failure never disturbs the others
+                        self.errors[i] = exc
+                    with self.lock:
+                        self.done += 1
+        finally:
+            self._left()
+
+    def _left(self) -> None:
+        with self.lock:
+            self.alive -= 1
+            if self.alive == 0:
+                self.finished.set()
+
+    def wait(self, progress: bool, total: Optional[int]) -> None:
+        """Start the workers and wait for them; on Ctrl-C, cancel them all, wait until they left, re-raise."""
+        bar = _progress_bar(total) if progress else None
+        start = time.perf_counter()
+        try:
+            for t in self.threads:
+                t.start()
+            while not self.finished.wait(_POLL):  # a timeout: a pending Ctrl-C is delivered between two waits
+                if bar is not None:
+                    _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
+        except BaseException:  # KeyboardInterrupt (or anything raised in this thread): stop every instance
+            self.token.cancel()
+            for t in self.threads:
+                if t.ident is None:  # interrupted while starting them: this one never ran
+                    self._left()
+            while not self.finished.wait(_POLL):  # each leaves at its next decoding step; a 2nd Ctrl-C stops waiting
+                pass
+            raise
+        finally:
+            if bar is not None:
+                _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
+                bar.close()
+        if self.token.cancelled:  # a nested run_batch whose caller was cancelled
+            raise Cancelled()
+
+
+def _progress_bar(total: Optional[int]):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="run_batch", unit="program")
+
+
+def _update(bar, done: int, tokens: int, seconds: float) -> None:
+    bar.n = done
+    bar.set_postfix_str(f"{tokens / max(seconds, 1e-9):.1f} tok/s", refresh=False)
+    bar.refresh()
+
+
+def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: int = 32, progress: bool = False,
+              return_exceptions: bool = False) -> list:
+    """Run ``program(x)`` for every ``x`` in ``inputs``, up to ``concurrency`` instances at once; results in input order.
+
+    Each instance runs on a worker thread; concurrent generator calls on one model share forwards, so
+    a program written for one input runs batched, and every instance returns what it returns alone
+    (give a sampling call its own ``rng`` for that). Inputs are pulled one at a time as workers free
+    up: a generator of a million inputs never holds more than ``concurrency`` running instances.
+
+    Args:
+        program: a function of one input (it may call any continuum generators, chats, branch, loop).
+        inputs: an iterable of inputs (a list, a generator...).
+        concurrency: the most instances running at once (>= 1).
+        progress: show a tqdm bar (instances done, generated tokens per second).
+        return_exceptions: put a failed instance's exception in its place instead of raising.
+
+    Returns:
+        One result per input, in input order.
+
+    Raises:
+        ProgramError: after every instance finished, when some raised (unless ``return_exceptions``):
+            ``.results`` (``None`` where an instance failed) and ``.errors`` (``{index: exception}``).
+        KeyboardInterrupt: Ctrl-C stops every instance at its next decoding step; the model stays usable.
+
+    Example:
+        >>> def program(doc):                                                        # doctest: +SKIP
+        ...     summary = summarize(doc, max_tokens=48)
+        ...     return pick(summary + "\\nLabel:")
+        >>> labels = continuum.run_batch(program, docs, concurrency=32, progress=True)   # doctest: +SKIP
+    """
+    _check(program, inputs, concurrency, progress, return_exceptions)
+    try:
+        total: Optional[int] = len(inputs)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    workers = concurrency if total is None else max(1, min(concurrency, total))
+    run = _Run(program, iter(inputs), workers)
+    run.wait(progress, total)
+    if run.feed_error is not None:
+        raise run.feed_error
+    n = next(run.count)
+    errors = {i: run.errors[i] for i in sorted(run.errors)}
+    if return_exceptions:
+        return [errors[i] if i in errors else run.results.get(i) for i in range(n)]
+    results = [run.results.get(i) for i in range(n)]
+    if errors:
+        first = next(iter(errors))
+        shown = ", ".join(map(str, list(errors)[:10])) + (", ..." if len(errors) > 10 else "")
+        raise ProgramError(
+            f"{len(errors)} of {n} program instances failed (inputs {shown}); the first, input {first}, raised "
+            f"{type(errors[first]).__name__}: {errors[first]}. The others finished: .results holds every result (None "
+            f"where an instance failed) and .errors maps each failed input to its exception; pass "
+            f"return_exceptions=True to get the exceptions in place instead", results=results, errors=errors) from errors[first]
+    return results

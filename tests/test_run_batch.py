@@ -1,0 +1,242 @@
+"""``continuum.run_batch``: many program instances at once, each giving what it gives alone.
+
+The reference is always the program run alone for each input, one after another. Programs branch on
+their own outputs (text -> choice -> regex or JSON), sample with their own ``rng``, and carry
+continuous states. Errors, bad arguments, the progress bar and Ctrl-C are tested on the same tiny model.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import pytest
+import torch
+
+import continuum
+from continuum import ProgramError, SequenceState, continuous, generate, samplers
+from continuum.errors import ContinuumTypeError, GeneratorArgumentError
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "Le café est", "Numbers: 0 1 2", "She said", "Review: great",
+           "The dog sleeps", "Emoji time"]
+
+
+def same(a, b) -> bool:
+    """Equal results; states: same texts and token ids, weights within 1e-4."""
+    if isinstance(a, SequenceState):
+        return (isinstance(b, SequenceState) and list(a) == list(b) and a.token_ids.tolist() == b.token_ids.tolist()
+                and torch.allclose(a.weights, b.weights, atol=1e-4, rtol=0))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def branching_program(model):
+    """text -> choice -> (regex | JSON), on continuous states: the control flow depends on the outputs."""
+    text_c = continuous(generate.text(model, samplers.greedy()))
+    pick = continuous(generate.choice(model, [" yes", " no"], samplers.greedy()))
+    number = continuous(generate.regex(model, r"[0-9]{1,3}", samplers.greedy()))
+    flag = continuous(generate.json(model, {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                            "required": ["ok"]}, samplers.greedy()))
+
+    def program(prompt: str):
+        s = text_c(prompt, max_tokens=4)
+        c = pick(s + " Sure?")
+        if c.value == " yes":
+            out = number(c + " n=", max_tokens=4)
+        else:
+            out = flag(c + " JSON:", max_tokens=12)
+        return c.value, out.value, out
+
+    return program
+
+
+def test_branching_program_matches_solo_runs_in_input_order(gpt2_model):
+    program = branching_program(gpt2_model)
+    solo = [program(p) for p in PROMPTS]
+    assert {r[0] for r in solo} == {" yes", " no"} or len(solo) == len(PROMPTS)  # both branches usually taken
+    batched = continuum.run_batch(program, PROMPTS, concurrency=4)
+    assert len(batched) == len(PROMPTS)
+    for a, b in zip(solo, batched):
+        assert same(a, b)
+
+
+def test_multinomial_with_per_input_rng_draws_what_it_draws_alone(model):
+    gen = generate.text(model, samplers.multinomial(2, temperature=1.5))
+
+    def program(i: int):
+        return gen(PROMPTS[i % len(PROMPTS)], max_tokens=5, rng=torch.Generator().manual_seed(100 + i))
+
+    solo = [program(i) for i in range(6)]
+    assert continuum.run_batch(program, range(6), concurrency=6) == solo
+
+
+def test_results_keep_input_order_when_later_inputs_finish_first(gpt2_model):
+    gen = generate.text(gpt2_model, samplers.greedy())
+    lengths = [12, 1, 8, 0, 3]  # the long first instance finishes last
+    finished: list[int] = []
+
+    def program(i: int):
+        out = gen(PROMPTS[i], max_tokens=lengths[i])
+        finished.append(i)
+        return out
+
+    solo = [gen(PROMPTS[i], max_tokens=lengths[i]) for i in range(5)]
+    assert continuum.run_batch(program, range(5), concurrency=5) == solo
+
+
+def test_a_generator_of_inputs_is_pulled_lazily():
+    pulled, running, peak = [0], [0], [0]
+    lock = threading.Lock()
+
+    def inputs():
+        for i in range(40):
+            pulled[0] += 1
+            yield i
+
+    def program(x: int):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            assert pulled[0] <= x + 1 + 3  # never more than the running instances ahead
+        time.sleep(0.002)
+        with lock:
+            running[0] -= 1
+        return x * x
+
+    assert continuum.run_batch(program, inputs(), concurrency=3) == [i * i for i in range(40)]
+    assert peak[0] <= 3 and pulled[0] == 40
+
+
+def test_failed_instances_do_not_disturb_the_others(gpt2_model):
+    gen = generate.text(gpt2_model, samplers.greedy())
+
+    def program(i: int):
+        if i % 3 == 1:
+            raise ValueError(f"bad input {i}")
+        return gen(PROMPTS[i], max_tokens=3)
+
+    with pytest.raises(ProgramError) as info:
+        continuum.run_batch(program, range(6), concurrency=3)
+    err = info.value
+    assert sorted(err.errors) == [1, 4] and all(isinstance(e, ValueError) for e in err.errors.values())
+    assert err.results == [None if i % 3 == 1 else gen(PROMPTS[i], max_tokens=3) for i in range(6)]
+    assert "inputs 1, 4" in str(err) and "bad input 1" in str(err) and err.__cause__ is err.errors[1]
+    assert isinstance(err, continuum.ContinuumError)
+
+    mixed = continuum.run_batch(program, range(6), concurrency=3, return_exceptions=True)
+    assert [isinstance(m, ValueError) for m in mixed] == [i % 3 == 1 for i in range(6)]
+    assert mixed[0] == err.results[0] and str(mixed[4]) == "bad input 4"
+
+
+def test_a_failing_input_iterator_is_raised_after_the_running_instances():
+    def inputs():
+        yield 1
+        yield 2
+        raise KeyError("feed broke")
+
+    with pytest.raises(KeyError, match="feed broke"):
+        continuum.run_batch(lambda x: x, inputs(), concurrency=2)
+
+
+@pytest.mark.parametrize("args, kwargs, error, words", [
+    ((lambda x: x, [1]), {"concurrency": 0}, GeneratorArgumentError, "concurrency must be >= 1"),
+    ((lambda x: x, [1]), {"concurrency": 2.0}, ContinuumTypeError, "concurrency must be an int"),
+    ((lambda x: x, [1]), {"concurrency": True}, ContinuumTypeError, "concurrency must be an int"),
+    ((42, [1]), {}, ContinuumTypeError, "program must be a callable"),
+    ((lambda x: x, 7), {}, ContinuumTypeError, "inputs must be an iterable"),
+    ((lambda x: x, "some text"), {}, ContinuumTypeError, "run_batch(program, [text])"),
+    ((lambda x: x, [1]), {"progress": "yes"}, GeneratorArgumentError, "progress must be True or False"),
+    ((lambda x: x, [1]), {"return_exceptions": None}, GeneratorArgumentError, "return_exceptions must be True or False"),
+])
+def test_bad_arguments_get_continuum_errors(args, kwargs, error, words):
+    with pytest.raises(error) as info:
+        continuum.run_batch(*args, **kwargs)
+    assert words in str(info.value)
+
+
+def test_empty_inputs_give_an_empty_list():
+    assert continuum.run_batch(lambda x: x, []) == []
+    assert continuum.run_batch(lambda x: x, iter(())) == []
+
+
+def test_progress_bar_counts_instances_and_tokens(gpt2_model, capsys):
+    gen = generate.text(gpt2_model, samplers.greedy())
+    out = continuum.run_batch(lambda p: gen(p, max_tokens=4), PROMPTS[:3], concurrency=2, progress=True)
+    assert out == [gen(p, max_tokens=4) for p in PROMPTS[:3]]
+    err = capsys.readouterr().err
+    assert "run_batch" in err and "3/3" in err and "tok/s" in err
+    rate = float(err.rsplit("tok/s", 1)[0].split()[-1].strip(", "))
+    assert rate > 0  # the decoding loop counted the generated tokens
+
+
+def test_nested_run_batch(gpt2_model):
+    gen = generate.text(gpt2_model, samplers.greedy())
+
+    def program(p: str):
+        return continuum.run_batch(lambda q: gen(q, max_tokens=2), [p, p + "!"], concurrency=2)
+
+    assert continuum.run_batch(program, PROMPTS[:3], concurrency=3) == [[gen(p, max_tokens=2), gen(p + "!", max_tokens=2)]
+                                                                        for p in PROMPTS[:3]]
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("continuum-run_batch")]
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swallow):
+    gen = generate.text(gpt2_model, samplers.greedy())
+    before = gen(PROMPTS, max_tokens=6)
+    started = threading.Event()
+    steps = [0]
+
+    def program(p: str):  # never ends by itself: only the cancellation stops it
+        while True:
+            started.set()
+            try:
+                gen(p, max_tokens=40)
+                steps[0] += 1
+            except Exception:  # a program's own except Exception must not swallow the cancellation
+                if not swallow:
+                    raise
+
+    def interrupt():
+        started.wait(30)
+        time.sleep(0.2)
+        _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        continuum.run_batch(program, PROMPTS * 4, concurrency=8)
+    assert time.perf_counter() - t0 < 20
+    assert not _workers()  # every instance left before run_batch re-raised
+    calls = gpt2_model.forward_calls
+    time.sleep(0.1)
+    assert gpt2_model.forward_calls == calls  # nothing keeps running in the background
+    assert gen(PROMPTS, max_tokens=6) == before
+
+
+def test_cancelling_a_run_stops_its_loops_at_the_next_step(gpt2_model):
+    """The cancel path itself (what the KeyboardInterrupt handler runs), without a signal."""
+    from continuum.cancel import CancelToken, Cancelled, bound
+
+    gen = continuous(generate.text(gpt2_model, samplers.greedy()))
+    token = CancelToken()
+    seen: list = []
+
+    def run():
+        with bound(token):
+            try:
+                gen(PROMPTS[0], max_tokens=200)
+            except Cancelled:
+                seen.append("cancelled")
+
+    token.cancel()
+    worker = threading.Thread(target=run)
+    c0 = gpt2_model.forward_calls
+    worker.start()
+    worker.join(10)
+    assert seen == ["cancelled"] and gpt2_model.forward_calls - c0 == 1  # the prefill ran, no decoding step
