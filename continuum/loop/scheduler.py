@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 
 from . import merge
 from .merge import Request
@@ -133,6 +134,21 @@ class Scheduler:
                 self._running.pop(tid, None)  # type: ignore[arg-type]
             self._rows -= ticket.rows
             self._cond.notify_all()
+
+    @contextmanager
+    def idle(self) -> Iterator[None]:
+        """This thread waits for another call (e.g. for its prefill of a shared prefix): not waited for meanwhile."""
+        tid = threading.get_ident()
+        with self._cond:
+            depth = self._running.pop(tid, 0)
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            if depth:
+                with self._cond:
+                    self._running[tid] = self._running.get(tid, 0) + depth
+                    self._cond.notify_all()
 
     def _ready(self) -> bool:
         """Every running thread has a request queued."""
