@@ -41,7 +41,7 @@ from .errors import ContinuumTypeError, PrefixCacheArgumentError
 if TYPE_CHECKING:  # at run time state is imported where a state is built: continuum.models (which holds the
     from .state import SequenceState  # prefix cache) is imported by state's own modules
 
-__all__ = ["PrefixCache", "parse_budget", "reuse", "remember"]
+__all__ = ["PrefixCache", "parse_budget", "reuse", "remember", "settle"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -106,6 +106,7 @@ class PrefixCache:
         self._next_id = 1
         self._bytes = 0
         self._counts = dict(hits=0, misses=0, tokens_reused=0, evictions=0)
+        self._inflight: list[_Inflight] = []  # prefixes concurrent calls are computing right now
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -179,6 +180,32 @@ class PrefixCache:
             self._counts["tokens_reused"] += len(chain) * self.block_size - have
             return chain
 
+    def computing(self, tokens: Sequence[int], covered: int) -> Optional["_Inflight"]:
+        """In-batch sharing: a prefix another thread is computing right now that covers more full
+        blocks of ``tokens`` than the ``covered`` tokens this row already has (the caller waits for
+        it, then looks again). Else ``tokens`` is registered as computed by this thread (until
+        :meth:`settle`), and None is returned."""
+        B, me = self.block_size, threading.get_ident()
+        tokens = tuple(tokens[:len(tokens) // B * B])
+        with self._lock:
+            for entry in self._inflight:
+                if entry.thread != me and len(tokens) > covered and _shared_blocks(entry.tokens, tokens, B) * B > covered:
+                    return entry
+            if len(tokens) > covered:
+                self._inflight.append(_Inflight(tokens, me))
+        return None
+
+    def settle(self) -> None:
+        """This thread's prefixes are computed (and inserted) or abandoned: wake the calls waiting for them."""
+        me = self._inflight and threading.get_ident()
+        if not me:
+            return
+        with self._lock:
+            mine = [e for e in self._inflight if e.thread == me]
+            self._inflight = [e for e in self._inflight if e.thread != me]
+        for entry in mine:
+            entry.done.set()
+
     def release(self, chain: Sequence[_Block]) -> None:
         with self._lock:
             for block in chain:
@@ -227,6 +254,25 @@ class PrefixCache:
         return sum(2 * k.shape[1] * self.block_size * k.shape[3] * k.element_size() for k, _ in kv)
 
 
+class _Inflight:
+    """A prefix (full blocks of tokens) that one thread's prefill is computing; others wait for ``done``."""
+
+    __slots__ = ("tokens", "thread", "done")
+
+    def __init__(self, tokens: tuple, thread: int):
+        self.tokens, self.thread, self.done = tokens, thread, threading.Event()
+
+
+def _shared_blocks(a: tuple, b: tuple, B: int) -> int:
+    n = 0
+    while (n + 1) * B <= min(len(a), len(b)) and a[n * B:(n + 1) * B] == b[n * B:(n + 1) * B]:
+        n += 1
+    return n
+
+
+_WAIT_S = 120.0  # the longest a call waits for another's prefill of its prefix before computing it itself
+
+
 def _identity(model) -> tuple:
     return (getattr(model, "fingerprint", id(model)), str(model.model.dtype), str(model.device))
 
@@ -248,11 +294,25 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
     if not todo:
         return state
     identity = _identity(state._model)
-    hits: dict[int, list[_Block]] = {}
-    for r in todo:
-        chain = cache.acquire(identity, real[r][0][:-1], own[r])
-        if chain:
-            hits[r] = chain
+    for _ in range(8):  # in-batch sharing: wait for a concurrent call computing a longer prefix, then look again
+        hits: dict[int, list[_Block]] = {}
+        wait = None
+        for r in todo:
+            chain = cache.acquire(identity, real[r][0][:-1], own[r])
+            if chain:
+                hits[r] = chain
+            wait = cache.computing(real[r][0][:-1], max(len(chain) * B, own[r]))
+            if wait is not None:
+                break
+        if wait is None:
+            break
+        for chain in hits.values():
+            cache.release(chain)
+        cache.settle()  # a waiting call holds no prefix others could wait for (no cycle)
+        with state._model.scheduler.idle():  # parked: the call computing the prefix must not wait for this one
+            wait.done.wait(_WAIT_S)
+    else:
+        hits = {}
     if not hits:
         return state
     try:
@@ -311,14 +371,19 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
 
 def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> None:
     """Add the full blocks of every row that a prefill just computed (``kv`` covers the first
-    ``length(kv)`` columns of ``ids``/``mask``)."""
+    ``length(kv)`` columns of ``ids``/``mask``); calls waiting for these prefixes find them now."""
     cache = getattr(model, "prefix_cache", None)
-    if cache is None or kv is None:
+    if cache is None:
         return
-    if cache.block_bytes(kv) > cache.max_bytes:  # not even one block fits: nothing to copy
-        return
+    try:
+        if kv is not None and cache.block_bytes(kv) <= cache.max_bytes:  # else not even one block fits
+            _insert_rows(cache, _identity(model), ids, mask, kv)
+    finally:
+        cache.settle()
+
+
+def _insert_rows(cache: PrefixCache, identity: tuple, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> None:
     L = kvcache.length(kv)
-    identity = _identity(model)
     seen: set[tuple] = set()
     for r in range(ids.shape[0]):
         columns = mask[r, :L].nonzero().flatten()
@@ -327,3 +392,10 @@ def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> No
         if key and key not in seen:  # rows repeated (samples of one prompt) are inserted once
             seen.add(key)
             cache.insert(identity, tokens, kv, r, columns)
+
+
+def settle(model) -> None:
+    """The calling thread's loop ends: prefixes it registered as being computed are abandoned (if not yet inserted)."""
+    cache = getattr(model, "prefix_cache", None)
+    if cache is not None:
+        cache.settle()

@@ -204,3 +204,30 @@ def test_a_lone_call_never_touches_merged_storage(gpt2_model):
 
     state = continuous(generate.text(gpt2_model, samplers.greedy()))(PROMPTS[0], max_tokens=4)
     assert isinstance(state, SequenceState) and slot_of(state._kv) is None
+
+
+def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(bpe_tokenizer):
+    """Prefix cache on: calls sharing a prefix that arrive together compute it once (one waits for the other's blocks)."""
+    from conftest import tiny_gpt2
+
+    from continuum import models
+
+    hf = tiny_gpt2(len(bpe_tokenizer), n_positions=512)
+    model = models.Transformers(hf, bpe_tokenizer, prefix_cache="64MiB")
+    shared = " ".join(CORPUS[:3])[:150]
+    prompts = [shared + tail for tail in (" Q: one?", " Q: two?", " Q: three?", " Q: four?")]
+    gen = generate.text(model, samplers.greedy())
+    prefix = len(model.tokenizer.encode_prompts([shared])[0])
+    assert prefix >= 3 * model.prefix_cache.block_size
+
+    def computed(run):
+        model.prefix_cache.clear()
+        before = model.tokens_computed
+        out = run()
+        return out, model.tokens_computed - before
+
+    solo, solo_tokens = computed(lambda: [gen(p, max_tokens=3) for p in prompts])
+    together, together_tokens = computed(lambda: concurrently([lambda p=p: gen(p, max_tokens=3) for p in prompts]))
+    assert together == solo
+    assert together_tokens == solo_tokens  # the shared prefix computed once, as one call after another does
+    assert together_tokens < len(prompts) * prefix

@@ -84,7 +84,10 @@ def prefill(state: SequenceState) -> SequenceState:
     """Cache everything but each row's last token (one forward pass over the uncached suffix; the
     model's prefix cache, when on, supplies what it holds and keeps what was computed)."""
     with state._model.scheduler.enter(state.rows):  # concurrent calls share the forward
-        return _prefill(state)
+        try:
+            return _prefill(state)
+        finally:
+            prefix_cache.settle(state._model)  # prefixes registered as being computed (in-batch sharing)
 
 
 def _prefill(state: SequenceState) -> SequenceState:
@@ -156,6 +159,7 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             ticket.step()  # step hooks, e.g. a cancellation check: they raise to stop this loop
     finally:
         loop.close()
+        prefix_cache.settle(state._model)  # prefixes registered as being computed and not inserted (an error)
         ticket.leave()
 
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from . import merge
 from .merge import Request
@@ -71,7 +72,8 @@ class Ticket:
     def leave(self) -> None:
         """The loop is done (returned, raised, or its generator was closed). Idempotent."""
         if not self._left:
-            self.park()
+            if self._thread is not None:
+                self._sched._stop(self, leaving=True)
             self._left = True
 
     def __enter__(self) -> Ticket:  # noqa: PYI034
@@ -119,18 +121,34 @@ class Scheduler:
             ticket._thread = tid
             self._cond.notify_all()
 
-    def _stop(self, ticket: Ticket) -> None:
+    def _stop(self, ticket: Ticket, leaving: bool = False) -> None:
         with self._cond:
             tid = ticket._thread
+            if leaving:  # the next forward of this thread is another call's: no step wait to measure
+                self._last.pop(tid, None)  # type: ignore[arg-type]
             ticket._thread = None
             left = self._running.get(tid, 0) - 1  # type: ignore[arg-type]
             if left > 0:
                 self._running[tid] = left  # type: ignore[index]
             else:
                 self._running.pop(tid, None)  # type: ignore[arg-type]
-                self._last.pop(tid, None)  # type: ignore[arg-type]
             self._rows -= ticket.rows
             self._cond.notify_all()
+
+    @contextmanager
+    def idle(self) -> Iterator[None]:
+        """This thread waits for another call (e.g. for its prefill of a shared prefix): not waited for meanwhile."""
+        tid = threading.get_ident()
+        with self._cond:
+            depth = self._running.pop(tid, 0)
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            if depth:
+                with self._cond:
+                    self._running[tid] = self._running.get(tid, 0) + depth
+                    self._cond.notify_all()
 
     def _ready(self) -> bool:
         """Every running thread has a request queued."""
@@ -198,6 +216,8 @@ class Scheduler:
                 if last is not None and len(self._gaps) < 100_000:
                     self._gaps.append(now - last)
                 self._last[r.thread] = now
+            if len(self._last) > 10_000:  # thread ids of finished threads
+                self._last.clear()
             self._cond.notify_all()
 
     def _run_groups(self, batch: list[Request]) -> None:
@@ -258,3 +278,4 @@ class Scheduler:
             for k in self._stats:
                 self._stats[k] = 1.0 if k == "peak_padding" else 0
             self._gaps.clear()
+            self._last.clear()
