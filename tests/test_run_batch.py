@@ -135,6 +135,14 @@ def test_a_generator_of_inputs_is_pulled_lazily():
     assert peak[0] <= 3 and pulled[0] == 40
 
 
+def test_workers_start_as_inputs_arrive():
+    before = set(threading.enumerate())
+    names = continuum.run_batch(lambda x: threading.current_thread().name, iter(range(3)), concurrency=1000)
+    assert len(set(names)) <= 3 and all(n.startswith("continuum-run_batch-") for n in names)
+    time.sleep(0.05)
+    assert len(set(threading.enumerate()) - before) == 0  # at most 4 were started, and all of them left
+
+
 def test_failed_instances_do_not_disturb_the_others(gpt2_model):
     gen = generate.text(gpt2_model, samplers.greedy())
 
