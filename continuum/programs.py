@@ -30,6 +30,21 @@ __all__ = ["run_batch", "check_cancelled"]
 
 _POLL = 0.1  # seconds between two looks of the waiting thread (progress bar, a simulated Ctrl-C)
 
+SERIAL_UNDER_TORCHRUN = True
+"""Under torchrun (a process group of several ranks), run the instances one at a time, in input order.
+
+Every rank must run the same forwards in the same order (tensor parallelism exchanges activations at
+every layer); threads reach the model in a different order on each rank, so concurrent instances could
+mismatch collectives (a hang) or mix sequences. One at a time in input order is the same on every rank.
+A scheduler that decides the composition of merged forwards on one rank and broadcasts it makes
+concurrency safe again: it sets this to False."""
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 def _check(program, inputs, concurrency, progress, return_exceptions) -> None:
     if not callable(program):
@@ -192,6 +207,8 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
         total: Optional[int] = len(inputs)  # type: ignore[arg-type]
     except TypeError:
         total = None
+    if SERIAL_UNDER_TORCHRUN and _several_ranks():
+        concurrency = 1
     run = _Run(program, iter(inputs), concurrency)
     run.wait(progress, total)
     if run.feed_error is not None:
