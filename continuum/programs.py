@@ -30,6 +30,21 @@ __all__ = ["run_batch", "check_cancelled"]
 
 _POLL = 0.1  # seconds between two looks of the waiting thread (progress bar, a simulated Ctrl-C)
 
+SERIAL_UNDER_TORCHRUN = True
+"""Under torchrun (a process group of several ranks), run the instances one at a time, in input order.
+
+Every rank must run the same forwards in the same order (tensor parallelism exchanges activations at
+every layer); threads reach the model in a different order on each rank, so concurrent instances could
+mismatch collectives (a hang) or mix sequences. One at a time in input order is the same on every rank.
+A scheduler that decides the composition of merged forwards on one rank and broadcasts it makes
+concurrency safe again: it sets this to False."""
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 def _check(program, inputs, concurrency, progress, return_exceptions) -> None:
     if not callable(program):
@@ -58,7 +73,7 @@ class _Run:
     """One ``run_batch`` call: the input feed, the worker threads and what they produced."""
 
     def __init__(self, program: Callable[[Any], Any], inputs: Iterator, concurrency: int):
-        self.program, self.inputs = program, inputs
+        self.program, self.inputs, self.limit = program, inputs, concurrency
         self.token = CancelToken(parent=current())  # a nested run_batch stops with its caller's
         self.lock = threading.Lock()
         self.count = itertools.count()
@@ -67,11 +82,18 @@ class _Run:
         self.results: dict[int, Any] = {}
         self.errors: dict[int, BaseException] = {}
         self.done = 0
-        self.tokens: list[CancelToken] = [CancelToken(parent=self.token) for _ in range(concurrency)]
-        self.alive = concurrency
+        self.tokens: list[CancelToken] = []  # one per worker: its cancellation (child of self.token) and token count
+        self.alive = 0
         self.finished = threading.Event()
-        self.threads = [threading.Thread(target=self._work, args=(t,), name=f"continuum-run_batch-{w}", daemon=True)
-                        for w, t in enumerate(self.tokens)]
+
+    def _spawn(self) -> None:
+        """Start one more worker (called with the lock held). Workers are started one per input pulled, up to
+        ``concurrency``: three inputs start at most four threads, whatever ``concurrency`` is."""
+        token = CancelToken(parent=self.token)
+        self.tokens.append(token)
+        self.alive += 1
+        threading.Thread(target=self._work, args=(token,), name=f"continuum-run_batch-{len(self.tokens) - 1}",
+                         daemon=True).start()  # daemon: a program stuck outside continuum never blocks the exit
 
     def _next(self) -> Optional[tuple[int, Any]]:
         """The next (index, input), pulled only now (a generator of inputs is never run ahead)."""
@@ -86,6 +108,8 @@ class _Run:
             except BaseException as exc:  # the iterator failed: start nothing more, raise it at the end
                 self.exhausted, self.feed_error = True, exc
                 return None
+            if len(self.tokens) < self.limit:  # the next input may find a free worker
+                self._spawn()
             return next(self.count), x
 
     def _work(self, token: CancelToken) -> None:
@@ -115,16 +139,16 @@ class _Run:
         bar = _progress_bar(total) if progress else None
         start = time.perf_counter()
         try:
-            for t in self.threads:
-                t.start()
+            with self.lock:
+                self._spawn()
             while not self.finished.wait(_POLL):  # a timeout: a pending Ctrl-C is delivered between two waits
                 if bar is not None:
                     _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
         except BaseException:  # KeyboardInterrupt (or anything raised in this thread): stop every instance
             self.token.cancel()
-            for t in self.threads:
-                if t.ident is None:  # interrupted while starting them: this one never ran
-                    self._left()
+            with self.lock:
+                if self.alive == 0:  # interrupted before the first worker started
+                    self.finished.set()
             while not self.finished.wait(_POLL):  # each leaves at its next decoding step; a 2nd Ctrl-C stops waiting
                 pass
             raise
@@ -183,8 +207,9 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
         total: Optional[int] = len(inputs)  # type: ignore[arg-type]
     except TypeError:
         total = None
-    workers = concurrency if total is None else max(1, min(concurrency, total))
-    run = _Run(program, iter(inputs), workers)
+    if SERIAL_UNDER_TORCHRUN and _several_ranks():
+        concurrency = 1
+    run = _Run(program, iter(inputs), concurrency)
     run.wait(progress, total)
     if run.feed_error is not None:
         raise run.feed_error

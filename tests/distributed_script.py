@@ -231,6 +231,26 @@ def prefix_cache(ctx: Context) -> dict[str, dict]:
             "hits": record(value=[stats["hits"] > 0, stats["tokens_reused"], stats["bytes"] <= stats["max_bytes"]])}
 
 
+@section
+def programs(ctx: Context) -> dict[str, dict]:
+    """``run_batch`` of a branching program (text -> choice -> regex or text), each instance with its own rng."""
+    import continuum
+
+    m = ctx.model
+    story = continuous(generate.text(m, samplers.greedy()))
+    pick = continuous(generate.choice(m, [" yes", " no"], samplers.greedy()))
+    digits = continuous(generate.regex(m, r"[0-9]{2}", samplers.greedy()))
+    sampled = continuous(generate.text(m, samplers.multinomial()))
+
+    def program(i: int) -> SequenceState:
+        s = story(PROMPTS[i % 2] + " " * (i // 2), max_tokens=3)
+        c = pick(s + " Sure?")
+        return digits(c + " n=", max_tokens=4) if c.value == " yes" else sampled(c + " So", max_tokens=3, rng=rng(10 + i))
+
+    results = continuum.run_batch(program, range(4), concurrency=4)
+    return {f"run_batch_{i}": record(s, value=value_of(s)) for i, s in enumerate(results)}
+
+
 # ------------------------------------------------------------------------------------ driver
 def load_model(path: str):
     """The same checkpoint: tensor-parallel under torchrun, plain otherwise."""

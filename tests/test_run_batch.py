@@ -72,6 +72,32 @@ def test_multinomial_with_per_input_rng_draws_what_it_draws_alone(model):
     assert continuum.run_batch(program, range(6), concurrency=6) == solo
 
 
+def test_every_generator_kind_and_sampler_matches_its_solo_run(gpt2_model):
+    """One instance per kind, all at once: beam search, CFG, stop strings, token healing, a grammar, choice by
+    sampling, JSON with fast-forward, continuous states continued and forked."""
+    m = gpt2_model
+    text_c = continuous(generate.text(m, samplers.greedy()))
+    base = text_c(PROMPTS[0], max_tokens=4)
+
+    def rng(i: int) -> torch.Generator:
+        return torch.Generator().manual_seed(i)
+
+    jobs = [
+        lambda: generate.text(m, samplers.beam_search(2))(PROMPTS[1], max_tokens=4),
+        lambda: generate.text(m, samplers.greedy(), guidance_scale=2.0, negative_prompt="Bad")(PROMPTS[2], max_tokens=4),
+        lambda: generate.text(m, samplers.greedy())(PROMPTS[3], max_tokens=8, stop_at=" "),
+        lambda: generate.text(m, samplers.greedy(), token_healing=True)("Numbers: 0 1 ", max_tokens=3),
+        lambda: generate.cfg(m, 'start: "a" ("b" | "c")+', samplers.multinomial())(PROMPTS[4], max_tokens=4, rng=rng(1)),
+        lambda: generate.choice(m, [" x", " y", " z"], samplers.multinomial(2))(PROMPTS[5], rng=rng(2)),
+        lambda: generate.json(m, {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]},
+                              samplers.greedy(), whitespace_pattern="")(PROMPTS[6], max_tokens=12),
+        lambda: text_c(base + " and", max_tokens=3),
+        lambda: continuous(generate.text(m, samplers.multinomial(3)))(base, max_tokens=3, rng=rng(3)),
+    ]
+    solo = [job() for job in jobs]
+    assert all(same(a, b) for a, b in zip(solo, continuum.run_batch(lambda job: job(), jobs, concurrency=len(jobs))))
+
+
 def test_results_keep_input_order_when_later_inputs_finish_first(gpt2_model):
     gen = generate.text(gpt2_model, samplers.greedy())
     lengths = [12, 1, 8, 0, 3]  # the long first instance finishes last
@@ -107,6 +133,14 @@ def test_a_generator_of_inputs_is_pulled_lazily():
 
     assert continuum.run_batch(program, inputs(), concurrency=3) == [i * i for i in range(40)]
     assert peak[0] <= 3 and pulled[0] == 40
+
+
+def test_workers_start_as_inputs_arrive():
+    before = set(threading.enumerate())
+    names = continuum.run_batch(lambda x: threading.current_thread().name, iter(range(3)), concurrency=1000)
+    assert len(set(names)) <= 3 and all(n.startswith("continuum-run_batch-") for n in names)
+    time.sleep(0.05)
+    assert len(set(threading.enumerate()) - before) == 0  # at most 4 were started, and all of them left
 
 
 def test_failed_instances_do_not_disturb_the_others(gpt2_model):
