@@ -127,7 +127,7 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        return {"status": "ok", "generating": ctx.engine.active}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:

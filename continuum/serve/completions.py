@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from ..generate import continuous
 from .chat_completions import STREAM_HEADERS, stops
-from .engine import Cancelled, Sampling, _generated, _row, new_id
+from .engine import Cancelled, Sampling, _generated, _row, _safe_length, new_id
 from .errors import from_exception
 from .schemas import CompletionRequest
 from .sse import DONE, ThreadStream, sse
@@ -20,18 +20,28 @@ __all__ = ["register"]
 
 def _run(ctx, prompts: list[str], sampling: Sampling, emit=None, cancelled=lambda: False) -> dict:
     """Generate; returns per row (batch-major): text, finish reason, tokens, log-probs, top log-probs; and usage."""
+    with ctx.engine.busy():
+        return _generate(ctx, prompts, sampling, emit, cancelled)
+
+
+def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> dict:
     gen, rec = ctx.engine.generator("text", None, False, sampling, sampling.top_logprobs is not None)
     cgen, rng = continuous(gen), sampling.rng()
     if emit is None:
         state = cgen(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
     else:
         stream = cgen.stream(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
+        texts: dict[int, str] = {}
+        sent: dict[int, int] = {}
         for chunk in stream:
             flat = chunk if isinstance(chunk, list) else [chunk]
             flat = [x for c in flat for x in (c if isinstance(c, list) else [c])]
             for r, text in enumerate(flat):
-                if text:
-                    emit((r, text))
+                texts[r] = texts.get(r, "") + text
+                safe = _safe_length(texts[r], sampling.stop)  # a stop sequence is never streamed
+                if safe > sent.get(r, 0):
+                    emit((r, texts[r][sent.get(r, 0):safe]))
+                    sent[r] = safe
             if cancelled():
                 raise Cancelled()
         state = stream.state
@@ -51,7 +61,10 @@ def _run(ctx, prompts: list[str], sampling: Sampling, emit=None, cancelled=lambd
             for values, tids in rec.steps[:g]:
                 i = r if len(values) == state.rows else r * len(values) // state.rows
                 top.append(list(zip(tids[i], values[i])))
-        rows.append({"text": flat_texts[r], "finish": "length" if finish[r] in ("length", "context") else "stop",
+        text = flat_texts[r]
+        cut = next((x for x in sampling.stop if finish[r] == "stop" and text.endswith(x)), None)
+        text = text[: -len(cut)] if cut is not None else text  # OpenAI's completions end before the stop sequence
+        rows.append({"text": text, "finish": "length" if finish[r] in ("length", "context") else "stop",
                      "tokens": ids[len(ids) - g:], "logprobs": lps[len(lps) - g:], "top": top})
     completion = sum(len(r["tokens"]) for r in rows)
     return {"rows": rows, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

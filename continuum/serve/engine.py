@@ -22,7 +22,8 @@ import math
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,21 @@ def _generated(lps: list[float]) -> int:
     return n
 
 
+def _safe_length(text: str, stops: list[str]) -> int:
+    """How much of ``text`` can be streamed: up to the first stop sequence, and not a tail that may start one."""
+    end = len(text)
+    for s in stops:
+        at = text.find(s)
+        if at >= 0:
+            end = min(end, at)
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return end
+
+
 def _common(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -235,6 +251,7 @@ class Engine:
         self._generators: OrderedDict[tuple, Generator] = OrderedDict()
         self._lock = threading.Lock()
         self._trigger: str | None = None
+        self.active = 0  # replies being generated now (GET /health reports it)
         self.context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
 
     # ------------------------------------------------------------------ building
@@ -305,6 +322,21 @@ class Engine:
     def reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta: Callable[[int, str], None] | None = None,
               cancelled: Callable[[], bool] = lambda: False) -> Reply:
         """Generate the assistant turn of ``chat``; ``on_delta(row, text)`` receives streamed text."""
+        with self.busy():
+            return self._reply(chat, plan, sampling, on_delta, cancelled)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Counts a generation in :attr:`active` while it runs."""
+        with self._lock:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def _reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta, cancelled) -> Reply:
         prev = chat.state
         rng = sampling.rng()
         record = sampling.top_logprobs is not None
@@ -334,6 +366,9 @@ class Engine:
             content = last["content"]
             calls: list[dict] = []
             finish = _finish(reason)
+            cut = next((x for x in sampling.stop if reason == "stop" and content.endswith(x)), None)
+            if cut is not None:  # OpenAI's replies end before the stop sequence (the state keeps it)
+                content = content[: -len(cut)]
             if plan.mode == "tools" and plan.tool_choice != "auto":
                 calls, content, finish = self._calls(c, content, reason)
             elif trigger is not None and reason == "stop" and content.endswith(trigger):
@@ -358,13 +393,21 @@ class Engine:
                 raise Cancelled()
             return chat.reply(gen, max_tokens=max_tokens, stop_at=stops or None, rng=rng)
         stream = chat.stream_reply(gen, max_tokens=max_tokens, stop_at=stops or None, rng=rng)
+        texts: list[str] = []
+        sent: list[int] = []
         for chunk in stream:
             if cancelled():
                 del stream  # the decoding loop is left here: its generator is closed and its rows freed
                 raise Cancelled()
             for r, text in enumerate([chunk] if isinstance(chunk, str) else chunk):
-                if text:
-                    on_delta(r, text)
+                while len(texts) <= r:
+                    texts.append("")
+                    sent.append(0)
+                texts[r] += text
+                safe = _safe_length(texts[r], stops)  # a stop sequence is never streamed, nor its start
+                if safe > sent[r]:
+                    on_delta(r, texts[r][sent[r]:safe])
+                    sent[r] = safe
         return stream.chat
 
     def _calls(self, c: Chat, text: str, reason) -> tuple[list[dict], str, str]:
