@@ -1,0 +1,147 @@
+"""The server's store, keys and lifecycle: API keys and per-key ownership, ``kill -9`` then a restart on
+the same store (nothing returned is lost; continuing equals the uninterrupted run; the in-flight
+response is absent), a client that disconnects mid-stream, and retention."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from conftest import fixture_path  # noqa: E402
+from serve_support import TEMPLATE, Server, make_model_dir  # noqa: E402
+
+MODEL = "tiny"
+KEYS = ("key-alice", "key-bob")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("serve-model"), fixture_path("chat_templates", TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    # states are never kept in memory here: every continuation loads its state from the store
+    s = Server(model_dir, tmp_path_factory.mktemp("serve-store") / "store", "--api-key", KEYS[0], "--api-key", KEYS[1],
+               "--state-memory", "0")
+    yield s
+    s.stop()
+
+
+def test_api_keys_and_ownership(server):
+    import httpx
+
+    alice, bob = server.client(KEYS[0]), server.client(KEYS[1])
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").models.list()
+    r = httpx.post(server.url + "/responses", json={"model": MODEL, "input": "x"})
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    mine = alice.responses.create(model=MODEL, input="Secret plans", max_output_tokens=4, temperature=0)
+    assert len(mine.id) >= len("resp_") + 32  # >= 128 random bits
+    assert alice.responses.retrieve(mine.id).id == mine.id
+    for attempt in (lambda: bob.responses.retrieve(mine.id), lambda: bob.responses.delete(mine.id),
+                    lambda: bob.responses.create(model=MODEL, input="x", previous_response_id=mine.id, max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as err:  # the same answer as an unknown id
+            attempt()
+        assert "No response found" in err.value.body["message"]
+    assert alice.responses.retrieve(mine.id).output_text == mine.output_text  # bob's attempts changed nothing
+
+
+def _chain(client, turns, prev=None):
+    out = []
+    for t in turns:
+        r = client.responses.create(model=MODEL, input=t, previous_response_id=prev, max_output_tokens=6, temperature=0)
+        out.append(r)
+        prev = r.id
+    return out
+
+
+def test_disconnect_mid_stream_stops_generation(server):
+    import httpx
+
+    body = {"model": MODEL, "input": "Talk for a long time", "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/responses", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      timeout=60) as r:
+        deltas, rid = 0, None
+        for line in r.iter_lines():
+            if rid is None and line.startswith("data: "):
+                rid = json.loads(line[6:])["response"]["id"]
+            deltas += line.startswith("event: response.output_text.delta")
+            if deltas == 3:
+                assert server.health()["generating"] == 1
+                break  # leaving the loop closes the connection
+    deadline = time.monotonic() + 10  # 1500 tokens take longer than this
+    while server.health()["generating"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["generating"] == 0
+    with pytest.raises(openai.NotFoundError):  # stopped, so never stored
+        server.client(KEYS[0]).responses.retrieve(rid)
+
+
+@pytest.mark.slow
+def test_kill9_and_restart_loses_nothing(server, model_dir, tmp_path):
+    import httpx
+
+    alice = server.client(KEYS[0])
+    turns = ["Hello there", "Tell me more", "And then?"]
+    full = _chain(alice, turns)  # the uninterrupted run
+    done = _chain(alice, turns[:2])
+    # a response in flight when the process dies: absent afterwards, never half-written
+    body = {"model": MODEL, "input": "Long story", "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/responses", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      timeout=60) as r:
+        inflight = None
+        for line in r.iter_lines():
+            if line.startswith("data: ") and inflight is None:
+                inflight = json.loads(line[6:])["response"]["id"]
+            if "output_text.delta" in line:
+                break
+        server.kill9()
+    server.start()
+    alice = server.client(KEYS[0])
+    for r in done:
+        assert alice.responses.retrieve(r.id).output_text == r.output_text
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(inflight)
+    states = sorted(p.name for p in (server.store / "states").iterdir())
+    assert len(states) == len(list(server.store.glob("*.sqlite3"))) * 0 + len(states)  # (listing works)
+    assert not any(".tmp-" in name for name in states)
+    again = alice.responses.create(model=MODEL, input=turns[2], previous_response_id=done[1].id, max_output_tokens=6,
+                                   temperature=0)
+    assert again.output_text == full[2].output_text  # continuing after the restart equals the uninterrupted run
+    assert again.usage.input_tokens_details.cached_tokens == full[2].usage.input_tokens_details.cached_tokens > 0
+
+
+def test_store_retention_and_delete(tmp_path, llama_model):
+    from continuum import SequenceState
+    from continuum.serve.store import Store
+
+    state = SequenceState.from_prompts(llama_model, "Once upon a time")
+    store = Store(tmp_path, llama_model, memory_bytes=1 << 20, max_age=None, max_bytes=None)
+    for i in range(3):
+        store.put(f"resp_{i}", "owner", {"id": f"resp_{i}", "created_at": 1000 + i}, [], state)
+    size = store.total_bytes() // 3
+    store.max_bytes = 2 * size
+    store.enforce_retention()  # the oldest goes, with its file
+    assert store.get("resp_0", "owner") is None and store.get("resp_2", "owner") is not None
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["resp_1.safetensors", "resp_2.safetensors"]
+    store.max_age = 60.0  # created in 1970: everything has expired
+    assert store.get("resp_2", "owner") is None
+    assert list((tmp_path / "states").iterdir()) == []
+    store.max_age = None
+    store.put("resp_x", "owner", {"id": "resp_x"}, [{"role": "user", "content": "hi"}], state)
+    assert store.get("resp_x", "someone else") is None and not store.delete("resp_x", "someone else")
+    rec = store.get("resp_x", "owner")
+    assert rec is not None and rec.messages == [{"role": "user", "content": "hi"}]
+    assert store.state(rec).token_ids.tolist() == state.token_ids.tolist()
+    store.close()
+    reopened = Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None)  # a restart
+    rec = reopened.get("resp_x", "owner")
+    assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
+    assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []
