@@ -18,6 +18,7 @@ temporary folder and served by a ``python -m continuum serve`` subprocess.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -25,8 +26,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List
 
 from .chat_bench import chat_bench_model, smollm2_template
 from .common import Bench, Row, log, make_text
@@ -86,7 +87,7 @@ def _in_threads(n: int, fn: Callable[[int], list]) -> tuple[list, float]:
 def _stateful(client, users: list[str], new: int) -> list[dict]:
     prev, turns = None, []
     for u in users:
-        t0, ttft, text = time.perf_counter(), None, ""
+        t0, ttft = time.perf_counter(), None
         stream = client.responses.create(model="bench", input=u, previous_response_id=prev, max_output_tokens=new,
                                          temperature=0, stream=True)
         for ev in stream:
@@ -123,7 +124,7 @@ def _generated(state) -> int:
     lps = state.token_logprobs[0][state.attention_masks[0].bool()].tolist()
     n = 0
     for x in reversed(lps):
-        if x != x:  # NaN: a prompt token
+        if math.isnan(x):  # a prompt token
             break
         n += 1
     return n
@@ -140,11 +141,13 @@ def _in_process(model, template: str, users: list[str], new: int) -> list[dict]:
         for _ in stream:
             ttft = ttft if ttft is not None else time.perf_counter() - t0
         c = stream.chat
-        turns.append({"ttft": ttft, "text": c.messages[-1]["content"], "tokens": _generated(c.state)})
+        last = c.messages[-1]
+        assert isinstance(last, dict) and c.state is not None
+        turns.append({"ttft": ttft, "text": last["content"], "tokens": _generated(c.state)})
     return turns
 
 
-def b21(bench: Bench, cfg) -> List[Row]:
+def b21(bench: Bench, cfg) -> list[Row]:
     import openai
     import torch
 
@@ -152,7 +155,8 @@ def b21(bench: Bench, cfg) -> List[Row]:
     clients = 4 if cfg.quick else 16
     new = 8 if cfg.quick else 16
     doc = 250 if cfg.quick else 500
-    tpl, tok = smollm2_template(), bench.tok
+    tpl, tok, hf = smollm2_template(), bench.tok, bench.hf
+    assert hasattr(tok, "save_pretrained") and hasattr(hf, "save_pretrained")
     convos = [[f"Read this and answer my questions.\n{make_text(tok, doc, offset=17 * i)}"]
               + [f"Question {t} of client {i}: {make_text(tok, 12, offset=41 * (i + t))}" for t in range(1, TURNS)]
               for i in range(clients)]
@@ -160,8 +164,8 @@ def b21(bench: Bench, cfg) -> List[Row]:
         f"model: {bench.name}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "model")
-        tok.chat_template = tpl
-        bench.hf.save_pretrained(folder)
+        tok.chat_template = tpl  # type: ignore[attr-defined]
+        hf.save_pretrained(folder)
         tok.save_pretrained(folder)
         proc, url = _start_server(folder, os.path.join(tmp, "store"), torch.get_num_threads())
         try:
@@ -187,12 +191,12 @@ def b21(bench: Bench, cfg) -> List[Row]:
     same = sum(a["text"] == b["text"] == c["text"] for ra, rb, rc in zip(stateful, stateless, inproc)
                for a, b, c in zip(ra, rb, rc))
     cached = [r[-1]["cached"] for r in stateful]
-    notes = [f"turn-4 TTFT median: stateless {ttft_sl * 1e3:.0f} ms, stateful {ttft_sf * 1e3:.0f} ms; per-client ratios "
-             f"{', '.join(f'{x:.1f}' for x in ratios)}",
+    notes = [(f"turn-4 TTFT median: stateless {ttft_sl * 1e3:.0f} ms, stateful {ttft_sf * 1e3:.0f} ms; per-client ratios "
+              f"{', '.join(f'{x:.1f}' for x in ratios)}"),
              f"turn-4 cached_tokens (stateful): {min(cached)}-{max(cached)}",
              f"replies equal across stateful / stateless / in-process: {same}/{clients * TURNS} (greedy)",
-             f"wall: stateful {t_stateful:.1f} s, stateless {t_stateless:.1f} s, in-process {t_inproc:.1f} s; "
-             f"tokens/s {tps['stateful']:.1f} / {tps['stateless']:.1f} / {tps['in-process']:.1f}"]
+             (f"wall: stateful {t_stateful:.1f} s, stateless {t_stateless:.1f} s, in-process {t_inproc:.1f} s; "
+              f"tokens/s {tps['stateful']:.1f} / {tps['stateless']:.1f} / {tps['in-process']:.1f}")]
     per_token_server, per_token_lib = t_stateful / max(tokens(stateful), 1), t_inproc / max(tokens(inproc), 1)
     series = {"title": "B21: time to first token per turn (median over clients)", "x": list(range(1, TURNS + 1)),
               "xlabel": "turn", "ylabel": "seconds",

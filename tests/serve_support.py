@@ -34,6 +34,16 @@ def make_model_dir(path: Path, template_path: Path) -> str:
     return str(path)
 
 
+_MODEL_DIRS: dict[str, str] = {}
+
+
+def shared_model_dir(tmp_path_factory, template_path: Path) -> str:
+    """One model folder per test session (both server test modules serve the same one)."""
+    if "dir" not in _MODEL_DIRS:
+        _MODEL_DIRS["dir"] = make_model_dir(tmp_path_factory.mktemp("serve-model"), template_path)
+    return _MODEL_DIRS["dir"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +64,7 @@ class Server:
         cmd = [sys.executable, "-m", "continuum", "serve", self.model_dir, "--port", str(self.port), "--store",
                str(self.store), "--served-model-name", "tiny", "--log-level", "warning", *self.args]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-        self._log = open(self.log, "ab")
+        self._log = open(self.log, "ab")  # noqa: SIM115 - the server's output, open while it runs
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -18,8 +18,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import fixture_path  # noqa: E402
-from serve_support import TEMPLATE, Server, make_model_dir  # noqa: E402
+from conftest import fixture_path
+from serve_support import ROOT, TEMPLATE, Server, shared_model_dir
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
@@ -36,7 +36,7 @@ CARD = {"type": "object", "properties": {"mood": {"type": "string", "enum": ["ha
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("serve-model"), fixture_path("chat_templates", TEMPLATE))
+    return shared_model_dir(tmp_path_factory, fixture_path("chat_templates", TEMPLATE))
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,26 @@ def chat(client, content, **kw):
 
 
 # ---------------------------------------------------------------- basics
+def test_library_does_not_import_the_server_deps():
+    import subprocess
+    import sys
+
+    code = "import sys, continuum; bad = [m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=120,
+                         check=False)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_cli_arguments():
+    from continuum.__main__ import main
+    from continuum.serve.cli import parse_age, parser
+
+    assert main(["nope"]) == 2
+    args = parser().parse_args(["m", "--api-key", "a", "--api-key", "b", "--retention-age", "12h", "--state-memory", "64MiB"])
+    assert args.api_keys == ["a", "b"] and args.retention_age == 12 * 3600 and args.state_memory == 64 << 20
+    assert args.host == "127.0.0.1" and args.port == 8000 and parse_age("none") is None
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert server.health()["status"] == "ok"

@@ -13,8 +13,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from conftest import fixture_path  # noqa: E402
-from serve_support import TEMPLATE, Server, make_model_dir  # noqa: E402
+from conftest import fixture_path
+from serve_support import TEMPLATE, Server, shared_model_dir
 
 MODEL = "tiny"
 KEYS = ("key-alice", "key-bob")
@@ -22,7 +22,7 @@ KEYS = ("key-alice", "key-bob")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("serve-model"), fixture_path("chat_templates", TEMPLATE))
+    return shared_model_dir(tmp_path_factory, fixture_path("chat_templates", TEMPLATE))
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,16 @@ def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> d
         state = cgen(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
     else:
         stream = cgen.stream(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
-        texts: dict[int, str] = {}
+        acc: dict[int, str] = {}
         sent: dict[int, int] = {}
         for chunk in stream:
             flat = chunk if isinstance(chunk, list) else [chunk]
             flat = [x for c in flat for x in (c if isinstance(c, list) else [c])]
-            for r, text in enumerate(flat):
-                texts[r] = texts.get(r, "") + text
-                safe = _safe_length(texts[r], sampling.stop)  # a stop sequence is never streamed
+            for r, piece in enumerate(flat):
+                acc[r] = acc.get(r, "") + piece
+                safe = _safe_length(acc[r], sampling.stop)  # a stop sequence is never streamed
                 if safe > sent.get(r, 0):
-                    emit((r, texts[r][sent.get(r, 0):safe]))
+                    emit((r, acc[r][sent.get(r, 0):safe]))
                     sent[r] = safe
             if cancelled():
                 raise Cancelled()
@@ -61,10 +61,10 @@ def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> d
             for values, tids in rec.steps[:g]:
                 i = r if len(values) == state.rows else r * len(values) // state.rows
                 top.append(list(zip(tids[i], values[i])))
-        text = flat_texts[r]
-        cut = next((x for x in sampling.stop if finish[r] == "stop" and text.endswith(x)), None)
-        text = text[: -len(cut)] if cut is not None else text  # OpenAI's completions end before the stop sequence
-        rows.append({"text": text, "finish": "length" if finish[r] in ("length", "context") else "stop",
+        out: str = flat_texts[r]
+        cut = next((x for x in sampling.stop if finish[r] == "stop" and out.endswith(x)), None)
+        out = out[: -len(cut)] if cut is not None else out  # OpenAI's completions end before the stop sequence
+        rows.append({"text": out, "finish": "length" if finish[r] in ("length", "context") else "stop",
                      "tokens": ids[len(ids) - g:], "logprobs": lps[len(lps) - g:], "top": top})
     completion = sum(len(r["tokens"]) for r in rows)
     return {"rows": rows, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
