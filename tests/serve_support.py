@@ -7,6 +7,7 @@ repository, so this worktree's ``continuum`` is the one served); tests talk to i
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -44,6 +45,21 @@ def shared_model_dir(tmp_path_factory, template_path: Path) -> str:
     return _MODEL_DIRS["dir"]
 
 
+KEYS = ("key-alice", "key-bob")
+_SERVERS: dict[str, Server] = {}
+
+
+def shared_server(tmp_path_factory, model_dir: str) -> Server:
+    """One server per test session, shared by the server test modules: two API keys, and no state kept
+    in memory (``--state-memory 0``), so every continuation loads its state from the store."""
+    if "server" not in _SERVERS:
+        server = Server(model_dir, tmp_path_factory.mktemp("serve") / "store", "--api-key", KEYS[0], "--api-key", KEYS[1],
+                        "--state-memory", "0")
+        atexit.register(server.stop)
+        _SERVERS["server"] = server
+    return _SERVERS["server"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,10 +73,11 @@ class Server:
         self.model_dir, self.store, self.args = model_dir, Path(store), list(args)
         self.log = log or self.store.with_suffix(".log")
         self.proc: subprocess.Popen | None = None
+        self.port = free_port()
         self.start()
 
     def start(self, timeout: float = 90.0) -> None:
-        self.port = free_port()
+        """Start (or restart, on the same port and store) the server and wait for ``/health``."""
         cmd = [sys.executable, "-m", "continuum", "serve", self.model_dir, "--port", str(self.port), "--store",
                str(self.store), "--served-model-name", "tiny", "--log-level", "warning", *self.args]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -86,7 +103,7 @@ class Server:
     def health(self) -> dict:
         return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
 
-    def client(self, key: str = "none"):
+    def client(self, key: str = KEYS[0]):
         import openai
 
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
@@ -98,6 +115,8 @@ class Server:
         self._log.close()
 
     def stop(self) -> None:
+        if self._log.closed:
+            return
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -19,9 +19,10 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from conftest import fixture_path
-from serve_support import ROOT, TEMPLATE, Server, shared_model_dir
+from serve_support import KEYS, ROOT, TEMPLATE, shared_model_dir, shared_server
 
 MODEL = "tiny"
+AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}
@@ -41,9 +42,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    s = Server(model_dir, tmp_path_factory.mktemp("serve") / "store")
-    yield s
-    s.stop()
+    return shared_server(tmp_path_factory, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +294,7 @@ def test_bad_chat_requests_get_error_bodies(server, change, status):
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **change}
     t0 = time.monotonic()
-    r = httpx.post(server.url + "/chat/completions", json=body, timeout=30)
+    r = httpx.post(server.url + "/chat/completions", json=body, timeout=30, headers=AUTH)
     assert r.status_code == status and time.monotonic() - t0 < 10
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -304,13 +303,13 @@ def test_bad_chat_requests_get_error_bodies(server, change, status):
 def test_malformed_and_oversized_bodies(server):
     import httpx
 
-    r = httpx.post(server.url + "/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/chat/completions", content=b"{not json", headers={"content-type": "application/json", **AUTH})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/responses", content=b" " * (9 << 20), headers={"content-type": "application/json"})
+    r = httpx.post(server.url + "/responses", content=b" " * (9 << 20), headers={"content-type": "application/json", **AUTH})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = httpx.get(server.url + "/responses/resp_unknown")
+    r = httpx.get(server.url + "/responses/resp_unknown", headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["message"]
-    r = httpx.post(server.url + "/responses", json={"model": MODEL, "input": "x", "max_output_tokens": "5"})
+    r = httpx.post(server.url + "/responses", json={"model": MODEL, "input": "x", "max_output_tokens": "5"}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
     assert server.health()["status"] == "ok"  # still serving
 

@@ -14,10 +14,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from conftest import fixture_path
-from serve_support import TEMPLATE, Server, shared_model_dir
+from serve_support import KEYS, TEMPLATE, shared_model_dir, shared_server
 
 MODEL = "tiny"
-KEYS = ("key-alice", "key-bob")
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +26,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    # states are never kept in memory here: every continuation loads its state from the store
-    s = Server(model_dir, tmp_path_factory.mktemp("serve-store") / "store", "--api-key", KEYS[0], "--api-key", KEYS[1],
-               "--state-memory", "0")
-    yield s
-    s.stop()
+    return shared_server(tmp_path_factory, model_dir)  # states are loaded from the store at every continuation
 
 
 def test_api_keys_and_ownership(server):
