@@ -5,6 +5,7 @@ response is absent), a client that disconnects mid-stream, and retention."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 
 import pytest
@@ -104,9 +105,10 @@ def test_kill9_and_restart_loses_nothing(server, model_dir, tmp_path):
         assert alice.responses.retrieve(r.id).output_text == r.output_text
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(inflight)
-    states = sorted(p.name for p in (server.store / "states").iterdir())
-    assert len(states) == len(list(server.store.glob("*.sqlite3"))) * 0 + len(states)  # (listing works)
-    assert not any(".tmp-" in name for name in states)
+    # every state file belongs to a stored response and every stored response has its file (no orphan, no temp file)
+    with sqlite3.connect(server.store / "responses.sqlite3") as db:
+        files = {row[0] for row in db.execute("SELECT state_file FROM responses")}
+    assert files == {p.name for p in (server.store / "states").iterdir()}
     again = alice.responses.create(model=MODEL, input=turns[2], previous_response_id=done[1].id, max_output_tokens=6,
                                    temperature=0)
     assert again.output_text == full[2].output_text  # continuing after the restart equals the uninterrupted run

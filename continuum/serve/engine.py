@@ -369,6 +369,8 @@ class Engine:
             cut = next((x for x in sampling.stop if reason == "stop" and content.endswith(x)), None)
             if cut is not None:  # OpenAI's replies end before the stop sequence (the state keeps it)
                 content = content[: -len(cut)]
+            if plan.mode == "json" and reason in ("pattern", "eos"):
+                _ = c.value  # parsed and validated against the schema (an approximated one can fail: SchemaViolationError)
             if plan.mode == "tools" and plan.tool_choice != "auto":
                 calls, content, finish = self._calls(c, content, reason)
             elif trigger is not None and reason == "stop" and content.endswith(trigger):
