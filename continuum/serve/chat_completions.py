@@ -14,8 +14,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .engine import Cancelled, Plan, Reply, Sampling, chat_messages, new_id
+from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception
+from .messages import chat_messages, new_id
 from .schemas import ChatCompletionRequest
 from .sse import DONE, ThreadStream, sse
 

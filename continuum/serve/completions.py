@@ -10,10 +10,12 @@ from fastapi.responses import StreamingResponse
 
 from ..generate import continuous
 from .chat_completions import STREAM_HEADERS, stops
-from .engine import Cancelled, Sampling, _generated, _row, _safe_length, new_id
+from .engine import Cancelled, Sampling
 from .errors import from_exception
+from .messages import new_id
 from .schemas import CompletionRequest
 from .sse import DONE, ThreadStream, sse
+from .tokens import generated_count, row_tokens, safe_length
 
 __all__ = ["register"]
 
@@ -38,7 +40,7 @@ def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> d
             flat = [x for c in flat for x in (c if isinstance(c, list) else [c])]
             for r, piece in enumerate(flat):
                 acc[r] = acc.get(r, "") + piece
-                safe = _safe_length(acc[r], sampling.stop)  # a stop sequence is never streamed
+                safe = safe_length(acc[r], sampling.stop)  # a stop sequence is never streamed
                 if safe > sent.get(r, 0):
                     emit((r, acc[r][sent.get(r, 0):safe]))
                     sent[r] = safe
@@ -51,8 +53,8 @@ def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> d
     finish = [x for row in state.finish_reasons or [] for x in row]
     rows, prompt_tokens = [], 0
     for r in range(state.rows):
-        ids, lps = _row(state, r)
-        g = _generated(lps)
+        ids, lps = row_tokens(state, r)
+        g = generated_count(lps)
         if r % sampling.n == 0:
             prompt_tokens += len(ids) - g
         top = None

@@ -34,7 +34,8 @@ from ..chat import Chat
 from ..generate import Generator
 from ..samplers import Sampler
 from ..state import SequenceState
-from .errors import APIError
+from .messages import new_id, template_message, tool_call_schema
+from .tokens import common_prefix, generated_count, row_tokens, safe_length
 
 logger = logging.getLogger("continuum.serve")
 
@@ -129,114 +130,11 @@ class _Recording(Sampler):
         return self.inner.reorders(group)
 
 
-def new_id(prefix: str) -> str:
-    """An unguessable id: 192 random bits."""
-    return f"{prefix}_{secrets.token_hex(24)}"
-
-
-def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for i, part in enumerate(content):
-        if part.type not in ("text", "input_text", "output_text") or part.text is None:
-            raise APIError(400, f"{where}: content part {i} has type {part.type!r}; this server reads text parts only "
-                                f"(type 'text' with a 'text' field)", param=f"{where}.content[{i}]")
-        texts.append(part.text)
-    return "".join(texts)
-
-
-def template_message(msg: dict) -> dict:
-    """An OpenAI message as chat templates read it: ``developer`` is ``system``, tool-call arguments are dicts."""
-    out = {"role": "system" if msg["role"] == "developer" else msg["role"], "content": msg.get("content") or ""}
-    if msg.get("tool_calls"):
-        calls = []
-        for c in msg["tool_calls"]:
-            args: Any = c["function"]["arguments"]
-            try:
-                args = _json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                pass  # a client's own malformed arguments: rendered as the text it sent
-            calls.append({"id": c.get("id", ""), "type": "function", "function": {"name": c["function"]["name"], "arguments": args}})
-        out["tool_calls"] = calls
-    for key in ("name", "tool_call_id"):
-        if msg.get(key) is not None:
-            out[key] = msg[key]
-    return out
-
-
-def chat_messages(messages) -> list[dict]:
-    """Validated chat-completions messages as plain OpenAI dicts (text parts joined)."""
-    out = []
-    for i, m in enumerate(messages):
-        d: dict[str, Any] = {"role": m.role, "content": _text_of(m.content, f"messages[{i}]")}
-        if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                               for c in m.tool_calls]
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
-def _tool_schema(tools: list[dict], only: str | None) -> dict:
-    def one(t: dict) -> dict:
-        params = t.get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": params},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
-    chosen = [t for t in tools if only is None or t["name"] == only]
-    return one(chosen[0]) if len(chosen) == 1 else {"anyOf": [one(t) for t in chosen]}
-
-
 def _reply_of(c: Chat) -> tuple[SequenceState, dict, str]:
     """A one-row chat after a reply: its state, its last message and why the reply ended."""
     state, msgs, reason = c.state, c.messages, c.finish_reason
     assert state is not None and isinstance(msgs[-1], dict) and isinstance(reason, str)
     return state, msgs[-1], reason
-
-
-def _row(state: SequenceState, r: int) -> tuple[list[int], list[float]]:
-    mask = state.attention_masks[r].bool()
-    return state.token_ids[r][mask].tolist(), state.token_logprobs[r][mask].tolist()
-
-
-def _generated(lps: list[float]) -> int:
-    """How many tokens end the row with a log-prob: the reply's generated tokens (prompt tokens have NaN)."""
-    n = 0
-    for x in reversed(lps):
-        if math.isnan(x):
-            break
-        n += 1
-    return n
-
-
-def _safe_length(text: str, stops: list[str]) -> int:
-    """How much of ``text`` can be streamed: up to the first stop sequence, and not a tail that may start one."""
-    end = len(text)
-    for s in stops:
-        at = text.find(s)
-        if at >= 0:
-            end = min(end, at)
-    for s in stops:
-        for k in range(min(len(s) - 1, end), 0, -1):
-            if text[:end].endswith(s[:k]):
-                end -= k
-                break
-    return end
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _finish(reason: str | None) -> str:
@@ -348,7 +246,7 @@ class Engine:
             gen, rec = self.generator("json", plan.schema, plan.strict, sampling, record)
         elif plan.mode == "tools" and plan.tool_choice != "auto":
             only = None if plan.tool_choice == "required" else plan.tool_choice
-            gen, rec = self.generator("json", _tool_schema(plan.tools, only), True, sampling, record, compact=True)
+            gen, rec = self.generator("json", tool_call_schema(plan.tools, only), True, sampling, record, compact=True)
         else:
             gen, rec = self.generator("text", None, False, sampling, record)
             stops = list(sampling.stop)
@@ -362,7 +260,7 @@ class Engine:
         for r in range(first.rows):
             c = first[r]
             state, last, reason = _reply_of(c)  # a row's chat holds that row alone
-            ids, lps = _row(state, 0)
+            ids, lps = row_tokens(state, 0)
             content = last["content"]
             calls: list[dict] = []
             finish = _finish(reason)
@@ -374,16 +272,16 @@ class Engine:
             if plan.mode == "tools" and plan.tool_choice != "auto":
                 calls, content, finish = self._calls(c, content, reason)
             elif trigger is not None and reason == "stop" and content.endswith(trigger):
-                used = _generated(lps)
+                used = generated_count(lps)
                 left = None if sampling.max_tokens is None else max(sampling.max_tokens - used, 0)
-                cg, _ = self.generator("json", _tool_schema(plan.tools, None), True, sampling, False, compact=True)
+                cg, _ = self.generator("json", tool_call_schema(plan.tools, None), True, sampling, False, compact=True)
                 c = self._run(c, cg, left, [], rng, None, cancelled)
                 state, last, reason = _reply_of(c)
                 head = content[: -len(trigger)]
                 calls, rest, finish = self._calls(c, last["content"].removeprefix(content), reason)
                 content = head if calls else head + trigger + rest
-                ids, lps = _row(state, 0)
-            gen_n = _generated(lps)
+                ids, lps = row_tokens(state, 0)
+            gen_n = generated_count(lps)
             toks, tlps = ids[len(ids) - gen_n:], lps[len(lps) - gen_n:]
             top = self._top(rec, r, first.rows, gen_n) if rec is not None else None
             rows.append(RowReply(content, calls, finish, toks, tlps, top, c))
@@ -406,7 +304,7 @@ class Engine:
                     texts.append("")
                     sent.append(0)
                 texts[r] += text
-                safe = _safe_length(texts[r], stops)  # a stop sequence is never streamed, nor its start
+                safe = safe_length(texts[r], stops)  # a stop sequence is never streamed, nor its start
                 if safe > sent[r]:
                     on_delta(r, texts[r][sent[r]:safe])
                     sent[r] = safe
@@ -424,12 +322,12 @@ class Engine:
 
     def _usage(self, prev: SequenceState | None, state: SequenceState) -> tuple[int, int]:
         """(prompt tokens, of which reused from the previous state's cache), read from row 0."""
-        ids, lps = _row(state, 0)
-        prompt = ids[: len(ids) - _generated(lps)]
+        ids, lps = row_tokens(state, 0)
+        prompt = ids[: len(ids) - generated_count(lps)]
         if prev is None:
             return len(prompt), 0
-        pids, _ = _row(prev, 0)
-        return len(prompt), min(_common(pids, prompt), int(prev.cached_tokens.reshape(-1)[0]))
+        pids, _ = row_tokens(prev, 0)
+        return len(prompt), min(common_prefix(pids, prompt), int(prev.cached_tokens.reshape(-1)[0]))
 
     def _top(self, rec: _Recording, r: int, rows: int, n: int) -> list[list[tuple[int, float]]]:
         out = []

@@ -18,8 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from .chat_completions import STREAM_HEADERS, check_plan
-from .engine import Cancelled, Plan, Reply, Sampling, _text_of, new_id
+from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception, not_found
+from .messages import new_id, text_of
 from .schemas import ResponsesRequest
 from .sse import ThreadStream, sse
 
@@ -61,7 +62,7 @@ def _input_messages(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
         if kind == "message":
             if item.role is None:
                 raise APIError(400, f"{where}: a message needs a role", param=f"{where}.role")
-            out.append({"role": item.role, "content": _text_of(item.content, where)})
+            out.append({"role": item.role, "content": text_of(item.content, where)})
         elif kind == "function_call_output":
             if item.call_id is None or item.output is None:
                 raise APIError(400, f"{where}: a function_call_output needs call_id and output", param=where)
