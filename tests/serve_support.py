@@ -20,15 +20,29 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "qwen2.5-instruct.jinja"  # renders tools and <tool_call> blocks
+# A ChatML template with tools, used when the fixtures are absent (a clone without ../shared/fixtures)
+CHATML_TOOLS = """{%- if tools %}<|im_start|>system
+Tools: {{ tools | tojson }}<|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.tool_calls %}{% for c in m.tool_calls %}
+<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}{% else %}
+{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
-def make_model_dir(path: Path, template_path: Path) -> str:
-    """A tiny random Llama over a trained byte-level BPE with ChatML special tokens and a chat template."""
+def make_model_dir(path: Path, template_path: Path | None) -> str:
+    """A tiny random Llama over a trained byte-level BPE with ChatML special tokens and a chat template
+    (the fixture's, or :data:`CHATML_TOOLS` without one)."""
     from conftest import _sharpen, make_bpe_tokenizer, tiny_llama
 
     tok = make_bpe_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = template_path.read_text()
+    tok.chat_template = template_path.read_text() if template_path is not None and template_path.exists() else CHATML_TOOLS
     hf = _sharpen(tiny_llama(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id, max_positions=2048))
     hf.save_pretrained(path)
     tok.save_pretrained(path)
@@ -38,10 +52,12 @@ def make_model_dir(path: Path, template_path: Path) -> str:
 _MODEL_DIRS: dict[str, str] = {}
 
 
-def shared_model_dir(tmp_path_factory, template_path: Path) -> str:
+def shared_model_dir(tmp_path_factory) -> str:
     """One model folder per test session (both server test modules serve the same one)."""
     if "dir" not in _MODEL_DIRS:
-        _MODEL_DIRS["dir"] = make_model_dir(tmp_path_factory.mktemp("serve-model"), template_path)
+        from conftest import FIXTURES
+
+        _MODEL_DIRS["dir"] = make_model_dir(tmp_path_factory.mktemp("serve-model"), FIXTURES / "chat_templates" / TEMPLATE)
     return _MODEL_DIRS["dir"]
 
 

@@ -18,8 +18,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from conftest import fixture_path
-from serve_support import KEYS, ROOT, TEMPLATE, shared_model_dir, shared_server
+from serve_support import KEYS, ROOT, shared_model_dir, shared_server
 
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
@@ -37,7 +36,7 @@ CARD = {"type": "object", "properties": {"mood": {"type": "string", "enum": ["ha
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return shared_model_dir(tmp_path_factory, fixture_path("chat_templates", TEMPLATE))
+    return shared_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +187,26 @@ def test_tool_choice_auto_is_text_or_a_valid_call(client):
     for call in m.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name])
     assert m.tool_calls or isinstance(m.content, str)
+
+
+def test_tool_choice_auto_continues_into_a_call_at_the_marker(lib):
+    """In-process (a random model never writes the template's marker): pretend the marker is text the
+    model writes, so the text phase stops there and the same state continues with a constrained call."""
+    from continuum.serve.engine import Engine, Plan, Sampling
+
+    engine = Engine(lib)
+    tools = [dict(t["function"]) for t in TOOLS]
+    chat_ = engine.chat([{"role": "user", "content": "Weather in Oslo?"}], tools)
+    plan, sampling = Plan("tools", tools=tools, tool_choice="auto"), Sampling(temperature=0, max_tokens=120)
+    free = engine.reply(chat_, plan, sampling).rows[0].content
+    at = next((i for i in range(1, len(free) - 2) if free.find(free[i:i + 2]) == i and free[i:i + 2].strip()), None)
+    if at is None:
+        pytest.skip("no usable marker in this reply")
+    engine._trigger = free[at:at + 2]
+    row = engine.reply(chat_, plan, sampling).rows[0]
+    assert row.finish_reason == "tool_calls" and row.content == free[:at] and len(row.tool_calls) == 1
+    call = row.tool_calls[0]
+    jsonschema.validate(json.loads(call["arguments"]), {"get_weather": WEATHER, "get_time": CLOCK}[call["name"]])
 
 
 # ---------------------------------------------------------------- legacy completions

@@ -14,15 +14,14 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from conftest import fixture_path
-from serve_support import KEYS, TEMPLATE, shared_model_dir, shared_server
+from serve_support import KEYS, shared_model_dir, shared_server
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return shared_model_dir(tmp_path_factory, fixture_path("chat_templates", TEMPLATE))
+    return shared_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
