@@ -209,6 +209,35 @@ def test_tool_choice_auto_continues_into_a_call_at_the_marker(lib):
     jsonschema.validate(json.loads(call["arguments"]), {"get_weather": WEATHER, "get_time": CLOCK}[call["name"]])
 
 
+def test_chat_with_state_continues_a_saved_state(lib, tmp_path):
+    """``Chat.with_state`` (what the server continues stored responses with): a chat rebuilt from its
+    messages on a saved-and-loaded state replies like the original chat, reusing the state's cache."""
+    from continuum import SequenceState, generate, samplers
+    from continuum.chat import Chat
+    from continuum.errors import ContinuumTypeError
+
+    gen = generate.text(lib, samplers.greedy())
+    first = Chat(lib).user("Hello there").reply(gen, max_tokens=6)
+    first.state.save(tmp_path / "s.safetensors")
+    loaded = SequenceState.load(tmp_path / "s.safetensors", lib)
+    rebuilt = Chat(lib)
+    for m in first.messages:
+        rebuilt = rebuilt.message(m["role"], m["content"])
+
+    def computed(c):
+        before = lib.tokens_computed
+        out = c.user("More?").reply(gen, max_tokens=6)
+        return out, lib.tokens_computed - before
+
+    again, n_again = computed(rebuilt.with_state(loaded))
+    direct, n_direct = computed(first)
+    fresh, n_fresh = computed(rebuilt)
+    assert again.messages == direct.messages == fresh.messages
+    assert n_again == n_direct < n_fresh  # the loaded cache was reused like the original state's
+    with pytest.raises(ContinuumTypeError):
+        rebuilt.with_state("not a state")
+
+
 # ---------------------------------------------------------------- legacy completions
 def test_completions(client, lib):
     from continuum import generate, samplers

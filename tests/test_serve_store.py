@@ -116,7 +116,7 @@ def test_kill9_and_restart_loses_nothing(server, model_dir, tmp_path):
 
 def test_store_retention_and_delete(tmp_path, llama_model):
     from continuum import SequenceState
-    from continuum.serve.store import Store
+    from continuum.serve.store import Store, StoreLockedError
 
     state = SequenceState.from_prompts(llama_model, "Once upon a time")
     store = Store(tmp_path, llama_model, memory_bytes=1 << 20, max_age=None, max_bytes=None)
@@ -138,6 +138,8 @@ def test_store_retention_and_delete(tmp_path, llama_model):
     assert store.state(rec).token_ids.tolist() == state.token_ids.tolist()
     store.close()
     reopened = Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None)  # a restart
+    with pytest.raises(StoreLockedError):  # one server per store
+        Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None)
     rec = reopened.get("resp_x", "owner")
     assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
     assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []

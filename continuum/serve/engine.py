@@ -150,7 +150,6 @@ class Engine:
         self._lock = threading.Lock()
         self._trigger: str | None = None
         self.active = 0  # replies being generated now (GET /health reports it)
-        self.context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
 
     # ------------------------------------------------------------------ building
     def chat(self, messages: list[dict], tools: list[dict] | None = None, state: SequenceState | None = None) -> Chat:

@@ -44,6 +44,26 @@ CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 """
 
 
+class StoreLockedError(RuntimeError):
+    """Another server process uses this store."""
+
+
+def _lock_store(root: Path):
+    """An exclusive lock on ``root``/lock, held while the store is open (the kernel drops it if the process dies)."""
+    handle = open(root / "lock", "a+")  # noqa: SIM115 - held open for the store's lifetime
+    try:
+        import fcntl
+
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # not on POSIX: no lock
+        pass
+    except OSError:
+        handle.close()
+        raise StoreLockedError(f"another continuum serve process uses the store {root}: stop it, or start this one with "
+                               f"another --store") from None
+    return handle
+
+
 @dataclass(frozen=True)
 class Record:
     """A stored response: its JSON body, the conversation it ends (messages, reply included), its state file."""
@@ -68,6 +88,7 @@ class Store:
         self.states_dir.mkdir(parents=True, exist_ok=True)
         self.memory_bytes, self.max_age, self.max_bytes = memory_bytes, max_age, max_bytes
         self._lock = threading.Lock()
+        self._lockfile = _lock_store(self.root)  # one server per store: its start removes other files as orphans
         self._db = sqlite3.connect(str(self.root / "responses.sqlite3"), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -180,6 +201,7 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._lockfile.close()  # releases the store's lock
 
     # ------------------------------------------------------------------ internals
     def _remember(self, rid: str, state: SequenceState, size: int) -> None:
