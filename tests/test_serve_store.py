@@ -143,3 +143,33 @@ def test_store_retention_and_delete(tmp_path, llama_model):
     rec = reopened.get("resp_x", "owner")
     assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
     assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []
+
+
+def test_chat_template_option_in_process(tmp_path):
+    """A model without a chat template (stories260K) served with one (``--chat-template``), through the
+    app in-process (starlette's TestClient is an httpx client the ``openai`` client accepts)."""
+    from starlette.testclient import TestClient
+
+    from conftest import fixture_path
+    from continuum import generate, models, samplers
+    from continuum.chat import Chat
+    from continuum.serve.app import ServeConfig, create_app
+    from continuum.serve.cli import parser
+
+    folder = str(fixture_path("models", "stories260K"))
+    template_file = fixture_path("chat_templates", "smollm2.jinja")
+    args = parser().parse_args([folder, "--chat-template", str(template_file)])
+    model = models.transformers(folder)
+    assert not getattr(model.tokenizer.hf, "chat_template", None)
+    template = open(args.chat_template).read()
+    app = create_app(model, ServeConfig(served_model_name="stories", store=tmp_path / "store", template=template))
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        r = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Tell me a story."}],
+                                           max_tokens=12, temperature=0)
+        first = client.responses.create(model="stories", input="Tell me a story.", max_output_tokens=12, temperature=0)
+        again = client.responses.create(model="stories", input="And then?", previous_response_id=first.id,
+                                        max_output_tokens=12, temperature=0)
+    ref = Chat(model, template=template).user("Tell me a story.").reply(generate.text(model, samplers.greedy()), max_tokens=12)
+    assert r.choices[0].message.content == first.output_text == ref.messages[-1]["content"]
+    assert again.usage.input_tokens_details.cached_tokens > 0
