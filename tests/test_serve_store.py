@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,7 +162,7 @@ def test_chat_template_option_in_process(tmp_path):
     args = parser().parse_args([folder, "--chat-template", str(template_file)])
     model = models.transformers(folder)
     assert not getattr(model.tokenizer.hf, "chat_template", None)
-    template = open(args.chat_template).read()
+    template = Path(args.chat_template).read_text()
     app = create_app(model, ServeConfig(served_model_name="stories", store=tmp_path / "store", template=template))
     with TestClient(app) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
