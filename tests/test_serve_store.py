@@ -174,3 +174,40 @@ def test_chat_template_option_in_process(tmp_path):
     ref = Chat(model, template=template).user("Tell me a story.").reply(generate.text(model, samplers.greedy()), max_tokens=12)
     assert r.choices[0].message.content == first.output_text == ref.messages[-1]["content"]
     assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+FIELDS = {
+    "/v1/chat/completions": ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+                             ["messages", "max_tokens", "temperature", "top_p", "n", "stop", "response_format", "tools",
+                              "tool_choice", "logprobs", "top_logprobs", "seed", "stream_options", "max_completion_tokens"]),
+    "/v1/responses": ({"model": MODEL, "input": "hi", "max_output_tokens": 0},
+                      ["input", "instructions", "previous_response_id", "store", "text", "tools", "tool_choice",
+                       "max_output_tokens", "temperature", "top_p", "metadata"]),
+    "/v1/completions": ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, ["prompt", "max_tokens", "echo", "logprobs", "stop", "n"]),
+}
+
+
+def test_wrong_values_never_500(tmp_path, model_dir):
+    """Every field of every endpoint given values of the wrong type or range: a 4xx with OpenAI's error
+    body, or a normal reply where the value is acceptable; never a 500 (in-process app, max_tokens 0:
+    the accepted requests only prefill)."""
+    from starlette.testclient import TestClient
+
+    from continuum import models
+    from continuum.serve.app import ServeConfig, create_app
+
+    app = create_app(models.transformers(model_dir), ServeConfig(served_model_name=MODEL, store=tmp_path / "store"))
+    values = [-1, "x", True, [], {}, [1], [{}], {"a": 1}, 10**12]  # (None and "" are mostly the defaults: valid, and slow)
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for path, (base, fields) in FIELDS.items():
+            for field in fields:
+                for value in values:
+                    if value == 10**12 and "max" in field:  # valid: generates up to the context, which only takes long
+                        continue
+                    r = http.post(path, json={**base, field: value})
+                    assert r.status_code < 500, (path, field, value, r.text)
+                    if r.status_code >= 400:
+                        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            for junk in (b"", b"null", b"[]", b"1", b"{", b'{"model": "tiny"}'):
+                r = http.post(path, content=junk, headers={"content-type": "application/json"})
+                assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
