@@ -150,7 +150,7 @@ class Chat:
         steps = turn.generator._steps(turn.state, max_tokens, turn.stops, rng, True, extra_eos=turn.end_ids)
         return ChatStream(turn, steps)
 
-    def with_state(self, state: Optional[SequenceState]) -> "Chat":
+    def with_state(self, state: SequenceState | None) -> "Chat":
         """This chat's messages on ``state`` (e.g. a state loaded from a file, or another chat's): the
         next reply reconciles ``state`` with the rendered messages, so it reuses the cache of their
         longest common token prefix and recomputes the rest; any state of the model is valid."""
