@@ -1,5 +1,6 @@
-"""Benchmark scenarios B1-B20 (B10 in fastforward.py, B11 guidance_bench.py, B12 chat_bench.py, B13 prefix_bench.py, B14 distributed_bench.py,
-B15-B20 programs_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
+"""Benchmark scenarios B1-B21 (B10 in fastforward.py, B11 guidance_bench.py, B12 chat_bench.py, B13 prefix_bench.py, B14 distributed_bench.py,
+B15-B20 programs_bench.py,
+B21 serve_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .fastforward import b10
 from .guidance_bench import b11
 from .prefix_bench import b13
 from .programs_bench import PROGRAM_SCENARIOS
+from .serve_bench import b21
 from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns  # noqa: F401  (re-exported)
 
 
@@ -440,6 +442,6 @@ def b9(bench: Bench, cfg: Config) -> List[Row]:
 
 SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B10": b10, "B11": b11,
-    "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS,
+    "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21,
 }
 ALIASES = {"B2": "B1"}

@@ -161,6 +161,14 @@ class Chat:
         """``async for chunk in chat.astream_reply(...)``: :meth:`stream_reply`'s chunks; then ``.chat`` is the new chat."""
         return AsyncStream(self.stream_reply(generator, max_tokens, stop_at, rng))
 
+    def with_state(self, state: SequenceState | None) -> "Chat":
+        """This chat's messages on ``state`` (e.g. a state loaded from a file, or another chat's): the
+        next reply reconciles ``state`` with the rendered messages, so it reuses the cache of their
+        longest common token prefix and recomputes the rest; any state of the model is valid."""
+        if state is not None and not isinstance(state, SequenceState):
+            raise ContinuumTypeError(f"with_state takes a SequenceState or None, got {type(state).__name__}")
+        return Chat._make(self._setup, self._rows, state)
+
     def render(self, row: int = 0) -> str:
         """The prompt text a reply of row ``row`` would continue (the template's rendering)."""
         return self._setup.render(self._rows[row], tokenize=False, generation=True)

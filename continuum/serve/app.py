@@ -1,0 +1,142 @@
+"""The FastAPI application: configuration, authentication, body limits, and the routes of each family.
+
+``create_app(model, ServeConfig(...))`` builds the app for a loaded continuum model; ``cli.py``
+loads the model and runs it with uvicorn. Routes: ``GET /health``, ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``,
+``POST /v1/completions``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+
+from .engine import Engine
+from .errors import APIError, install_handlers
+from .store import Store
+
+__all__ = ["Context", "ServeConfig", "create_app"]
+
+
+@dataclass
+class ServeConfig:
+    """Server settings (see ``continuum serve --help`` and docs/serve.md)."""
+
+    served_model_name: str
+    store: Path
+    api_keys: list[str] = field(default_factory=list)
+    template: str | None = None
+    state_memory_bytes: int = 1 << 30
+    retention_age: float | None = 30 * 86400.0
+    retention_bytes: int | None = 10 << 30
+    max_body_bytes: int = 8 << 20
+    max_string_length: int | None = None
+    worker_threads: int = 64
+
+
+class Context:
+    """What every route needs: the engine, the store, the settings, and the caller's identity."""
+
+    def __init__(self, model: Any, config: ServeConfig):
+        self.model, self.config = model, config
+        self.engine = Engine(model, config.template, max_string_length=config.max_string_length)
+        self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
+                           max_bytes=config.retention_bytes)
+        self.limiter = anyio.CapacityLimiter(config.worker_threads)
+        self.created = int(time.time())
+
+    def owner(self, request: Request) -> str:
+        """The caller's identity: a hash of its API key ("" without auth); 401 without a configured key."""
+        if not self.config.api_keys:
+            return ""
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not key or not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.config.api_keys):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' with a key this "
+                                "server was started with (--api-key).", code="invalid_api_key")
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.served_model_name:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r} (GET /v1/models).", param="model", code="model_not_found")
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` in a worker thread (generation never blocks the event loop)."""
+        return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+
+
+class _BodyLimit:
+    """Refuse request bodies over ``limit`` bytes (413 with OpenAI's error body), declared or streamed."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send):
+        import json
+
+        body = json.dumps(APIError(413, f"The request body is larger than this server's limit of {self.limit} bytes "
+                                        f"(--max-body-bytes).", code="request_too_large").body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(model: Any, config: ServeConfig) -> FastAPI:
+    """The OpenAI-compatible app serving ``model`` (a continuum model) with ``config``."""
+    from . import chat_completions, completions, responses
+
+    ctx = Context(model, config)
+    app = FastAPI(title="continuum serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "generating": ctx.engine.active}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        ctx.owner(request)
+        return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": ctx.created,
+                                            "owned_by": "continuum"}]}
+
+    chat_completions.register(app, ctx)
+    responses.register(app, ctx)
+    completions.register(app, ctx)
+    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    return app

@@ -1,0 +1,108 @@
+"""``continuum serve MODEL``: load a model and serve it with uvicorn (see ``--help`` and docs/serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+__all__ = ["main", "parse_age", "parser"]
+
+logger = logging.getLogger("continuum.serve")
+
+
+def _default_store() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "continuum", "serve")
+
+
+def parse_age(spec: str) -> float | None:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"`` or seconds; ``"0"``/``"none"``: no limit."""
+    if spec.lower() in ("0", "none", "off"):
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", spec.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"an age like '30d', '12h', '90m' or '3600s', got {spec!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def _size(spec: str) -> int | None:
+    from ..prefix_cache import parse_budget
+
+    if spec.lower() in ("0", "none", "off"):
+        return None
+    try:
+        value = parse_budget(int(spec) if spec.isdigit() else spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="continuum serve", description="An OpenAI-compatible server whose conversations "
+                                "are continuous states (docs/serve.md).")
+    p.add_argument("model", help="a Hugging Face hub id or a local model folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                   help="accept 'Authorization: Bearer KEY' (repeatable); none given: no authentication")
+    p.add_argument("--store", default=_default_store(), help="folder of the response store (default %(default)s)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's name)")
+    p.add_argument("--prefix-cache", default=None, help="byte budget of the model's prefix cache, e.g. 512MiB (default off)")
+    p.add_argument("--state-memory", type=_size, default=1 << 30,
+                   help="byte budget of response states kept in memory, least recently used out (default 1GiB)")
+    p.add_argument("--retention-age", type=parse_age, default=30 * 86400.0,
+                   help="delete stored responses older than this (default 30d; 'none': keep)")
+    p.add_argument("--retention-bytes", type=_size, default=10 << 30,
+                   help="delete the oldest responses while state files exceed this (default 10GiB; 'none': no limit)")
+    p.add_argument("--dtype", default=None, help="weights' dtype (float32, bfloat16...; default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cpu)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (for models without one)")
+    p.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body accepted (default 8MiB)")
+    p.add_argument("--max-string-length", type=int, default=None,
+                   help="bound JSON strings without maxLength in structured outputs (default: unbounded)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import ServeConfig, create_app
+    except ImportError as exc:
+        print(f"continuum serve needs the serve extra: pip install 'continuum[serve]' ({exc})", file=sys.stderr)
+        return 2
+    from .. import models
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    template = None
+    if args.chat_template is not None:
+        template = Path(args.chat_template).read_text()
+    model = models.transformers(args.model, device=args.device, dtype=args.dtype, prefix_cache=args.prefix_cache)
+    name = args.served_model_name or Path(args.model.rstrip("/")).name
+    config = ServeConfig(served_model_name=name, store=Path(args.store).expanduser(), api_keys=args.api_keys,
+                         template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
+                         retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
+                         max_string_length=args.max_string_length)
+    from .store import StoreLockedError
+
+    try:
+        app = create_app(model, config)
+    except StoreLockedError as exc:
+        print(f"continuum serve: {exc}", file=sys.stderr)
+        return 2
+    if not args.api_keys:
+        logger.warning("no --api-key given: the server accepts every request without authentication, and every "
+                       "stored response is readable by anyone who can reach %s:%s", args.host, args.port)
+    logger.info("serving %s as %r on http://%s:%s/v1 (store: %s)", args.model, name, args.host, args.port, config.store)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""``POST /v1/completions`` (legacy): free text after a prompt (or a list of prompts, one batch)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from ..generate import continuous
+from .chat_completions import STREAM_HEADERS, stops
+from .engine import Cancelled, Sampling
+from .errors import from_exception
+from .messages import new_id
+from .schemas import CompletionRequest
+from .sse import DONE, ThreadStream, sse
+from .tokens import generated_count, row_tokens, safe_length
+
+__all__ = ["register"]
+
+
+def _run(ctx, prompts: list[str], sampling: Sampling, emit=None, cancelled=lambda: False) -> dict:
+    """Generate; returns per row (batch-major): text, finish reason, tokens, log-probs, top log-probs; and usage."""
+    with ctx.engine.busy():
+        return _generate(ctx, prompts, sampling, emit, cancelled)
+
+
+def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> dict:
+    gen, rec = ctx.engine.generator("text", None, False, sampling, sampling.top_logprobs is not None)
+    cgen, rng = continuous(gen), sampling.rng()
+    if emit is None:
+        state = cgen(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
+    else:
+        stream = cgen.stream(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
+        acc: dict[int, str] = {}
+        sent: dict[int, int] = {}
+        for chunk in stream:
+            flat = chunk if isinstance(chunk, list) else [chunk]
+            flat = [x for c in flat for x in (c if isinstance(c, list) else [c])]
+            for r, piece in enumerate(flat):
+                acc[r] = acc.get(r, "") + piece
+                safe = safe_length(acc[r], sampling.stop)  # a stop sequence is never streamed
+                if safe > sent.get(r, 0):
+                    emit((r, acc[r][sent.get(r, 0):safe]))
+                    sent[r] = safe
+            if cancelled():
+                raise Cancelled()
+        state = stream.state
+    texts = state.last_text
+    flat_texts = texts if isinstance(texts, list) else [texts]
+    flat_texts = [x for t in flat_texts for x in (t if isinstance(t, list) else [t])]
+    finish = [x for row in state.finish_reasons or [] for x in row]
+    rows, prompt_tokens = [], 0
+    for r in range(state.rows):
+        ids, lps = row_tokens(state, r)
+        g = generated_count(lps)
+        if r % sampling.n == 0:
+            prompt_tokens += len(ids) - g
+        top = None
+        if rec is not None:
+            top = []
+            for values, tids in rec.steps[:g]:
+                i = r if len(values) == state.rows else r * len(values) // state.rows
+                top.append(list(zip(tids[i], values[i])))
+        out: str = flat_texts[r]
+        cut = next((x for x in sampling.stop if finish[r] == "stop" and out.endswith(x)), None)
+        out = out[: -len(cut)] if cut is not None else out  # OpenAI's completions end before the stop sequence
+        rows.append({"text": out, "finish": "length" if finish[r] in ("length", "context") else "stop",
+                     "tokens": ids[len(ids) - g:], "logprobs": lps[len(lps) - g:], "top": top})
+    completion = sum(len(r["tokens"]) for r in rows)
+    return {"rows": rows, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                    "total_tokens": prompt_tokens + completion}}
+
+
+def _logprobs(ctx, row: dict, offset: int) -> dict:
+    tokens = [ctx.engine.token_text(t) for t in row["tokens"]]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    top = [{ctx.engine.token_text(t): v for t, v in step} for step in row["top"]] if row["top"] is not None else None
+    return {"tokens": tokens, "token_logprobs": row["logprobs"], "top_logprobs": top, "text_offset": offsets}
+
+
+def register(app: FastAPI, ctx) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        ctx.owner(request)
+        ctx.check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed, n=req.n, max_tokens=req.max_tokens,
+                            stop=stops(req.stop), top_logprobs=req.logprobs)
+        cid, created = new_id("cmpl"), int(time.time())
+
+        def body(result: dict) -> dict:
+            choices = []
+            for i, row in enumerate(result["rows"]):
+                prefix = prompts[i // req.n] if req.echo else ""
+                lps = _logprobs(ctx, row, len(prefix)) if req.logprobs is not None else None
+                choices.append({"index": i, "text": prefix + row["text"], "logprobs": lps, "finish_reason": row["finish"]})
+            return {"id": cid, "object": "text_completion", "created": created, "model": ctx.config.served_model_name,
+                    "choices": choices, "usage": result["usage"], "system_fingerprint": None}
+
+        if not req.stream:
+            return body(await ctx.run(lambda: _run(ctx, prompts, sampling)))
+        stream = ThreadStream(lambda emit, cancelled: _run(ctx, prompts, sampling, emit, cancelled))
+        first = await stream.get()
+        if first[0] == "error":
+            raise from_exception(first[1])
+
+        def chunk(choices: list, usage: Any = None) -> str:
+            out = {"id": cid, "object": "text_completion", "created": created, "model": ctx.config.served_model_name,
+                   "choices": choices, "system_fingerprint": None}
+            if usage is not None:
+                out["usage"] = usage
+            return sse(out)
+
+        async def events():
+            sent = [""] * (len(prompts) * req.n)
+            if req.echo:
+                for i in range(len(sent)):
+                    yield chunk([{"index": i, "text": prompts[i // req.n], "logprobs": None, "finish_reason": None}])
+            async for kind, item in stream.items(first):
+                if kind == "event":
+                    r, text = item
+                    sent[r] += text
+                    yield chunk([{"index": r, "text": text, "logprobs": None, "finish_reason": None}])
+                elif kind == "error":
+                    if not isinstance(item, Cancelled):
+                        yield sse(from_exception(item).body())
+                    return
+                else:
+                    for i, row in enumerate(item["rows"]):
+                        rest = row["text"][len(sent[i]):] if row["text"].startswith(sent[i]) else ""
+                        lps = _logprobs(ctx, row, 0) if req.logprobs is not None else None
+                        yield chunk([{"index": i, "text": rest, "logprobs": lps, "finish_reason": row["finish"]}])
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield chunk([], item["usage"])
+                    yield DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)

@@ -1,0 +1,339 @@
+"""The model side of the server: OpenAI messages -> ``Chat``, request options -> a generator, a reply.
+
+Everything here is a plain client of the library: messages are rendered by ``continuum.chat.Chat``
+(the model's chat template), constrained replies use ``generate.json`` (strict ``json_schema``, tool
+arguments under each tool's parameter schema), and a continued conversation is a ``Chat`` on the
+stored state (``Chat.with_state``), which reuses the cache of what did not change.
+
+Tool calls are generated as the JSON object ``{"name": ..., "arguments": {...}}`` (the shape most
+templates render, e.g. Qwen's ``<tool_call>`` blocks), under a schema that allows exactly the
+offered tools and each tool's parameters: ``required`` and a named function generate it at once;
+``auto`` generates text that stops at the template's tool-call marker (read from the template, as
+the end-of-turn marker is) and, when the model writes it, continues with the constrained call.
+Calls run in the caller's thread: concurrent requests run in worker threads, where the library's
+scheduler merges their forwards.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import logging
+import math
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import generate, samplers
+from ..chat import Chat
+from ..generate import Generator
+from ..samplers import Sampler
+from ..state import SequenceState
+from .messages import new_id, template_message, tool_call_schema
+from .tokens import common_prefix, generated_count, row_tokens, safe_length
+
+logger = logging.getLogger("continuum.serve")
+
+__all__ = ["Cancelled", "Engine", "Plan", "Reply", "RowReply", "Sampling"]
+
+_PROBE_NAME = "CONTINUUM_TOOL_PROBE"
+_DEFAULT_TRIGGER = "<tool_call>"
+
+
+class Cancelled(Exception):
+    """The client went away: the reply stopped (the decoding loop was left, its rows freed)."""
+
+
+@dataclass
+class Sampling:
+    """How to draw tokens (OpenAI's names): temperature 0 is greedy."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    top_logprobs: int | None = None  # None: no log-probs; k >= 0: the chosen token's and the k best
+
+    def sampler(self) -> Sampler:
+        if self.temperature == 0:
+            return samplers.greedy() if self.n == 1 else samplers.multinomial(self.n, temperature=0)
+        return samplers.multinomial(self.n, temperature=self.temperature, top_p=self.top_p)
+
+    def rng(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+
+
+@dataclass
+class Plan:
+    """What the reply is: free text, JSON under a schema, or tool calls."""
+
+    mode: str = "text"  # "text" | "json" | "tools"
+    schema: dict | None = None
+    strict: bool = False
+    tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
+    tool_choice: str = "auto"  # "auto" | "required" | a tool's name
+
+
+@dataclass
+class RowReply:
+    """One row (choice) of a reply."""
+
+    content: str
+    tool_calls: list[dict]  # [{"id", "name", "arguments" (a JSON string)}]
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    chat: Chat  # the conversation after this row's reply (its state included)
+
+    def message(self) -> dict:
+        """The assistant message as a conversation stores it (OpenAI's shape)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in self.tool_calls]
+        return msg
+
+
+@dataclass
+class Reply:
+    rows: list[RowReply]
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
+
+
+class _Recording(Sampler):
+    """Wraps a sampler and keeps the ``k`` best log-probs of every step (for ``top_logprobs``)."""
+
+    def __init__(self, inner: Sampler, k: int):
+        self.inner, self.k, self.steps = inner, k, []  # type: ignore[var-annotated]
+        self.samples, self.is_beam_search, self.is_random = inner.samples, inner.is_beam_search, inner.is_random
+
+    def __call__(self, logprobs, scores, group, rng=None):
+        if self.k:
+            values, ids = logprobs.topk(min(self.k, logprobs.shape[-1]), dim=-1)
+            self.steps.append((values.tolist(), ids.tolist()))
+        return self.inner(logprobs, scores, group, rng)
+
+    def reorders(self, group: int) -> bool:
+        return self.inner.reorders(group)
+
+
+def _reply_of(c: Chat) -> tuple[SequenceState, dict, str]:
+    """A one-row chat after a reply: its state, its last message and why the reply ended."""
+    state, msgs, reason = c.state, c.messages, c.finish_reason
+    assert state is not None and isinstance(msgs[-1], dict) and isinstance(reason, str)
+    return state, msgs[-1], reason
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason in ("length", "context") else "stop"
+
+
+class Engine:
+    """The model, its chat template, and the generators built for requests (cached by their settings)."""
+
+    def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None):
+        self.model, self.template, self.max_string_length = model, template, max_string_length
+        self._generators: OrderedDict[tuple, Generator] = OrderedDict()
+        self._lock = threading.Lock()
+        self._trigger: str | None = None
+        self.active = 0  # replies being generated now (GET /health reports it)
+
+    # ------------------------------------------------------------------ building
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, state: SequenceState | None = None) -> Chat:
+        """The conversation as a ``Chat`` (template messages), on ``state`` when one continues it."""
+        spec = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}}
+                for t in tools] if tools else None
+        c = Chat(self.model, template=self.template, tools=spec)
+        for m in messages:
+            tm = template_message(m)
+            role, content = tm.pop("role"), tm.pop("content")
+            c = c.message(role, content, **tm)
+        return c.with_state(state)
+
+    def generator(self, kind: str, schema: dict | None, strict: bool, sampling: Sampling, record: bool,
+                  compact: bool = False):
+        """A ``generate.text``/``generate.json`` generator for these settings, and the log-prob recorder
+        when ``record`` (then a fresh generator: the recorder belongs to one request). ``compact``: JSON
+        without whitespace (tool calls: keys and punctuation are then forced tokens, computed in one pass)."""
+        sampler = sampling.sampler()
+        recorder = _Recording(sampler, sampling.top_logprobs or 0) if record else None
+        key = (kind, _json.dumps(schema, sort_keys=True) if schema is not None else None, strict, repr(sampler), compact)
+        if recorder is None:
+            with self._lock:
+                hit = self._generators.get(key)
+                if hit is not None:
+                    self._generators.move_to_end(key)
+                    return hit, None
+        use = recorder or sampler
+        if kind == "text":
+            gen = generate.text(self.model, use)
+        else:  # one token per step when log-probs are recorded, so steps and tokens align
+            gen = generate.json(self.model, schema, use, on_unsupported="raise" if strict else "approximate",
+                                additional_properties=schema == {"type": "object"}, max_string_length=self.max_string_length,
+                                whitespace_pattern="" if compact else r"[ ]?",
+                                fast_forward=recorder is None)
+        if recorder is None:
+            with self._lock:
+                self._generators[key] = gen
+                while len(self._generators) > 64:
+                    self._generators.popitem(last=False)
+        return gen, recorder
+
+    def check_schema(self, schema: dict, strict: bool) -> None:
+        """Compile a schema now (refused schemas are 400s before anything streams)."""
+        self.generator("json", schema, strict, Sampling(temperature=0), False)
+
+    def tool_trigger(self) -> str:
+        """The text a template puts before a tool call's JSON (``<tool_call>`` for Qwen), read by rendering one."""
+        if self._trigger is None:
+            hf, user = self.model.tokenizer.hf, [{"role": "user", "content": "Hi"}]
+            call = {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]}
+            trigger = _DEFAULT_TRIGGER
+            try:
+                before = hf.apply_chat_template(user, chat_template=self.template, add_generation_prompt=True, tokenize=False)
+                full = hf.apply_chat_template(user + [call], chat_template=self.template, tokenize=False)
+                if isinstance(full, str) and full.startswith(before) and _PROBE_NAME in full:
+                    seg = full[len(before):full.index(_PROBE_NAME)]
+                    cut = seg[:seg.rfind("{")].strip() if "{" in seg else ""
+                    trigger = cut or trigger
+            except Exception as exc:  # noqa: BLE001 - a template that cannot render tool calls: the default marker
+                logger.debug("the chat template cannot render a tool call (%s): tool-call marker %r", exc, trigger)
+            self._trigger = trigger
+        return self._trigger
+
+    # ------------------------------------------------------------------ replying
+    def reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta: Callable[[int, str], None] | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> Reply:
+        """Generate the assistant turn of ``chat``; ``on_delta(row, text)`` receives streamed text."""
+        with self.busy():
+            return self._reply(chat, plan, sampling, on_delta, cancelled)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Counts a generation in :attr:`active` while it runs."""
+        with self._lock:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
+
+    def _reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta, cancelled) -> Reply:
+        prev = chat.state
+        rng = sampling.rng()
+        record = sampling.top_logprobs is not None
+        trigger = None
+        stops: list[str] = []
+        if plan.mode == "tools":  # a tool call is sent whole (in "auto", the marker may come late in the text)
+            on_delta = None
+        if plan.mode == "json":
+            gen, rec = self.generator("json", plan.schema, plan.strict, sampling, record)
+        elif plan.mode == "tools" and plan.tool_choice != "auto":
+            only = None if plan.tool_choice == "required" else plan.tool_choice
+            gen, rec = self.generator("json", tool_call_schema(plan.tools, only), True, sampling, record, compact=True)
+        else:
+            gen, rec = self.generator("text", None, False, sampling, record)
+            stops = list(sampling.stop)
+            if plan.mode == "tools":  # auto: text until the template's tool-call marker
+                trigger = self.tool_trigger()
+                stops.append(trigger)
+        first = self._run(chat, gen, sampling.max_tokens, stops, rng, on_delta, cancelled)
+        assert first.state is not None
+        prompt_tokens, cached = self._usage(prev, first.state)
+        rows = []
+        for r in range(first.rows):
+            c = first[r]
+            state, last, reason = _reply_of(c)  # a row's chat holds that row alone
+            ids, lps = row_tokens(state, 0)
+            content = last["content"]
+            calls: list[dict] = []
+            finish = _finish(reason)
+            cut = next((x for x in sampling.stop if reason == "stop" and content.endswith(x)), None)
+            if cut is not None:  # OpenAI's replies end before the stop sequence (the state keeps it)
+                content = content[: -len(cut)]
+            if plan.mode == "json" and reason in ("pattern", "eos"):
+                _ = c.value  # parsed and validated against the schema (an approximated one can fail: SchemaViolationError)
+            if plan.mode == "tools" and plan.tool_choice != "auto":
+                calls, content, finish = self._calls(c, content, reason)
+            elif trigger is not None and reason == "stop" and content.endswith(trigger):
+                used = generated_count(lps)
+                left = None if sampling.max_tokens is None else max(sampling.max_tokens - used, 0)
+                cg, _ = self.generator("json", tool_call_schema(plan.tools, None), True, sampling, False, compact=True)
+                c = self._run(c, cg, left, [], rng, None, cancelled)
+                state, last, reason = _reply_of(c)
+                head = content[: -len(trigger)]
+                calls, rest, finish = self._calls(c, last["content"].removeprefix(content), reason)
+                content = head if calls else head + trigger + rest
+                ids, lps = row_tokens(state, 0)
+            gen_n = generated_count(lps)
+            toks, tlps = ids[len(ids) - gen_n:], lps[len(lps) - gen_n:]
+            top = self._top(rec, r, first.rows, gen_n) if rec is not None else None
+            rows.append(RowReply(content, calls, finish, toks, tlps, top, c))
+        return Reply(rows, prompt_tokens, cached)
+
+    def _run(self, chat: Chat, gen, max_tokens, stops, rng, on_delta, cancelled) -> Chat:
+        if on_delta is None:
+            if cancelled():
+                raise Cancelled()
+            return chat.reply(gen, max_tokens=max_tokens, stop_at=stops or None, rng=rng)
+        stream = chat.stream_reply(gen, max_tokens=max_tokens, stop_at=stops or None, rng=rng)
+        texts: list[str] = []
+        sent: list[int] = []
+        for chunk in stream:
+            if cancelled():
+                del stream  # the decoding loop is left here: its generator is closed and its rows freed
+                raise Cancelled()
+            for r, text in enumerate([chunk] if isinstance(chunk, str) else chunk):
+                while len(texts) <= r:
+                    texts.append("")
+                    sent.append(0)
+                texts[r] += text
+                safe = safe_length(texts[r], stops)  # a stop sequence is never streamed, nor its start
+                if safe > sent[r]:
+                    on_delta(r, texts[r][sent[r]:safe])
+                    sent[r] = safe
+        return stream.chat
+
+    def _calls(self, c: Chat, text: str, reason) -> tuple[list[dict], str, str]:
+        """The tool call a constrained reply wrote, or (none, the text, "length") when it was cut short."""
+        reason = reason if isinstance(reason, str) else reason[0]
+        if reason not in ("pattern", "eos", "stop"):
+            return [], text, _finish(reason)
+        value = c.value  # parsed and validated against the schema by the library
+        value = value[0] if isinstance(value, list) else value
+        call = {"id": new_id("call"), "name": value["name"], "arguments": _json.dumps(value["arguments"])}
+        return [call], "", "tool_calls"
+
+    def _usage(self, prev: SequenceState | None, state: SequenceState) -> tuple[int, int]:
+        """(prompt tokens, of which reused from the previous state's cache), read from row 0."""
+        ids, lps = row_tokens(state, 0)
+        prompt = ids[: len(ids) - generated_count(lps)]
+        if prev is None:
+            return len(prompt), 0
+        pids, _ = row_tokens(prev, 0)
+        return len(prompt), min(common_prefix(pids, prompt), int(prev.cached_tokens.reshape(-1)[0]))
+
+    def _top(self, rec: _Recording, r: int, rows: int, n: int) -> list[list[tuple[int, float]]]:
+        out = []
+        for values, ids in rec.steps[:n]:
+            i = r if len(values) == rows else r * len(values) // rows
+            out.append([(t, v) for t, v in zip(ids[i], values[i]) if v > -math.inf])
+        return out
+
+    def token_text(self, token: int) -> str:
+        return self.model.tokenizer.hf.decode([token])

@@ -1,0 +1,48 @@
+"""Reading a reply's tokens off a state, and what of a streamed text is safe to send."""
+
+from __future__ import annotations
+
+import math
+
+from ..state import SequenceState
+
+__all__ = ["common_prefix", "generated_count", "row_tokens", "safe_length"]
+
+
+def row_tokens(state: SequenceState, r: int) -> tuple[list[int], list[float]]:
+    mask = state.attention_masks[r].bool()
+    return state.token_ids[r][mask].tolist(), state.token_logprobs[r][mask].tolist()
+
+
+def generated_count(lps: list[float]) -> int:
+    """How many tokens end the row with a log-prob: the reply's generated tokens (prompt tokens have NaN)."""
+    n = 0
+    for x in reversed(lps):
+        if math.isnan(x):
+            break
+        n += 1
+    return n
+
+
+def safe_length(text: str, stops: list[str]) -> int:
+    """How much of ``text`` can be streamed: up to the first stop sequence, and not a tail that may start one."""
+    end = len(text)
+    for s in stops:
+        at = text.find(s)
+        if at >= 0:
+            end = min(end, at)
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end -= k
+                break
+    return end
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

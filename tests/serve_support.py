@@ -1,0 +1,143 @@
+"""Support for the server tests: a tiny model folder with a chat template, and a real server process.
+
+The server runs as ``python -m continuum serve <folder>`` on a free local port (``PYTHONPATH`` = this
+repository, so this worktree's ``continuum`` is the one served); tests talk to it with the official
+``openai`` client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = "qwen2.5-instruct.jinja"  # renders tools and <tool_call> blocks
+# A ChatML template with tools, used when the fixtures are absent (a clone without ../shared/fixtures)
+CHATML_TOOLS = """{%- if tools %}<|im_start|>system
+Tools: {{ tools | tojson }}<|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.tool_calls %}{% for c in m.tool_calls %}
+<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}{% else %}
+{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def make_model_dir(path: Path, template_path: Path | None) -> str:
+    """A tiny random Llama over a trained byte-level BPE with ChatML special tokens and a chat template
+    (the fixture's, or :data:`CHATML_TOOLS` without one)."""
+    from conftest import _sharpen, make_bpe_tokenizer, tiny_llama
+
+    tok = make_bpe_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = template_path.read_text() if template_path is not None and template_path.exists() else CHATML_TOOLS
+    hf = _sharpen(tiny_llama(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id, max_positions=2048))
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+_MODEL_DIRS: dict[str, str] = {}
+
+
+def shared_model_dir(tmp_path_factory) -> str:
+    """One model folder per test session (both server test modules serve the same one)."""
+    if "dir" not in _MODEL_DIRS:
+        from conftest import FIXTURES
+
+        _MODEL_DIRS["dir"] = make_model_dir(tmp_path_factory.mktemp("serve-model"), FIXTURES / "chat_templates" / TEMPLATE)
+    return _MODEL_DIRS["dir"]
+
+
+KEYS = ("key-alice", "key-bob")
+_SERVERS: dict[str, Server] = {}
+
+
+def shared_server(tmp_path_factory, model_dir: str) -> Server:
+    """One server per test session, shared by the server test modules: two API keys, and no state kept
+    in memory (``--state-memory 0``), so every continuation loads its state from the store."""
+    if "server" not in _SERVERS:
+        server = Server(model_dir, tmp_path_factory.mktemp("serve") / "store", "--api-key", KEYS[0], "--api-key", KEYS[1],
+                        "--state-memory", "0")
+        atexit.register(server.stop)
+        _SERVERS["server"] = server
+    return _SERVERS["server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``continuum serve`` in a subprocess; ``url`` is its ``/v1`` base."""
+
+    def __init__(self, model_dir: str, store: Path, *args: str, log: Path | None = None):
+        self.model_dir, self.store, self.args = model_dir, Path(store), list(args)
+        self.log = log or self.store.with_suffix(".log")
+        self.proc: subprocess.Popen | None = None
+        self.port = free_port()
+        self.start()
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Start (or restart, on the same port and store) the server and wait for ``/health``."""
+        cmd = [sys.executable, "-m", "continuum", "serve", self.model_dir, "--port", str(self.port), "--store",
+               str(self.store), "--served-model-name", "tiny", "--log-level", "warning", *self.args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        self._log = open(self.log, "ab")  # noqa: SIM115 - the server's output, open while it runs
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not start in {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def health(self) -> dict:
+        return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
+
+    def client(self, key: str = KEYS[0]):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        if self._log.closed:
+            return
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

@@ -1,0 +1,213 @@
+"""The server's store, keys and lifecycle: API keys and per-key ownership, ``kill -9`` then a restart on
+the same store (nothing returned is lost; continuing equals the uninterrupted run; the in-flight
+response is absent), a client that disconnects mid-stream, and retention."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from serve_support import KEYS, shared_model_dir, shared_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return shared_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    return shared_server(tmp_path_factory, model_dir)  # states are loaded from the store at every continuation
+
+
+def test_api_keys_and_ownership(server):
+    import httpx
+
+    alice, bob = server.client(KEYS[0]), server.client(KEYS[1])
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").models.list()
+    r = httpx.post(server.url + "/responses", json={"model": MODEL, "input": "x"})
+    assert r.status_code == 401 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    mine = alice.responses.create(model=MODEL, input="Secret plans", max_output_tokens=4, temperature=0)
+    assert len(mine.id) >= len("resp_") + 32  # >= 128 random bits
+    assert alice.responses.retrieve(mine.id).id == mine.id
+    for attempt in (lambda: bob.responses.retrieve(mine.id), lambda: bob.responses.delete(mine.id),
+                    lambda: bob.responses.create(model=MODEL, input="x", previous_response_id=mine.id, max_output_tokens=2)):
+        with pytest.raises(openai.NotFoundError) as err:  # the same answer as an unknown id
+            attempt()
+        assert "No response found" in err.value.body["message"]
+    assert alice.responses.retrieve(mine.id).output_text == mine.output_text  # bob's attempts changed nothing
+
+
+def _chain(client, turns, prev=None):
+    out = []
+    for t in turns:
+        r = client.responses.create(model=MODEL, input=t, previous_response_id=prev, max_output_tokens=6, temperature=0)
+        out.append(r)
+        prev = r.id
+    return out
+
+
+def test_disconnect_mid_stream_stops_generation(server):
+    import httpx
+
+    body = {"model": MODEL, "input": "Talk for a long time", "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/responses", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      timeout=60) as r:
+        deltas, rid = 0, None
+        for line in r.iter_lines():
+            if rid is None and line.startswith("data: "):
+                rid = json.loads(line[6:])["response"]["id"]
+            deltas += line.startswith("event: response.output_text.delta")
+            if deltas == 3:
+                assert server.health()["generating"] == 1
+                break  # leaving the loop closes the connection
+    deadline = time.monotonic() + 10  # 1500 tokens take longer than this
+    while server.health()["generating"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["generating"] == 0
+    with pytest.raises(openai.NotFoundError):  # stopped, so never stored
+        server.client(KEYS[0]).responses.retrieve(rid)
+
+
+@pytest.mark.slow
+def test_kill9_and_restart_loses_nothing(server, model_dir, tmp_path):
+    import httpx
+
+    alice = server.client(KEYS[0])
+    turns = ["Hello there", "Tell me more", "And then?"]
+    full = _chain(alice, turns)  # the uninterrupted run
+    done = _chain(alice, turns[:2])
+    # a response in flight when the process dies: absent afterwards, never half-written
+    body = {"model": MODEL, "input": "Long story", "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/responses", json=body, headers={"Authorization": f"Bearer {KEYS[0]}"},
+                      timeout=60) as r:
+        inflight = None
+        for line in r.iter_lines():
+            if line.startswith("data: ") and inflight is None:
+                inflight = json.loads(line[6:])["response"]["id"]
+            if "output_text.delta" in line:
+                break
+        server.kill9()
+    server.start()
+    alice = server.client(KEYS[0])
+    for r in done:
+        assert alice.responses.retrieve(r.id).output_text == r.output_text
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(inflight)
+    # every state file belongs to a stored response and every stored response has its file (no orphan, no temp file)
+    with sqlite3.connect(server.store / "responses.sqlite3") as db:
+        files = {row[0] for row in db.execute("SELECT state_file FROM responses")}
+    assert files == {p.name for p in (server.store / "states").iterdir()}
+    again = alice.responses.create(model=MODEL, input=turns[2], previous_response_id=done[1].id, max_output_tokens=6,
+                                   temperature=0)
+    assert again.output_text == full[2].output_text  # continuing after the restart equals the uninterrupted run
+    assert again.usage.input_tokens_details.cached_tokens == full[2].usage.input_tokens_details.cached_tokens > 0
+
+
+def test_store_retention_and_delete(tmp_path, llama_model):
+    from continuum import SequenceState
+    from continuum.serve.store import Store, StoreLockedError
+
+    state = SequenceState.from_prompts(llama_model, "Once upon a time")
+    store = Store(tmp_path, llama_model, memory_bytes=1 << 20, max_age=None, max_bytes=None)
+    for i in range(3):
+        store.put(f"resp_{i}", "owner", {"id": f"resp_{i}", "created_at": 1000 + i}, [], state)
+    size = store.total_bytes() // 3
+    store.max_bytes = 2 * size
+    store.enforce_retention()  # the oldest goes, with its file
+    assert store.get("resp_0", "owner") is None and store.get("resp_2", "owner") is not None
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["resp_1.safetensors", "resp_2.safetensors"]
+    store.max_age = 60.0  # created in 1970: everything has expired
+    assert store.get("resp_2", "owner") is None
+    assert list((tmp_path / "states").iterdir()) == []
+    store.max_age = None
+    store.put("resp_x", "owner", {"id": "resp_x"}, [{"role": "user", "content": "hi"}], state)
+    assert store.get("resp_x", "someone else") is None and not store.delete("resp_x", "someone else")
+    rec = store.get("resp_x", "owner")
+    assert rec is not None and rec.messages == [{"role": "user", "content": "hi"}]
+    assert store.state(rec).token_ids.tolist() == state.token_ids.tolist()
+    store.close()
+    reopened = Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None)  # a restart
+    with pytest.raises(StoreLockedError):  # one server per store
+        Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None)
+    rec = reopened.get("resp_x", "owner")
+    assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
+    assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []
+
+
+def test_chat_template_option_in_process(tmp_path):
+    """A model without a chat template (stories260K) served with one (``--chat-template``), through the
+    app in-process (starlette's TestClient is an httpx client the ``openai`` client accepts)."""
+    from conftest import fixture_path
+    from starlette.testclient import TestClient
+
+    from continuum import generate, models, samplers
+    from continuum.chat import Chat
+    from continuum.serve.app import ServeConfig, create_app
+    from continuum.serve.cli import parser
+
+    folder = str(fixture_path("models", "stories260K"))
+    template_file = fixture_path("chat_templates", "smollm2.jinja")
+    args = parser().parse_args([folder, "--chat-template", str(template_file)])
+    model = models.transformers(folder)
+    assert not getattr(model.tokenizer.hf, "chat_template", None)
+    template = Path(args.chat_template).read_text()
+    app = create_app(model, ServeConfig(served_model_name="stories", store=tmp_path / "store", template=template))
+    with TestClient(app) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        r = client.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Tell me a story."}],
+                                           max_tokens=12, temperature=0)
+        first = client.responses.create(model="stories", input="Tell me a story.", max_output_tokens=12, temperature=0)
+        again = client.responses.create(model="stories", input="And then?", previous_response_id=first.id,
+                                        max_output_tokens=12, temperature=0)
+    ref = Chat(model, template=template).user("Tell me a story.").reply(generate.text(model, samplers.greedy()), max_tokens=12)
+    assert r.choices[0].message.content == first.output_text == ref.messages[-1]["content"]
+    assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+FIELDS = {
+    "/v1/chat/completions": ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+                             ["messages", "max_tokens", "temperature", "top_p", "n", "stop", "response_format", "tools",
+                              "tool_choice", "logprobs", "top_logprobs", "seed", "stream_options", "max_completion_tokens"]),
+    "/v1/responses": ({"model": MODEL, "input": "hi", "max_output_tokens": 0},
+                      ["input", "instructions", "previous_response_id", "store", "text", "tools", "tool_choice",
+                       "max_output_tokens", "temperature", "top_p", "metadata"]),
+    "/v1/completions": ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, ["prompt", "max_tokens", "echo", "logprobs", "stop", "n"]),
+}
+
+
+def test_wrong_values_never_500(tmp_path, model_dir):
+    """Every field of every endpoint given values of the wrong type or range: a 4xx with OpenAI's error
+    body, or a normal reply where the value is acceptable; never a 500 (in-process app, max_tokens 0:
+    the accepted requests only prefill)."""
+    from starlette.testclient import TestClient
+
+    from continuum import models
+    from continuum.serve.app import ServeConfig, create_app
+
+    app = create_app(models.transformers(model_dir), ServeConfig(served_model_name=MODEL, store=tmp_path / "store"))
+    values = [-1, "x", True, [], {}, [1], [{}], {"a": 1}, 10**12]  # (None and "" are mostly the defaults: valid, and slow)
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for path, (base, fields) in FIELDS.items():
+            for field in fields:
+                for value in values:
+                    if value == 10**12 and "max" in field:  # valid: generates up to the context, which only takes long
+                        continue
+                    r = http.post(path, json={**base, field: value})
+                    assert r.status_code < 500, (path, field, value, r.text)
+                    if r.status_code >= 400:
+                        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            for junk in (b"", b"null", b"[]", b"1", b"{", b'{"model": "tiny"}'):
+                r = http.post(path, content=junk, headers={"content-type": "application/json"})
+                assert 400 <= r.status_code < 500 and r.json()["error"]["message"]
