@@ -301,6 +301,8 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
             chain = cache.acquire(identity, real[r][0][:-1], own[r])
             if chain:
                 hits[r] = chain
+            if state._model.scheduler.coordinated:  # torchrun: a wait would depend on this rank's timing
+                continue
             wait = cache.computing(real[r][0][:-1], max(len(chain) * B, own[r]))
             if wait is not None:
                 break

@@ -55,6 +55,7 @@ class Request:
     logits: str = "last"
     reserve: int = 0
     thread: int = 0
+    key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
     result: Any = None
     error: BaseException | None = None
     done: bool = False
