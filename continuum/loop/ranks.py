@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from ..errors import ContinuumError
 
-__all__ = ["Ranks", "call_key", "next_key"]
+__all__ = ["Ranks", "call_key", "current_key", "next_key"]
 
 _local = threading.local()
 
@@ -33,6 +33,11 @@ def call_key(key: Hashable) -> Iterator[None]:
         yield
     finally:
         _local.key, _local.count = saved
+
+
+def current_key() -> Hashable | None:
+    """The call key this thread set with :func:`call_key` (None outside one)."""
+    return getattr(_local, "key", None)
 
 
 def next_key() -> tuple:
