@@ -311,6 +311,7 @@ class Scheduler:
                 continue
             for r, res in zip(group, results):
                 r.result = res
+            self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], p.slab.nbytes())
             with model._count_lock:
                 model.tokens_computed += sum(r.ids.numel() for r in group)
             self._stats["merged_forwards"] += 1
@@ -337,7 +338,8 @@ class Scheduler:
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters of merged forwards, and at the largest merged step: ``peak_padding`` (KV cells of the
-        merged cache, holes and dead rows included, over real tokens); ``p99_step_wait_s``: the 99th
+        merged cache, holes and dead rows included, over real tokens); ``peak_kv_bytes``: the largest
+        slab's storage (spare rows and columns reserved ahead included); ``p99_step_wait_s``: the 99th
         percentile of the time between two forwards of one thread while calls were merged."""
         with self._cond:
             out = {k: v for k, v in self._stats.items() if not k.startswith("_")}
