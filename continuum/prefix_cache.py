@@ -273,6 +273,15 @@ def _shared_blocks(a: tuple, b: tuple, B: int) -> int:
 _WAIT_S = 120.0  # the longest a call waits for another's prefill of its prefix before computing it itself
 
 
+def _timing_dependent(model) -> bool:
+    """Under torchrun a named concurrent call (``continuum.loop.ranks.call_key``) neither reads nor fills the
+    prefix cache: whether another call's blocks are there yet depends on each rank's timing, and ranks must
+    run forwards of the same shapes."""
+    from .loop.ranks import current_key
+
+    return current_key() is not None and model.scheduler.coordinated
+
+
 def _identity(model) -> tuple:
     return (getattr(model, "fingerprint", id(model)), str(model.model.dtype), str(model.device))
 
@@ -286,7 +295,7 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
     spare columns for the tokens the caller will append). ``state`` itself when nothing is reused.
     """
     cache = getattr(state._model, "prefix_cache", None)
-    if cache is None:
+    if cache is None or _timing_dependent(state._model):
         return state
     B, C = cache.block_size, kvcache.length(state._kv)
     real, own = state._real_rows(), state._cached_real()
@@ -301,6 +310,8 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
             chain = cache.acquire(identity, real[r][0][:-1], own[r])
             if chain:
                 hits[r] = chain
+            if state._model.scheduler.coordinated:  # torchrun: a wait would depend on this rank's timing
+                continue
             wait = cache.computing(real[r][0][:-1], max(len(chain) * B, own[r]))
             if wait is not None:
                 break
@@ -373,7 +384,7 @@ def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> No
     """Add the full blocks of every row that a prefill just computed (``kv`` covers the first
     ``length(kv)`` columns of ``ids``/``mask``); calls waiting for these prefixes find them now."""
     cache = getattr(model, "prefix_cache", None)
-    if cache is None:
+    if cache is None or _timing_dependent(model):
         return
     try:
         if kv is not None and cache.block_bytes(kv) <= cache.max_bytes:  # else not even one block fits

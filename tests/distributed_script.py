@@ -251,6 +251,46 @@ def programs(ctx: Context) -> dict[str, dict]:
     return {f"run_batch_{i}": record(s, value=value_of(s)) for i, s in enumerate(results)}
 
 
+@section
+def concurrent(ctx: Context) -> dict[str, dict]:
+    """Calls from several threads share forwards; under torchrun rank 0 decides every merged batch
+    (continuum/loop/ranks.py), so every rank runs the same forwards. Each thread names its calls."""
+    import threading
+
+    from continuum.loop.ranks import call_key
+
+    m = ctx.model
+    greedy = continuous(generate.text(m, samplers.greedy()))
+    sampled = continuous(generate.text(m, samplers.multinomial(2)))
+    pick = continuous(generate.choice(m, [" happy", " sad"], samplers.greedy()))
+    regex = continuous(generate.regex(m, r"[0-9]{2}-[a-c]{2}", samplers.greedy()))
+    programs = {
+        "greedy_then_more": lambda: greedy(greedy(PROMPTS[0], max_tokens=4) + " and", max_tokens=3),
+        "sampled": lambda: sampled(PROMPTS[1], max_tokens=5, rng=rng(7)),
+        "choice": lambda: pick(PROMPTS),
+        "regex": lambda: regex(PROMPTS[0]),
+    }
+    out: dict[str, dict] = {}
+    errors: list = []
+
+    def run(i: int, name: str) -> None:
+        try:
+            with call_key(i):
+                state = programs[name]()
+            out[name] = record(state, value=value_of(state))
+        except Exception as exc:  # noqa: BLE001  (reported in the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, name)) for i, name in enumerate(programs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
 # ------------------------------------------------------------------------------------ driver
 def load_model(path: str):
     """The same checkpoint: tensor-parallel under torchrun, plain otherwise."""

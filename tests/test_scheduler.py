@@ -231,3 +231,23 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(bpe_tokenizer):
     assert together == solo
     assert together_tokens == solo_tokens  # the shared prefix computed once, as one call after another does
     assert together_tokens < len(prompts) * prefix
+
+
+def test_programs_with_chained_calls_join_and_leave_at_every_step(model):
+    """Programs of several chained calls (continue, slice, fork, choose) of different lengths: calls join and
+    leave the merged batch at many steps (spare rows, dead rows, new slabs); every program gives its solo result."""
+    text = continuous(generate.text(model, samplers.greedy()))
+    sampled = continuous(generate.text(model, samplers.multinomial(2)))
+    pick = generate.choice(model, [" yes", " no"], samplers.greedy())
+
+    def program(i: int):
+        s = text(PROMPTS[i % len(PROMPTS)], max_tokens=2 + i % 4)
+        s = text(s + " then", max_tokens=1 + (i * 3) % 5)
+        forks = sampled(s[..., : max(1, len(str(s)) - 3)], max_tokens=3, rng=rng(i))
+        return comparable(s), comparable(forks), pick(str(s) + "?")
+
+    jobs = [lambda i=i: program(i) for i in range(8)]
+    solo, together, _ = solo_and_concurrent(model, jobs)
+    assert together == solo
+    stats = model.scheduler.stats()
+    assert stats["merged_forwards"] > 0 and stats["fallbacks"] == 0

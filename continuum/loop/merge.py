@@ -55,6 +55,7 @@ class Request:
     logits: str = "last"
     reserve: int = 0
     thread: int = 0
+    key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
     result: Any = None
     error: BaseException | None = None
     done: bool = False
@@ -150,7 +151,9 @@ def plan(requests: list[Request], layers: int) -> Plan:
                 newcomers.append(r)
         live = sum(r.rows for r in requests)
         joining = sum(r.rows for r in newcomers)
-        dead = slab.rows_used - sum(r.rows for r in members)
+        # rows of departed calls after the last member's are left out of the forward when nobody joins
+        top = slab.rows_used if newcomers else max((_in_place(r)[1] + r.rows for r in members), default=0)  # type: ignore[index]
+        dead = top - sum(r.rows for r in members)
         if (all(r.cached <= slab.end for r in newcomers) and slab.rows_used + joining <= slab.rows_cap
                 and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and N == min(r.new for r in requests)):
             first = {id(r): _in_place(r)[1] for r in members}  # type: ignore[index]  # (members are in place)
@@ -160,7 +163,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
                 first[id(r)] = row
                 copies.append((r.kv, row, r.rows))
                 row += r.rows
-            return Plan(slab, requests, [first[id(r)] for r in requests], slab.end, N, row, copies)
+            return Plan(slab, requests, [first[id(r)] for r in requests], slab.end, N, row if newcomers else top, copies)
     # a new slab: rows in request order, columns right-aligned at the longest cache
     C = max(r.cached for r in requests)
     rows = sum(r.rows for r in requests)

@@ -31,8 +31,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from ..errors import ContinuumError
+from ..parallel import world_size
 from . import merge
 from .merge import Request
+from .ranks import Ranks, next_key
 
 __all__ = ["DEFAULT_MAX_ROWS", "Scheduler", "Ticket", "step_hooks"]
 
@@ -100,6 +103,8 @@ class Scheduler:
         self._pending: list[Request] = []
         self._stats = {"merged_forwards": 0, "requests_merged": 0, "alone": 0, "fallbacks": 0, "new_slabs": 0,
                        "joins_copied": 0, "peak_rows": 0, "peak_padding": 1.0, "peak_kv_bytes": 0}
+        self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides batches
+        self._receiving = False  # a non-leader rank is receiving (then running) rank 0's next batch
         self._gaps: list[float] = []  # seconds between two forwards of one thread, merged steps (bounded sample)
         self._last: dict[int, float] = {}
 
@@ -113,7 +118,7 @@ class Scheduler:
     def _start(self, ticket: Ticket, admit: bool) -> None:
         tid = threading.get_ident()
         with self._cond:
-            if admit and tid not in self._running:
+            if admit and tid not in self._running and self._ranks is None:  # (admission depends on timing)
                 while self._rows and self._rows + ticket.rows > self.max_rows:
                     self._cond.wait()
             self._running[tid] = self._running.get(tid, 0) + 1
@@ -156,8 +161,15 @@ class Scheduler:
         return all(t in queued for t in self._running)
 
     # -- forwards ------------------------------------------------------------------------
+    @property
+    def coordinated(self) -> bool:
+        """Under tensor parallelism: every forward is decided on rank 0 (:mod:`continuum.loop.ranks`)."""
+        return self._ranks is not None
+
     def forward(self, ids, mask, pos, kv, logits: str, reserve: int):
         """``model.forward`` under the scheduler: alone when no other loop runs, else merged."""
+        if self._ranks is not None:
+            return self._forward_coordinated(Request(ids, mask, pos, kv, logits, reserve, threading.get_ident()))
         tid = threading.get_ident()
         with self._cond:
             alone = not self._pending and all(t == tid for t in self._running)
@@ -182,6 +194,67 @@ class Scheduler:
         if req.error is not None:
             raise req.error
         return req.result
+
+    def _forward_coordinated(self, req: Request):
+        """:meth:`forward` under tensor parallelism: rank 0 composes every batch and broadcasts its keys;
+        the other ranks run exactly those requests, in that order (see :mod:`continuum.loop.ranks`)."""
+        assert self._ranks is not None
+        req.key = next_key()
+        tid = req.thread
+        with self._cond:
+            if any(r.key == req.key for r in self._pending):
+                raise ContinuumError(f"two concurrent calls have the same call key {req.key[0]!r}: give each program "
+                                     f"instance its own continuum.loop.ranks.call_key")
+            temporary = tid not in self._running
+            if temporary:
+                self._running[tid] = 1
+            self._pending.append(req)
+            self._cond.notify_all()
+        try:
+            while not req.done:
+                self._coordinated_round(req)
+        finally:
+            if temporary:
+                with self._cond:
+                    self._running.pop(tid, None)
+                    self._cond.notify_all()
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _coordinated_round(self, req: Request) -> None:
+        """Wait until ``req`` is done, or run one batch: rank 0 composes and sends it, other ranks receive it."""
+        assert self._ranks is not None
+        batch: list[Request] | None = None
+        follower = False
+        with self._cond:
+            while not req.done and batch is None and not follower:
+                if self._ranks.leader and self._ready() and req in self._pending:
+                    batch, self._pending = sorted(self._pending, key=lambda r: repr(r.key)), []
+                elif not self._ranks.leader and not self._receiving and req in self._pending:
+                    self._receiving = follower = True
+                else:
+                    self._cond.wait()
+        if batch is not None:
+            self._ranks.share([r.key for r in batch])
+            self._run(batch)
+            return
+        if not follower:
+            return
+        try:  # receive rank 0's batch, wait until all its requests are queued here, run exactly them
+            keys = self._ranks.share([])
+            wanted = set(keys)
+            with self._cond:
+                while not wanted.issubset(r.key for r in self._pending):
+                    self._cond.wait()
+                by_key = {r.key: r for r in self._pending}
+                batch = [by_key[k] for k in keys]
+                self._pending = [r for r in self._pending if r.key not in wanted]
+            self._run(batch)
+        finally:
+            with self._cond:
+                self._receiving = False
+                self._cond.notify_all()
 
     def _wait(self, req: Request) -> list[Request] | None:
         """Wait until ``req`` was run by another thread (None), or until this thread should run the batch."""
@@ -238,6 +311,7 @@ class Scheduler:
                 continue
             for r, res in zip(group, results):
                 r.result = res
+            self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], p.slab.nbytes())
             with model._count_lock:
                 model.tokens_computed += sum(r.ids.numel() for r in group)
             self._stats["merged_forwards"] += 1
@@ -264,7 +338,8 @@ class Scheduler:
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters of merged forwards, and at the largest merged step: ``peak_padding`` (KV cells of the
-        merged cache, holes and dead rows included, over real tokens); ``p99_step_wait_s``: the 99th
+        merged cache, holes and dead rows included, over real tokens); ``peak_kv_bytes``: the largest
+        slab's storage (spare rows and columns reserved ahead included); ``p99_step_wait_s``: the 99th
         percentile of the time between two forwards of one thread while calls were merged."""
         with self._cond:
             out = {k: v for k, v in self._stats.items() if not k.startswith("_")}
