@@ -25,19 +25,20 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .cancel import CancelToken, Cancelled, bound, check_cancelled, current
 from .errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
+from .loop.ranks import call_key, current_key
 
 __all__ = ["run_batch", "check_cancelled"]
 
 _POLL = 0.1  # seconds between two looks of the waiting thread (progress bar, a simulated Ctrl-C)
 
-SERIAL_UNDER_TORCHRUN = True
+SERIAL_UNDER_TORCHRUN = False
 """Under torchrun (a process group of several ranks), run the instances one at a time, in input order.
 
 Every rank must run the same forwards in the same order (tensor parallelism exchanges activations at
-every layer); threads reach the model in a different order on each rank, so concurrent instances could
-mismatch collectives (a hang) or mix sequences. One at a time in input order is the same on every rank.
-A scheduler that decides the composition of merged forwards on one rank and broadcasts it makes
-concurrency safe again: it sets this to False."""
+every layer), and threads reach the model in a different order on each rank. The scheduler decides
+every merged forward on rank 0 and broadcasts it (:mod:`continuum.loop.ranks`), keyed by each
+instance's ``call_key`` (set here, per input index), so concurrent instances are safe there: this
+switch (off) only forces the one-at-a-time fallback, e.g. to rule the coordination out while debugging."""
 
 
 def _several_ranks() -> bool:
@@ -73,6 +74,7 @@ class _Run:
     """One ``run_batch`` call: the input feed, the worker threads and what they produced."""
 
     def __init__(self, program: Callable[[Any], Any], inputs: Iterator, concurrency: int):
+        self.parent = current_key()  # nested run_batch: instance keys stay distinct from the outer ones
         self.program, self.inputs, self.limit = program, inputs, concurrency
         self.token = CancelToken(parent=current())  # a nested run_batch stops with its caller's
         self.lock = threading.Lock()
@@ -118,7 +120,8 @@ class _Run:
                 while (item := self._next()) is not None:
                     i, x = item
                     try:
-                        self.results[i] = self.program(x)
+                        with call_key((self.parent, i)):  # names this instance's forwards alike on every rank
+                            self.results[i] = self.program(x)
                     except Cancelled:
                         break
                     except BaseException as exc:  # one instance's failure never disturbs the others
