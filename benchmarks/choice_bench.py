@@ -54,11 +54,11 @@ class _KVPeak:
 
 def b18b(bench: Bench, cfg) -> list[Row]:
     count = 8 if cfg.quick else 32
-    reps = 1 if cfg.quick else 3
+    reps = 1 if cfg.quick else cfg.heavy_reps  # heavy: 3 by default, --reps overrides
     tok = bench.tok
     prefix = make_text(tok, 455, offset=11)
     prompts = [f"{prefix}\n\nQuestion {i + 1}: {make_text(tok, 12, offset=200 + 41 * i)}\nEnding:" for i in range(count)]
-    cached = models.Transformers(bench.hf, bench.model.tokenizer, prefix_cache="256MiB")
+    cached = models.Transformers(bench.hf, bench.model.tokenizer, prefix_cache="256MiB")  # type: ignore[attr-defined]
     gen = generate.choice(cached, _ENDINGS, samplers.greedy())
     cont = continuous(gen)
     gen(prefix + "\n\nwarm-up")  # the prefix blocks are cached before anything is measured

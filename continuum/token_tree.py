@@ -62,9 +62,13 @@ def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence
     trie of ``options[r]`` (token ids per option); ``context`` ``(rows, cached)`` is the mask of the cached
     columns each node may see."""
     R = len(roots)
-    toks, parents, depths, paths = [], [], [], []
+    toks: list[list[int]] = []
+    parents: list[list[int]] = []
+    depths: list[list[int]] = []
+    paths: list[list[list[int]]] = []
     for r in range(R):
-        tok, parent, depth, children = [roots[r]], [0], [0], [{}]  # node 0: the root (its own parent)
+        tok, parent, depth = [roots[r]], [0], [0]  # node 0: the root (its own parent)
+        children: list[dict[int, int]] = [{}]
         row_paths = []
         for option in options[r]:
             node, path = 0, []
@@ -72,28 +76,34 @@ def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence
                 nxt = children[node].get(t)
                 if nxt is None:
                     nxt = len(tok)
-                    tok.append(t), parent.append(node), depth.append(depth[node] + 1), children.append({})
+                    tok.append(t)
+                    parent.append(node)
+                    depth.append(depth[node] + 1)
+                    children.append({})
                     children[node][t] = nxt
                 path.append(nxt)
                 node = nxt
             row_paths.append(path)
-        toks.append(tok), parents.append(parent), depths.append(depth), paths.append(row_paths)
+        toks.append(tok)
+        parents.append(parent)
+        depths.append(depth)
+        paths.append(row_paths)
     T = max(len(t) for t in toks)
     ids = torch.full((R, T), pad, dtype=torch.long)
     real = torch.zeros((R, T), dtype=torch.long)
-    parent = torch.arange(T).repeat(R, 1)  # padding nodes are their own parents: they see only themselves
-    depth = torch.zeros((R, T), dtype=torch.long)
+    up = torch.arange(T).repeat(R, 1)  # each node's parent; padding nodes are their own: they see only themselves
+    level = torch.zeros((R, T), dtype=torch.long)
     for r in range(R):
         n = len(toks[r])
         ids[r, :n], real[r, :n] = torch.tensor(toks[r]), 1
-        parent[r, :n], depth[r, :n] = torch.tensor(parents[r]), torch.tensor(depths[r])
+        up[r, :n], level[r, :n] = torch.tensor(parents[r]), torch.tensor(depths[r])
     ancestors = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
-    node = torch.arange(T).repeat(R, 1)
-    for _ in range(int(depth.max())):  # walk every node up to the root, one level per step
-        node = parent.gather(1, node)
-        ancestors.scatter_(2, node[:, :, None], True)
+    above = torch.arange(T).repeat(R, 1)
+    for _ in range(int(level.max())):  # walk every node up to the root, one level per step
+        above = up.gather(1, above)
+        ancestors.scatter_(2, above[:, :, None], True)
     dev = context.device
     sees_context = context.bool()[:, None, :] & real.bool().to(dev)[:, :, None]
     allowed = torch.cat([sees_context, ancestors.to(dev)], 2)
-    positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + depth
+    positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + level
     return TokenTree(ids=ids.to(dev), real=real.to(dev), positions=positions.to(dev), allowed=allowed, paths=paths)
