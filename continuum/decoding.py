@@ -83,7 +83,7 @@ def prefill(state: SequenceState, reserve: int = 0) -> SequenceState:
     model's prefix cache, when on, supplies what it holds and keeps what was computed).
     ``reserve``: columns the caller appends right after (choice scoring's token tree), so the KV
     storage written here has room for them."""
-    state = prefix_cache.reuse(state, reserve + state._ids.shape[1] - kvcache.length(state._kv) if reserve else 0)
+    state = prefix_cache.reuse(state, reserve)  # (room after the uncached suffix, which it adds itself)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
     if W - 1 <= C:
         return state
