@@ -34,7 +34,7 @@ import torch
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 __all__ = ["KV", "positions", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
-           "gather_columns", "nbytes", "length", "stack_rows", "assemble", "devices", "to_devices"]
+           "gather_columns", "gather_paths", "nbytes", "length", "stack_rows", "assemble", "devices", "to_devices"]
 
 
 
@@ -364,6 +364,35 @@ def gather_columns(kv: Optional[KV], index: torch.Tensor) -> Optional[KV]:
     k0 = kv[0][0]
     on = _per_device(index[:, None, :, None].expand(-1, k0.shape[1], -1, k0.shape[3]))
     return tuple((k.gather(2, on(k.device)), v.gather(2, on(k.device))) for k, v in kv)
+
+
+def gather_paths(kv: Optional[KV], rows: torch.Tensor, start: int, split: int, index: torch.Tensor,
+                 reserve: int = 0) -> Optional[KV]:
+    """New storage holding, for each output row ``j``, the columns ``[start, split)`` of row ``rows[j]``
+    followed by its columns ``split + index[j, i]`` (``index``: ``(len(rows), n)``).
+
+    Choice scoring uses it to give a chosen (row, option) pair its own cache: the row's context, then
+    the columns of that option's path in the token tree, and nothing of the other options. ``kv`` is
+    only read. The storage is an arena with room for ``reserve`` appended columns (at least a few).
+    """
+    width = split - start + index.shape[1]
+    if kv is None or width <= 0:
+        return None
+    on_rows, on_index = _per_device(rows), _per_device(index)
+    out = []
+    for k, v in kv:
+        r = on_rows(k.device)
+        arena = _Arena.allocate(k, rows.numel(), width + max(reserve, _MIN_SLACK))
+        for src, dst in ((k, arena.keys), (v, arena.values)):
+            if split > start:  # the shared context: one row gather per layer
+                torch.index_select(src[:, :, start:split], 0, r, out=dst[:, :, :split - start])
+            if index.shape[1]:  # the path columns: only the tree part of each chosen row is copied first
+                tree = src[:, :, split:].index_select(0, r)
+                at = on_index(k.device)[:, None, :, None].expand(-1, src.shape[1], -1, src.shape[3])
+                torch.gather(tree, 2, at, out=dst[:, :, split - start:width])
+        arena.filled = width
+        out.append(arena.views(width))
+    return tuple(out)
 
 
 def nbytes(kv: Optional[KV], seen: Optional[set] = None) -> int:

@@ -1,18 +1,26 @@
 """Exact choice: score every option in context with ONE forward pass, then let the sampler pick.
 
-Each row is paired with each option (``state + option``, tokenized as a continuation), the
-uncached suffixes of all pairs are run in a single forward call, and an option's score is the
-sum of the model's log-probs of its tokens (``method="exact"``; no end-of-option term, so an
-option that is a prefix of another scores at least as high) or their mean (``method="mean"``).
+Options are tokenized as ``state + option`` would tokenize them. After the usual prefill (every
+column but each row's last token cached; the prefix cache applies there), all options of a row
+run in ONE row after its context: a token tree (:mod:`continuum.token_tree`) rooted at the row's
+last token, options sharing a prefix sharing its nodes, each node attending to the row's context
+and its own ancestors only, at the positions it would have alone. Every row of the batch is in
+the same forward, which holds ``context + tree`` KV columns per row (never ``options x context``).
+An option's score is the sum of the model's log-probs of its tokens (``method="exact"``; no
+end-of-option term, so an option that is a prefix of another scores at least as high) or their
+mean (``method="mean"``).
 
 The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
 a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
-(row, option) pairs. The chosen pairs keep the KV cache of that forward pass.
+(row, option) pairs. Each chosen pair gets a cache of its own, new storage gathered from the row's
+context columns and its option's tree columns (:func:`~continuum.cache.gather_paths`); nothing
+another state can see is written.
 
 With classifier-free guidance, each option token's score is the guided log-prob
 (:func:`~continuum.guidance.guided_logprobs` of the conditional log-prob and the log-prob after the
 row's unconditional prompt, one more forward over every distinct (unconditional prompt, option)
-pair); the sampler ranks by the summed (or mean) guided scores, the weights stay the raw ones.
+pair, the negative prompt once per option: no row context is replicated there, so it keeps that
+path); the sampler ranks by the summed (or mean) guided scores, the weights stay the raw ones.
 
 With ``token_healing``, a row whose last token can be healed loses it, and each option is scored
 as the removed text followed by the option, tokenized together (the first token may re-cover the
@@ -21,19 +29,19 @@ removed text and the option's start): the option's score includes re-covering th
 
 from __future__ import annotations
 
-import math
 from typing import Generator, Optional, Sequence
 
 import torch
 
 from . import cache as kvcache
+from . import token_tree
 from .cancel import check_cancelled
 from .cache import positions
 from .loop.decoding import Step, check_continuable, prefill
 from .errors import ContextLengthError
 from .guidance import Guidance, guided_logprobs
-from .samplers import Sampler
 from .parallel import check_seeded
+from .samplers import Sampler
 from .state import LastStep, SequenceState
 
 __all__ = ["choose"]
@@ -54,38 +62,29 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
         healed, plans = heal(state, None, [None] * state.rows, [False] * state.rows)
         removed = [t[len(h):] if p is not None else "" for t, h, p in zip(state.texts, healed.texts, plans)]
         state = healed
-    state = prefill(state)  # the shared suffix once; each (row, option) pair then runs 1 + option tokens
     model, tok = state._model, state._model.tokenizer
     K, R = len(options), state.rows
     encoded = {x: [tok.encode_continuation(x + o) for o in options] for x in set(removed)}
-    option_ids = [encoded[removed[i // K]][i % K] for i in range(R * K)]  # per (row, option) pair
+    row_options = [encoded[x] for x in removed]
+    option_ids = [row_options[i // K][i % K] for i in range(R * K)]  # per (row, option) pair
     longest, ctx = int(state._mask.sum(1).max()), model.context_length
     if ctx is not None and longest + max(map(len, option_ids)) > ctx:  # every option is scored in full
         raise ContextLengthError(f"the input ({longest} tokens) leaves no room for the longest option "
                                  f"({max(map(len, option_ids))} tokens) in the model's context ({ctx}): "
                                  f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
+    # the shared suffix once, leaving room for the tree so its forward appends in place
+    state = prefill(state, reserve=1 + max(sum(map(len, opts)) for opts in encoded.values()))
 
-    # every (row, option) pair; rows of one batch item stay together: batch x (samples * K)
-    pairs = state._select([r for r in range(R) for _ in range(K)], state.batch, state.samples * K)
-    real, cached = pairs._real_rows(), pairs._cached_real()
-    tails = [(ids[c:] + option_ids[i], lps[c:] + [math.nan] * len(option_ids[i]))
-             for i, ((ids, lps), c) in enumerate(zip(real, cached))]
-    cand = pairs._rebuild(cached, tails, pairs._weights, None)
-
-    C, W = kvcache.length(cand._kv), cand._ids.shape[1]
-    logits, kv = model.forward(cand._ids[:, C:], cand._mask, positions(cand._mask)[:, C:], cand._kv, logits="all")
-    logprobs = torch.log_softmax(logits, -1)  # (R*K, W-C, V): column j predicts column C+j+1
+    # every option of a row in ONE row after its context: a token tree on top of the row's cache
+    C = kvcache.length(state._kv)  # every column but the last (each row's root) is cached
+    tree = token_tree.build(state._ids[:, C].tolist(), (state._mask.sum(1) - 1).tolist(), row_options,
+                            state._mask[:, :C], tok.pad_token_id)
+    logits, kv = model.forward(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions, state._kv,
+                               logits="all", allowed=tree.allowed)
+    pair_lps = tree.option_logprobs(logits)  # per (row, option) pair, row-major
+    del logits
     lengths = torch.tensor([len(ids) for ids in option_ids])
-    token_lp = cand._logprobs.clone()
-    gain = torch.empty(R * K)  # raw log-prob of each pair's option
-    pair_lps = []
-    for i in range(R * K):
-        n = int(lengths[i])
-        cols = torch.arange(W - n, W)
-        lp = logprobs[i, cols - C - 1, cand._ids[i, cols]]
-        token_lp[i, cols] = lp
-        gain[i] = lp.sum()
-        pair_lps.append(lp)
+    gain = torch.stack([lp.sum() for lp in pair_lps]).cpu() if pair_lps else torch.zeros(0)  # raw log-prob of each option
     if guidance is not None:  # rank by guided scores; the weights (gain) stay raw
         prefixes = guidance.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
         uncond = _uncond_option_logprobs(model, [prefixes[i // K] for i in range(R * K)], option_ids)
@@ -99,23 +98,50 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
     chosen = ancestors * K + ids
     weights = state._weights.to(torch.float32).index_select(0, ancestors) + gain.index_select(0, chosen)
     weights = weights.masked_fill(ranked == float("-inf"), float("-inf"))  # dead beams (fewer pairs than beams)
-    full = SequenceState(model=model, ids=cand._ids, mask=cand._mask, logprobs=token_lp, weights=cand._weights,
-                         kv=kvcache.crop(kv, W - 1), batch=state.batch,
-                         samples=state.samples * K)
     order = list(range(chosen.numel()))
     if sampler.is_beam_search:  # best first, by the score the search ranked with
         n = sampler.samples
         order = [b * n + i for b in range(state.batch) for i in sorted(range(n), key=lambda i: -float(ranked[b * n + i]))]
     pick = torch.tensor(order)
-    out = full._select(chosen.index_select(0, pick).tolist(), state.batch, sampler.samples)
-    weights, ancestors = weights.index_select(0, pick), ancestors.index_select(0, pick)
+    weights, ancestors, ids = weights.index_select(0, pick), ancestors.index_select(0, pick), ids.index_select(0, pick)
+    out = _chosen_state(state, tree, kv, ancestors.tolist(), ids.tolist(), pair_lps, K)
     texts = out.texts
     last = LastStep(kind="choice", starts=tuple(starts[a] for a in ancestors.tolist()), ends=tuple(len(t) for t in texts),
                     complete=(True,) * out.rows, finish=("pattern",) * out.rows)
     result = SequenceState(model=model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=weights,
-                           kv=out._kv, batch=out.batch, samples=out.samples, last=last)
+                           kv=out._kv, batch=state.batch, samples=sampler.samples, last=last)
     yield Step([t[s:] for t, s in zip(texts, last.starts)], True)
     return result
+
+
+def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.KV, rows: list[int], picks: list[int],
+                  pair_lps: list[torch.Tensor], K: int) -> SequenceState:
+    """One row per chosen (row, option) pair: the row's context, its root, then the option's tokens
+    (the last one uncached). Its cache is new storage holding the row's context columns and the
+    option's own tree columns only (``kv``, the tree forward's cache, is only read); rows whose
+    options are shorter than the longest chosen one get holes before their option."""
+    C = kvcache.length(state._kv)
+    dev = state._ids.device
+    paths = [[0] + tree.paths[r][k] for r, k in zip(rows, picks)]  # tree nodes, root first
+    M = max(map(len, paths))
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    used = state._mask[:, :C].index_select(0, idx).bool().any(0)
+    lead = int(used.long().argmax()) if bool(used.any()) else C  # leading padding of every chosen row: dropped
+    J = len(rows)
+    node = torch.tensor([[0] * (M - len(p)) + p for p in paths], dtype=torch.long, device=dev)  # holes: the root
+    hole = torch.tensor([[1] * (M - len(p)) + [0] * len(p) for p in paths], dtype=torch.bool, device=dev)
+    ids = torch.cat([state._ids[:, lead:C].index_select(0, idx), tree.ids.index_select(0, idx).gather(1, node)], 1)
+    ids[:, C - lead:].masked_fill_(hole, state._model.tokenizer.pad_token_id)
+    mask = torch.cat([state._mask[:, lead:C].index_select(0, idx), (~hole).to(state._mask.dtype)], 1)
+    lp = torch.full((J, M), float("nan"), dtype=state._logprobs.dtype, device=dev)
+    for j, (r, k, p) in enumerate(zip(rows, picks, paths)):
+        lp[j, M - len(p)] = state._logprobs[r, C]  # the root keeps its own log-prob
+        if len(p) > 1:
+            lp[j, M - len(p) + 1:] = pair_lps[r * K + k].to(lp)
+    logprobs = torch.cat([state._logprobs[:, lead:C].index_select(0, idx), lp], 1)
+    cache = kvcache.gather_paths(kv, idx, lead, C, node[:, :-1])
+    return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=logprobs, weights=torch.zeros(J),
+                         kv=cache, batch=J, samples=1)
 
 
 def _uncond_option_logprobs(model, prefixes: list[list[int]], option_ids: list[list[int]]) -> list[torch.Tensor]:

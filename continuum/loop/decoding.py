@@ -80,23 +80,26 @@ def _stop_list(stop_at) -> list[str]:
     return stops
 
 
-def prefill(state: SequenceState) -> SequenceState:
+def prefill(state: SequenceState, reserve: int = 0) -> SequenceState:
     """Cache everything but each row's last token (one forward pass over the uncached suffix; the
-    model's prefix cache, when on, supplies what it holds and keeps what was computed)."""
+    model's prefix cache, when on, supplies what it holds and keeps what was computed).
+    ``reserve``: columns the caller appends right after (choice scoring's token tree), so the KV
+    storage written here has room for them."""
     with state._model.scheduler.enter(state.rows):  # concurrent calls share the forward
         try:
-            return _prefill(state)
+            return _prefill(state, reserve)
         finally:
             prefix_cache.settle(state._model)  # prefixes registered as being computed (in-batch sharing)
 
 
-def _prefill(state: SequenceState) -> SequenceState:
-    state = prefix_cache.reuse(state)
+def _prefill(state: SequenceState, reserve: int) -> SequenceState:
+    state = prefix_cache.reuse(state, reserve)  # (room after the uncached suffix, which it adds itself)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
     if W - 1 <= C:
         return state
     mask = state._mask[:, :W - 1]
-    _, kv = state._model.forward(state._ids[:, C:W - 1], mask, positions(mask)[:, C:], state._kv, logits="none")
+    _, kv = state._model.forward(state._ids[:, C:W - 1], mask, positions(mask)[:, C:], state._kv, logits="none",
+                                 reserve=reserve)
     prefix_cache.remember(state._model, state._ids, mask, kv)
     return SequenceState(model=state._model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)

@@ -55,6 +55,7 @@ class Request:
     logits: str = "last"
     reserve: int = 0
     thread: int = 0
+    allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
     key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
     result: Any = None
     error: BaseException | None = None
@@ -74,8 +75,8 @@ class Request:
 
     @property
     def mergeable(self) -> bool:
-        """2-D masks only (a tree-shaped 3-D/4-D mask runs alone)."""
-        return self.mask.dim() == 2 and self.ids.dim() == 2
+        """2-D masks only (a token tree, ``allowed``, runs alone)."""
+        return self.allowed is None and self.mask.dim() == 2 and self.ids.dim() == 2
 
 
 class Slab:

@@ -166,22 +166,24 @@ class Scheduler:
         """Under tensor parallelism: every forward is decided on rank 0 (:mod:`continuum.loop.ranks`)."""
         return self._ranks is not None
 
-    def forward(self, ids, mask, pos, kv, logits: str, reserve: int):
-        """``model.forward`` under the scheduler: alone when no other loop runs, else merged."""
+    def forward(self, ids, mask, pos, kv, logits: str, reserve: int, allowed=None):
+        """``model.forward`` under the scheduler: alone when no other loop runs, else merged (a token-tree
+        request, ``allowed`` given, runs alone in the runner's batch)."""
         if self._ranks is not None:
-            return self._forward_coordinated(Request(ids, mask, pos, kv, logits, reserve, threading.get_ident()))
+            return self._forward_coordinated(Request(ids, mask, pos, kv, logits, reserve, threading.get_ident(),
+                                                     allowed=allowed))
         tid = threading.get_ident()
         with self._cond:
             alone = not self._pending and all(t == tid for t in self._running)
             if not alone:
-                req = Request(ids, mask, pos, kv, logits, reserve, tid)
+                req = Request(ids, mask, pos, kv, logits, reserve, tid, allowed=allowed)
                 temporary = tid not in self._running  # a forward outside any loop (scoring, a user's own call)
                 if temporary:
                     self._running[tid] = 1
                 self._pending.append(req)
                 self._cond.notify_all()
         if alone:
-            return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve)
+            return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
         try:
             batch = self._wait(req)
         finally:
@@ -319,7 +321,8 @@ class Scheduler:
         for r in alone:
             self._stats["alone"] += 1
             try:
-                r.result = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve)
+                r.result = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
+                                                allowed=r.allowed)
             except Exception as exc:  # noqa: BLE001  (handed to the request's owner, raised there)
                 r.error = exc
 

@@ -156,6 +156,7 @@ class Transformers:
         *,
         logits: str = "last",
         reserve: int = 0,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, KV]:
         """Run ``input_ids`` (the uncached columns) on top of ``cache``.
 
@@ -164,20 +165,25 @@ class Transformers:
         every new column ``(rows, new, vocab)`` (``"all"``) or ``None`` (``"none"``), and the KV
         tensors covering all columns. ``cache`` is not modified. ``reserve``: columns the caller will
         append after this call (decoding steps to come), so the KV storage is allocated once.
+        ``allowed``: a boolean ``(rows, new, cached + new)`` matrix, which columns each new column
+        attends to, instead of "every real column up to itself" (a token tree: options scored side
+        by side after one context, see :mod:`continuum.scoring`); ``position_ids`` then say where
+        each new column sits. The sliding window, when the model has one, still applies by position.
 
         While other calls decode on this model (other threads), the forward is merged with theirs
         (:mod:`continuum.loop.scheduler`); the result is the same.
         """
         sched = self.__dict__.get("_scheduler")
         if sched is not None:
-            return sched.forward(input_ids, attention_mask, position_ids, cache, logits, reserve)
-        return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve)
+            return sched.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
+        return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
+                                   allowed=allowed)
 
     @torch.inference_mode()
-    def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0):
+    def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""
         past = to_dynamic_cache(cache, self.config, reserve)
-        out = self._run(input_ids, attention_mask, position_ids, past, logits)
+        out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed)
         with self._count_lock:
             self.tokens_computed += input_ids.numel()
         result = {"last": lambda: out[:, -1, :], "all": lambda: out, "none": lambda: None}[logits]()
@@ -186,12 +192,18 @@ class Transformers:
             self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
         return result, kv
 
-    def _run(self, input_ids, attention_mask, position_ids, past, logits: str) -> torch.Tensor:
+    def _run(self, input_ids, attention_mask, position_ids, past, logits: str, allowed=None) -> torch.Tensor:
         """One model forward on the ``Cache`` object ``past``; the float32 logits of the last column
-        (``logits != "all"``: shape ``(rows, 1, vocab)``) or of every new column."""
+        (``logits != "all"``: shape ``(rows, 1, vocab)``) or of every new column; ``allowed``: see :meth:`forward`."""
+        if allowed is not None:
+            mask: Any = self._tree_masks(attention_mask, position_ids, allowed)
+        elif self._window is not None:
+            mask = self._window_masks(attention_mask, input_ids.shape[1])
+        else:
+            mask = attention_mask
         out = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask if self._window is None else self._window_masks(attention_mask, input_ids.shape[1]),
+            attention_mask=mask,
             position_ids=position_ids,
             past_key_values=past,
             use_cache=True,
@@ -217,15 +229,34 @@ class Transformers:
         pos = mask.cumsum(1) - 1
         dist = pos[:, -new:, None] - pos[:, None, :]
         causal = mask.bool()[:, None, :] & (dist >= 0)
-        sliding = causal & (dist < self._window)
+        return self._additive(causal, causal & (dist < self._window) if self._window is not None else None)
+
+    def _tree_masks(self, mask: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor):
+        """The 4-D additive mask(s) of an explicit ``allowed`` matrix ``(rows, new, columns)``; with a
+        sliding window, a key also needs to be less than ``sliding_window`` positions back (cached
+        columns' positions from ``mask``, new columns' from ``position_ids``)."""
+        allowed = allowed.to(mask.device, torch.bool)
+        if self._window is None:
+            return self._additive(allowed, None)
+        new = position_ids.shape[1]
+        cached = (mask[:, :mask.shape[1] - new].cumsum(1) - 1).clamp(min=0)
+        pos = torch.cat([cached, position_ids.to(cached.device)], 1)
+        dist = position_ids.to(pos.device)[:, :, None] - pos[:, None, :]
+        return self._additive(allowed, allowed & (dist < self._window))
+
+    def _additive(self, full: torch.Tensor, sliding: torch.Tensor | None):
+        """Boolean ``(rows, new, columns)`` masks as the additive ``(rows, 1, new, columns)`` masks the model
+        takes: the sliding one for models whose every layer slides, a dict per layer kind for mixed ones."""
         low = torch.finfo(self.model.dtype).min
 
         def additive(allowed: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(allowed.shape, dtype=self.model.dtype, device=mask.device).masked_fill_(~allowed, low)[:, None]
+            return torch.zeros(allowed.shape, dtype=self.model.dtype, device=allowed.device).masked_fill_(~allowed, low)[:, None]
 
+        if sliding is None:
+            return additive(full)
         if not self._per_layer_masks:  # every layer slides (Mistral-style configs)
             return additive(sliding)
-        return {"full_attention": additive(causal), "sliding_attention": additive(sliding)}
+        return {"full_attention": additive(full), "sliding_attention": additive(sliding)}
 
 
 def _execution_device(module: torch.nn.Module, default: torch.device) -> torch.device:

@@ -1,0 +1,109 @@
+"""Token trees: every option of a row scored in ONE row after its context (choice scoring).
+
+A row's tree starts at its *root*, the row's last token (the one column a prefilled state leaves
+uncached), and holds every option's tokens as a trie hanging off it: options sharing a prefix
+share its nodes. The tree's nodes become the new columns of one forward pass on top of the row's
+cached context, with
+
+* an explicit attention matrix: a node sees the row's real context columns and its own
+  ancestors (itself included), never another branch;
+* explicit positions: a node at depth ``d`` sits at the root's position plus ``d``.
+
+So each option token is computed exactly as if its option alone followed the context, and the
+forward holds ``context + tree`` columns per row instead of ``options x context``: how speculative
+decoders verify a tree of draft tokens. Trees of a batch are laid side by side, padded at the end
+with nodes that see only themselves (their outputs are never read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TokenTree", "build"]
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """The tree columns of a batch of rows (``T`` columns; node 0 of every row is its root).
+
+    ``paths[r][k]``: the node of each token of row ``r``'s option ``k``, in order (the root not included).
+    """
+
+    ids: torch.Tensor  # (rows, T) token of each node; padding nodes hold the pad token
+    real: torch.Tensor  # (rows, T) 1 for nodes, 0 for padding
+    positions: torch.Tensor  # (rows, T)
+    allowed: torch.Tensor  # (rows, T, cached + T) bool: the columns each node attends to
+    paths: list[list[list[int]]]
+
+    def option_logprobs(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Per (row, option) pair, row-major: the log-prob of each of the option's tokens, read from
+        ``logits`` ``(rows, T, vocab)`` of the tree's forward (token ``i`` is predicted by the node
+        of token ``i - 1``, the first one by the root)."""
+        rows, preds, nodes = [], [], []
+        for r, options in enumerate(self.paths):
+            for path in options:
+                rows += [r] * len(path)
+                preds += ([0] + path[:-1]) if path else []
+                nodes += path
+        dev = logits.device
+        rr, pp, nn = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, preds, nodes))
+        tokens = self.ids.to(dev)[rr, nn]
+        norm = torch.stack([torch.logsumexp(row, -1) for row in logits])  # row by row: no (rows, T, vocab) temporary
+        flat = logits[rr, pp, tokens] - norm[rr, pp]
+        return list(flat.split([len(p) for options in self.paths for p in options]))
+
+
+def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence[Sequence[Sequence[int]]],
+          context: torch.Tensor, pad: int) -> TokenTree:
+    """The trees of ``len(roots)`` rows: row ``r`` is ``roots[r]`` (at ``root_positions[r]``) followed by the
+    trie of ``options[r]`` (token ids per option); ``context`` ``(rows, cached)`` is the mask of the cached
+    columns each node may see."""
+    R = len(roots)
+    toks: list[list[int]] = []
+    parents: list[list[int]] = []
+    depths: list[list[int]] = []
+    paths: list[list[list[int]]] = []
+    for r in range(R):
+        tok, parent, depth = [roots[r]], [0], [0]  # node 0: the root (its own parent)
+        children: list[dict[int, int]] = [{}]
+        row_paths = []
+        for option in options[r]:
+            node, path = 0, []
+            for t in option:
+                nxt = children[node].get(t)
+                if nxt is None:
+                    nxt = len(tok)
+                    tok.append(t)
+                    parent.append(node)
+                    depth.append(depth[node] + 1)
+                    children.append({})
+                    children[node][t] = nxt
+                path.append(nxt)
+                node = nxt
+            row_paths.append(path)
+        toks.append(tok)
+        parents.append(parent)
+        depths.append(depth)
+        paths.append(row_paths)
+    T = max(len(t) for t in toks)
+    ids = torch.full((R, T), pad, dtype=torch.long)
+    real = torch.zeros((R, T), dtype=torch.long)
+    up = torch.arange(T).repeat(R, 1)  # each node's parent; padding nodes are their own: they see only themselves
+    level = torch.zeros((R, T), dtype=torch.long)
+    for r in range(R):
+        n = len(toks[r])
+        ids[r, :n], real[r, :n] = torch.tensor(toks[r]), 1
+        up[r, :n], level[r, :n] = torch.tensor(parents[r]), torch.tensor(depths[r])
+    ancestors = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
+    above = torch.arange(T).repeat(R, 1)
+    for _ in range(int(level.max())):  # walk every node up to the root, one level per step
+        above = up.gather(1, above)
+        ancestors.scatter_(2, above[:, :, None], True)
+    dev = context.device
+    sees_context = context.bool()[:, None, :] & real.bool().to(dev)[:, :, None]
+    allowed = torch.cat([sees_context, ancestors.to(dev)], 2)
+    positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + level
+    return TokenTree(ids=ids.to(dev), real=real.to(dev), positions=positions.to(dev), allowed=allowed, paths=paths)
