@@ -50,7 +50,8 @@ class Renderer:
     def end_of_turn(self) -> tuple[frozenset, tuple[str, ...]]:
         """(token ids, texts) that end an assistant turn, read from a rendered sentinel reply."""
         if self._end is None:
-            ids, texts = frozenset(), ()
+            ids: frozenset[int] = frozenset()
+            texts: tuple[str, ...] = ()
             probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
             try:
                 rendered = self.render(probe, tokenize=False, generation=False)

@@ -31,7 +31,8 @@ class Completion(str):
         obj.finish_reason = finish_reason
         return obj
 
-    def __getnewargs__(self) -> tuple[str, str]:  # pickling and copy
+    # pickling and copy; str's stub says a 1-tuple, but __new__ here takes (text, finish_reason)
+    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]
         return (str(self), self.finish_reason)
 
     @property

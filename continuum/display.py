@@ -89,6 +89,7 @@ class _Row:
         part = self.ids[c0:hi]
         wtext = self.tok.decode(part)
         spans = token_char_spans(self.tok, part) if part else []
+        base: Optional[int]  # None: the window's text was not found in the row's
         if hi == len(self.ids) and self.text.endswith(wtext):  # a window that ends the row: exact
             base = len(self.text) - len(wtext)
         else:
@@ -115,6 +116,7 @@ class _Row:
 
     def _char_of_token(self, k: int) -> int:
         self.char_to_token(0)  # sets the byte offsets
+        assert self._data is not None  # set by char_to_token
         nbytes = max(self._offs[k - 1] - self._shift, 0)
         return len(self._data[:nbytes].decode("utf-8", "ignore"))
 
@@ -204,7 +206,8 @@ def _row_header(state, r: int, label: str) -> str:
 def _row_html(state, r: int, label: str) -> str:
     row = _Row(state, r)
     cached = state._cached_real()[r]
-    bars, marks, last = [], (), state._last
+    bars, last = [], state._last
+    marks: Sequence[tuple[int, int, str]] = ()
     if last is not None:
         s, e = last.starts[r], last.ends[r]
         bars.append((s, "#d1242f", f"last {last.kind} step starts here, at character {s}"))

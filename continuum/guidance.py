@@ -149,7 +149,7 @@ class UnconditionalBranch:
         self.prompt_ids, prompt_mask = _left_padded(prefixes, longest, tok.pad_token_id, state._ids.device)
         self.mask = torch.cat([prompt_mask, prompt_mask.new_zeros((len(prefixes), steps))], 1)  # (rows, longest + steps)
         self.width = longest  # columns of self.mask in use
-        self.kv: kvcache.KV = None  # sequential: this branch's cache; batched: both branches', 2x rows
+        self.kv: Optional[kvcache.KV] = None  # sequential: this branch's cache; batched: both branches', 2x rows
         self.lead = 0  # batched: masked leading columns in front of the conditional rows
         self.uncond_logits: Optional[torch.Tensor] = None
 
@@ -158,6 +158,7 @@ class UnconditionalBranch:
         return self.guidance.mode == "batched"
 
     def _cond_view(self, rows: int) -> kvcache.KV:
+        assert self.kv is not None  # batched: both branches' cache, set at the prefill
         return tuple((k[:rows, :, self.lead:], v[:rows, :, self.lead:]) for k, v in self.kv)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv, *, logits: str = "last", reserve: int = 0):
@@ -193,21 +194,23 @@ class UnconditionalBranch:
 
     def guide(self, cond_logprobs: torch.Tensor) -> torch.Tensor:
         """The guided scores of this step, from the conditional log-probs and the stored unconditional logits."""
+        assert self.uncond_logits is not None  # set by forward(), which runs before every guide()
         uncond = torch.log_softmax(self.uncond_logits.float(), -1)
         return guided_logprobs(cond_logprobs, uncond, self.guidance.scale, self.guidance.rescale)
 
-    def reorder(self, ancestors: torch.Tensor, cond_kv: kvcache.KV) -> kvcache.KV:
+    def reorder(self, ancestors: torch.Tensor, cond_kv: Optional[kvcache.KV]) -> Optional[kvcache.KV]:
         """Follow the conditional rows (forks, beams); returns the conditional KV reordered."""
         R = self.mask.shape[0]
         self.mask = self.mask.index_select(0, ancestors.to(self.mask.device))
         if not self.batched:
             self.kv = kvcache.select_rows(self.kv, ancestors)
             return kvcache.select_rows(cond_kv, ancestors)
+        assert self.kv is not None  # batched: set at the prefill
         a = ancestors.to(self.kv[0][0].device)
         self.kv = kvcache.select_rows(self.kv, torch.cat([a, a + R]))
         return self._cond_view(a.numel())
 
-    def release(self, cond_kv: kvcache.KV) -> kvcache.KV:
+    def release(self, cond_kv: Optional[kvcache.KV]) -> Optional[kvcache.KV]:
         """The conditional KV to keep in the result state: its own storage (batched), not a view of 2x rows."""
         if not self.batched or cond_kv is None:
             return cond_kv

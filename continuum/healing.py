@@ -46,6 +46,7 @@ class Heal:
 
     def state_after(self, guide, token: int):
         """The guide state after the healed first token (a copy: a state belongs to one row)."""
+        assert self.states is not None, "state_after is only called on guided heals"
         return guide.copy(self.states[token])
 
 
@@ -154,19 +155,20 @@ def heal(state, guide, guide_states: Sequence[Any], skip: Sequence[bool]):
     before = state.texts
     healed = state._rebuild(cached, tails, weights, state._last)
     for r, text in enumerate(healed.texts):
-        if plans[r] is not None:
-            plans[r].chars = len(before[r]) - len(text)
+        plan = plans[r]
+        if plan is not None:
+            plan.chars = len(before[r]) - len(text)
     return healed, plans
 
 
 def apply_heal_masks(logprobs: torch.Tensor, plans: Sequence[Optional[Heal]]) -> torch.Tensor:
     """Keep only each healed row's allowed first tokens (other rows untouched)."""
-    rows = [r for r, p in enumerate(plans) if p is not None]
+    rows = [(r, p) for r, p in enumerate(plans) if p is not None]
     if not rows:
         return logprobs
     mask = torch.zeros_like(logprobs)
-    for r in rows:
+    for r, p in rows:
         keep = torch.full((logprobs.shape[-1],), float("-inf"), device=logprobs.device)
-        keep[plans[r].allowed.to(logprobs.device)] = 0.0
+        keep[p.allowed.to(logprobs.device)] = 0.0
         mask[r] = keep
     return logprobs + mask

@@ -10,7 +10,7 @@ a few copies, plus the KV cache from the model's config) and raises
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from .errors import GeneratorArgumentError
 
@@ -38,7 +38,7 @@ def available_bytes(device) -> Optional[int]:
 
 def row_bytes(model, tokens: int) -> int:
     """Bytes one row needs over ``tokens`` positions: its log-prob copies plus its KV cache."""
-    cfg = getattr(getattr(model, "model", None), "config", None)
+    cfg: Any = getattr(getattr(model, "model", None), "config", None)  # None: AttributeError below, caught
     vocab = getattr(cfg, "vocab_size", None) or len(model.tokenizer.hf)
     total = vocab * 4 * _LOGIT_COPIES
     try:

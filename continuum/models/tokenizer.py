@@ -221,7 +221,7 @@ class Tokenizer:
         return token.replace("\u2581", " ").encode()
 
     @cached_property
-    def vocabulary(self):
+    def vocabulary(self) -> Any:  # outlines_core.Vocabulary (untyped)
         """The outlines-core ``Vocabulary`` (token bytes -> ids), without special tokens."""
         from outlines_core import Vocabulary
 

@@ -269,6 +269,7 @@ class SequenceState:
 
     def _parse_row(self, r: int, text: str) -> Any:
         """Row ``r``'s value; a schema violation is re-raised naming the row."""
+        assert self._last is not None  # called only for a state with a last step
         if not self._last.parse:
             return text
         try:
@@ -335,7 +336,7 @@ class SequenceState:
         cols = torch.cat([torch.arange(lead, C, device=ids.device), uncached])
         if cols.numel() != ids.shape[1]:
             ids, mask, lp = ids[:, cols], mask[:, cols], lp[:, cols]
-            kv = None if C == lead else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
+            kv = None if C == lead or kv is None else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
         kv = kvcache.compact(kv)  # a few rows of a big cache: do not pin the rest
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp,
                              weights=self._weights.index_select(0, idx.to(self._weights.device)),

@@ -33,7 +33,9 @@ class LastStep:
     marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
 
     def select(self, rows: Sequence[int]) -> "LastStep":
-        pick = lambda t: tuple(t[r] for r in rows) if t is not None else None  # noqa: E731
+        def pick(t: Any) -> Any:  # any per-row tuple field, or None
+            return tuple(t[r] for r in rows) if t is not None else None
+
         return replace(self, starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
                        guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks))
 
