@@ -6,8 +6,9 @@ how a template turns messages into a prompt and how a turn ends, nothing about s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from .errors import ChatTemplateError
 
@@ -22,10 +23,10 @@ class Renderer:
     template kwargs (the end-of-turn marker is read once and kept)."""
 
     model: Any
-    template: Optional[str]
-    tools: Optional[list]
+    template: str | None
+    tools: list | None
     template_kwargs: dict
-    _end: Optional[tuple[frozenset, tuple[str, ...]]] = field(default=None, repr=False)
+    _end: tuple[frozenset, tuple[str, ...]] | None = field(default=None, repr=False)
 
     @property
     def hf(self):

@@ -26,7 +26,7 @@ class Completion(str):
 
     finish_reason: str
 
-    def __new__(cls, text: str, finish_reason: str) -> "Completion":
+    def __new__(cls, text: str, finish_reason: str) -> Completion:
         obj = super().__new__(cls, text)
         obj.finish_reason = finish_reason
         return obj

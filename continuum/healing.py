@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ class Heal:
     removed: int
     chars: int
     allowed: torch.Tensor  # ids whose bytes start with the removed token's bytes (and the guide accepts)
-    states: Optional[dict[int, Any]] = None  # guided: the guide state after each allowed id
+    states: dict[int, Any] | None = None  # guided: the guide state after each allowed id
 
     def state_after(self, guide, token: int):
         """The guide state after the healed first token (a copy: a state belongs to one row)."""
@@ -58,7 +59,7 @@ def _sorted_vocab(tokenizer) -> tuple[list[bytes], list[int]]:
     return cache["_sorted"]
 
 
-def candidates(tokenizer, token: int) -> Optional[list[int]]:
+def candidates(tokenizer, token: int) -> list[int] | None:
     """Ids whose bytes start with ``token``'s bytes, or ``None`` when healing ``token`` changes
     nothing (a special token, or no token strictly extends it). Memoised per token.
 
@@ -120,7 +121,7 @@ def heal(state, guide, guide_states: Sequence[Any], skip: Sequence[bool]):
     """
     tok = state._model.tokenizer
     real, cached = state._real_rows(), state._cached_real()
-    plans: list[Optional[Heal]] = [None] * state.rows
+    plans: list[Heal | None] = [None] * state.rows
     memo = tok.heal_cache.setdefault("_guided", {})
     for r, (ids, _) in enumerate(real):
         if skip[r] or len(ids) < 2:
@@ -161,7 +162,7 @@ def heal(state, guide, guide_states: Sequence[Any], skip: Sequence[bool]):
     return healed, plans
 
 
-def apply_heal_masks(logprobs: torch.Tensor, plans: Sequence[Optional[Heal]]) -> torch.Tensor:
+def apply_heal_masks(logprobs: torch.Tensor, plans: Sequence[Heal | None]) -> torch.Tensor:
     """Keep only each healed row's allowed first tokens (other rows untouched)."""
     rows = [(r, p) for r, p in enumerate(plans) if p is not None]
     if not rows:

@@ -7,7 +7,7 @@ function here works with decoded *prefixes*: token ``k`` ends at ``len(decode(id
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["longest_token_prefix", "token_char_spans", "Detokenizer"]
 
@@ -92,7 +92,7 @@ class Detokenizer:
         self.text = ""
         self._stable = ""
 
-    def copy(self) -> "Detokenizer":
+    def copy(self) -> Detokenizer:
         new = Detokenizer.__new__(Detokenizer)
         new.tokenizer, new.context, new._ctx_text = self.tokenizer, self.context, self._ctx_text
         new.ids, new.text, new._stable = list(self.ids), self.text, self._stable

@@ -68,7 +68,7 @@ class ModelFingerprint:
     tp_plan: str | None = None
 
     @classmethod
-    def from_dict(cls, saved: dict) -> "ModelFingerprint":
+    def from_dict(cls, saved: dict) -> ModelFingerprint:
         """The fingerprint a file recorded; files saved before layouts were recorded were single-process."""
         return cls(**{k: saved[k] for k in ("architecture", "config", "weights", "world_size", "rank", "tp_plan") if k in saved})
 

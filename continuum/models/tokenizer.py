@@ -18,8 +18,9 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import TokenizerError, UnencodableTextError
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ def _not_addable(other, op: str) -> ContinuumTypeError:
                               f"it takes {_ADDABLE}{hint}")
 
 
-def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: str) -> list[str]:
+def per_row_texts(state: SequenceState, other: str | Sequence[str], op: str) -> list[str]:
     if isinstance(other, str):
         check_encodable(other, _ARGUMENT[op])
         return [other] * state.rows
