@@ -8,13 +8,13 @@ from . import chat, generate, models, samplers
 from .completion import Completion
 from .errors import (
     BatchMismatch,
-    ChatTemplateError,
     ContinuumError,
     IncompleteGenerationError,
     ModelMismatch,
     SampleMismatch,
     SlicingError,
     TokenizerMismatch,
+    ChatTemplateError,
 )
 from .generate import continuous
 from .state import SequenceState
