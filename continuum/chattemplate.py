@@ -6,8 +6,9 @@ how a template turns messages into a prompt and how a turn ends, nothing about s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from .errors import ChatTemplateError
 
@@ -22,10 +23,10 @@ class Renderer:
     template kwargs (the end-of-turn marker is read once and kept)."""
 
     model: Any
-    template: Optional[str]
-    tools: Optional[list]
+    template: str | None
+    tools: list | None
     template_kwargs: dict
-    _end: Optional[tuple[frozenset, tuple[str, ...]]] = field(default=None, repr=False)
+    _end: tuple[frozenset, tuple[str, ...]] | None = field(default=None, repr=False)
 
     @property
     def hf(self):
@@ -50,7 +51,8 @@ class Renderer:
     def end_of_turn(self) -> tuple[frozenset, tuple[str, ...]]:
         """(token ids, texts) that end an assistant turn, read from a rendered sentinel reply."""
         if self._end is None:
-            ids, texts = frozenset(), ()
+            ids: frozenset[int] = frozenset()
+            texts: tuple[str, ...] = ()
             probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _SENTINEL}]
             try:
                 rendered = self.render(probe, tokenize=False, generation=False)

@@ -26,12 +26,13 @@ class Completion(str):
 
     finish_reason: str
 
-    def __new__(cls, text: str, finish_reason: str) -> "Completion":
+    def __new__(cls, text: str, finish_reason: str) -> Completion:
         obj = super().__new__(cls, text)
         obj.finish_reason = finish_reason
         return obj
 
-    def __getnewargs__(self) -> tuple[str, str]:  # pickling and copy
+    # pickling and copy; str's stub says a 1-tuple, but __new__ here takes (text, finish_reason)
+    def __getnewargs__(self) -> tuple[str, str]:  # type: ignore[override]
         return (str(self), self.finish_reason)
 
     @property

@@ -22,7 +22,7 @@ import bisect
 import html
 import json
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
 
 from .errors import BatchMismatch, ContinuumTypeError
 from .text import token_char_spans
@@ -69,7 +69,7 @@ class _Row:
         self.tok = state._model.tokenizer
         self.ids, self.lps = state._real_rows()[r]
         self.text = state.texts[r]
-        self._data: Optional[bytes] = None
+        self._data: bytes | None = None
 
     def char_to_token(self, char: int) -> int:
         """The first token whose bytes reach past character ``char`` (via byte offsets: nothing decoded)."""
@@ -89,6 +89,7 @@ class _Row:
         part = self.ids[c0:hi]
         wtext = self.tok.decode(part)
         spans = token_char_spans(self.tok, part) if part else []
+        base: int | None  # None: the window's text was not found in the row's
         if hi == len(self.ids) and self.text.endswith(wtext):  # a window that ends the row: exact
             base = len(self.text) - len(wtext)
         else:
@@ -101,20 +102,21 @@ class _Row:
             out.append((base + a if base is not None else -1, base + b if base is not None else -1, wtext[a:b]))
         return out
 
-    def _locate(self, c0: int, wtext: str) -> Optional[int]:
+    def _locate(self, c0: int, wtext: str) -> int | None:
         """Where the text decoded from token ``c0`` on starts in the row's text (``None``: not found)."""
         probe = wtext.rstrip("\ufffd")
         if c0 == 0:
             return 0 if self.text.startswith(probe) else None
         guess = self._char_of_token(c0)  # exact unless the text holds U+FFFD (bytes that decode to none)
         for cand in (guess, guess + 1, guess - 1):  # SentencePiece drops a window's leading space
-            if 0 <= cand and self.text.startswith(probe, cand):
+            if cand >= 0 and self.text.startswith(probe, cand):
                 return cand
         found = self.text.find(probe, max(0, guess - 32))
         return found if found >= 0 and abs(found - guess) <= 32 else None
 
     def _char_of_token(self, k: int) -> int:
         self.char_to_token(0)  # sets the byte offsets
+        assert self._data is not None  # set by char_to_token
         nbytes = max(self._offs[k - 1] - self._shift, 0)
         return len(self._data[:nbytes].decode("utf-8", "ignore"))
 
@@ -136,7 +138,7 @@ def _tooltip(k: int, tid: int, text: str, lp: float, kind: str, cached: bool) ->
 
 
 def _tokens_html(row: _Row, lo: int, hi: int, *, cached: int = 0, marks=(), bars: Sequence[tuple[int, str, str]] = (),
-                 clip: Optional[tuple[int, int]] = None, head: int = HEAD, tail: int = TAIL) -> str:
+                 clip: tuple[int, int] | None = None, head: int = HEAD, tail: int = TAIL) -> str:
     """Spans of tokens ``lo:hi``, elided in the middle when long.
 
     ``marks``: absolute ``(start, end, kind)`` char spans (forced/healed tokens); ``bars``:
@@ -166,11 +168,12 @@ def _tokens_html(row: _Row, lo: int, hi: int, *, cached: int = 0, marks=(), bars
                     continue
                 text = text[max(clip[0] - a, 0):len(text) - max(b - clip[1], 0)]
             tid, lp = row.ids[k], row.lps[k]
-            kind = next((m for s, e, m in marks if 0 <= a and s <= a and b <= e), "")
+            kind = next((m for s, e, m in marks if a >= 0 and s <= a and b <= e), "")
             tip = _esc(_tooltip(k, tid, text, lp, kind, k < cached))
             style = ("" if lp != lp else _shade(lp)) + (_FORCED if kind == "forced" else _HEALED if kind == "healed" else "")
             if text:
-                out.append(f'<span data-tok="{k}" title="{tip}"' + (f' style="{style}"' if style else "") + f">{_esc(text)}</span>")
+                out.append(f'<span data-tok="{k}" title="{tip}"' + (f' style="{style}"' if style else "")
+                           + f">{_esc(text)}</span>")
             elif tid in row.tok.special_ids:  # BOS...: decodes to nothing; its name, outside the row's text
                 name = row.tok.hf.convert_ids_to_tokens(tid) or f"id {tid}"
                 out.append(f'<span data-special="{k}" title="{tip}" style="{_SPECIAL}{style}">{_esc(str(name))}</span>')
@@ -204,7 +207,8 @@ def _row_header(state, r: int, label: str) -> str:
 def _row_html(state, r: int, label: str) -> str:
     row = _Row(state, r)
     cached = state._cached_real()[r]
-    bars, marks, last = [], (), state._last
+    bars, last = [], state._last
+    marks: Sequence[tuple[int, int, str]] = ()
     if last is not None:
         s, e = last.starts[r], last.ends[r]
         bars.append((s, "#d1242f", f"last {last.kind} step starts here, at character {s}"))

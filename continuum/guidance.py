@@ -22,8 +22,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -55,7 +55,9 @@ def guided_scores(cond_logits: torch.Tensor, uncond_logits: torch.Tensor, scale:
 
 @dataclass(frozen=True)
 class Guidance:
-    """Validated classifier-free guidance settings of a generator. :meth:`make` returns ``None`` when ``scale == 1`` (no guidance).
+    """Validated classifier-free guidance settings of a generator.
+
+    :meth:`make` returns ``None`` when ``scale == 1`` (no guidance).
 
     ``negative``: the negative prompt(s) as token ids, one tuple (shared by every batch row) or one
     per batch row; ``None`` means the default unconditional prompt (BOS, else the row's last token).
@@ -63,13 +65,13 @@ class Guidance:
 
     scale: float
     rescale: float = 0.0
-    negative: Optional[tuple[tuple[int, ...], ...]] = None
+    negative: tuple[tuple[int, ...], ...] | None = None
     per_row: bool = False  # one negative prompt per batch row (a list was given)
     mode: str = "batched"
 
     @classmethod
-    def make(cls, tokenizer, guidance_scale: float = 1.0, negative_prompt: Union[str, Sequence[str], None] = None,
-             guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Optional["Guidance"]:
+    def make(cls, tokenizer, guidance_scale: float = 1.0, negative_prompt: str | Sequence[str] | None = None,
+             guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Guidance | None:
         """Check the generator arguments; raise :class:`GeneratorArgumentError` saying what to pass instead."""
         for name, value in (("guidance_scale", guidance_scale), ("guidance_rescale", guidance_rescale)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -95,7 +97,7 @@ class Guidance:
             return None
         return cls(float(guidance_scale), float(guidance_rescale), negative, per_row, cfg_mode)
 
-    def prefixes(self, batch: int, samples: int, last_tokens: Sequence[int], bos: Optional[int]) -> list[list[int]]:
+    def prefixes(self, batch: int, samples: int, last_tokens: Sequence[int], bos: int | None) -> list[list[int]]:
         """The unconditional prompt of every row (batch-major, ``samples`` rows per batch item).
 
         Raises :class:`BatchMismatch` when a list of negative prompts does not match ``batch``.
@@ -149,15 +151,16 @@ class UnconditionalBranch:
         self.prompt_ids, prompt_mask = _left_padded(prefixes, longest, tok.pad_token_id, state._ids.device)
         self.mask = torch.cat([prompt_mask, prompt_mask.new_zeros((len(prefixes), steps))], 1)  # (rows, longest + steps)
         self.width = longest  # columns of self.mask in use
-        self.kv: kvcache.KV = None  # sequential: this branch's cache; batched: both branches', 2x rows
+        self.kv: kvcache.KV | None = None  # sequential: this branch's cache; batched: both branches', 2x rows
         self.lead = 0  # batched: masked leading columns in front of the conditional rows
-        self.uncond_logits: Optional[torch.Tensor] = None
+        self.uncond_logits: torch.Tensor | None = None
 
     @property
     def batched(self) -> bool:
         return self.guidance.mode == "batched"
 
     def _cond_view(self, rows: int) -> kvcache.KV:
+        assert self.kv is not None  # batched: both branches' cache, set at the prefill
         return tuple((k[:rows, :, self.lead:], v[:rows, :, self.lead:]) for k, v in self.kv)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv, *, logits: str = "last", reserve: int = 0):
@@ -181,7 +184,8 @@ class UnconditionalBranch:
             width = max(kvcache.length(kv), self.width)
             self.lead = width - kvcache.length(kv)
             self.kv = kvcache.stack_rows([kv, ukv], width, reserve)
-            self.mask = torch.cat([self.mask.new_zeros((R, width - self.width)), self.mask], 1) if width > self.width else self.mask
+            if width > self.width:
+                self.mask = torch.cat([self.mask.new_zeros((R, width - self.width)), self.mask], 1)
             self.width = width
             return cond, self._cond_view(R)
         # one generated column for 2R rows: the conditional rows behind `lead` masked columns
@@ -193,21 +197,23 @@ class UnconditionalBranch:
 
     def guide(self, cond_logprobs: torch.Tensor) -> torch.Tensor:
         """The guided scores of this step, from the conditional log-probs and the stored unconditional logits."""
+        assert self.uncond_logits is not None  # set by forward(), which runs before every guide()
         uncond = torch.log_softmax(self.uncond_logits.float(), -1)
         return guided_logprobs(cond_logprobs, uncond, self.guidance.scale, self.guidance.rescale)
 
-    def reorder(self, ancestors: torch.Tensor, cond_kv: kvcache.KV) -> kvcache.KV:
+    def reorder(self, ancestors: torch.Tensor, cond_kv: kvcache.KV | None) -> kvcache.KV | None:
         """Follow the conditional rows (forks, beams); returns the conditional KV reordered."""
         R = self.mask.shape[0]
         self.mask = self.mask.index_select(0, ancestors.to(self.mask.device))
         if not self.batched:
             self.kv = kvcache.select_rows(self.kv, ancestors)
             return kvcache.select_rows(cond_kv, ancestors)
+        assert self.kv is not None  # batched: set at the prefill
         a = ancestors.to(self.kv[0][0].device)
         self.kv = kvcache.select_rows(self.kv, torch.cat([a, a + R]))
         return self._cond_view(a.numel())
 
-    def release(self, cond_kv: kvcache.KV) -> kvcache.KV:
+    def release(self, cond_kv: kvcache.KV | None) -> kvcache.KV | None:
         """The conditional KV to keep in the result state: its own storage (batched), not a view of 2x rows."""
         if not self.batched or cond_kv is None:
             return cond_kv

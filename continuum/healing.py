@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -42,10 +43,11 @@ class Heal:
     removed: int
     chars: int
     allowed: torch.Tensor  # ids whose bytes start with the removed token's bytes (and the guide accepts)
-    states: Optional[dict[int, Any]] = None  # guided: the guide state after each allowed id
+    states: dict[int, Any] | None = None  # guided: the guide state after each allowed id
 
     def state_after(self, guide, token: int):
         """The guide state after the healed first token (a copy: a state belongs to one row)."""
+        assert self.states is not None, "state_after is only called on guided heals"
         return guide.copy(self.states[token])
 
 
@@ -57,7 +59,7 @@ def _sorted_vocab(tokenizer) -> tuple[list[bytes], list[int]]:
     return cache["_sorted"]
 
 
-def candidates(tokenizer, token: int) -> Optional[list[int]]:
+def candidates(tokenizer, token: int) -> list[int] | None:
     """Ids whose bytes start with ``token``'s bytes, or ``None`` when healing ``token`` changes
     nothing (a special token, or no token strictly extends it). Memoised per token.
 
@@ -119,7 +121,7 @@ def heal(state, guide, guide_states: Sequence[Any], skip: Sequence[bool]):
     """
     tok = state._model.tokenizer
     real, cached = state._real_rows(), state._cached_real()
-    plans: list[Optional[Heal]] = [None] * state.rows
+    plans: list[Heal | None] = [None] * state.rows
     memo = tok.heal_cache.setdefault("_guided", {})
     for r, (ids, _) in enumerate(real):
         if skip[r] or len(ids) < 2:
@@ -154,19 +156,20 @@ def heal(state, guide, guide_states: Sequence[Any], skip: Sequence[bool]):
     before = state.texts
     healed = state._rebuild(cached, tails, weights, state._last)
     for r, text in enumerate(healed.texts):
-        if plans[r] is not None:
-            plans[r].chars = len(before[r]) - len(text)
+        plan = plans[r]
+        if plan is not None:
+            plan.chars = len(before[r]) - len(text)
     return healed, plans
 
 
-def apply_heal_masks(logprobs: torch.Tensor, plans: Sequence[Optional[Heal]]) -> torch.Tensor:
+def apply_heal_masks(logprobs: torch.Tensor, plans: Sequence[Heal | None]) -> torch.Tensor:
     """Keep only each healed row's allowed first tokens (other rows untouched)."""
-    rows = [r for r, p in enumerate(plans) if p is not None]
+    rows = [(r, p) for r, p in enumerate(plans) if p is not None]
     if not rows:
         return logprobs
     mask = torch.zeros_like(logprobs)
-    for r in rows:
+    for r, p in rows:
         keep = torch.full((logprobs.shape[-1],), float("-inf"), device=logprobs.device)
-        keep[plans[r].allowed.to(logprobs.device)] = 0.0
+        keep[p.allowed.to(logprobs.device)] = 0.0
         mask[r] = keep
     return logprobs + mask

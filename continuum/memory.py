@@ -10,17 +10,18 @@ a few copies, plus the KV cache from the model's config) and raises
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 from .errors import GeneratorArgumentError
 
 __all__ = ["check_rows_fit", "available_bytes", "row_bytes"]
 
-_LOGIT_COPIES = 8  # logits, log-probs, masked and sorted copies, the sampler's working tensors (measured peak: ~3x a 4-copy estimate)
+# logits, log-probs, masked and sorted copies, the sampler's working tensors (measured peak: ~3x a 4-copy estimate)
+_LOGIT_COPIES = 8
 _HEADROOM = 2  # refuse past half the memory available: the estimate is rough and other allocations share it
 
 
-def available_bytes(device) -> Optional[int]:
+def available_bytes(device) -> int | None:
     """Memory available for new tensors on ``device``, or None when unknown."""
     import torch
 
@@ -38,7 +39,7 @@ def available_bytes(device) -> Optional[int]:
 
 def row_bytes(model, tokens: int) -> int:
     """Bytes one row needs over ``tokens`` positions: its log-prob copies plus its KV cache."""
-    cfg = getattr(getattr(model, "model", None), "config", None)
+    cfg: Any = getattr(getattr(model, "model", None), "config", None)  # None: AttributeError below, caught
     vocab = getattr(cfg, "vocab_size", None) or len(model.tokenizer.hf)
     total = vocab * 4 * _LOGIT_COPIES
     try:

@@ -11,7 +11,7 @@ it identically on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ def world_size(model: Any) -> int:
     return getattr(hf, "_tp_size", None) or 1
 
 
-def check_seeded(model: Any, sampler: Any, rng: Optional[torch.Generator]) -> None:
+def check_seeded(model: Any, sampler: Any, rng: torch.Generator | None) -> None:
     """Warn (once per process) when a random sampler runs without ``rng`` under tensor parallelism."""
     global _warned
     if _warned or rng is not None or not getattr(sampler, "is_random", False) or world_size(model) == 1:

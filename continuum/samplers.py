@@ -16,8 +16,6 @@ several new rows share one ancestor, so a prompt is prefilled once whatever the 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .errors import GeneratorArgumentError
@@ -43,7 +41,7 @@ class Sampler:
     is_random: bool = False
 
     def __call__(
-        self, logprobs: torch.Tensor, scores: torch.Tensor, group: int, rng: Optional[torch.Generator] = None
+        self, logprobs: torch.Tensor, scores: torch.Tensor, group: int, rng: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -106,7 +104,8 @@ class MultinomialSampler(Sampler):
 
     is_random = True
 
-    def __init__(self, samples: int = 1, *, top_k: int | None = None, top_p: float | None = None, temperature: float | None = None):
+    def __init__(self, samples: int = 1, *, top_k: int | None = None, top_p: float | None = None,
+                 temperature: float | None = None):
         _check("samples", samples, _is_int(samples) and samples >= 1, "an int >= 1")
         _check("top_k", top_k, top_k is None or (_is_int(top_k) and top_k >= 1), "an int >= 1, or None (no top-k)")
         _check("top_p", top_p, top_p is None or (_is_real(top_p) and 0.0 < top_p <= 1.0), "a number in (0, 1], or None")
@@ -115,7 +114,8 @@ class MultinomialSampler(Sampler):
         self.samples, self.top_k, self.top_p, self.temperature = samples, top_k, top_p, temperature
 
     def __repr__(self) -> str:
-        args = [str(self.samples)] + [f"{k}={v}" for k, v in (("top_k", self.top_k), ("top_p", self.top_p), ("temperature", self.temperature)) if v is not None]
+        named = (("top_k", self.top_k), ("top_p", self.top_p), ("temperature", self.temperature))
+        args = [str(self.samples)] + [f"{k}={v}" for k, v in named if v is not None]
         return f"MultinomialSampler({', '.join(args)})"
 
     def _filter(self, logits: torch.Tensor) -> torch.Tensor:
@@ -182,7 +182,8 @@ def greedy() -> GreedySampler:
     return GreedySampler()
 
 
-def multinomial(samples: int = 1, *, top_k: int | None = None, top_p: float | None = None, temperature: float | None = None) -> MultinomialSampler:
+def multinomial(samples: int = 1, *, top_k: int | None = None, top_p: float | None = None,
+                temperature: float | None = None) -> MultinomialSampler:
     """A multinomial sampler (see :class:`MultinomialSampler`)."""
     return MultinomialSampler(samples, top_k=top_k, top_p=top_p, temperature=temperature)
 

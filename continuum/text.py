@@ -7,7 +7,7 @@ function here works with decoded *prefixes*: token ``k`` ends at ``len(decode(id
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["longest_token_prefix", "token_char_spans", "Detokenizer"]
 
@@ -58,17 +58,18 @@ def token_char_spans(tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
         return spans
     texts = [tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
     complete = [not t.endswith("\ufffd") for t in texts]
-    spans, start = [], 0
+    cols: list[list[int]] = []  # [start, end] per token, ends fixed below
+    start = 0
     for k, t in enumerate(texts):
-        spans.append([start, len(t)])
+        cols.append([start, len(t)])
         if complete[k]:
             start = len(t)
     end = len(texts[-1]) if texts else 0
     for k in range(len(ids) - 1, -1, -1):  # an incomplete token ends where its character ends
         if complete[k]:
             end = len(texts[k])
-        spans[k][1] = max(end, spans[k][0])
-    return [tuple(x) for x in spans]
+        cols[k][1] = max(end, cols[k][0])
+    return [(a, b) for a, b in cols]
 
 
 class Detokenizer:
@@ -91,7 +92,7 @@ class Detokenizer:
         self.text = ""
         self._stable = ""
 
-    def copy(self) -> "Detokenizer":
+    def copy(self) -> Detokenizer:
         new = Detokenizer.__new__(Detokenizer)
         new.tokenizer, new.context, new._ctx_text = self.tokenizer, self.context, self._ctx_text
         new.ids, new.text, new._stable = list(self.ids), self.text, self._stable

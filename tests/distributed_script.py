@@ -22,16 +22,17 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: this checkout's continuum
 from continuum import SequenceState, continuous, generate, models, samplers
 
-SECTIONS: dict[str, Callable[["Context"], dict[str, dict]]] = {}
+SECTIONS: dict[str, Callable[[Context], dict[str, dict]]] = {}
 
 
 @dataclass

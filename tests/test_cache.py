@@ -118,9 +118,9 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
     import gc
     import weakref
 
-    from conftest import assert_reuse_exact
-
     from continuum import continuous, generate, samplers
+
+    from conftest import assert_reuse_exact
 
     greedy = continuous(generate.text(gpt2_model, samplers.greedy()))
     big = greedy("Once upon a time", max_tokens=200)

@@ -9,10 +9,11 @@ import re
 
 import pytest
 import torch
-from conftest import assert_reuse_exact, tiny_gpt2, tiny_llama
 
 from continuum import Completion, SequenceState, continuous, generate, models, samplers
 from continuum.errors import ContextLengthError, IncompleteGenerationError
+
+from conftest import assert_reuse_exact, tiny_gpt2, tiny_llama
 
 CTX = 32
 PROMPTS = ["Once upon a time, there was a little girl", "The dog", "Le café est très bon"]

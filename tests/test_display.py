@@ -192,8 +192,9 @@ def _saved(state):
 def test_healed_token_is_marked():
     from transformers import AutoTokenizer
 
-    from conftest import fixture_path, tiny_llama
     from continuum import models
+
+    from conftest import fixture_path, tiny_llama
 
     tok = AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", "gpt2")))
     model = models.Transformers(tiny_llama(len(tok), bos=0, eos=tok.eos_token_id), tok)

@@ -6,12 +6,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_reuse_exact, make_bpe_tokenizer
 
 from continuum import SequenceState, continuous, generate, models, samplers
-from continuum.errors import (BatchMismatch, ContinuumError, ContinuumTypeError, EmptyChoicesError,
-                              GeneratorArgumentError, InvalidChoicesError, InvalidRegexError, SampleMismatch,
-                              SlicingError, StateFileError, TokenizerError, UnsupportedSchemaError)
+from continuum.errors import (
+    BatchMismatch,
+    ContinuumError,
+    ContinuumTypeError,
+    EmptyChoicesError,
+    GeneratorArgumentError,
+    InvalidChoicesError,
+    InvalidRegexError,
+    SampleMismatch,
+    SlicingError,
+    StateFileError,
+    TokenizerError,
+    UnsupportedSchemaError,
+)
+
+from conftest import assert_reuse_exact, make_bpe_tokenizer
 
 PROMPTS = ["Once upon a time", "The dog"]
 
@@ -283,7 +295,7 @@ def test_corrupt_state_files(model, tmp_path):
     truncated.write_bytes(good.read_bytes()[:200])
     save_file({"x": torch.zeros(2)}, str(foreign))  # a safetensors file, not a state
     for path in (garbage, truncated, foreign):
-        raises(StateFileError, "save the state again", lambda: SequenceState.load(path, model))
+        raises(StateFileError, "save the state again", lambda: SequenceState.load(path, model))  # noqa: B023 - called now
     with pytest.raises(FileNotFoundError):
         SequenceState.load(tmp_path / "missing.st", model)
     loaded = SequenceState.load(good, model)

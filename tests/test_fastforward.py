@@ -104,7 +104,7 @@ def test_forced_runs_per_row_budget_and_beams(gpt2_model):
     states, texts = [], []
     for option in ["Positive feedback", "No opinion at all"]:
         ids, s = tok.encode_continuation(option), guide.new_state()
-        for i, t in enumerate(ids):  # walk to the first state that forces the rest of the option
+        for i, t in enumerate(ids):  # noqa: B007 - i is read below; walk to the first state that forces the rest of the option
             s = guide.advance(s, t)
             if guide.forced_tokens(s):
                 break

@@ -28,12 +28,13 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import check_unchanged, snapshot
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from continuum import ContinuumError, SequenceState, continuous, generate, samplers
+
+from conftest import check_unchanged, snapshot
 
 EXAMPLES = int(os.environ.get("CONTINUUM_FUZZ_API_EXAMPLES", "100"))
 BOUND_S = 60.0
@@ -93,17 +94,22 @@ CHOICES = [["yes", "no"], [], "yes", [""], ["a", "a"], [1, 2], [" yes", "no", "m
            [str(i) for i in range(300)], ["\x00", "é"], ("x", "y"), {"a", "b"}, [["a"]], ["a", None], ["ok", SURROGATES[0]]]
 SCHEMAS = [{"type": "integer"}, {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]},
            {"enum": ["a", "b"]}, {}, True, False, "not json", '{"type": "string", "maxLength": 2}', 3, None, [],
-           {"type": "strin"}, {"$ref": "#/nope"}, {"$ref": "http://x/y"}, {"not": {"pattern": "^a"}}, _deep(100), _cyclic(),
-           {"enum": list(range(20_000))}, {"type": "string", "pattern": "("}, {"type": "array", "items": {"type": "integer"}, "minItems": 2},
+           {"type": "strin"}, {"$ref": "#/nope"}, {"$ref": "http://x/y"}, {"not": {"pattern": "^a"}}, _deep(100),
+           _cyclic(), {"enum": list(range(20_000))}, {"type": "string", "pattern": "("},
+           {"type": "array", "items": {"type": "integer"}, "minItems": 2},
            User, {"type": "number", "minimum": NAN}, {"type": "integer", "minimum": 5, "maximum": 1},
-           {"type": "string", "format": "email"}, {"properties": {SURROGATES[0]: {}}}, {"type": "object", "properties": {"a": {"$ref": "#"}}},
+           {"type": "string", "format": "email"}, {"properties": {SURROGATES[0]: {}}},
+           {"type": "object", "properties": {"a": {"$ref": "#"}}},
            {"const": SURROGATES[1]}, {"type": "string", "pattern": "^[a-z]{1000000}$"}, {"type": "integer", "multipleOf": 0},
            {"type": "string", "minLength": 10**9}, {"anyOf": []}, {"allOf": [{"type": "string"}, {"type": "integer"}]},
            '{"items":' * 3000 + "{}" + "}" * 3000, int, BaseModel]
 SCHEMA_WORDS = ["type", "properties", "items", "enum", "const", "minimum", "maximum", "pattern", "required", "anyOf",
-                "oneOf", "allOf", "not", "$ref", "format", "minLength", "maxLength", "additionalProperties", "$defs", "if", "then"]
-json_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from(["string", "integer", "object", "a", "#", "^a$"])),
-                          lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(SCHEMA_WORDS), inner, max_size=3)),
+                "oneOf", "allOf", "not", "$ref", "format", "minLength", "maxLength", "additionalProperties", "$defs", "if",
+                "then"]
+json_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3),
+                                    st.sampled_from(["string", "integer", "object", "a", "#", "^a$"])),
+                          lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                  st.dictionaries(st.sampled_from(SCHEMA_WORDS), inner, max_size=3)),
                           max_leaves=8)
 random_schema = st.dictionaries(st.sampled_from(SCHEMA_WORDS), json_value, max_size=4)
 GRAMMARS = ['start: "a" | "b"', "", "start: ", "start: /[0-9]+/", 'root ::= "a" | "b"', 'start: a\na: "x" a | "x"',
@@ -194,8 +200,8 @@ def _sampler(s):
 
 
 def _build(model, sp):
-    common = dict(guidance_scale=sp["guidance_scale"], negative_prompt=sp["negative_prompt"], guidance_rescale=sp["guidance_rescale"],
-                  cfg_mode=sp["cfg_mode"], token_healing=sp["token_healing"])
+    common = dict(guidance_scale=sp["guidance_scale"], negative_prompt=sp["negative_prompt"],
+                  guidance_rescale=sp["guidance_rescale"], cfg_mode=sp["cfg_mode"], token_healing=sp["token_healing"])
     sampler = _sampler(sp["sampler"])
     kind = sp["kind"]
     if kind == "text":
@@ -314,8 +320,9 @@ state_arg = st.one_of(text, st.lists(text, max_size=3), st.sampled_from([3, None
 
 @settings(max_examples=max(20, EXAMPLES // 2), deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(which=st.sampled_from(["same", "forked", "cut", "beams", "empty-slice"]), op=st.sampled_from(["add", "radd", "index", "stack"]),
-       arg=state_arg, index=st.lists(st.sampled_from(INDEXES), min_size=1, max_size=4), model_name=st.sampled_from(["gpt2", "llama"]))
+@given(which=st.sampled_from(["same", "forked", "cut", "beams", "empty-slice"]),
+       op=st.sampled_from(["add", "radd", "index", "stack"]), arg=state_arg,
+       index=st.lists(st.sampled_from(INDEXES), min_size=1, max_size=4), model_name=st.sampled_from(["gpt2", "llama"]))
 def test_state_operations_return_or_raise_a_continuum_error(gpt2_model, llama_model, which, op, arg, index, model_name):
     """``state + x``, ``x + state``, ``state[...]`` and ``SequenceState.stack`` with odd arguments."""
     model, other = (gpt2_model, llama_model) if model_name == "gpt2" else (llama_model, gpt2_model)

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 import torch
 
-from conftest import assert_reuse_exact, make_bpe_tokenizer, tiny_gpt2
-
 from continuum import BatchMismatch, continuous, generate, models, samplers
 from continuum.errors import ContextLengthError, GeneratorArgumentError
+
+from conftest import assert_reuse_exact, make_bpe_tokenizer, tiny_gpt2
 
 PROMPTS = ["Once upon a time", "The quick brown fox jumps"]
 NEGATIVE = "Le café est très bon à Paris; naïve façade"
@@ -252,7 +252,8 @@ def test_negative_prompt_list_must_match_the_batch(model):
 ])
 def test_arguments_are_checked_at_creation(gpt2_model, kwargs, match):
     for make in (lambda: generate.text(gpt2_model, **kwargs), lambda: generate.regex(gpt2_model, "[a-z]+", **kwargs),
-                 lambda: generate.choice(gpt2_model, ["a", "b"], **kwargs), lambda: generate.json(gpt2_model, {"type": "integer"}, **kwargs)):
+                 lambda: generate.choice(gpt2_model, ["a", "b"], **kwargs),
+                 lambda: generate.json(gpt2_model, {"type": "integer"}, **kwargs)):
         with pytest.raises(GeneratorArgumentError, match=match):
             make()
 

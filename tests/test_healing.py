@@ -21,8 +21,9 @@ def tmodel(request):
     """A tiny random Llama over a real byte-level tokenizer (seeded: the same model in every test)."""
     from transformers import AutoTokenizer
 
-    from conftest import fixture_path, tiny_llama
     from continuum import models
+
+    from conftest import fixture_path, tiny_llama
 
     tok = AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", request.param)))
     hf = tiny_llama(len(tok), bos=tok.bos_token_id or 0, eos=tok.eos_token_id)

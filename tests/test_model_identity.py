@@ -11,10 +11,11 @@ import logging
 
 import pytest
 import torch
-from conftest import _sharpen, count_forward_tokens, next_logits_fresh, next_logits_via_cache, tiny_llama
 
 from continuum import ModelMismatch, SequenceState, TokenizerMismatch, continuous, generate, models, samplers
 from continuum.errors import GeneratorArgumentError
+
+from conftest import _sharpen, count_forward_tokens, next_logits_fresh, next_logits_via_cache, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_load_old_format_drops_cache(pair, tmp_path, caplog):
     s.save(tmp_path / "new.safetensors")
     with safe_open(str(tmp_path / "new.safetensors"), framework="pt") as f:  # rewrite as a format-1 file
         meta = json.loads(f.metadata()["continuum"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
     meta["format"] = 1
     del meta["model"]
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"continuum": json.dumps(meta)})

@@ -60,7 +60,7 @@ def _rewrite_layout(src, dst, **layout):
 
     with safe_open(str(src), framework="pt") as f:
         meta = json.loads(f.metadata()["continuum"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
     for key, value in layout.items():
         if value is None:
             meta["model"].pop(key, None)

@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
-from conftest import CORPUS, assert_reuse_exact, check_unchanged, make_bpe_tokenizer, snapshot, tiny_gpt2
-
 from continuum import continuous, generate, models, samplers
 from continuum.errors import ContinuumTypeError, PrefixCacheArgumentError
 from continuum.prefix_cache import PrefixCache, parse_budget
+
+from conftest import CORPUS, assert_reuse_exact, check_unchanged, make_bpe_tokenizer, snapshot, tiny_gpt2
 
 PREFIX = " ".join(CORPUS[:2]) + " "  # ~70-110 tokens: several 16-token blocks
 
@@ -181,14 +181,14 @@ def test_four_threads_equal_sequential_calls(gpt2_model):
         gen = generate.text(twin, samplers.greedy())
         results, bound, errors = [None] * len(prompts), [], []
 
-        def work(i0):
+        def work(i0):  # reads this iteration's gen/twin/results/bound/errors: the threads are joined below, in it
             try:
                 for i in range(i0, len(prompts), 4):
-                    results[i] = gen(prompts[i], max_tokens=4)
-                    s = twin.prefix_cache.stats()
-                    bound.append(s["bytes"] <= s["max_bytes"])
+                    results[i] = gen(prompts[i], max_tokens=4)  # noqa: B023
+                    s = twin.prefix_cache.stats()  # noqa: B023
+                    bound.append(s["bytes"] <= s["max_bytes"])  # noqa: B023
             except Exception as exc:  # pragma: no cover - reported below
-                errors.append(exc)
+                errors.append(exc)  # noqa: B023
 
         threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
         for t in threads:

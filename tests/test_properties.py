@@ -26,7 +26,6 @@ import math
 
 import pytest
 import torch
-from conftest import chars_key, check_unchanged, count_forward_tokens, snapshot
 from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 
@@ -34,6 +33,8 @@ from continuum import SequenceState, SlicingError, continuous, generate, sampler
 from continuum import cache as kvcache
 from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.text import longest_token_prefix
+
+from conftest import chars_key, check_unchanged, count_forward_tokens, snapshot
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])

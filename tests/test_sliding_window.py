@@ -19,8 +19,7 @@ PROMPTS = ["Once upon a time there was", "Le café", "東京は 🤗 and more"]
 
 @pytest.fixture(scope="module", params=["mistral", "qwen2-mixed", "gemma2"])
 def sliding_model(request, spm_tokenizer):
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     common = dict(vocab_size=len(spm_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -26,9 +26,10 @@ import weakref
 
 import pytest
 import torch
-from conftest import next_logits_via_cache
 
 from continuum import SequenceState, continuous, generate, samplers
+
+from conftest import next_logits_via_cache
 
 pytestmark = pytest.mark.slow
 
@@ -195,7 +196,8 @@ def test_long_session_memory_is_flat_and_states_unchanged(gpt2_model):
             witnesses.append(Witness(s, session.greedy))
         if i % 25 == 0:
             # the storages of states that just left the window must die unless something alive holds them
-            live = {t.untyped_storage().data_ptr() for x in [*session.alive, *(w.state for w in witnesses)] for t in state_tensors(x)}
+            live = {t.untyped_storage().data_ptr()
+                    for x in [*session.alive, *(w.state for w in witnesses)] for t in state_tensors(x)}
             dropped += [weakref.ref(st) for ptr, st in before.items() if ptr not in live]
         del before
         if i % 25 == 0 and i >= 50:

@@ -8,10 +8,11 @@ and the generator give what they give without the failed call (checked against a
 from __future__ import annotations
 
 import pytest
-from conftest import check_unchanged, snapshot
 
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.errors import ContinuumError, UnencodableTextError
+
+from conftest import check_unchanged, snapshot
 
 BAD = "\ud800abc"  # a lone surrogate at position 0
 LATE = "héllo \udc80!"  # ... at position 6

@@ -23,7 +23,17 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
+
+# Python's regex parser: `re._parser`/`re._constants` from 3.11 (the old names then warn on import), `sre_parse`/
+# `sre_constants` on 3.10 (requires-python >= 3.10; mypy's python_version = "3.10" checks this branch).
+if sys.version_info >= (3, 11):
+    from re import _constants as c  # type: ignore[attr-defined]  # private module; typeshed stubs only sre_*
+    from re import _parser  # type: ignore[attr-defined]  # same
+else:
+    import sre_constants as c
+    import sre_parse as _parser
 
 __all__ = ["RegexSize", "estimate_regex"]
 
@@ -200,9 +210,6 @@ def _rough(pattern: str) -> RegexSize:
 
 def estimate_regex(pattern: str) -> RegexSize:
     """Estimated size of the outlines-core automaton of ``pattern`` (see the module docstring)."""
-    from re import _constants as c
-    from re import _parser
-
     try:
         tree = _parser.parse(_rust_to_python(pattern))
     except OverflowError:  # a repetition bound past 2^32: huge

@@ -1,7 +1,7 @@
 """Model and tokenizer adapters."""
 
-from .tokenizer import Tokenizer
 from .hf import Transformers, transformers
 from .identity import ModelFingerprint
+from .tokenizer import Tokenizer
 
 __all__ = ["Transformers", "transformers", "Tokenizer", "ModelFingerprint"]

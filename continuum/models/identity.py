@@ -27,9 +27,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["ModelFingerprint", "fingerprint_of", "config_hash", "weights_hash", "parallel_layout"]
 
@@ -65,7 +68,7 @@ class ModelFingerprint:
     tp_plan: str | None = None
 
     @classmethod
-    def from_dict(cls, saved: dict) -> "ModelFingerprint":
+    def from_dict(cls, saved: dict) -> ModelFingerprint:
         """The fingerprint a file recorded; files saved before layouts were recorded were single-process."""
         return cls(**{k: saved[k] for k in ("architecture", "config", "weights", "world_size", "rank", "tp_plan") if k in saved})
 
@@ -98,7 +101,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def weights_hash(module: torch.nn.Module) -> str:
+def weights_hash(module: PreTrainedModel) -> str:
     """A hash of a few fixed elements of every parameter and of the embeddings' first and last rows."""
     h = hashlib.sha256()
     slices: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -110,9 +113,9 @@ def weights_hash(module: torch.nn.Module) -> str:
         slices.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
 
     with torch.no_grad():
-        for name, p in module.named_parameters():
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-            p = _local(p)
+        for name, param in module.named_parameters():
+            h.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+            p = _local(param)
             flat = p.detach().reshape(-1) if p.is_contiguous() else p.detach()[(0,) * (p.dim() - 1)]
             n = flat.numel()
             for start in (0, max(0, n // 2 - _SLICE // 2), max(0, n - _SLICE)):
@@ -122,7 +125,7 @@ def weights_hash(module: torch.nn.Module) -> str:
             if w is not None and w.dim() == 2:
                 take(w.detach()[0])
                 take(w.detach()[-1])
-        for (device, dtype), parts in sorted(slices.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        for (_device, dtype), parts in sorted(slices.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
             data = torch.cat(parts).cpu().contiguous()
             h.update(f"{dtype}".encode())
             h.update(data.view(torch.uint8).numpy().tobytes())
@@ -134,7 +137,7 @@ def parallel_layout(module: torch.nn.Module) -> tuple[int, int, str | None]:
     world = getattr(module, "_tp_size", None) or 1
     if world <= 1:
         return 1, 0, None
-    mesh = getattr(module, "_device_mesh", None)
+    mesh: Any = getattr(module, "_device_mesh", None)  # None: the TypeError below is caught
     try:
         rank = mesh["tp"].get_local_rank()
     except Exception:  # a mesh without a "tp" dimension name: the global rank is the tp rank
@@ -147,7 +150,7 @@ def parallel_layout(module: torch.nn.Module) -> tuple[int, int, str | None]:
     return world, rank, f"{name if isinstance(name, str) else 'custom'}:{hashlib.sha256(plan.encode()).hexdigest()[:8]}"
 
 
-def fingerprint_of(module: torch.nn.Module) -> ModelFingerprint:
+def fingerprint_of(module: PreTrainedModel) -> ModelFingerprint:
     """The :class:`ModelFingerprint` of a Hugging Face ``PreTrainedModel`` (its parallel layout included)."""
     world, rank, plan = parallel_layout(module)
     return ModelFingerprint(type(module).__name__, config_hash(module.config), weights_hash(module), world, rank, plan)

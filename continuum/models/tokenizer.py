@@ -18,8 +18,9 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import TokenizerError, UnencodableTextError
 
@@ -221,7 +222,7 @@ class Tokenizer:
         return token.replace("\u2581", " ").encode()
 
     @cached_property
-    def vocabulary(self):
+    def vocabulary(self) -> Any:  # outlines_core.Vocabulary (untyped)
         """The outlines-core ``Vocabulary`` (token bytes -> ids), without special tokens."""
         from outlines_core import Vocabulary
 

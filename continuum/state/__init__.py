@@ -11,7 +11,8 @@ How the package is arranged (imports point one way, except the documented bindin
   ``convert`` (moving a state to another model, dropping its cache) and ``persistence`` (save and
   load): each imports ``core`` (and ``convert`` where a model must be checked); from outside the
   package, the state modules import only lower modules (``cache``, ``text``, ``errors``,
-  ``completion``). These imports of ``core`` are the only import circle the library allows (``tests/test_imports.py`` checks that there is no other anywhere).
+  ``completion``). These imports of ``core`` are the only import circle the library allows
+  (``tests/test_imports.py`` checks that there is no other anywhere).
 
 Everything outside the package imports ``SequenceState``/``LastStep`` from here.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ def _not_addable(other, op: str) -> ContinuumTypeError:
                               f"it takes {_ADDABLE}{hint}")
 
 
-def per_row_texts(state: SequenceState, other: Union[str, Sequence[str]], op: str) -> list[str]:
+def per_row_texts(state: SequenceState, other: str | Sequence[str], op: str) -> list[str]:
     if isinstance(other, str):
         check_encodable(other, _ARGUMENT[op])
         return [other] * state.rows
@@ -139,17 +139,19 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
             for s, (c, _) in zip(states, widths):
                 shape = (s.rows, k0.shape[1], C - c, k0.shape[3])
                 gap = k0.new_zeros(shape)
-                ks.append(torch.cat([gap, s._kv[i][0]], 2) if c else gap)
-                vs.append(torch.cat([gap, s._kv[i][1]], 2) if c else gap)
+                ks.append(torch.cat([gap, s._kv[i][0]], 2) if c and s._kv is not None else gap)  # c > 0: cached
+                vs.append(torch.cat([gap, s._kv[i][1]], 2) if c and s._kv is not None else gap)
             layers.append((torch.cat(ks), torch.cat(vs)))
         kv = tuple(layers)
     weights = torch.cat([s._weights for s in states])
     last = None
-    if all(s._last is not None for s in states) and len({s._last.kind for s in states}) == 1:
-        l0 = states[0]._last
-        last = l0.edited(starts=sum((s._last.starts for s in states), ()), ends=sum((s._last.ends for s in states), ()),
-                         complete=sum((s._last.complete for s in states), ()),
-                         finish=sum((s._last.finish for s in states), ()) if all(s._last.finish for s in states) else None,
-                         marks=sum((s._last.marks for s in states), ()) if all(s._last.marks for s in states) else None)
+    lasts = [s._last for s in states if s._last is not None]
+    if len(lasts) == len(states) and len({x.kind for x in lasts}) == 1:
+        finishes = [x.finish for x in lasts if x.finish]
+        marks = [x.marks for x in lasts if x.marks]
+        last = lasts[0].edited(starts=sum((x.starts for x in lasts), ()), ends=sum((x.ends for x in lasts), ()),
+                               complete=sum((x.complete for x in lasts), ()),
+                               finish=sum(finishes, ()) if len(finishes) == len(lasts) else None,
+                               marks=sum(marks, ()) if len(marks) == len(lasts) else None)
     return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
                          batch=sum(s.batch for s in states), samples=first.samples, last=last)

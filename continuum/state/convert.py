@@ -61,8 +61,8 @@ def to_model(state: SequenceState, model) -> SequenceState:
     moved = state._ids.device != dev or (kv is not None and kvcache.devices(kv) != where)
     if model is state._model and not moved:
         return state
-    if moved:  # same values, other device(s): move them, each layer to its layer's device (device_map)
-        kv = kvcache.to_devices(kv, where)
+    if moved and where is not None:  # same values, other device(s): each layer to its layer's device (device_map)
+        kv = kvcache.to_devices(kv, where)  # (where is None only without a cache: nothing to move)
     return SequenceState(model=model, ids=state._ids.to(dev), mask=state._mask.to(dev), logprobs=state._logprobs.to(dev),
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 

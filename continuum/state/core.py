@@ -20,7 +20,8 @@ Two invariants keep continuing cheap and exact:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class SequenceState:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_prompts(cls, model, prompts: Union[str, Sequence[str]]) -> "SequenceState":
+    def from_prompts(cls, model, prompts: str | Sequence[str]) -> SequenceState:
         """A state holding tokenized prompts (no cache, zero weights, one sample)."""
         hint = "pass a str, a non-empty list of str or (to a continuous generator) a SequenceState"
         if not isinstance(prompts, (str, list, tuple)):
@@ -87,13 +88,13 @@ class SequenceState:
 
     @classmethod
     def _from_rows(cls, model, rows: list[list[int]], lps: list[list[float]], weights: torch.Tensor, batch: int,
-                   samples: int, last: LastStep | None) -> "SequenceState":
+                   samples: int, last: LastStep | None) -> SequenceState:
         ids, mask, lp = _right_aligned(rows, lps, model.tokenizer.pad_token_id, model.device)
         return cls(model=model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=None, batch=batch,
                    samples=samples, last=last)
 
     def _rebuild(self, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], list[float]]], weights: torch.Tensor,
-                 last: LastStep | None) -> "SequenceState":
+                 last: LastStep | None) -> SequenceState:
         """A state keeping, per row, its first ``keep_cached[r]`` cached tokens, followed by ``tails[r]``.
 
         The kept cached columns stay where they are (a view of the cache; cut tokens become holes);
@@ -102,7 +103,7 @@ class SequenceState:
         """
         C = kvcache.length(self._kv)
         keep = list(keep_cached)
-        tails = [(list(t), list(l)) for t, l in tails]
+        tails = [(list(t), list(p)) for t, p in tails]
         real = self._real_rows()
         for r in range(self.rows):
             if not tails[r][0] and keep[r] > 0:
@@ -118,7 +119,7 @@ class SequenceState:
             C2 = int(last_col.max()) + 1
         else:
             C2 = 0
-        tail_ids, tail_mask, tail_lp = _right_aligned([t for t, _ in tails], [l for _, l in tails],
+        tail_ids, tail_mask, tail_lp = _right_aligned([t for t, _ in tails], [p for _, p in tails],
                                                       self._model.tokenizer.pad_token_id, device)
         if C2:
             ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
@@ -140,7 +141,7 @@ class SequenceState:
             mask = self._mask.bool().tolist()
             ids, lps = self._ids.tolist(), self._logprobs.tolist()
             self._cache["real"] = [
-                ([t for t, m in zip(ri, rm) if m], [l for l, m in zip(rl, rm) if m]) for ri, rl, rm in zip(ids, lps, mask)
+                ([t for t, m in zip(ri, rm) if m], [p for p, m in zip(rl, rm) if m]) for ri, rl, rm in zip(ids, lps, mask)
             ]
         return self._cache["real"]
 
@@ -269,6 +270,7 @@ class SequenceState:
 
     def _parse_row(self, r: int, text: str) -> Any:
         """Row ``r``'s value; a schema violation is re-raised naming the row."""
+        assert self._last is not None  # called only for a state with a last step
         if not self._last.parse:
             return text
         try:
@@ -288,7 +290,7 @@ class SequenceState:
     def _compact(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "compact" not in self._cache:
             real = self._real_rows()
-            self._cache["compact"] = _right_aligned([r for r, _ in real], [l for _, l in real],
+            self._cache["compact"] = _right_aligned([r for r, _ in real], [p for _, p in real],
                                                     self._model.tokenizer.pad_token_id, self._ids.device)
         return self._cache["compact"]
 
@@ -301,7 +303,9 @@ class SequenceState:
 
     def __str__(self) -> str:
         texts = self.texts
-        return texts[0] if len(texts) == 1 else "\n".join(f"[{r // self.samples},{r % self.samples}] {t}" for r, t in enumerate(texts))
+        if len(texts) == 1:
+            return texts[0]
+        return "\n".join(f"[{r // self.samples},{r % self.samples}] {t}" for r, t in enumerate(texts))
 
     def __repr__(self) -> str:
         def short(t: str) -> str:
@@ -322,7 +326,7 @@ class SequenceState:
     _repr_html_ = to_html  # Jupyter, VS Code and Colab draw a state with it
 
     # ------------------------------------------------------------------ row selection
-    def _select(self, rows: Sequence[int], batch: int, samples: int) -> "SequenceState":
+    def _select(self, rows: Sequence[int], batch: int, samples: int) -> SequenceState:
         """Rows ``rows`` (any order, repeats allowed); columns that are padding in all of them are dropped."""
         idx = torch.tensor(list(rows), dtype=torch.long)
         dev = idx.to(self._ids.device)
@@ -335,28 +339,28 @@ class SequenceState:
         cols = torch.cat([torch.arange(lead, C, device=ids.device), uncached])
         if cols.numel() != ids.shape[1]:
             ids, mask, lp = ids[:, cols], mask[:, cols], lp[:, cols]
-            kv = None if C == lead else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
+            kv = None if lead == C or kv is None else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
         kv = kvcache.compact(kv)  # a few rows of a big cache: do not pin the rest
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp,
                              weights=self._weights.index_select(0, idx.to(self._weights.device)),
                              kv=kv, batch=batch, samples=samples, last=self._last.select(rows) if self._last else None)
 
     # ------------------------------------------------------------------ indexing, adding, stacking, persistence
-    def __getitem__(self, key) -> Union["SequenceState", str, list[str]]:
+    def __getitem__(self, key) -> SequenceState | str | list[str]:
         return indexing.getitem(self, key)
 
-    def _truncate(self, ends: Sequence[int]) -> "SequenceState":
+    def _truncate(self, ends: Sequence[int]) -> SequenceState:
         """Keep the first ``ends[r]`` characters of each row, reusing the cache of what stays."""
         return indexing.truncate(self, ends)
 
-    def __add__(self, other) -> "SequenceState":
+    def __add__(self, other) -> SequenceState:
         return combine.add(self, other)
 
-    def __radd__(self, other) -> "SequenceState":
+    def __radd__(self, other) -> SequenceState:
         return combine.radd(self, other)
 
     @staticmethod
-    def stack(states: Sequence["SequenceState"]) -> "SequenceState":
+    def stack(states: Sequence[SequenceState]) -> SequenceState:
         """Stack states along the batch axis (same tokenizer and samples), keeping their caches.
 
         Each state's cached columns are left-padded to the widest cache and its uncached suffix to
@@ -364,7 +368,7 @@ class SequenceState:
         """
         return combine.stack(states)
 
-    def to_model(self, model) -> "SequenceState":
+    def to_model(self, model) -> SequenceState:
         """This state for ``model``: same tokens, weights, log-probs and last step.
 
         Another model (same tokenizer) gets no cache: a KV cache is only valid for the model that
@@ -384,7 +388,7 @@ class SequenceState:
         persistence.save(self, path)
 
     @classmethod
-    def load(cls, path, model) -> "SequenceState":
+    def load(cls, path, model) -> SequenceState:
         """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer).
 
         Saved from another model (or by an older version that recorded no model), the state keeps
@@ -394,17 +398,18 @@ class SequenceState:
         return persistence.load(path, model)
 
 
-def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]], pad: int,
+                   device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-pad ragged rows into (ids, mask, logprobs) tensors."""
     width = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     lp = torch.full((len(rows), width), _NAN, dtype=torch.float32)
-    for i, (r, l) in enumerate(zip(rows, lps)):
+    for i, (r, row_lps) in enumerate(zip(rows, lps)):
         if r:
             ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
-            lp[i, width - len(r):] = torch.tensor(l, dtype=torch.float32)
+            lp[i, width - len(r):] = torch.tensor(row_lps, dtype=torch.float32)
     return ids.to(device), mask.to(device), lp.to(device)
 
 

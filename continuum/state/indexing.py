@@ -8,7 +8,7 @@ kept text (:func:`truncate`); any other cut re-tokenizes the kept text as a fres
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ from .core import _NAN, SequenceState
 __all__ = ["getitem", "slice_chars", "truncate", "resegment"]
 
 
-def getitem(state: SequenceState, key) -> Union[SequenceState, str, list[str]]:
+def getitem(state: SequenceState, key) -> SequenceState | str | list[str]:
     """``state[key]``: select batch/sample rows and cut text (see :class:`SequenceState`)."""
     key = key if isinstance(key, tuple) else (key,)
     if any(k is Ellipsis for k in key):  # numpy-style: `...` stands for the missing leading axes
@@ -37,7 +37,8 @@ def getitem(state: SequenceState, key) -> Union[SequenceState, str, list[str]]:
     if len(key) not in forms:
         raise SlicingError(
             f"a state of shape (batch={state.batch}, samples={state.samples}) takes "
-            + " or ".join(sorted(set(forms.values()), key=len)) + f" (or state[..., chars] for any shape); got {len(key)} index(es)")
+            + " or ".join(sorted(set(forms.values()), key=len))
+            + f" (or state[..., chars] for any shape); got {len(key)} index(es)")
     if len(key) == 3:
         bkey, skey, ckey = key
     elif len(key) == 1:
@@ -117,7 +118,7 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
     for r, (s, e) in enumerate(bounds):
         ids, lps = real[r]
         spans = token_char_spans(tok, ids)
-        weights.append(math.fsum(l for l, (a, b) in zip(lps, spans) if l == l and a >= s and b <= max(e, s) and b > a))
+        weights.append(math.fsum(p for p, (a, b) in zip(lps, spans) if p == p and a >= s and b <= max(e, s) and b > a))
         new_texts.append(texts[r][s:max(e, s)])
     rows = tok.encode_prompts(new_texts)
     last = None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["LastStep"]
 
@@ -32,11 +33,13 @@ class LastStep:
     # which starts before the step, :mod:`continuum.healing`). Read by :mod:`continuum.display`.
     marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
 
-    def select(self, rows: Sequence[int]) -> "LastStep":
-        pick = lambda t: tuple(t[r] for r in rows) if t is not None else None  # noqa: E731
+    def select(self, rows: Sequence[int]) -> LastStep:
+        def pick(t: Any) -> Any:  # any per-row tuple field, or None
+            return tuple(t[r] for r in rows) if t is not None else None
+
         return replace(self, starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
                        guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks))
 
-    def edited(self, **changes) -> "LastStep":
+    def edited(self, **changes) -> LastStep:
         """The same step after the text was edited: resumable guide states are dropped."""
         return replace(self, guide_states=None, **changes)

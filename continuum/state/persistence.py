@@ -74,7 +74,7 @@ def load(path, model) -> SequenceState:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {})["continuum"])
-            tensors = {k: f.get_tensor(k).to(model.device) for k in f.keys()}
+            tensors = {k: f.get_tensor(k).to(model.device) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
     except FileNotFoundError:
         raise
     except Exception as exc:
