@@ -18,9 +18,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -45,7 +45,7 @@ def configure_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def load_average() -> Optional[float]:
+def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):  # pragma: no cover - not on Linux
@@ -53,7 +53,7 @@ def load_average() -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------------- RSS
-def _read_status(key: str) -> Optional[int]:
+def _read_status(key: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -93,7 +93,7 @@ class Bench:
     model: object  # continuum.models.Transformers
     name: str
     random_weights: bool
-    counter: "ForwardCounter"
+    counter: ForwardCounter
     notes: list = field(default_factory=list)
     force_length: bool = False  # a real model: suppress EOS on both sides so they generate the same counts
 
@@ -128,7 +128,7 @@ def _gpt2_tokenizer(notes: list):
     return hf_tok, "byte-level BPE trained on the fly"
 
 
-def load_bench(model_path: Optional[str] = None, seed: int = 0) -> Bench:
+def load_bench(model_path: str | None = None, seed: int = 0) -> Bench:
     """The benchmark model: GPT-2-small-shaped with random fp32 weights, or ``model_path``."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
@@ -237,7 +237,7 @@ def measure(bench: Bench, fn: Callable[[], object]) -> Call:
 
 
 def paired(bench: Bench, baseline: Callable, candidate: Callable, reps: int, warmup: int = 1,
-           log: Optional[Callable[[str], None]] = None) -> tuple[list[Call], list[Call]]:
+           log: Callable[[str], None] | None = None) -> tuple[list[Call], list[Call]]:
     """Warm up, then ``reps`` back-to-back pairs (alternating order). Returns (baseline calls, continuum calls)."""
     for _ in range(warmup):
         baseline()
@@ -274,20 +274,20 @@ class Row:
     op: str  # "<=" or ">="
     threshold: float
     unit: str  # "x time" (continuum / baseline) or "x faster" (baseline / continuum) or "x memory"...
-    base_s: Optional[float] = None
-    cont_s: Optional[float] = None
-    base_tps: Optional[float] = None
-    cont_tps: Optional[float] = None
-    base_rss_mb: Optional[float] = None
-    cont_rss_mb: Optional[float] = None
-    base_computed: Optional[int] = None
-    cont_computed: Optional[int] = None
+    base_s: float | None = None
+    cont_s: float | None = None
+    base_tps: float | None = None
+    cont_tps: float | None = None
+    base_rss_mb: float | None = None
+    cont_rss_mb: float | None = None
+    base_computed: int | None = None
+    cont_computed: int | None = None
     reps: int = 0
     notes: list = field(default_factory=list)
-    achievable: Optional[str] = None  # when the target cannot be met on this machine: why, and the best achievable
+    achievable: str | None = None  # when the target cannot be met on this machine: why, and the best achievable
     # For ``--plot``: {"title": str, "x": [...], "xlabel": str, "ylabel": str, "lines": {label: [y, ...]},
     # "log_y": bool (optional)}; a scenario that has per-turn / per-call figures fills it.
-    series: Optional[dict] = None
+    series: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -306,7 +306,7 @@ class Row:
 
 
 def row_from_calls(id: str, title: str, baseline: str, base: list[Call], cont: list[Call], *, op: str, threshold: float,
-                   speedup: bool, unit: Optional[str] = None, notes=None) -> Row:
+                   speedup: bool, unit: str | None = None, notes=None) -> Row:
     """A row whose figure is the median paired time ratio (continuum/baseline), or its inverse when ``speedup``."""
     ratios = [c.seconds / b.seconds for b, c in zip(base, cont)]
     fig = median([1.0 / r for r in ratios]) if speedup else median(ratios)

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
 _COMM = ("c10d::allreduce_", "c10d::allgather", "_c10d_functional::wait_tensor", "c10d::allgather_into_tensor_coalesced_")
@@ -129,11 +128,11 @@ def _launch(folder: Path, spec: Path, out: Path, world: int, threads: int, timeo
         raise RuntimeError(f"B14 worker ({world} process(es)) failed:\n{proc.stderr[-3000:]}")
 
 
-def b14(bench, cfg) -> List:
+def b14(bench, cfg) -> list:
+    import torch.distributed as dist
+
     from .common import Row, log, make_text, median
     from .helpers import user_turns
-
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_gloo_available()):
         log("B14: skipped (torch.distributed with gloo is not available)")

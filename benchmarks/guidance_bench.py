@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from typing import List
 
 import torch
 
@@ -56,7 +55,7 @@ def _memory_growth_mb(bench: Bench, fn) -> float:
     return peak_rss_mb() - before
 
 
-def b11(bench: Bench, cfg) -> List[Row]:
+def b11(bench: Bench, cfg) -> list[Row]:
     prompts = [make_text(bench.tok, cfg.b11_prompt, offset=7 + 97 * i) for i in range(cfg.b11_batch)]
     negative = make_text(bench.tok, 16, offset=500)
     new = cfg.b11_new

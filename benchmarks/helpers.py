@@ -6,8 +6,9 @@ its own module imports them from here and ``scenarios.py`` imports the scenarios
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
-from typing import Annotated, Callable, List
+from typing import Annotated
 
 import torch
 
@@ -84,7 +85,7 @@ def json_schema():
         age: int = Field(json_schema_extra={"maxDigits": 3})
         favourite: Color
         address: Address
-        tags: List[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
+        tags: list[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
 
     return Person
 

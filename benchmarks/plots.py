@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 __all__ = ["require_matplotlib", "plot_rows", "line_chart", "plot_distributions"]
 

@@ -19,7 +19,6 @@ first sample), read from the generator's step iterator: the same code path as a 
 from __future__ import annotations
 
 import time
-from typing import List
 
 from continuum import SequenceState, generate, models, samplers
 
@@ -67,7 +66,7 @@ def _paired(bench: Bench, cached, prompts: list[str]) -> tuple[list[dict], list[
     return base, cont
 
 
-def b13(bench: Bench, cfg) -> List[Row]:
+def b13(bench: Bench, cfg) -> list[Row]:
     count = 8 if cfg.quick else 32
     prefix = make_text(bench.tok, 600, offset=17)
     prompts = [f"{prefix}\n\nQuestion {i + 1}: {make_text(bench.tok, 10, offset=300 + 37 * i)}\nAnswer:" for i in range(count)]

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import copy
 import statistics
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ import continuum
 from continuum import continuous, generate, models, samplers
 from continuum.chat import Chat
 
-from .common import FIXTURES, CORPUS, Bench, Call, ForwardCounter, Row, log, make_text, measure, row_from_calls
+from .common import CORPUS, FIXTURES, Bench, Call, ForwardCounter, Row, log, make_text, measure, row_from_calls
 
 __all__ = ["b15", "b16", "b17", "b18", "b19", "b20", "PROGRAM_SCENARIOS"]
 
@@ -71,11 +72,11 @@ def _reset_sched(model) -> None:
         reset()
 
 
-def _compare(bench: Bench, variants: Dict[str, Callable[[], object]], reps: int) -> Dict[str, List[Call]]:
+def _compare(bench: Bench, variants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[Call]]:
     """Each variant timed ``reps`` times, the order rotated every repetition (slow drifts hit all alike).
 
     The ``run_batch`` variant's scheduler figures are collected into ``calls["run_batch"][i].extra``."""
-    calls: Dict[str, List[Call]] = {k: [] for k in variants}
+    calls: dict[str, list[Call]] = {k: [] for k in variants}
     names = list(variants)
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
@@ -89,8 +90,8 @@ def _compare(bench: Bench, variants: Dict[str, Callable[[], object]], reps: int)
     return calls
 
 
-def _rows(id: str, title: str, n: int, calls: Dict[str, List[Call]], targets: Dict[str, float], labels: Dict[str, str],
-          notes: List[str]) -> List[Row]:
+def _rows(id: str, title: str, n: int, calls: dict[str, list[Call]], targets: dict[str, float], labels: dict[str, str],
+          notes: list[str]) -> list[Row]:
     """One checked row per baseline with a target: run_batch's speed-up over it (programs/s ratio)."""
     cont = calls["run_batch"]
     rate = {k: n / statistics.median(c.seconds for c in v) for k, v in calls.items()}
@@ -102,7 +103,7 @@ def _rows(id: str, title: str, n: int, calls: Dict[str, List[Call]], targets: Di
     sched = cont[-1].extra.get("scheduler") if cont else None
     if sched:
         notes.append("scheduler: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in sched.items()))
-    out: List[Row] = []
+    out: list[Row] = []
     for j, (k, threshold) in enumerate(targets.items()):
         if k not in calls:  # a baseline skipped here (its reason is in the notes)
             continue
@@ -113,7 +114,7 @@ def _rows(id: str, title: str, n: int, calls: Dict[str, List[Call]], targets: Di
 
 
 # ---------------------------------------------------------------------------------------------- B15
-def _hf_generate_batch(bench: Bench, prompts: List[str], new: int, quick: bool = False):
+def _hf_generate_batch(bench: Bench, prompts: list[str], new: int, quick: bool = False):
     """transformers' continuous batching (``generate_batch``) on the same prompts, or None when unavailable."""
     from transformers import GenerationConfig
 
@@ -134,7 +135,7 @@ def _hf_generate_batch(bench: Bench, prompts: List[str], new: int, quick: bool =
     if bench.force_length:
         gen_cfg.min_new_tokens = new
     # a paged cache sized for this batch (the default sizes it from free memory: tens of seconds to set up here)
-    kw: Dict[str, Any] = {}
+    kw: dict[str, Any] = {}
     if cb_config is not None:
         longest = max(map(len, ids)) + new
         kw["continuous_batching_config"] = cb_config(
@@ -156,13 +157,13 @@ def _hf_generate_batch(bench: Bench, prompts: List[str], new: int, quick: bool =
     return run
 
 
-def b15(bench: Bench, cfg) -> List[Row]:
+def b15(bench: Bench, cfg) -> list[Row]:
     n, new = _size(cfg, 32, 8, "b15_n"), _size(cfg, 32, 8, "b15_new")
     prompts = [_words(40 + (i * 37) % 81, i * 11) for i in range(n)]
     gen = generate.text(bench.model, samplers.greedy())
     log(f"B15: {n} one-call programs, 40-120-word prompts, {new} new tokens")
     gen(prompts[0], max_tokens=2)
-    variants: Dict[str, Callable[[], object]] = {
+    variants: dict[str, Callable[[], object]] = {
         "sequential": lambda: [gen(p, max_tokens=new) for p in prompts] and n * new,
         "list call": lambda: gen(prompts, max_tokens=new) and n * new,
         "run_batch": lambda: continuum.run_batch(lambda p: gen(p, max_tokens=new), prompts, concurrency=n) and n * new,
@@ -190,7 +191,7 @@ def _chat_bench(bench: Bench) -> Bench:
 
     tok: Any = copy.deepcopy(bench.tok)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    hf_cfg = copy.deepcopy(getattr(bench.hf, "config"))
+    hf_cfg = copy.deepcopy(bench.hf.config)
     hf_cfg.vocab_size, hf_cfg.n_positions = len(tok), max(2048, getattr(hf_cfg, "n_positions", 0))
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(hf_cfg).eval()
@@ -204,7 +205,7 @@ def _template() -> str:
     return path.read_text() if path.exists() else CHATML
 
 
-def b16(bench: Bench, cfg) -> List[Row]:
+def b16(bench: Bench, cfg) -> list[Row]:
     sessions, turns = _size(cfg, 16, 4, "b16_sessions"), _size(cfg, 4, 2, "b16_turns")
     user_len, new = _size(cfg, 48, 16, "b16_user"), _size(cfg, 32, 8, "b16_new")
     bench = _chat_bench(bench)
@@ -245,20 +246,20 @@ def b16(bench: Bench, cfg) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B17
-def b17(bench: Bench, cfg) -> List[Row]:
+def b17(bench: Bench, cfg) -> list[Row]:
     n, levels, new = _size(cfg, 8, 3, "b17_n"), _size(cfg, 3, 2, "b17_levels"), _size(cfg, 16, 8, "b17_new")
     model = bench.model
     fork = continuous(generate.text(model, samplers.multinomial(3)))
     questions = [_words(30, 13 * i) + "?" for i in range(n)]
     log(f"B17: tree of thought, fork 3 at each of {levels} levels, {new}-token thoughts, {n} instances")
 
-    def program(i: int) -> List[str]:
+    def program(i: int) -> list[str]:
         rng = torch.Generator().manual_seed(i)
         prompt = (f"<|im_start|>system\nThink step by step.<|im_end|>\n<|im_start|>user\n{questions[i]}<|im_end|>\n"
                   f"<|im_start|>assistant\nLet us think.")
-        frontier: List[Any] = [fork(prompt, max_tokens=new, rng=rng)]
+        frontier: list[Any] = [fork(prompt, max_tokens=new, rng=rng)]
         for _ in range(levels - 1):
-            nxt: List[Any] = []
+            nxt: list[Any] = []
             for s in frontier:  # each branch forks 3 ways again
                 for k in range(s.samples):
                     nxt.append(fork(s[:, k, :] + "\nNext:", max_tokens=new, rng=rng))
@@ -276,9 +277,9 @@ def b17(bench: Bench, cfg) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B18
-def b18(bench: Bench, cfg) -> List[Row]:
+def b18(bench: Bench, cfg) -> list[Row]:
     n, prefix_len = _size(cfg, 32, 4, "b18_n"), _size(cfg, 400, 400, "b18_prefix")
-    model = models.Transformers(bench.hf, getattr(bench.model, "tokenizer"), prefix_cache="1GiB")
+    model = models.Transformers(bench.hf, bench.model.tokenizer, prefix_cache="1GiB")
     bench = Bench(hf=bench.hf, tok=bench.tok, model=model, name=bench.name, random_weights=bench.random_weights,
                   counter=bench.counter, force_length=bench.force_length)
     shots = make_text(bench.tok, prefix_len, offset=5)
@@ -312,7 +313,7 @@ def b18(bench: Bench, cfg) -> List[Row]:
 DIMENSIONS = ["clarity", "accuracy", "originality", "structure", "style", "relevance"]
 
 
-def b19(bench: Bench, cfg) -> List[Row]:
+def b19(bench: Bench, cfg) -> list[Row]:
     n, article_len = _size(cfg, 8, 3, "b19_n"), _size(cfg, 300, 150, "b19_article")
     new = _size(cfg, 24, 8, "b19_new")
     model = bench.model
@@ -341,7 +342,7 @@ FIELDS = [('\n{"name": "', r'[A-Z][a-z]{2,8}'), ('", "age": ', r'[1-9][0-9]?'), 
           ('", "year": ', r'(19|20)[0-9]{2}'), (', "member": ', r'(true|false)')]
 
 
-def b20(bench: Bench, cfg) -> List[Row]:
+def b20(bench: Bench, cfg) -> list[Row]:
     n, doc_len = _size(cfg, 16, 4, "b20_n"), _size(cfg, 300, 150, "b20_doc")
     model = bench.model
     regexes = [continuous(generate.regex(model, pattern, samplers.greedy())) for _, pattern in FIELDS]

@@ -5,24 +5,24 @@ B21 serve_bench.py; see docs/benchmarks.md). Each returns a list of checked :cla
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List
 
 import torch
 
 from continuum import continuous, generate, samplers
 from continuum.cache import nbytes
 
-from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
 from .chat_bench import b12
 from .choice_bench import b18b
+from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
 from .distributed_bench import b14
 from .fastforward import b10
 from .guidance_bench import b11
+from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns  # noqa: F401  (re-exported)
 from .prefix_bench import b13
 from .programs_bench import PROGRAM_SCENARIOS
 from .serve_bench import b21
-from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Config:
     b11_new: int = 32
 
     @classmethod
-    def quick_mode(cls) -> "Config":
+    def quick_mode(cls) -> Config:
         return cls(quick=True, reps=3, b1_reps=5, heavy_reps=1, b1_new=32, b3_new=8, b3_ttft_inner=2, b4_new=8, b5_max=80,
                    b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16, b11_batch=2, b11_prompt=64, b11_new=8)
 
@@ -73,7 +73,7 @@ def _check_counts(rows_notes: list, what: str, base: list[Call], cont: list[Call
 
 
 # ---------------------------------------------------------------------------------------------- B1 + B2
-def b1_b2(bench: Bench, cfg: Config) -> List[Row]:
+def b1_b2(bench: Bench, cfg: Config) -> list[Row]:
     prompt = make_text(bench.tok, cfg.b1_prompt)
     plen = n_tokens(bench.tok, prompt)
     text_c = continuous(generate.text(bench.model, samplers.greedy()))
@@ -125,7 +125,7 @@ def session_token_counts(model, history: str, users: list[str], new: int) -> lis
     return turns
 
 
-def b3(bench: Bench, cfg: Config) -> List[Row]:
+def b3(bench: Bench, cfg: Config) -> list[Row]:
     """Both sessions run in lockstep, turn by turn, so every per-turn ratio compares calls made seconds apart."""
     users = user_turns(cfg.b3_turns)
     per_turn = max(n_tokens(bench.tok, u) for u in users) + cfg.b3_new
@@ -259,7 +259,7 @@ def b3(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B4
-def b4(bench: Bench, cfg: Config) -> List[Row]:
+def b4(bench: Bench, cfg: Config) -> list[Row]:
     history = make_text(bench.tok, min(cfg.b4_history, bench.context - cfg.b4_new - 8), offset=7)
     text_c = continuous(generate.text(bench.model, samplers.greedy()))
     one = continuous(generate.text(bench.model, samplers.greedy()))
@@ -294,7 +294,7 @@ def b4(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B5 + B6
-def b5(bench: Bench, cfg: Config) -> List[Row]:
+def b5(bench: Bench, cfg: Config) -> list[Row]:
     Person = json_schema()
     prompt = make_text(bench.tok, 32, offset=3) + "\nThe person as JSON: "
     plen = n_tokens(bench.tok, prompt)
@@ -324,7 +324,7 @@ def b5(bench: Bench, cfg: Config) -> List[Row]:
     return [r]
 
 
-def b6(bench: Bench, cfg: Config) -> List[Row]:
+def b6(bench: Bench, cfg: Config) -> list[Row]:
     from continuum import models
 
     Person = json_schema()
@@ -350,7 +350,7 @@ def b6(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B7
-def b7(bench: Bench, cfg: Config) -> List[Row]:
+def b7(bench: Bench, cfg: Config) -> list[Row]:
     prompt = make_text(bench.tok, min(cfg.b7_prompt, bench.context - cfg.b7_new - 8), offset=11)
     plen = n_tokens(bench.tok, prompt)
     k = cfg.b7_samples
@@ -387,7 +387,7 @@ def b7(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B8
-def b8(bench: Bench, cfg: Config) -> List[Row]:
+def b8(bench: Bench, cfg: Config) -> list[Row]:
     prompt = make_text(bench.tok, cfg.b1_prompt, offset=5)
     plen = n_tokens(bench.tok, prompt)
     k = cfg.b8_beams
@@ -404,7 +404,7 @@ def b8(bench: Bench, cfg: Config) -> List[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- B9
-def b9(bench: Bench, cfg: Config) -> List[Row]:
+def b9(bench: Bench, cfg: Config) -> list[Row]:
     from .common import peak_rss_mb, reset_peak_rss
 
     prompt = make_text(bench.tok, min(cfg.b9_prompt, bench.context - 8), offset=13)
@@ -441,7 +441,7 @@ def b9(bench: Bench, cfg: Config) -> List[Row]:
                        f"the first step after the fork computed {step_computed} positions ({k} samples x 1 uncached token)"])]
 
 
-SCENARIOS: dict[str, Callable[[Bench, Config], List[Row]]] = {
+SCENARIOS: dict[str, Callable[[Bench, Config], list[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B10": b10, "B11": b11,
     "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21, "B18B": b18b,
 }

@@ -8,14 +8,14 @@ from . import chat, generate, models, samplers
 from .completion import Completion
 from .errors import (
     BatchMismatch,
+    ChatTemplateError,
     ContinuumError,
     IncompleteGenerationError,
     ModelMismatch,
+    ProgramError,
     SampleMismatch,
     SlicingError,
     TokenizerMismatch,
-    ChatTemplateError,
-    ProgramError,
 )
 from .generate import continuous
 from .programs import run_batch

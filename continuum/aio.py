@@ -14,17 +14,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
-from .cancel import CancelToken, Cancelled, bound, current
+from .cancel import Cancelled, CancelToken, bound, current
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
 
 ASYNC_WORKERS = 64
 """The most ``acall``/``astream`` calls running at once (more wait for a free worker; set before the first call)."""
 
-_executor: Optional[ThreadPoolExecutor] = None
+_executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 
 
@@ -87,11 +88,11 @@ class AsyncStream:
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self._token = CancelToken(parent=current())
-        self._queue: Optional[asyncio.Queue] = None
-        self._future: Optional[Future] = None
+        self._queue: asyncio.Queue | None = None
+        self._future: Future | None = None
         self._done = False
 
-    def __aiter__(self) -> "AsyncStream":
+    def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self):
@@ -139,7 +140,7 @@ class AsyncStream:
             except Exception:  # its error was (or will never be) read: closing does not raise it
                 pass
 
-    async def __aenter__(self) -> "AsyncStream":
+    async def __aenter__(self) -> AsyncStream:
         return self
 
     async def __aexit__(self, *exc) -> None:

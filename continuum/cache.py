@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Optional
 
 import torch
 
@@ -58,7 +57,7 @@ class _Arena:
         self._lock = threading.Lock()
 
     @classmethod
-    def allocate(cls, like: torch.Tensor, rows: int, columns: int) -> "_Arena":
+    def allocate(cls, like: torch.Tensor, rows: int, columns: int) -> _Arena:
         shape = (rows, like.shape[1], columns, like.shape[3])
         return cls(like.new_empty(shape), like.new_empty(shape), 0)
 
@@ -75,7 +74,7 @@ class _Arena:
         k._continuum_arena = v._continuum_arena = self
         return k, v
 
-    def select_rows(self, rows: torch.Tensor, columns: int) -> "_Arena":
+    def select_rows(self, rows: torch.Tensor, columns: int) -> _Arena:
         """A new arena of the same capacity holding rows ``rows`` of the first ``columns`` columns."""
         new = _Arena.allocate(self.keys, rows.numel(), self.keys.shape[2])
         torch.index_select(self.keys[:, :, :columns], 0, rows, out=new.keys[:, :, :columns])
@@ -84,7 +83,7 @@ class _Arena:
         return new
 
 
-def _arena_of(keys: torch.Tensor, values: torch.Tensor) -> Optional[_Arena]:
+def _arena_of(keys: torch.Tensor, values: torch.Tensor) -> _Arena | None:
     """The arena ``keys``/``values`` are the first columns of (only :meth:`_Arena.views` marks
     tensors; any other view or copy, e.g. a subset of rows, has none)."""
     arena = getattr(keys, "_continuum_arena", None)
@@ -147,7 +146,7 @@ def layer_kinds(config) -> tuple[int, bool]:
     return len(layers), sliding
 
 
-def to_dynamic_cache(kv: Optional[KV], config, reserve: int = 0) -> "DynamicCache":  # noqa: F821
+def to_dynamic_cache(kv: KV | None, config, reserve: int = 0) -> DynamicCache:  # noqa: F821
     """A new ``DynamicCache`` whose layers reference ``kv``'s tensors (no copy).
 
     ``reserve``: how many more columns the caller expects to append after this forward (decoding
@@ -179,12 +178,12 @@ def from_dynamic_cache(cache) -> KV:
     return tuple((layer.keys, layer.values) for layer in cache.layers)
 
 
-def length(kv: Optional[KV]) -> int:
+def length(kv: KV | None) -> int:
     """Number of columns the cache covers."""
     return 0 if kv is None else kv[0][0].shape[-2]
 
 
-def select_rows(kv: Optional[KV], rows: torch.Tensor) -> Optional[KV]:
+def select_rows(kv: KV | None, rows: torch.Tensor) -> KV | None:
     """Rows ``rows`` of every layer, as views when the selection allows it.
 
     A contiguous ascending range is a ``narrow`` view; a single row repeated (forking one state
@@ -225,19 +224,19 @@ def _per_device(index: torch.Tensor):
     return on
 
 
-def devices(kv: Optional[KV]) -> Optional[tuple[torch.device, ...]]:
+def devices(kv: KV | None) -> tuple[torch.device, ...] | None:
     """The device of each layer (several under a ``device_map`` that spreads layers), or None."""
     return None if kv is None else tuple(k.device for k, _ in kv)
 
 
-def to_devices(kv: Optional[KV], where: tuple[torch.device, ...]) -> Optional[KV]:
+def to_devices(kv: KV | None, where: tuple[torch.device, ...]) -> KV | None:
     """``kv`` with layer ``i`` on ``where[i]`` (layers already there are kept as they are, views included)."""
     if kv is None or devices(kv) == tuple(where):
         return kv
     return tuple((k, v) if k.device == d else (k.to(d), v.to(d)) for (k, v), d in zip(kv, where))
 
 
-def crop(kv: Optional[KV], columns: int) -> Optional[KV]:
+def crop(kv: KV | None, columns: int) -> KV | None:
     """The first ``columns`` columns (a view), or ``None`` for zero columns."""
     if kv is None or columns <= 0:
         return None
@@ -259,7 +258,7 @@ def _copy_to_arena(k: torch.Tensor, v: torch.Tensor, slack: int) -> tuple[torch.
     return small.views(L)
 
 
-def shrink(kv: Optional[KV]) -> Optional[KV]:
+def shrink(kv: KV | None) -> KV | None:
     """``kv`` with at most a few hundred spare columns of storage (room a generation reserved and did
     not use, e.g. after an early EOS): one copy when there is more, else ``kv`` itself."""
     if kv is None:
@@ -274,7 +273,7 @@ def shrink(kv: Optional[KV]) -> Optional[KV]:
     return tuple(out)
 
 
-def compact(kv: Optional[KV]) -> Optional[KV]:
+def compact(kv: KV | None) -> KV | None:
     """``kv`` no longer pinning storage it does not use: a layer whose views cover much less than their
     storage (a state cut back to a few tokens, one sample selected out of many) is copied into an
     arena of its exact size (no spare room: a kept slice is often never continued, and continuing
@@ -357,7 +356,7 @@ def assemble(parts: list[list[KV]], width: int, reserve: int = 0) -> KV:
     return tuple(out)
 
 
-def gather_columns(kv: Optional[KV], index: torch.Tensor) -> Optional[KV]:
+def gather_columns(kv: KV | None, index: torch.Tensor) -> KV | None:
     """Per-row column gather: ``out[r, :, j] = kv[r, :, index[r, j]]`` (used to realign rows)."""
     if kv is None or index.shape[1] == 0:
         return None
@@ -366,8 +365,8 @@ def gather_columns(kv: Optional[KV], index: torch.Tensor) -> Optional[KV]:
     return tuple((k.gather(2, on(k.device)), v.gather(2, on(k.device))) for k, v in kv)
 
 
-def gather_paths(kv: Optional[KV], rows: torch.Tensor, start: int, split: int, index: torch.Tensor,
-                 reserve: int = 0) -> Optional[KV]:
+def gather_paths(kv: KV | None, rows: torch.Tensor, start: int, split: int, index: torch.Tensor,
+                 reserve: int = 0) -> KV | None:
     """New storage holding, for each output row ``j``, the columns ``[start, split)`` of row ``rows[j]``
     followed by its columns ``split + index[j, i]`` (``index``: ``(len(rows), n)``).
 
@@ -395,7 +394,7 @@ def gather_paths(kv: Optional[KV], rows: torch.Tensor, start: int, split: int, i
     return tuple(out)
 
 
-def nbytes(kv: Optional[KV], seen: Optional[set] = None) -> int:
+def nbytes(kv: KV | None, seen: set | None = None) -> int:
     """Bytes of storage the cache holds, counting storage shared between tensors once."""
     if kv is None:
         return 0

@@ -13,8 +13,8 @@ The same call also counts the tokens of each step into the token, which is what 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 __all__ = ["CancelToken", "Cancelled", "check_cancelled", "bound", "current"]
 
@@ -32,7 +32,7 @@ class CancelToken:
 
     __slots__ = ("_cancelled", "parent", "tokens")
 
-    def __init__(self, parent: Optional["CancelToken"] = None):
+    def __init__(self, parent: CancelToken | None = None):
         self._cancelled = False
         self.parent = parent
         self.tokens = 0  # tokens generated under this token (approximate: one per live row per step)
@@ -43,7 +43,7 @@ class CancelToken:
 
     @property
     def cancelled(self) -> bool:
-        token: Optional[CancelToken] = self
+        token: CancelToken | None = self
         while token is not None:
             if token._cancelled:
                 return True
@@ -54,7 +54,7 @@ class CancelToken:
 _local = threading.local()
 
 
-def current() -> Optional[CancelToken]:
+def current() -> CancelToken | None:
     """The token of the calling thread, or None."""
     return getattr(_local, "token", None)
 

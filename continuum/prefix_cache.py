@@ -31,7 +31,8 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,7 +48,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_budget(spec: Union[None, int, str]) -> Optional[int]:
+def parse_budget(spec: None | int | str) -> int | None:
     """Bytes of a ``prefix_cache=`` argument: ``None``/``0`` -> ``None`` (off); an int; ``"512MiB"``, ``"2GB"``.
 
     Raises :class:`PrefixCacheArgumentError` (a ``ValueError``) for a negative or unreadable value.
@@ -75,7 +76,7 @@ class _Block:
 
     __slots__ = ("id", "key", "parent", "kv", "nbytes", "children", "pins")
 
-    def __init__(self, id: int, key: tuple, parent: Optional["_Block"], kv: kvcache.KV):
+    def __init__(self, id: int, key: tuple, parent: _Block | None, kv: kvcache.KV):
         self.id, self.key, self.parent, self.kv = id, key, parent, kv
         self.nbytes = sum(t.numel() * t.element_size() for pair in kv for t in pair)
         self.children = 0  # cached blocks whose parent this is: only a block without any is evicted
@@ -101,8 +102,8 @@ class PrefixCache:
             raise PrefixCacheArgumentError(f"block_size must be >= 1 token, got {block_size}")
         self.max_bytes, self.block_size = int(max_bytes), int(block_size)
         self._lock = threading.Lock()
-        self._blocks: "OrderedDict[tuple, _Block]" = OrderedDict()  # least recently used first
-        self._identity: Optional[tuple] = None
+        self._blocks: OrderedDict[tuple, _Block] = OrderedDict()  # least recently used first
+        self._identity: tuple | None = None
         self._next_id = 1
         self._bytes = 0
         self._counts = dict(hits=0, misses=0, tokens_reused=0, evictions=0)
@@ -180,7 +181,7 @@ class PrefixCache:
             self._counts["tokens_reused"] += len(chain) * self.block_size - have
             return chain
 
-    def computing(self, tokens: Sequence[int], covered: int) -> Optional["_Inflight"]:
+    def computing(self, tokens: Sequence[int], covered: int) -> _Inflight | None:
         """In-batch sharing: a prefix another thread is computing right now that covers more full
         blocks of ``tokens`` than the ``covered`` tokens this row already has (the caller waits for
         it, then looks again). Else ``tokens`` is registered as computed by this thread (until

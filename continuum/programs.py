@@ -21,9 +21,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-from .cancel import CancelToken, Cancelled, bound, check_cancelled, current
+from .cancel import Cancelled, CancelToken, bound, check_cancelled, current
 from .errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
 from .loop.ranks import call_key, current_key
 
@@ -80,7 +81,7 @@ class _Run:
         self.lock = threading.Lock()
         self.count = itertools.count()
         self.exhausted = False
-        self.feed_error: Optional[BaseException] = None  # the inputs iterator itself raised
+        self.feed_error: BaseException | None = None  # the inputs iterator itself raised
         self.results: dict[int, Any] = {}
         self.errors: dict[int, BaseException] = {}
         self.done = 0
@@ -97,7 +98,7 @@ class _Run:
         threading.Thread(target=self._work, args=(token,), name=f"continuum-run_batch-{len(self.tokens) - 1}",
                          daemon=True).start()  # daemon: a program stuck outside continuum never blocks the exit
 
-    def _next(self) -> Optional[tuple[int, Any]]:
+    def _next(self) -> tuple[int, Any] | None:
         """The next (index, input), pulled only now (a generator of inputs is never run ahead)."""
         with self.lock:
             if self.exhausted or self.token.cancelled:
@@ -137,7 +138,7 @@ class _Run:
             if self.alive == 0:
                 self.finished.set()
 
-    def wait(self, progress: bool, total: Optional[int]) -> None:
+    def wait(self, progress: bool, total: int | None) -> None:
         """Start the workers and wait for them; on Ctrl-C, cancel them all, wait until they left, re-raise."""
         bar = _progress_bar(total) if progress else None
         start = time.perf_counter()
@@ -163,7 +164,7 @@ class _Run:
             raise Cancelled()
 
 
-def _progress_bar(total: Optional[int]):
+def _progress_bar(total: int | None):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="run_batch", unit="program")
@@ -207,7 +208,7 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
     """
     _check(program, inputs, concurrency, progress, return_exceptions)
     try:
-        total: Optional[int] = len(inputs)  # type: ignore[arg-type]
+        total: int | None = len(inputs)  # type: ignore[arg-type]
     except TypeError:
         total = None
     if SERIAL_UNDER_TORCHRUN and _several_ranks():

@@ -29,17 +29,17 @@ removed text and the option's start): the option's score includes re-covering th
 
 from __future__ import annotations
 
-from typing import Generator, Optional, Sequence
+from collections.abc import Generator, Sequence
 
 import torch
 
 from . import cache as kvcache
 from . import token_tree
-from .cancel import check_cancelled
 from .cache import positions
-from .loop.decoding import Step, check_continuable, prefill
+from .cancel import check_cancelled
 from .errors import ContextLengthError
 from .guidance import Guidance, guided_logprobs
+from .loop.decoding import Step, check_continuable, prefill
 from .parallel import check_seeded
 from .samplers import Sampler
 from .state import LastStep, SequenceState
@@ -48,7 +48,7 @@ __all__ = ["choose"]
 
 
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
-           rng: Optional[torch.Generator] = None, guidance: Optional[Guidance] = None,
+           rng: torch.Generator | None = None, guidance: Guidance | None = None,
            token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
     check_cancelled(state.rows)  # Ctrl-C / a closed stream: stop before the scoring forward

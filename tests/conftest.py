@@ -170,8 +170,7 @@ def real_tokenizer_model(request):
 
 def next_logits_via_cache(state) -> torch.Tensor:
     """Next-token logits computed the way continuing ``state`` computes them: its uncached suffix on its cache."""
-    from continuum.cache import length
-    from continuum.cache import positions
+    from continuum.cache import length, positions
 
     C = length(state._kv)
     logits, _ = state.model.forward(state._ids[:, C:], state._mask, positions(state._mask)[:, C:], state._kv)

@@ -14,11 +14,12 @@ import math
 
 import pytest
 import torch
-from conftest import _sharpen, count_forward_tokens, fixture_path, tiny_llama
 
 from continuum import ChatTemplateError, generate, models, samplers
 from continuum.chat import Chat
 from continuum.errors import ContinuumTypeError, SampleMismatch
+
+from conftest import _sharpen, count_forward_tokens, fixture_path, tiny_llama
 
 # template -> the fixture tokenizer it pairs with (ChatML: qwen2-bpe; Llama-3: llama3-bpe; Mistral and
 # Gemma ship SentencePiece vocabularies: the Llama-2 one is the closest fixture)

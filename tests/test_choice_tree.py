@@ -14,10 +14,11 @@ import itertools
 
 import pytest
 import torch
-from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 
 from continuum import cache as kvcache
 from continuum import continuous, generate, models, samplers
+
+from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 
 OPTIONS = ["yes", "yes sir", "yes sir!", " no", "東京 🤗 and a much longer option", "a"]  # shared prefixes, lengths 1..10
 PROMPTS = ["Q: is it?\nA:", "x", "Le café est très bon à Paris; naïve façade. Answer:"]  # different lengths: left padding

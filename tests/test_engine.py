@@ -211,8 +211,9 @@ def test_beam_search_first_step_has_no_duplicates(model):
 
 def test_beam_search_exhaustive_small_vocab():
     """Exact check on a model whose whole vocabulary is tiny: beams = V^(T-1) explores everything."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tmodels
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers, decoders
 
     vocab = {c: i for i, c in enumerate(["<eos>", "a", "b", "c", "d"])}
     t = Tokenizer(tmodels.WordLevel(vocab, unk_token="<eos>"))
@@ -239,9 +240,9 @@ def test_beam_search_exhaustive_small_vocab():
 
 
 def test_pad_token_is_set_from_eos(caplog):
-    from conftest import make_bpe_tokenizer
-
     from continuum.models import Tokenizer
+
+    from conftest import make_bpe_tokenizer
 
     bpe_tokenizer = make_bpe_tokenizer()
 
@@ -253,8 +254,9 @@ def test_pad_token_is_set_from_eos(caplog):
 
 
 def test_tokenizer_without_pad_or_eos_raises():
+    from tokenizers import Tokenizer as T
+    from tokenizers import models as tm
     from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer as T, models as tm
 
     from continuum.models import Tokenizer
 

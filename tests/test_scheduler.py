@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 
 import torch
-from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 from test_threads import comparable
 
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.cache import positions
+
+from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Le café est", "Numbers: 0 1 2", "She said", "Review: great"]
 
@@ -208,9 +209,9 @@ def test_a_lone_call_never_touches_merged_storage(gpt2_model):
 
 def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(bpe_tokenizer):
     """Prefix cache on: calls sharing a prefix that arrive together compute it once (one waits for the other's blocks)."""
-    from conftest import tiny_gpt2
-
     from continuum import models
+
+    from conftest import tiny_gpt2
 
     hf = tiny_gpt2(len(bpe_tokenizer), n_positions=512)
     model = models.Transformers(hf, bpe_tokenizer, prefix_cache="64MiB")

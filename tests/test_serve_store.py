@@ -149,13 +149,14 @@ def test_store_retention_and_delete(tmp_path, llama_model):
 def test_chat_template_option_in_process(tmp_path):
     """A model without a chat template (stories260K) served with one (``--chat-template``), through the
     app in-process (starlette's TestClient is an httpx client the ``openai`` client accepts)."""
-    from conftest import fixture_path
     from starlette.testclient import TestClient
 
     from continuum import generate, models, samplers
     from continuum.chat import Chat
     from continuum.serve.app import ServeConfig, create_app
     from continuum.serve.cli import parser
+
+    from conftest import fixture_path
 
     folder = str(fixture_path("models", "stories260K"))
     template_file = fixture_path("chat_templates", "smollm2.jinja")

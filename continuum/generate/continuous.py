@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 
 from ..aio import AsyncStream, to_thread
-from ..loop.decoding import check_max_tokens
 from ..errors import ContinuumTypeError
+from ..loop.decoding import check_max_tokens
 from ..state import SequenceState
 from .generator import Generator, Stream
 
@@ -52,14 +53,14 @@ class ContinuousGenerator:
         # that model's cache and is recomputed in one pass; another tokenizer raises TokenizerMismatch.
         return state.to_model(self.generator.model)
 
-    def __call__(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-                 rng: Optional[torch.Generator] = None) -> SequenceState:
+    def __call__(self, inputs: Input, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+                 rng: torch.Generator | None = None) -> SequenceState:
         """Generate from ``inputs`` and return the new state (the input is never modified)."""
         check_max_tokens(max_tokens)
         return self.generator._run(self._state(inputs), max_tokens, stop_at, rng)
 
-    def stream(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-               rng: Optional[torch.Generator] = None) -> Stream:
+    def stream(self, inputs: Input, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+               rng: torch.Generator | None = None) -> Stream:
         """Yield text chunks; once exhausted, ``stream.state`` is the new state."""
         check_max_tokens(max_tokens)
         state = self._state(inputs)
@@ -68,14 +69,14 @@ class ContinuousGenerator:
         return Stream(self.generator._steps(state, max_tokens, stop_at, rng, True), shape,
                       self.generator.sampler.is_beam_search, lambda s: s)
 
-    async def acall(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-                    rng: Optional[torch.Generator] = None) -> SequenceState:
+    async def acall(self, inputs: Input, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+                    rng: torch.Generator | None = None) -> SequenceState:
         """``await gen.acall(...)``: the same arguments and state as calling it, without blocking the event loop
         (run on a shared worker thread; concurrent calls share forwards; cancelling the task stops the call)."""
         return await to_thread(self, inputs, max_tokens, stop_at, rng)
 
-    def astream(self, inputs: Input, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-                rng: Optional[torch.Generator] = None) -> AsyncStream:
+    def astream(self, inputs: Input, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+                rng: torch.Generator | None = None) -> AsyncStream:
         """``async for chunk in gen.astream(...)``: the chunks of :meth:`stream`; then ``.state`` is the new state."""
         return AsyncStream(self.stream(inputs, max_tokens, stop_at, rng))
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Union
 
 import torch
 
 from ..aio import AsyncStream, to_thread
-from ..guidance import Guidance
-from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..errors import ContinuumTypeError, GeneratorArgumentError
+from ..guidance import Guidance
 from ..guides import Guide
+from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
 
@@ -30,12 +31,12 @@ class Stream:
 
     def __init__(self, steps: Iterator[Step], shape: Callable[[list[str]], Any], beams: bool, finalize: Callable[[SequenceState], Any]):
         self._steps, self._shape, self._beams, self._finalize = steps, shape, beams, finalize
-        self._state: Optional[SequenceState] = None
-        self._emitted: Optional[list[str]] = None
+        self._state: SequenceState | None = None
+        self._emitted: list[str] | None = None
         self._iter = self._run()
         self._busy = threading.Lock()
 
-    def __iter__(self) -> "Stream":
+    def __iter__(self) -> Stream:
         return self
 
     def __next__(self):
@@ -101,8 +102,8 @@ class Generator:
     exact: bool = True
     not_enforced: tuple = ()
 
-    def __init__(self, model, sampler: Optional[Sampler] = None, guide: Optional[Guide] = None, *, kind: str = "text",
-                 parse: Optional[Callable[[str], Any]] = None, description: str = "", guidance: Optional[Guidance] = None,
+    def __init__(self, model, sampler: Sampler | None = None, guide: Guide | None = None, *, kind: str = "text",
+                 parse: Callable[[str], Any] | None = None, description: str = "", guidance: Guidance | None = None,
                  fast_forward: bool = True, token_healing: bool = False):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
@@ -157,8 +158,8 @@ class Generator:
             return value
         return [value]  # a list of one prompt gives a list
 
-    def __call__(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-                 rng: Optional[torch.Generator] = None):
+    def __call__(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+                 rng: torch.Generator | None = None):
         """Generate for one prompt (returns a value) or a list of prompts (returns a list).
 
         With several samples or beams, each prompt gets a list of values (beams best first).
@@ -167,8 +168,8 @@ class Generator:
         state = self._run(self._prompt_state(prompts), max_tokens, stop_at, rng)
         return self._value(prompts, state)
 
-    def stream(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-               rng: Optional[torch.Generator] = None) -> Stream:
+    def stream(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+               rng: torch.Generator | None = None) -> Stream:
         """Like calling the generator, but yields text chunks as they are generated."""
         check_max_tokens(max_tokens)
         state = self._prompt_state(prompts)
@@ -176,15 +177,15 @@ class Generator:
                       self.sampler.is_beam_search, lambda s: self._value(prompts, s))
 
     # asyncio (continuum.aio): the blocking call on a shared worker thread; concurrent calls share forwards
-    async def acall(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-                    rng: Optional[torch.Generator] = None):
+    async def acall(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+                    rng: torch.Generator | None = None):
         """``await gen.acall(...)``: the same arguments and result as ``gen(...)``, without blocking the event loop.
 
         Cancelling the awaiting task stops the call at its next decoding step."""
         return await to_thread(self, prompts, max_tokens, stop_at, rng)
 
-    def astream(self, prompts: Prompt, max_tokens: Optional[int] = None, stop_at: Union[str, Sequence[str], None] = None,
-                rng: Optional[torch.Generator] = None) -> AsyncStream:
+    def astream(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
+                rng: torch.Generator | None = None) -> AsyncStream:
         """``async for chunk in gen.astream(...)``: the chunks of :meth:`stream`; leaving the loop early stops it."""
         return AsyncStream(self.stream(prompts, max_tokens, stop_at, rng))
 
@@ -192,8 +193,8 @@ class Generator:
 class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
-    def __init__(self, model, options: list[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
-                 guidance: Optional[Guidance] = None, token_healing: bool = False):
+    def __init__(self, model, options: list[str], sampler: Sampler | None = None, *, method: str = "exact",
+                 guidance: Guidance | None = None, token_healing: bool = False):
         super().__init__(model, sampler, kind="choice", description=repr(options), guidance=guidance, token_healing=token_healing)
         self.options, self.method = options, method
 

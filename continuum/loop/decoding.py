@@ -16,28 +16,28 @@ the whole run is appended and computed in the same next forward pass (:mod:`cont
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Callable, Generator, Optional
 
 import torch
 
 from .. import cache as kvcache
 from .. import prefix_cache
-from ..cancel import check_cancelled
 from ..cache import positions  # (re-exported: it lives with the cache's column layout)
+from ..cancel import check_cancelled
 from ..errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
 from ..guidance import Guidance, UnconditionalBranch
-from .fastforward import forced_runs, run_logprobs, step_marks
-from .merge import slot_of
 from ..guides import Guide
 from ..healing import apply_heal_masks, heal
 from ..memory import check_rows_fit
 from ..models.tokenizer import check_encodable
-from .rows import Rows
-from ..samplers import Sampler
 from ..parallel import check_seeded
+from ..samplers import Sampler
 from ..state import LastStep, SequenceState
 from ..text import token_char_spans
+from .fastforward import forced_runs, run_logprobs, step_marks
+from .merge import slot_of
+from .rows import Rows
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 
@@ -46,11 +46,11 @@ __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
 class Step:
     """What one decoding step did: the generated text of every row so far (when tracked)."""
 
-    texts: Optional[list[str]]
+    texts: list[str] | None
     reordered: bool
 
 
-def check_max_tokens(max_tokens: Optional[int]) -> None:
+def check_max_tokens(max_tokens: int | None) -> None:
     if max_tokens is None:
         return
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
@@ -105,7 +105,7 @@ def _prefill(state: SequenceState, reserve: int) -> SequenceState:
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 
 
-def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: Optional[int]) -> int:
+def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: int | None) -> int:
     """Validate ``state`` for ``sampler``; return how many tokens may be generated (context-capped)."""
     group, n = state.samples, sampler.samples
     if group not in (1, n):
@@ -170,14 +170,14 @@ def _decode(
     state: SequenceState,
     sampler: Sampler,
     *,
-    guide: Optional[Guide] = None,
-    max_tokens: Optional[int] = None,
+    guide: Guide | None = None,
+    max_tokens: int | None = None,
     stop_at=None,
-    rng: Optional[torch.Generator] = None,
+    rng: torch.Generator | None = None,
     kind: str = "text",
-    parse: Optional[Callable[[str], object]] = None,
+    parse: Callable[[str], object] | None = None,
     track_text: bool = False,
-    guidance: Optional[Guidance] = None,
+    guidance: Guidance | None = None,
     fast_forward: bool = True,
     token_healing: bool = False,
     extra_eos: frozenset = frozenset(),
@@ -244,6 +244,7 @@ def _decode(
             logprobs = rows.branch.guide(raw)
         healing = any(h is not None for h in rows.heal)
         if guide is not None:  # healed rows: their first token is masked by the heal plan instead
+            assert rows.guide_states is not None  # a guide gives every row a state
             for r, s in enumerate(rows.guide_states):
                 if not rows.finished[r] and rows.heal[r] is None and guide.is_done(s):
                     rows.finished[r] = rows.complete[r] = True
@@ -268,14 +269,14 @@ def _decode(
             step_lp = torch.where(step_lp == -math.inf, step_lp, raw[ancestors, ids])
         id_list, lp_list = ids.tolist(), step_lp.tolist()
         keep = [False] * len(id_list)
-        for r, (t, l) in enumerate(zip(id_list, lp_list)):
+        for r, (t, lp) in enumerate(zip(id_list, lp_list)):
             if rows.finished[r]:
                 continue
-            if t in eos or l == -math.inf:
+            if t in eos or lp == -math.inf:
                 rows.finished[r] = True
-                if l == -math.inf:  # a beam with no allowed continuation: dead
+                if lp == -math.inf:  # a beam with no allowed continuation: dead
                     rows.weights[r] = -math.inf
-                elif rows.guide_states is not None:
+                elif rows.guide_states is not None and guide is not None:
                     rows.complete[r] = guide.is_final(rows.guide_states[r])
                 rows.reason[r] = "pattern" if guide is not None and rows.complete[r] else "eos"
                 continue
@@ -312,11 +313,12 @@ def _decode(
     return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted)
 
 
-def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -> Optional[list[list[int]]]:
+def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -> list[list[int]] | None:
     """The forced run of every row after its sampled token, each already accepted by the row (a
     run stops early where a stop string ends the row); ``None`` when no row has one."""
     live = [k and not f for k, f in zip(keep, rows.finished)]
     budget = [min(steps - g, room) for g, room in zip(rows.generated, rows.room)]
+    assert rows.guide_states is not None  # fast-forward runs only with a guide
     runs = forced_runs(rows.guide, rows.guide_states, live, budget, group, beams)
     for r, run in enumerate(runs):
         for i, t in enumerate(run):
@@ -361,7 +363,7 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
     complete = tuple(rows.complete[r] or (guide is not None and guide.is_final(rows.guide_states[r]))
                      if rows.guide_states is not None else True for r in order)
     resumable = None
-    if guide is not None and not any(c is not None for c in cuts):
+    if guide is not None and rows.guide_states is not None and not any(c is not None for c in cuts):
         resumable = tuple(rows.guide_states[r] for r in order)
     real = out._real_rows()  # forced and healed tokens, for the display (LastStep.marks)
     marks = tuple(step_marks(tok, real[i][0], texts[i], rows.generated[r],
@@ -369,7 +371,7 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
                              starts[i]) for i, r in enumerate(order))
     last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse,
                     max_tokens=max_tokens, guide_key=guide.key if guide is not None else None, guide_states=resumable,
-                    finish=tuple(rows.reason[r] for r in order), marks=marks)
+                    finish=tuple(rows.reason[r] or exhausted for r in order), marks=marks)  # (every row ended above)
     if any(c is not None for c in cuts):
         out = out._truncate(ends)
     return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,

@@ -22,7 +22,7 @@ than step-by-step decoding (fewer draws).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -61,7 +61,9 @@ def run_logprobs(logits: torch.Tensor, runs: Sequence[Sequence[int]], width: int
     of ``m`` tokens fills the block's last ``m`` columns, so token ``i`` of it sits at column
     ``width - m + i`` and is predicted by column ``width - m + i - 1``.
     """
-    rows, cols, toks = [], [], []
+    rows: list[int] = []
+    cols: list[int] = []
+    toks: list[int] = []
     for r, run in enumerate(runs):
         m = len(run)
         rows += [r] * m

@@ -156,7 +156,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
         top = slab.rows_used if newcomers else max((_in_place(r)[1] + r.rows for r in members), default=0)  # type: ignore[index]
         dead = top - sum(r.rows for r in members)
         if (all(r.cached <= slab.end for r in newcomers) and slab.rows_used + joining <= slab.rows_cap
-                and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and N == min(r.new for r in requests)):
+                and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and min(r.new for r in requests) == N):
             first = {id(r): _in_place(r)[1] for r in members}  # type: ignore[index]  # (members are in place)
             copies = []
             row = slab.rows_used

@@ -6,7 +6,7 @@ search), classifier-free guidance's unconditional rows included.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any
 
 import torch
 
@@ -23,10 +23,10 @@ __all__ = ["Rows"]
 class Rows:
     """All per-row decoding state. :meth:`reorder` is the ONE place rows follow their ancestors."""
 
-    branch: Optional[UnconditionalBranch] = None  # classifier-free guidance's unconditional branch: its rows follow too
+    branch: UnconditionalBranch | None = None  # classifier-free guidance's unconditional branch: its rows follow too
 
-    def __init__(self, state: SequenceState, capacity: int, guide: Optional[Guide], track_text: bool, stops: list[str],
-                 heals: Optional[list[Optional[Heal]]] = None):
+    def __init__(self, state: SequenceState, capacity: int, guide: Guide | None, track_text: bool, stops: list[str],
+                 heals: list[Heal | None] | None = None):
         R, L = state._ids.shape
         dev = state._ids.device
         self.pad = state._model.tokenizer.pad_token_id
@@ -40,10 +40,10 @@ class Rows:
         self.scores = self.weights.to(dev)  # what beam search ranks by, next to the logits
         self.finished = [False] * R
         self.complete = [guide is None] * R
-        self.stop_cut: list[Optional[int]] = [None] * R
+        self.stop_cut: list[int | None] = [None] * R
         self.generated = [0] * R  # tokens appended per row (sampled and forced): max_tokens counts both
         self.forced: list[tuple[int, ...]] = [()] * R  # ordinals (in generated) of fast-forwarded tokens
-        self.reason: list[Optional[str]] = [None] * R  # why each row finished (LastStep.finish)
+        self.reason: list[str | None] = [None] * R  # why each row finished (LastStep.finish)
         ctx = state._model.context_length  # tokens each row may still add before its own context limit
         self.room = (ctx - state._mask.sum(1)).tolist() if ctx is not None else [math.inf] * R
         self.stops = stops
@@ -51,7 +51,7 @@ class Rows:
         self.heal_chars = [h.chars if h is not None else 0 for h in self.heal]  # removed text: not output
         self.resumed = [False] * R
         self.guide = guide
-        self.guide_states = [guide.new_state() for _ in range(R)] if guide is not None else None
+        self.guide_states: list[Any] | None = [guide.new_state() for _ in range(R)] if guide is not None else None
         texts = state.texts
         self.start_chars = [len(t) for t in texts]
         last = state._last
@@ -59,15 +59,17 @@ class Rows:
             for r, (done, gs) in enumerate(zip(last.complete, last.guide_states)):
                 if not done and gs is not None:  # resume the unfinished constrained step (on a copy: the
                     # input state keeps its own, and a stateful engine advances states in place)
+                    assert self.guide_states is not None  # built above: there is a guide
                     self.guide_states[r], self.start_chars[r] = guide.copy(gs), last.starts[r]
                     self.resumed[r] = True
         real = state._real_rows() if track_text else None
-        self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if track_text else None
+        self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if real is not None else None
 
     def end(self, r: int, reason: str) -> None:
         """Finish row ``r`` for ``reason``; a row cut just as its constraint completed counts as "pattern"."""
         gs = self.guide_states[r] if self.guide_states is not None else None
-        self.finished[r], self.reason[r] = True, "pattern" if gs is not None and self.guide.is_done(gs) else reason
+        done = gs is not None and self.guide is not None and self.guide.is_done(gs)  # guide states come with a guide
+        self.finished[r], self.reason[r] = True, "pattern" if done else reason
 
     def reorder(self, ancestors: torch.Tensor) -> None:
         idx = ancestors.tolist()
@@ -78,15 +80,15 @@ class Rows:
         for name in ("finished", "complete", "stop_cut", "reason", "room", "start_chars", "generated", "forced", "heal",
                      "heal_chars", "resumed"):
             setattr(self, name, [getattr(self, name)[i] for i in idx])
-        if self.guide_states is not None:
-            states = self.guide_states
-            if self.guide.copy_free:
+        if self.guide_states is not None and self.guide is not None:  # guide states come with a guide
+            states, guide = self.guide_states, self.guide
+            if guide.copy_free:
                 self.guide_states = [states[i] for i in idx]
             else:  # a row owns its state: the first heir of a row takes it, later ones get copies
                 seen: set[int] = set()
                 heirs = []
                 for i in idx:
-                    heirs.append(self.guide.copy(states[i]) if i in seen else states[i])
+                    heirs.append(guide.copy(states[i]) if i in seen else states[i])
                     seen.add(i)
                 self.guide_states = heirs
         if self.detoks is not None:
@@ -95,13 +97,13 @@ class Rows:
     def accept(self, r: int, token: int) -> bool:
         """Advance row ``r``'s guide and text by ``token`` (sampled or forced); False when the guide
         refuses it (the row ends, incomplete). A stop string ends the row after the token."""
-        if self.guide_states is not None:
-            plan = self.heal[r]  # a healed first token: the guide walked the text after the removed one
-            self.guide_states[r] = plan.state_after(self.guide, token) if plan else self.guide.advance(self.guide_states[r], token)
+        if self.guide_states is not None and self.guide is not None:  # guide states come with a guide
+            plan, guide = self.heal[r], self.guide  # a healed first token: the guide walked the text after the removed one
+            self.guide_states[r] = plan.state_after(guide, token) if plan else guide.advance(self.guide_states[r], token)
             if self.guide_states[r] is DEAD:  # the engine refused a token its mask allowed
                 self.finished[r], self.complete[r] = True, False
                 return False
-            self.complete[r] = self.guide.is_final(self.guide_states[r])
+            self.complete[r] = guide.is_final(self.guide_states[r])
         self.generated[r] += 1
         self.room[r] -= 1
         if self.detoks is not None:
@@ -109,7 +111,8 @@ class Rows:
             text = self.detoks[r].push(token)
             for s in self.stops:
                 at = text.find(s, max(self.heal_chars[r], before - len(s) + 1))
-                if at >= 0 and (self.stop_cut[r] is None or at + len(s) < self.stop_cut[r]):
+                cut = self.stop_cut[r]
+                if at >= 0 and (cut is None or at + len(s) < cut):
                     self.stop_cut[r] = at + len(s)
             if self.stop_cut[r] is not None:
                 self.finished[r], self.reason[r] = True, "stop"
@@ -125,7 +128,8 @@ class Rows:
         self.mask = torch.cat([self.mask, self.mask.new_zeros((self.mask.shape[0], extra))], 1)
         self.lp = torch.cat([self.lp, self.lp.new_full((self.lp.shape[0], extra), float("nan"))], 1)
 
-    def write_block(self, col: int, ids: list[int], lps: list[float], keep: list[bool], runs: list[list[int]], width: int) -> None:
+    def write_block(self, col: int, ids: list[int], lps: list[float], keep: list[bool], runs: list[list[int]],
+                    width: int) -> None:
         """Write each kept row's sampled token and forced run right-aligned in columns
         ``[col, col + width)`` (holes before it); forced log-probs are filled in after the forward."""
         R = len(ids)
@@ -144,7 +148,7 @@ class Rows:
         self.ids[:, col:col + width] = torch.tensor(blk_ids, device=dev)
         self.mask[:, col:col + width] = torch.tensor(blk_mask, device=dev, dtype=self.mask.dtype)
         self.lp[:, col:col + width] = torch.tensor(blk_lp, device=dev)
-        self.weights += torch.tensor([l if k else 0.0 for l, k in zip(lps, keep)])
+        self.weights += torch.tensor([lp if k else 0.0 for lp, k in zip(lps, keep)])
         self.width = col + width
 
     def add_forced_logprobs(self, col: int, width: int, runs: list[list[int]], lps: list[list[float]]) -> None:
