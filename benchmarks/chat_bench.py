@@ -77,7 +77,8 @@ def b12(bench: Bench, cfg) -> list[Row]:
         return {"generated": 1, "first": int(out[0, -1]), "prompt": len(ids), "ids": list(ids)}
 
     def session(rep: int) -> dict:
-        r = {"b": [], "c": [], "c_fwd": [], "ratio": [], "cpu": [], "bound": [], "probe": [], "computed": [], "expected": [], "prompt": [], "agree": True, "rewritten": 0}
+        r = {"b": [], "c": [], "c_fwd": [], "ratio": [], "cpu": [], "bound": [], "probe": [], "computed": [], "expected": [],
+             "prompt": [], "agree": True, "rewritten": 0}
         chat = Chat(bench.model, template=tpl)
         for k, u in enumerate(users):
             asked = chat.user(u)

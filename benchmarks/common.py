@@ -253,7 +253,8 @@ def paired(bench: Bench, baseline: Callable, candidate: Callable, reps: int, war
         base.append(b)
         cand.append(c)
         if log:
-            log(f"    rep {i + 1}/{reps}: baseline {b.seconds:.3f}s  continuum {c.seconds:.3f}s  ratio {c.seconds / b.seconds:.3f}")
+            log(f"    rep {i + 1}/{reps}: baseline {b.seconds:.3f}s  continuum {c.seconds:.3f}s  "
+                f"ratio {c.seconds / b.seconds:.3f}")
     return base, cand
 
 

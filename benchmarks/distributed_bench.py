@@ -35,7 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _COMM = ("c10d::allreduce_", "c10d::allgather", "_c10d_functional::wait_tensor", "c10d::allgather_into_tensor_coalesced_")
-_DISPATCH = ("Redistribute", "PythonSubclass", "PythonDispatchMode", "_FromTorchTensor", "_c10d_functional::_wrap_tensor_autograd")
+_DISPATCH = ("Redistribute", "PythonSubclass", "PythonDispatchMode", "_FromTorchTensor",
+             "_c10d_functional::_wrap_tensor_autograd")
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -92,7 +93,8 @@ def _worker(args) -> None:
     out = {"layout": fp.layout, "greedy_s": g_times, "session_s": s_times, "turn_s": turn_times,
            "greedy_ids": [ids for ids, _ in g._real_rows()], "session_ids": [ids for ids, _ in s._real_rows()],
            "profiled_ms": profiled * 1000, "comm_ms": self_ms(_COMM), "dispatch_ms": self_ms(_DISPATCH),
-           "all_reduces_per_forward": count("gloo:all_reduce") / forwards, "all_gathers_per_forward": count("gloo:all_gather") / forwards}
+           "all_reduces_per_forward": count("gloo:all_reduce") / forwards,
+           "all_gathers_per_forward": count("gloo:all_gather") / forwards}
     tag = f"single{args.threads}" if fp.world_size == 1 else f"rank{fp.rank}"
     Path(args.out, f"b14-{tag}.json").write_text(json.dumps(out))
     if tp:
@@ -157,7 +159,8 @@ def b14(bench, cfg) -> list:
     same = all(r["greedy_ids"] == single["greedy_ids"] and r["session_ids"] == single["session_ids"] for r in ranks + [single2])
     r0 = ranks[0]
     rows = []
-    for key, title, what in (("greedy_s", f"greedy, {new} tokens", "greedy"), ("session_s", f"8-turn session, {turn_new} tokens/turn", "session")):
+    for key, title, what in (("greedy_s", f"greedy, {new} tokens", "greedy"),
+                             ("session_s", f"8-turn session, {turn_new} tokens/turn", "session")):
         tp_s, one_s, two_s = median(r0[key]), median(single[key]), median(single2[key])
         notes = [f"1 process 1 thread {one_s:.3f}s, TP 2 processes x 1 thread {tp_s:.3f}s, 1 process 2 threads "
                  f"{two_s:.3f}s (TP / that: {tp_s / two_s:.2f}); medians of {reps}; same token ids on every rank and in "
@@ -185,7 +188,8 @@ def b14(bench, cfg) -> list:
                                  "more than 2x one process); it is not a speed-up claim"])
         if what == "session":
             row.series = {"title": "B14: time per turn, TP (2 processes, gloo) vs 1 process", "x": list(range(1, 9)),
-                          "xlabel": "turn", "ylabel": "seconds", "lines": {"1 process": per_turn_one, "TP, 2 processes": per_turn_tp}}
+                          "xlabel": "turn", "ylabel": "seconds",
+                          "lines": {"1 process": per_turn_one, "TP, 2 processes": per_turn_tp}}
         rows.append(row)
     if not same:
         for row in rows:

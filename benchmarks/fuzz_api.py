@@ -30,7 +30,8 @@ def run(examples: int, timeout_s: int) -> dict:
                    OMP_NUM_THREADS="1")
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_fuzz_api.py", "-q", "-x", "-p", "no:warnings",
-                               "-k", "every_call or state_operations"], cwd=ROOT, env=env, timeout=timeout_s, capture_output=True, text=True)
+                               "-k", "every_call or state_operations"],
+                              cwd=ROOT, env=env, timeout=timeout_s, capture_output=True, text=True)
         out = json.loads(tally.read_text()) if tally.exists() else {}
         out.update(returncode=proc.returncode, wall_s=round(time.perf_counter() - t, 1))
         if proc.returncode:

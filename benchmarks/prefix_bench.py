@@ -7,8 +7,8 @@ same Hugging Face module: one without a prefix cache (the baseline), one with.
 
 * B13a: time to first token, baseline / cached, median over calls 2..N (call 1 is the cold miss
   that fills the cache). Target >= 8x, or 90 % of the model-only bound measured in the run where that
-  is lower (baseline TTFT / the model's own forward time inside the cached call's TTFT; as B3a). Also checked: the cache's bytes after every call stay
-  <= its budget, both sides generate the same text, and the positions computed per call.
+  is lower (baseline TTFT / the model's own forward time inside the cached call's TTFT; as B3a). Also checked: the
+  cache's bytes after every call stay <= its budget, both sides generate the same text, and the positions computed per call.
 * B13b: a budget too small for even one block of the prefix (nothing can be kept): the whole
   call's time over the baseline's, median over the calls. Target <= 1.05.
 
@@ -77,7 +77,8 @@ def b13(bench: Bench, cfg) -> list[Row]:
 
     # B13a: a budget that holds the prefix
     cached = models.Transformers(bench.hf, bench.model.tokenizer, prefix_cache=_BUDGET)
-    for gen, m in ((generate.text(bench.model, samplers.greedy()), bench.model), (generate.text(cached, samplers.greedy()), cached)):
+    for gen, m in ((generate.text(bench.model, samplers.greedy()), bench.model),
+                   (generate.text(cached, samplers.greedy()), cached)):
         _call(bench, gen, m, warm)  # warm-up on an unrelated prompt
     log(f"B13: {count} prompts behind one {plen}-token prefix ({min(lens)}-{max(lens)} tokens in all), {_NEW} new tokens "
         f"each, called one by one; prefix cache budget {_BUDGET / 2**20:.0f} MiB")
@@ -92,9 +93,11 @@ def b13(bench: Bench, cfg) -> list[Row]:
     # on CPU a ~26-token forward on a 600-token cache is far from 24x cheaper than the whole prefill.
     bound = median([b["ttft"] / c["ttft_fwd"] for b, c in zip(base[1:], cont[1:])])
     threshold = min(8.0, round(0.9 * bound, 1))
-    log(f"    TTFT median {median([b['ttft'] for b in base[1:]]) * 1000:.1f} ms -> {median([c['ttft'] for c in cont[1:]]) * 1000:.1f} ms "
+    log(f"    TTFT median {median([b['ttft'] for b in base[1:]]) * 1000:.1f} ms -> "
+        f"{median([c['ttft'] for c in cont[1:]]) * 1000:.1f} ms "
         f"({fig:.1f}x); bytes held max {max(held) / 2**20:.1f} MiB of {_BUDGET / 2**20:.0f}")
-    notes = [f"call 1 (cold, fills the cache): TTFT {base[0]['ttft'] * 1000:.0f} ms without, {cont[0]['ttft'] * 1000:.0f} ms with; "
+    notes = [f"call 1 (cold, fills the cache): TTFT {base[0]['ttft'] * 1000:.0f} ms without, "
+             f"{cont[0]['ttft'] * 1000:.0f} ms with; "
              f"calls 2..{count}: TTFT speedup min {min(speedups):.1f}x, max {max(speedups):.1f}x, CPU-time figure "
              f"{median([b['ttft_cpu'] / c['ttft_cpu'] for b, c in zip(base[1:], cont[1:])]):.1f}x; whole-call speedup median "
              f"{median([b['total'] / c['total'] for b, c in zip(base[1:], cont[1:])]):.2f}x",
@@ -106,7 +109,8 @@ def b13(bench: Bench, cfg) -> list[Row]:
              f"the forward {median([c['ttft_fwd'] for c in cont[1:]]) * 1000:.0f} ms",
              f"cache bytes after each call: max {max(held) / 2**20:.1f} MiB, final {held[-1] / 2**20:.1f} MiB, budget "
              f"{_BUDGET / 2**20:.0f} MiB: {'always within' if bounded else 'EXCEEDED'}; same text on both sides: {same}"]
-    rows.append(Row(id="B13a", title=f"prefix cache: TTFT, {count} calls behind a {plen}-token prefix", baseline="same model, no prefix cache",
+    rows.append(Row(id="B13a", title=f"prefix cache: TTFT, {count} calls behind a {plen}-token prefix",
+                    baseline="same model, no prefix cache",
                     figure=fig, op=">=", threshold=threshold, unit="x faster",
                     achievable=None if threshold == 8.0 else (
                         f"target {threshold}x instead of 8x: 90% of the model-only bound {bound:.1f}x measured in this run "
@@ -129,8 +133,10 @@ def b13(bench: Bench, cfg) -> list[Row]:
     s = tiny.prefix_cache.stats()
     same = all(b["text"] == c["text"] for b, c in zip(base, cont))
     fig = median(ratios) if same and s["bytes"] == 0 else float("nan")
-    log(f"    whole call {median([b['total'] for b in base]) * 1000:.0f} ms -> {median([c['total'] for c in cont]) * 1000:.0f} ms ({fig:.3f}x)")
-    rows.append(Row(id="B13b", title="prefix cache, budget below one block: cost of a useless cache", baseline="same model, no prefix cache",
+    log(f"    whole call {median([b['total'] for b in base]) * 1000:.0f} ms -> "
+        f"{median([c['total'] for c in cont]) * 1000:.0f} ms ({fig:.3f}x)")
+    rows.append(Row(id="B13b", title="prefix cache, budget below one block: cost of a useless cache",
+                    baseline="same model, no prefix cache",
                     figure=fig, op="<=", threshold=1.05, unit="x time", base_s=median([b["total"] for b in base]),
                     cont_s=median([c["total"] for c in cont]), base_computed=int(median([b["computed"] for b in base])),
                     cont_computed=int(median([c["computed"] for c in cont])), reps=count,

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     header = [
         f"continuum benchmarks, {mode}",
         f"model: {bench.name}",
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}, "
         f"{os.cpu_count()} CPUs, load average at start {load0 if load0 is None else round(load0, 2)}",
         f"settings: {cfg.describe()}",
     ] + [f"note: {n}" for n in bench.notes]

@@ -1,5 +1,5 @@
-"""Benchmark scenarios B1-B21 (B10 in fastforward.py, B11 guidance_bench.py, B12 chat_bench.py, B13 prefix_bench.py, B14 distributed_bench.py,
-B15-B20 programs_bench.py, B18b choice_bench.py,
+"""Benchmark scenarios B1-B21 (B10 in fastforward.py, B11 guidance_bench.py, B12 chat_bench.py, B13 prefix_bench.py,
+B14 distributed_bench.py, B15-B20 programs_bench.py, B18b choice_bench.py,
 B21 serve_bench.py; see docs/benchmarks.md). Each returns a list of checked :class:`Row`."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class Config:
                    b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16, b11_batch=2, b11_prompt=64, b11_new=8)
 
     def describe(self) -> str:
-        return (f"reps={self.reps} (B1/B2: {self.b1_reps}, B3/B7: {self.heavy_reps}), B1/B2 {self.b1_prompt}+{self.b1_new} tokens, "
+        return (f"reps={self.reps} (B1/B2: {self.b1_reps}, B3/B7: {self.heavy_reps}), "
+                f"B1/B2 {self.b1_prompt}+{self.b1_new} tokens, "
                 f"B3 {self.b3_turns} turns x {self.b3_new} new on {self.b3_history} tokens, "
                 f"B4 cut {self.b4_cut} chars of {self.b4_history}+{self.b4_new} tokens, B5 <= {self.b5_max} tokens, "
                 f"B7 {self.b7_samples} x {self.b7_new} new on {self.b7_prompt}, B8 {self.b8_beams} beams x {self.b8_new}, "
@@ -141,7 +142,8 @@ def b3(bench: Bench, cfg: Config) -> list[Row]:
         notes.append(f"history shortened from {cfg.b3_history} to fit the {bench.context}-token context")
 
     def session(rep: int) -> dict:
-        r = {"b_ttft": [], "c_ttft": [], "c_fwd": [], "c_ref": [], "b_turn": [], "c_turn": [], "b_comp": [], "c_comp": [], "b_rss": 0.0, "c_rss": 0.0}
+        r = {"b_ttft": [], "c_ttft": [], "c_fwd": [], "c_ref": [], "b_turn": [], "c_turn": [], "b_comp": [], "c_comp": [],
+             "b_rss": 0.0, "c_rss": 0.0}
         held = {}
 
         def prefill():
@@ -382,7 +384,7 @@ def b7(bench: Bench, cfg: Config) -> list[Row]:
                           notes=["continuum prefills the prompt once and forks; HF prefills it once per sequence"])
     whole = row_from_calls("B7b", f"{k} samples x {cfg.b7_new} new tokens: whole call",
                            f"HF generate(num_return_sequences={k}, do_sample=True)", bn, cn, op=">=", threshold=1.5,
-                           speedup=True, notes=["tokens/s counts the tokens of one sample (x%d for all)" % k])
+                           speedup=True, notes=[f"tokens/s counts the tokens of one sample (x{k} for all)"])
     return [ttft, whole]
 
 

@@ -204,7 +204,8 @@ def b21(bench: Bench, cfg) -> list[Row]:
                         for name, runs in (("stateless /v1/chat/completions", stateless), ("stateful /v1/responses", stateful),
                                            ("in-process Chat", inproc))}}
     return [
-        Row(id="B21a", title=f"serve: turn-4 TTFT, {clients} clients, stateless / stateful", baseline="stateless chat completions",
+        Row(id="B21a", title=f"serve: turn-4 TTFT, {clients} clients, stateless / stateful",
+            baseline="stateless chat completions",
             figure=statistics.median(ratios), op=">=", threshold=3.0, unit="x faster", base_s=ttft_sl, cont_s=ttft_sf,
             reps=clients, notes=notes, series=series),
         Row(id="B21b", title="serve: aggregate tokens/s, stateful / stateless", baseline="stateless chat completions",

@@ -27,8 +27,12 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # for the annotation only: the functions import it where they use it, as before
+    from transformers import DynamicCache
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
@@ -71,7 +75,8 @@ class _Arena:
 
     def views(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.keys[:, :, :columns], self.values[:, :, :columns]
-        k._continuum_arena = v._continuum_arena = self
+        # tag the views with their arena (torch tensors take Python attributes; the stubs don't declare this one)
+        k._continuum_arena = v._continuum_arena = self  # type: ignore[attr-defined]
         return k, v
 
     def select_rows(self, rows: torch.Tensor, columns: int) -> _Arena:
@@ -146,7 +151,7 @@ def layer_kinds(config) -> tuple[int, bool]:
     return len(layers), sliding
 
 
-def to_dynamic_cache(kv: KV | None, config, reserve: int = 0) -> DynamicCache:  # noqa: F821
+def to_dynamic_cache(kv: KV | None, config, reserve: int = 0) -> DynamicCache:
     """A new ``DynamicCache`` whose layers reference ``kv``'s tensors (no copy).
 
     ``reserve``: how many more columns the caller expects to append after this forward (decoding

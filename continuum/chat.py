@@ -76,6 +76,9 @@ class Chat:
     """
 
     __slots__ = ("_setup", "_rows", "_state")
+    _setup: Renderer
+    _rows: tuple[tuple[Message, ...], ...]
+    _state: SequenceState | None
 
     def __init__(self, model, system: str | None = None, *, template: str | None = None,
                  tools: Sequence[Any] | None = None, template_kwargs: dict | None = None):
@@ -203,11 +206,11 @@ class Chat:
         return self._reply_state().value
 
     @property
-    def finish_reason(self) -> str | list[str] | None:
+    def finish_reason(self) -> str | list[str | None] | None:
         """Why the last reply ended: ``"eos"`` (end of turn or the model's EOS), ``"length"``,
         ``"stop"``, ``"pattern"`` (the constraint completed) or ``"context"``; a list over rows."""
         reasons = self._reply_state().finish_reasons
-        flat = [x for row in reasons for x in row] if reasons is not None else [None] * self.rows
+        flat: list[str | None] = [x for row in reasons for x in row] if reasons is not None else [None] * self.rows
         return flat[0] if len(flat) == 1 else flat
 
     @property
@@ -223,7 +226,7 @@ class Chat:
         i %= self.rows
         if self.rows == 1:
             return self
-        return Chat._make(self._setup, (self._rows[i],), self._state[0, i, :])
+        return Chat._make(self._setup, (self._rows[i],), self._state[0, i, :] if self._state is not None else None)
 
     def to_html(self) -> str:
         """The chat as HTML: turns (role, content), the last reply's tokens shaded by probability
@@ -234,7 +237,7 @@ class Chat:
         S = st.samples if st is not None else 1
         shared = st is not None and st.batch * S == self.rows and all(
             rows[i][:-1] == rows[i - i % S][:-1] for i in range(self.rows))
-        if not shared:  # no reply yet, or samples whose histories differ: each row's turns as text
+        if st is None or not shared:  # no reply yet, or samples whose histories differ: each row's turns as text
             return chat_to_html([list(r) for r in rows])
         # one conversation per batch row: its samples share the history; their replies come from the state
         return chat_to_html([list(rows[b * S]) for b in range(st.batch)], st)
@@ -273,7 +276,7 @@ class _Turn:
         self.prompts = [list(setup.render(r, tokenize=True, generation=True)) for r in chat._rows]
         self.state = _reconcile(chat._state, self.prompts, setup.model).to_model(generator.model)
         # a continued prefill: the rendering ends with it, or with it right-stripped (a trimming template)
-        self.prefills = []
+        self.prefills: list[str | None] = []
         for r in chat._rows:
             last = r[-1]
             if last["role"] != "assistant":
@@ -288,26 +291,27 @@ class _Turn:
         self.stops = (_stop_list(stop_at) + list(self.markers)) or None  # (a bad stop_at raises here)
 
     def reply_texts(self, state: SequenceState) -> list[str]:
-        last, texts = state._last, state.texts
+        last, texts = state._last_step(), state.texts
         return [t[s:e] for t, s, e in zip(texts, last.starts, last.ends)]
 
     def finish(self, state: SequenceState) -> Chat:
         """Cut end-of-turn markers a stop string caught, then record the reply messages."""
-        finish = list(state._last.finish or ("",) * state.rows)
+        done = state._last_step()  # the generator's result: it always has a last step
+        finish = list(done.finish or ("",) * state.rows)
         if self.markers:
-            texts, ends = state.texts, list(state._last.ends)
+            texts, ends = state.texts, list(done.ends)
             for r, (t, e) in enumerate(zip(texts, ends)):
                 marker = next((m for m in self.markers if finish[r] == "stop" and t[:e].endswith(m)), None)
                 if marker is not None:
                     ends[r], finish[r] = e - len(marker), "eos"
-            if ends != list(state._last.ends):
+            if ends != list(done.ends):
                 cut = truncate(state, [e if e < len(t) else len(t) for e, t in zip(ends, texts)])
-                last = cut._last.edited(finish=tuple(finish), complete=state._last.complete)
+                last = cut._last_step().edited(finish=tuple(finish), complete=done.complete)
                 state = SequenceState(model=cut._model, ids=cut._ids, mask=cut._mask, logprobs=cut._logprobs,
                                       weights=cut._weights, kv=cut._kv, batch=cut.batch, samples=cut.samples, last=last)
         replies = self.reply_texts(state)
         new_rows = []
-        for r, (text, (ids, _)) in enumerate(zip(replies, state._real_rows())):
+        for text, (ids, _) in zip(replies, state._real_rows()):
             # the row it descends from (forks copy a row; beam search reorders rows and sorts them):
             # the one whose prompt it continues
             src = max(range(len(self.prompts)), key=lambda i: (_common_prefix(ids, self.prompts[i]), -i))

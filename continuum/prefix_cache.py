@@ -64,7 +64,7 @@ def parse_budget(spec: None | int | str) -> int | None:
         return spec
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", spec)
     unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
+    if match is None or unit not in _UNITS:
         raise PrefixCacheArgumentError(f"prefix_cache={spec!r} is not a size: write bytes as an int or a number with a "
                                        f"unit, e.g. '512MiB', '2GB', '64kB' (units: {', '.join(u for u in _UNITS if u)})")
     value = int(float(match.group(1)) * _UNITS[unit])
@@ -373,7 +373,11 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
         for dst, src in ((ids, state._ids), (mask, state._mask), (lp, state._logprobs)):
             dst[r, width - h:width] = src[r, lead[r]:C]
             dst[r, total - t:] = src[r, start[r]:]
-        parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)] if h else [])
+        if not h:
+            parts.append([])
+            continue
+        assert state._kv is not None, "a row with cached columns (h > 0) means the state holds a KV cache"
+        parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)])
     kv = kvcache.assemble(parts, width, (total - width) + min(room, kvcache.RESERVE_CAP))
     from .state import SequenceState
 

@@ -58,7 +58,8 @@ def make_spm_tokenizer(vocab_size: int = 420):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
@@ -68,7 +69,8 @@ def make_spm_tokenizer(vocab_size: int = 420):
     for i in range(256):
         vocab.setdefault(f"<0x{i:02X}>", len(vocab))
     tok = Tokenizer.from_str(_json.dumps(state))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", vocab["<s>"])])
     return _wrap(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 

@@ -68,7 +68,8 @@ def mixed_jobs(model):
         lambda: generate.text(model, samplers.greedy(), guidance_scale=3.0, negative_prompt="No")(PROMPTS[5], max_tokens=5),
         lambda: generate.text(model, samplers.greedy(), guidance_scale=2.0, cfg_mode="sequential")(PROMPTS[0], max_tokens=4),
         lambda: generate.text(model, samplers.greedy(), token_healing=True)("The quick bro", max_tokens=5),
-        lambda: comparable(continuous(generate.regex(model, r"\(x[0-9]\) [a-z]{2,4}", samplers.greedy()))(PROMPTS[1], max_tokens=10)),
+        lambda: comparable(continuous(generate.regex(model, r"\(x[0-9]\) [a-z]{2,4}", samplers.greedy()))(
+            PROMPTS[1], max_tokens=10)),
         lambda: generate.regex(model, r"[0-9]{2}-[a-z]{3}", samplers.multinomial())(PROMPTS[2], rng=rng(2)),
         lambda: generate.choice(model, ["red", "green", "blue"], samplers.greedy())(PROMPTS[3]),
         lambda: generate.choice(model, ["yes", "no"], samplers.greedy(), method="greedy")(PROMPTS[4]),

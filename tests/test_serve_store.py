@@ -184,7 +184,8 @@ FIELDS = {
     "/v1/responses": ({"model": MODEL, "input": "hi", "max_output_tokens": 0},
                       ["input", "instructions", "previous_response_id", "store", "text", "tools", "tool_choice",
                        "max_output_tokens", "temperature", "top_p", "metadata"]),
-    "/v1/completions": ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, ["prompt", "max_tokens", "echo", "logprobs", "stop", "n"]),
+    "/v1/completions": ({"model": MODEL, "prompt": "hi", "max_tokens": 0},
+                        ["prompt", "max_tokens", "echo", "logprobs", "stop", "n"]),
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import cast
 
 import torch
 
@@ -15,7 +15,7 @@ from .generator import Generator, Stream
 
 __all__ = ["continuous", "ContinuousGenerator"]
 
-Input = Union[str, Sequence[str], SequenceState, Sequence[SequenceState]]
+Input = str | Sequence[str] | SequenceState | Sequence[SequenceState]
 
 
 class ContinuousGenerator:
@@ -47,8 +47,8 @@ class ContinuousGenerator:
             state = inputs
         elif isinstance(inputs, (list, tuple)) and any(isinstance(s, SequenceState) for s in inputs):
             state = SequenceState.stack(inputs)  # names a non-state item
-        else:  # names what is wrong with a non-text prompt
-            state = SequenceState.from_prompts(self.generator.model, inputs)
+        else:  # no state in it, so text or not a prompt at all: from_prompts names what is wrong with a non-text prompt
+            state = SequenceState.from_prompts(self.generator.model, cast("str | Sequence[str]", inputs))
         # The generator's model is the one that runs: a state of another model (same tokenizer) drops
         # that model's cache and is recomputed in one pass; another tokenizer raises TokenizerMismatch.
         return state.to_model(self.generator.model)

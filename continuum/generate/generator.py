@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ from ..state import SequenceState
 
 __all__ = ["Generator", "ChoiceGenerator", "Stream"]
 
-Prompt = Union[str, Sequence[str]]
+Prompt = str | Sequence[str]
 
 
 class Stream:
@@ -29,7 +29,8 @@ class Stream:
     reorders beams at every step, so it streams one chunk: the final texts.
     """
 
-    def __init__(self, steps: Iterator[Step], shape: Callable[[list[str]], Any], beams: bool, finalize: Callable[[SequenceState], Any]):
+    def __init__(self, steps: Iterator[Step], shape: Callable[[list[str]], Any], beams: bool,
+                 finalize: Callable[[SequenceState], Any]):
         self._steps, self._shape, self._beams, self._finalize = steps, shape, beams, finalize
         self._state: SequenceState | None = None
         self._emitted: list[str] | None = None
@@ -108,7 +109,8 @@ class Generator:
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
-            raise ContinuumTypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), got {type(sampler).__name__}")
+            raise ContinuumTypeError(f"sampler must be a continuum sampler (e.g. samplers.greedy()), "
+                                     f"got {type(sampler).__name__}")
         self.guide, self.kind, self.parse, self.description = guide, kind, parse, description
         self.guidance = guidance  # classifier-free guidance settings, None when guidance_scale == 1
         if not isinstance(fast_forward, bool):

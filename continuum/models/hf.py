@@ -121,7 +121,8 @@ class Transformers:
     def _decoder_layers(self, n: int) -> list | None:
         """The model's list of ``n`` decoder layers (``model.layers``, ``transformer.h``...), found once."""
         if not hasattr(self, "_blocks"):
-            self._blocks = next((list(m) for m in self.model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+            self._blocks = next((list(m) for m in self.model.modules()
+                                 if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
         return self._blocks
 
     @property
@@ -306,7 +307,8 @@ def transformers(model_name: str, device: str | torch.device | None = None, dtyp
     except OSError as exc:
         raise ModelLoadError(f"Could not load {model_name!r}: {exc}") from exc
     if device is not None:
-        model = model.to(device)
+        # PreTrainedModel.to is wrapped by functools.wraps, which mypy does not bind as a method (it wants `self`)
+        model = model.to(device)  # type: ignore[arg-type]
     return Transformers(model, tokenizer, prefix_cache=prefix_cache)
 
 
@@ -361,8 +363,10 @@ def _check_heads(model_name: str, world: int, kwargs: dict) -> None:
         raise ModelLoadError(f"Could not load {model_name!r}: {exc}") from exc
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
     heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        return
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if not heads or (heads % world == 0 and kv_heads % world == 0):
+    if heads % world == 0 and kv_heads % world == 0:
         return
     ok = [n for n in range(1, heads + 1) if heads % n == 0 and kv_heads % n == 0]
     raise ModelLoadError(

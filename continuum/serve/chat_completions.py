@@ -172,7 +172,8 @@ async def _events(ctx, req, cid, created, stream: ThreadStream, first, include_u
                 if rest:
                     delta["content"] = rest
                 lps = {"content": logprob_entries(ctx.engine, row), "refusal": None} if req.logprobs else None
-                yield _chunk(ctx, cid, created, [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": row.finish_reason}])
+                choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": row.finish_reason}
+                yield _chunk(ctx, cid, created, [choice])
             if include_usage:
                 yield _chunk(ctx, cid, created, [], _usage(reply))
             yield DONE

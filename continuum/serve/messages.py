@@ -41,7 +41,8 @@ def template_message(msg: dict) -> dict:
                 args = _json.loads(args) if isinstance(args, str) else args
             except ValueError:
                 pass  # a client's own malformed arguments: rendered as the text it sent
-            calls.append({"id": c.get("id", ""), "type": "function", "function": {"name": c["function"]["name"], "arguments": args}})
+            calls.append({"id": c.get("id", ""), "type": "function",
+                          "function": {"name": c["function"]["name"], "arguments": args}})
         out["tool_calls"] = calls
     for key in ("name", "tool_call_id"):
         if msg.get(key) is not None:
@@ -55,7 +56,8 @@ def chat_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         d: dict[str, Any] = {"role": m.role, "content": text_of(m.content, f"messages[{i}]")}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
                                for c in m.tool_calls]
         if m.name is not None:
             d["name"] = m.name

@@ -223,7 +223,8 @@ async def _events(skeleton: dict, mid: str, stream: ThreadStream, first, plan: P
         if out["type"] == "message":
             text = out["content"][0]["text"]
             if not text_item or index > 0:
-                yield event("response.output_item.added", output_index=index, item={**out, "status": "in_progress", "content": []})
+                yield event("response.output_item.added", output_index=index,
+                            item={**out, "status": "in_progress", "content": []})
                 yield event("response.content_part.added", item_id=out["id"], output_index=index, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
                 sent = ""
