@@ -15,7 +15,9 @@
   onto the SOUND side: a narrower schema whose every instance is valid under the original (noted in
   :attr:`NormalizedSchema.narrowed`), else :class:`~continuum.errors.UnsupportedSchemaError` naming the
   keyword and its JSON path;
-* ``max_string_length`` bounds strings that have no ``maxLength`` (no ``format``/``pattern``/``enum``).
+* ``max_string_length`` bounds strings that have no ``maxLength`` (no ``format``/``pattern``/``enum``);
+  ``max_items`` bounds arrays that have no ``maxItems`` (an explicit bound is never tightened; a
+  ``minItems`` above ``max_items`` is refused, as no array could satisfy both).
 
 Example:
     >>> normalize_schema({"type": "object", "properties": {"t": {"$ref": "#/$defs/tag"}},
@@ -122,8 +124,9 @@ def _pointer(root: Any, ref: str, path: str) -> Any:
 
 class _Normalizer:
     def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool,
-                 approximate: bool = False):
+                 approximate: bool = False, max_items: Optional[int] = None, relax: bool = False):
         self.root, self.dialect, self.max_len, self.inline = root, dialect, max_string_length, inline
+        self.max_items, self.relax = max_items, relax
         self.approximate = approximate
         self.narrowed: list[Narrowing] = []
         self.approximated: list[Narrowing] = []
@@ -133,7 +136,15 @@ class _Normalizer:
         self.size: dict[int, int] = {}
 
     def note(self, path: str, keyword: str, what: str) -> None:
+        if self.relax:  # no narrowing: the caller widens instead
+            raise rw.refuse(path, keyword, "narrowing is off (relax)", "")
         self.narrowed.append(Narrowing(f"{path}/{keyword}", keyword, what))
+
+    def relaxed(self, path: str, keyword: str, what: str) -> bool:
+        """``relax``: note that ``keyword`` is widened (``what``) instead of narrowed; False otherwise."""
+        if self.relax:
+            self.approximated.append(Narrowing(f"{path}/{keyword}", keyword, what))
+        return self.relax
 
     def widen(self, exc: UnsupportedSchemaError, fallback: Any, what: str) -> Any:
         """``approximate``: ``fallback`` (wider: the keyword is not enforced) in place of a refusal."""
@@ -225,7 +236,13 @@ class _Normalizer:
                     self.widen(exc, None, "dropped: values it excludes may be generated")
             elif key == "if" and ("then" in node or "else" in node):
                 parts = [self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("if", "then", "else")]
-                extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
+                try:
+                    extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
+                except UnsupportedSchemaError:  # relax: (if and then) or else, wider than the original
+                    self.relaxed(path, "if", "generated as (if and then) or else: a value failing `if` may be generated "
+                                 "under `then` alone")
+                    cond, then, other = (p if p is not None else {} for p in parts)
+                    extra.append({"anyOf": [rw.all_of([cond, then]), other]})
             elif key == "dependencies" and isinstance(value, dict):
                 lists = {k: v for k, v in value.items() if isinstance(v, list)}
                 extra.extend(rw.dependent_required(lists))
@@ -249,6 +266,11 @@ class _Normalizer:
 
     def _post(self, out: dict, path: str, extra: list) -> None:
         """The in-place rewrites of one node (after its subschemas are normalised)."""
+        if out.get("uniqueItems") is True and out.get("maxItems", 2) > 1 and self.relaxed(path, "uniqueItems",
+                                                                                    "dropped: items may repeat"):
+            out.pop("uniqueItems")
+        if "contains" in out and self.relaxed(path, "contains", "dropped: no item is required to satisfy it"):
+            out.pop("contains"), out.pop("minContains", None), out.pop("maxContains", None)
         if "uniqueItems" in out:
             try:
                 rw.unique_items(out, path, self.note)
@@ -275,6 +297,14 @@ class _Normalizer:
             t = out.get("type")
             if t == "string" or (isinstance(t, list) and "string" in t):
                 out["maxLength"] = max(self.max_len, out.get("minLength", 0))
+        if self.max_items is not None and "maxItems" not in out and _arrayish(out):
+            low = out.get("minItems", 0)
+            if isinstance(low, (int, float)) and low > self.max_items:
+                raise UnsupportedSchemaError(
+                    f"the array at {path or '/'} has minItems={low}, above max_items={self.max_items} (which bounds "
+                    f"arrays without maxItems): pass max_items={int(low)} or more, or None", keyword="minItems",
+                    path=f"{path}/minItems")
+            out["maxItems"] = self.max_items
 
     def expanded_size(self, node: Any) -> int:
         """Nodes of ``node`` once written out (shared subtrees counted at each use)."""
@@ -289,21 +319,39 @@ class _Normalizer:
         return self.size[key]
 
 
-def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None,
-                     approximate: bool = False) -> NormalizedSchema:
+def _arrayish(node: dict) -> bool:
+    """Whether ``node`` (normalised) may accept an array whose length it does not bound itself."""
+    t = node.get("type")
+    if t is None:
+        return any(k in node for k in ("items", "prefixItems", "minItems", "contains"))
+    return t == "array" or (isinstance(t, list) and "array" in t)
+
+
+def check_bound(name: str, value: Any) -> None:
+    """``max_string_length``/``max_items``: a positive int or None (``UnsupportedSchemaError`` otherwise)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UnsupportedSchemaError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None, approximate: bool = False,
+                     max_items: Optional[int] = None, relax: bool = False, inline: bool = True) -> NormalizedSchema:
     """Normalise ``schema`` (a dict or bool) for the engines; see the module docstring.
 
     Raises :class:`~continuum.errors.UnsupportedSchemaError` (with ``.keyword`` and ``.path``) for a
     keyword that no engine enforces and that has no sound rewrite; with ``approximate=True`` that
     keyword is dropped or widened instead (``oneOf`` -> ``anyOf``, ``not`` dropped...) and listed in
-    :attr:`NormalizedSchema.approximated`.
+    :attr:`NormalizedSchema.approximated`. ``max_items`` bounds every array without ``maxItems``.
+    ``relax=True`` (with ``approximate``) widens where it would narrow (``oneOf`` -> ``anyOf``,
+    ``uniqueItems`` and ``contains`` dropped...), so the result accepts every valid value: the
+    fallback when a narrowing left nothing. ``inline=False`` keeps every reference a ``$ref`` into
+    ``$defs`` (a smaller schema for the engines' size limits).
     """
-    if max_string_length is not None and (not isinstance(max_string_length, int) or max_string_length < 1):
-        raise UnsupportedSchemaError(f"max_string_length must be a positive int or None, got {max_string_length!r}")
+    check_bound("max_string_length", max_string_length)
+    check_bound("max_items", max_items)
     check_schema_bounds(schema)  # depth, size, enum: before any recursive walk
     dialect = dialect_of(schema)
-    for inline in (True, False):
-        n = _Normalizer(schema, dialect, max_string_length, inline, approximate)
+    for inline in (True, False)[0 if inline else 1:]:
+        n = _Normalizer(schema, dialect, max_string_length, inline, approximate, max_items, relax)
         n.stack.append("#")
         out = n.norm(schema, "")
         n.done["#"] = out
