@@ -134,6 +134,19 @@ class _Normalizer:
         self.stack: list[str] = []
         self.names: dict[str, str] = {}  # ref -> name in the output's $defs
         self.size: dict[int, int] = {}
+        self.inexact: set[str] = set()  # refs whose normalised target is not exact
+        self.inexact_uses = 0
+
+    def mark(self) -> tuple[int, int, int]:
+        """A mark that changes when a schema normalised after it is not exact (widened or narrowed)."""
+        return len(self.approximated), len(self.narrowed), self.inexact_uses
+
+    def exact(self, value: Any, path: str) -> tuple[Any, bool]:
+        """(``value`` normalised, whether exactly): a schema that gets negated (``not``, ``if``,
+        ``oneOf`` branches) must be exact, as negation turns a widening into a narrowing."""
+        mark = self.mark()
+        out = self.norm(value, path)
+        return out, self.mark() == mark
 
     def note(self, path: str, keyword: str, what: str) -> None:
         if self.relax:  # no narrowing: the caller widens instead
@@ -166,11 +179,16 @@ class _Normalizer:
         if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
             raise rw.refuse(path, "$ref", f"{ref!r} is not a local JSON-pointer reference (#/...)",
                             "Inline the referenced schema, or move it under $defs and use '#/$defs/<name>'")
+        if ref in self.inexact:
+            self.inexact_uses += 1
         if ref in self.stack or (not self.inline and ref in self.done):
             return {"$ref": "#/$defs/" + self._name(ref)}
         if ref not in self.done:
             self.stack.append(ref)
+            mark = self.mark()
             self.done[ref] = self.norm(_pointer(self.root, ref, path), ref[1:] or "")
+            if self.mark() != mark:
+                self.inexact.add(ref)
             self.stack.pop()
         return self.done[ref] if self.inline else {"$ref": "#/$defs/" + self._name(ref)}
 
@@ -217,32 +235,52 @@ class _Normalizer:
                     out["items"] = self.norm(value, here)
             elif key == "prefixItems":
                 out[key] = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+            elif key == "allOf" and isinstance(value, list) and not self.relax and rw.switch(value):
+                prop, cases, others = rw.switch(value)
+                self.note(path, "allOf", f"its if/then cases on {prop!r} are generated as cases: only with {prop!r} set "
+                          "to a value a case names")
+                extra.append({"anyOf": [rw.all_of([{"type": "object", "required": [prop], "properties": {prop: {"enum": vals}}},
+                                                   self.norm(then, f"{here}/then")]) for vals, then in cases]})
+                extra.extend(self.norm(v, f"{here}/{i}") for i, v in enumerate(others))
             elif key in ("allOf", "anyOf", "oneOf"):
-                subs = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+                normed = [self.exact(v, f"{here}/{i}") for i, v in enumerate(value)]
+                subs = [sub for sub, _ in normed]
                 if key == "allOf":
                     extra.extend(subs)
                 elif key == "anyOf":
                     extra.append({"anyOf": subs} if len(subs) != 1 else subs[0])
                 else:
                     try:
+                        if not all(ok for _, ok in normed):  # a branch widened or narrowed: cannot exclude it
+                            raise rw.refuse(path, "oneOf", "a branch is not enforced exactly", "")
                         extra.append(rw.one_of(subs, path, self.resolve, self.note))
                     except UnsupportedSchemaError as exc:
                         extra.append(self.widen(exc, {"anyOf": subs}, "generated as anyOf: a value may match "
                                                 "several branches"))
             elif key == "not":
                 try:
-                    extra.append(rw.not_(self.norm(value, here), path, self.resolve))
+                    sub, ok = self.exact(value, here)
+                    if not ok:  # the negation of a widened schema is narrower than the original: unsound
+                        raise rw.refuse(path, "not", "its schema is not enforced exactly, so neither is its negation",
+                                        "Rewrite the condition positively")
+                    extra.append(rw.not_(sub, path, self.resolve))
                 except UnsupportedSchemaError as exc:
                     self.widen(exc, None, "dropped: values it excludes may be generated")
             elif key == "if" and ("then" in node or "else" in node):
-                parts = [self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("if", "then", "else")]
+                cond, ok = self.exact(node["if"], f"{path}/if")
+                parts = [cond, *(self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("then", "else"))]
                 try:
+                    if not ok:
+                        raise rw.refuse(path, "if", "`if` is not enforced exactly", "")
                     extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
-                except UnsupportedSchemaError:  # relax: (if and then) or else, wider than the original
-                    self.relaxed(path, "if", "generated as (if and then) or else: a value failing `if` may be generated "
-                                 "under `then` alone")
+                except UnsupportedSchemaError as exc:
                     cond, then, other = (p if p is not None else {} for p in parts)
-                    extra.append({"anyOf": [rw.all_of([cond, then]), other]})
+                    if ok:  # relax: (if and then) or else, wider than the original
+                        self.relaxed(path, "if", "generated as (if and then) or else: a value failing `if` may be "
+                                     "generated under `then` alone")
+                        extra.append({"anyOf": [rw.all_of([cond, then]), other]})
+                    else:  # `if` itself approximated: then or else, wider than the original
+                        extra.append(self.widen(exc, {"anyOf": [then, other]}, "generated as then or else"))
             elif key == "dependencies" and isinstance(value, dict):
                 lists = {k: v for k, v in value.items() if isinstance(v, list)}
                 extra.extend(rw.dependent_required(lists))
