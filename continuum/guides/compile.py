@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import replace
 from typing import Any, Optional
@@ -20,7 +21,7 @@ from .limits import compile_limits
 from .closing import close_objects
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
-from .overlaps import split_overlaps
+from .overlaps import merge_patterns, split_overlaps
 from .refs import lift_refs
 from .prepare import PreparedSchema, coverage_message, prepare_json_schema
 from .regex_size import estimate_regex
@@ -149,9 +150,15 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
     if not approximate or not isinstance(prepared.schema, (dict, bool)):
         _refuse(prepared, errors, unsatisfiable, approximate)
     candidates = [p for p in (prepared, refs_kept) if p is not None]
+    overlapping = any("not disjoint" in str(e) for e in errors)
+    circular = any("circular references" in str(e) for e in errors)
     for p in candidates:  # 1. overlapping patternProperties not applied to the declared properties
         widened: list[str] = []
         forms = _forms(p, additional, widened)
+        if overlapping:
+            forms = [merge_patterns(f, widened) for f in forms]
+        if circular:
+            forms = [lift_refs(f, widened) for f in forms]
         if widened and (found := attempt(p, forms, notes=sorted(set(widened)))):
             return found
     if unsatisfiable:  # 2. a narrowing may have left nothing: no narrowing, open objects
@@ -164,6 +171,10 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
     for p in candidates:  # 3. llguidance's lenient mode, without the string patterns it cannot compile
         dropped: list[str] = []
         forms = [_drop_patterns(f, "", dropped) for f in _forms(p, additional, [])]
+        if overlapping:
+            forms = [merge_patterns(f, dropped) for f in forms]
+        if circular:
+            forms = [lift_refs(f, dropped) for f in forms]
         if found := attempt(p, forms, lenient=True, notes=list(dict.fromkeys(dropped))):
             return found
     _refuse(prepared, errors, False, approximate, lenient=True)
@@ -209,6 +220,9 @@ def _reason(message: str) -> str:
     return message[:40]
 
 
+_LOOKAROUND = re.compile(r"\(\?<?[!=](?:\\.|[^()\\]|\((?:\\.|[^()\\])*\))*\)")
+
+
 def _drop_patterns(node: Any, path: str, dropped: list) -> Any:
     """``node`` without the string ``pattern``s llguidance cannot compile (look-arounds, syntax it
     does not parse), each named in ``dropped``: a wider schema, so outputs must be (and are) validated."""
@@ -223,7 +237,18 @@ def _drop_patterns(node: Any, path: str, dropped: list) -> Any:
             continue
         if key in ("enum", "const"):
             out[key] = value
-        elif key in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {}
+            for pattern, sub in value.items():
+                if not _regex_ok(pattern):
+                    wider = _LOOKAROUND.sub("", pattern)
+                    dropped.append(f"{path}/patternProperties: {pattern[:60]!r} " + (
+                        f"read as {wider[:60]!r}" if _regex_ok(wider) else "dropped") + " (llguidance cannot compile it)")
+                    if not _regex_ok(wider):
+                        continue
+                    pattern = wider
+                out[key][pattern] = _drop_patterns(sub, f"{path}/{key}/{pattern}", dropped)
+        elif key in ("properties", "$defs") and isinstance(value, dict):
             out[key] = {k: _drop_patterns(v, f"{path}/{key}/{k}", dropped) for k, v in value.items()}
         else:
             out[key] = _drop_patterns(value, f"{path}/{key}", dropped)

@@ -248,7 +248,7 @@ class _Normalizer:
                 if key == "allOf":
                     extra.extend(subs)
                 elif key == "anyOf":
-                    extra.append({"anyOf": subs} if len(subs) != 1 else subs[0])
+                    extra.append(rw.any_of(subs))
                 else:
                     try:
                         if not all(ok for _, ok in normed):  # a branch widened or narrowed: cannot exclude it
@@ -278,9 +278,9 @@ class _Normalizer:
                     if ok:  # relax: (if and then) or else, wider than the original
                         self.relaxed(path, "if", "generated as (if and then) or else: a value failing `if` may be "
                                      "generated under `then` alone")
-                        extra.append({"anyOf": [rw.all_of([cond, then]), other]})
+                        extra.append(rw.any_of([rw.all_of([cond, then]), other]))
                     else:  # `if` itself approximated: then or else, wider than the original
-                        extra.append(self.widen(exc, {"anyOf": [then, other]}, "generated as then or else"))
+                        extra.append(self.widen(exc, rw.any_of([then, other]), "generated as then or else"))
             elif key == "dependencies" and isinstance(value, dict):
                 lists = {k: v for k, v in value.items() if isinstance(v, list)}
                 extra.extend(rw.dependent_required(lists))

@@ -21,10 +21,11 @@ Example:
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Optional
 
-__all__ = ["split_overlaps", "excluding"]
+__all__ = ["split_overlaps", "excluding", "merge_patterns"]
 
 _NON_ASCII = ("\u00e9", "\u6771", "\U0001f600", "\u00a0", "\u0660", "\u212a")
 _META = set("\\.+*?()|[]{}^$#&-~")
@@ -155,3 +156,34 @@ def split_overlaps(schema: Any, widened: Optional[list] = None) -> Any:
     ``widened``: a list: where a declared property would get ``allOf[P, Q]``, it gets ``P`` alone
     (a WIDER schema: outputs must be validated), and the list gets a note per property."""
     return _Splitter(widened).node(schema)
+
+
+def merge_patterns(schema: Any, widened: list) -> Any:
+    """``schema`` with the ``patternProperties`` of every object that has several merged into one
+    pattern (their alternation) whose schema is the ``anyOf`` of theirs: llguidance wants disjoint
+    key patterns, and two patterns may overlap. A WIDER schema (a key matching both gets either
+    schema): outputs must be validated; ``widened`` gets a note per object."""
+    memo: dict[int, Any] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        if id(node) in memo:
+            return memo[id(node)]
+        memo[id(node)] = node
+        out = {k: v if k in ("enum", "const") else
+               {n: walk(s, f"{path}/{k}/{n}") for n, s in v.items()} if k in ("properties", "patternProperties", "$defs")
+               and isinstance(v, dict) else walk(v, f"{path}/{k}") for k, v in node.items()}
+        patterns = out.get("patternProperties")
+        if isinstance(patterns, dict) and len(patterns) > 1:
+            subs = list({json.dumps(s, sort_keys=True): s for s in patterns.values()}.values())
+            out["patternProperties"] = {"|".join(f"(?:{p})" for p in patterns): subs[0] if len(subs) == 1
+                                        else {"anyOf": subs}}
+            widened.append(f"{path or '/'}/patternProperties: its {len(patterns)} patterns are merged into one (a key "
+                           "matching several gets one of their schemas, not all)")
+        memo[id(node)] = out
+        return out
+
+    return walk(schema, "")

@@ -42,7 +42,8 @@ def _ref_name(node: Any) -> str | None:
 
 
 class _Lifter:
-    def __init__(self, root: dict):
+    def __init__(self, root: dict, widened: list | None = None):
+        self.widened = widened
         self.defs: dict[str, Any] = dict(root.get("$defs", {}))
         self.new: dict[str, str] = {}  # content key -> new def name
         self.memo: dict[int, Any] = {}
@@ -97,6 +98,10 @@ class _Lifter:
                     siblings = {}
                     continue
             parts = [siblings, *(out.get("allOf") or []), *({g: out[g]} for g in _GROUPS if g != group and g in out)]
+            if self.widened is not None:  # the references keep their own schema only
+                self.widened.append(f"{_names(branches)}: the keywords beside the anyOf are not applied to them "
+                                    "(llguidance cannot intersect recursive references)")
+                return {group: [b if _ref_name(b) in self.defs else {"allOf": [b, *parts]} for b in branches]}
             out = {group: [self.lifted(n, parts) if (n := _ref_name(b)) in self.defs else {"allOf": [b, *parts]}
                            for b in branches]}
             return out
@@ -106,6 +111,10 @@ class _Lifter:
             others = [m for m in members if m not in refs] + ([siblings] if siblings else [])
             rest = {k: v for k, v in out.items() if k in _GROUPS}
             first, *more = refs
+            if self.widened is not None:
+                self.widened.append(f"{_names(refs)}: the other allOf members beside them are not applied "
+                                    "(llguidance cannot intersect recursive references)")
+                return {**rest, "allOf": [first]} if rest else first
             lifted = self.lifted(_ref_name(first), [*(self.defs[_ref_name(m)] for m in more), *others])
             return {**rest, "allOf": [lifted]} if rest else lifted
         return out
@@ -119,9 +128,17 @@ class _Lifter:
         return {**out, "$defs": done} if done else out
 
 
-def lift_refs(schema: Any) -> Any:
+def _names(nodes: list) -> str:
+    return ", ".join(sorted({f"$ref {_ref_name(n)}" for n in nodes if _ref_name(n)}))[:200]
+
+
+def lift_refs(schema: Any, widened: list | None = None) -> Any:
     """``schema`` (normalised, references into ``$defs``) without intersections of references
-    (exact; see the module docstring). Unchanged when it has no ``$defs``."""
+    (exact; see the module docstring). Unchanged when it has no ``$defs``.
+
+    ``widened``: a list: instead of new definitions, a reference keeps its own schema only and
+    what it would be intersected with is dropped there (a WIDER schema: outputs must be validated;
+    the list gets a note per place), for when the exact lifting still leaves llguidance a cycle."""
     if not isinstance(schema, dict) or not isinstance(schema.get("$defs"), dict):
         return schema
-    return _Lifter(schema).run(schema)
+    return _Lifter(schema, widened).run(schema)

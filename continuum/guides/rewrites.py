@@ -76,6 +76,15 @@ def all_of(parts: list) -> Any:
     return {} if not parts else parts[0] if len(parts) == 1 else {"allOf": parts}
 
 
+def any_of(parts: list) -> Any:
+    """The disjunction of normalised schemas: ``{}`` when a part accepts everything, ``False``
+    branches dropped (a tautological ``anyOf`` beside other keywords makes llguidance intersect for nothing)."""
+    if any(p == {} or p is True for p in parts):
+        return {}
+    parts = [p for p in parts if p is not False]
+    return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
+
+
 _COUPLED = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
             {"prefixItems", "items", "unevaluatedItems"}, {"minimum", "exclusiveMinimum"}, {"maximum", "exclusiveMaximum"})
 
@@ -176,10 +185,10 @@ def if_then_else(cond: Any, then: Any, other: Any, path: str, resolve: Resolve, 
     other = {} if other is None else other
     neg = negate(cond, resolve)
     if neg is not None:
-        return {"anyOf": [all_of([cond, then]), all_of([neg, other])]}
+        return any_of([all_of([cond, then]), all_of([neg, other])])
     note(path, "if", "`if` cannot be negated exactly: a value that fails `if` is generated only if it also "
          "satisfies `then`")
-    return {"anyOf": [all_of([cond, then]), all_of([then, other])]}
+    return any_of([all_of([cond, then]), all_of([then, other])])
 
 
 def not_(sub: Any, path: str, resolve: Resolve) -> Any:
