@@ -235,8 +235,8 @@ class _Normalizer:
                     out["items"] = self.norm(value, here)
             elif key == "prefixItems":
                 out[key] = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
-            elif key == "allOf" and isinstance(value, list) and not self.relax and rw.switch(value):
-                prop, cases, others = rw.switch(value)
+            elif key == "allOf" and isinstance(value, list) and not self.relax and (cased := rw.switch(value)):
+                prop, cases, others = cased
                 self.note(path, "allOf", f"its if/then cases on {prop!r} are generated as cases: only with {prop!r} set "
                           "to a value a case names")
                 extra.append({"anyOf": [rw.all_of([{"type": "object", "required": [prop], "properties": {prop: {"enum": vals}}},
@@ -272,7 +272,7 @@ class _Normalizer:
                 try:
                     if not ok:
                         raise rw.refuse(path, "if", "`if` is not enforced exactly", "")
-                    extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
+                    extra.append(rw.if_then_else(parts[0], parts[1], parts[2], path, self.resolve, self.note))
                 except UnsupportedSchemaError as exc:
                     cond, then, other = (p if p is not None else {} for p in parts)
                     if ok:  # relax: (if and then) or else, wider than the original

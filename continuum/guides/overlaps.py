@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Optional
+from typing import Any
 
-__all__ = ["split_overlaps", "excluding", "merge_patterns"]
+__all__ = ["excluding", "merge_patterns", "split_overlaps"]
 
 _NON_ASCII = ("\u00e9", "\u6771", "\U0001f600", "\u00a0", "\u0660", "\u212a")
 _META = set("\\.+*?()|[]{}^$#&-~")
@@ -39,7 +39,7 @@ def _esc(c: str) -> str:
     return "\\" + c if c in _META else c
 
 
-def excluding(names: list[str], cls: Optional[str] = None, nonempty: bool = False) -> str:
+def excluding(names: list[str], cls: str | None = None, nonempty: bool = False) -> str:
     """An anchored regex (Rust syntax) of the strings over ``cls`` (the inside of an ASCII character
     class; None: any character but a newline, like ``.``) that are none of ``names``, of any length
     (at least one character when ``nonempty``). Every name must be made of ``cls`` characters."""
@@ -70,7 +70,7 @@ def excluding(names: list[str], cls: Optional[str] = None, nonempty: bool = Fals
     return "^" + walk(trie, True) + "$"
 
 
-def _minus(pattern: str, names: list[str]) -> Optional[str]:
+def _minus(pattern: str, names: list[str]) -> str | None:
     """``pattern`` without ``names`` (all matched by it), or None when that cannot be spelled."""
     if _EVERY.fullmatch(pattern):
         if any("\n" in n for n in names):
@@ -88,7 +88,7 @@ def _minus(pattern: str, names: list[str]) -> Optional[str]:
     return None
 
 
-def _search(pattern: str, name: str) -> Optional[bool]:
+def _search(pattern: str, name: str) -> bool | None:
     try:
         return re.search(pattern, name) is not None
     except re.error:
@@ -96,7 +96,7 @@ def _search(pattern: str, name: str) -> Optional[bool]:
 
 
 class _Splitter:
-    def __init__(self, widened: Optional[list]) -> None:
+    def __init__(self, widened: list | None) -> None:
         self.memo: dict[int, Any] = {}
         self.widened = widened
 
@@ -149,7 +149,7 @@ class _Splitter:
         return {**out, "properties": props, "patternProperties": new_patterns}
 
 
-def split_overlaps(schema: Any, widened: Optional[list] = None) -> Any:
+def split_overlaps(schema: Any, widened: list | None = None) -> Any:
     """``schema`` (normalised) with every ``patternProperties`` pattern that matches declared
     properties narrowed to the other keys (exact; see the module docstring).
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from .logic import types_of
 
-__all__ = ["lift_refs", "MAX_NEW_DEFS"]
+__all__ = ["MAX_NEW_DEFS", "lift_refs"]
 
 MAX_NEW_DEFS = 200
 _GROUPS = ("anyOf", "oneOf")
@@ -110,12 +110,13 @@ class _Lifter:
             refs = [m for m in members if _ref_name(m) in self.defs]
             others = [m for m in members if m not in refs] + ([siblings] if siblings else [])
             rest = {k: v for k, v in out.items() if k in _GROUPS}
-            first, *more = refs
+            first, *more = [_ref_name(m) or "" for m in refs]
             if self.widened is not None:
                 self.widened.append(f"{_names(refs)}: the other allOf members beside them are not applied "
                                     "(llguidance cannot intersect recursive references)")
-                return {**rest, "allOf": [first]} if rest else first
-            lifted = self.lifted(_ref_name(first), [*(self.defs[_ref_name(m)] for m in more), *others])
+                keep = {"$ref": f"#/$defs/{first}"}
+                return {**rest, "allOf": [keep]} if rest else keep
+            lifted = self.lifted(first, [*(self.defs[m] for m in more), *others])
             return {**rest, "allOf": [lifted]} if rest else lifted
         return out
 

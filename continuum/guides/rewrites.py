@@ -32,7 +32,10 @@ def switch(members: list) -> Optional[tuple[str, list, list]]:
     Rewritten as rewrites each ``if`` separately, their conjunction multiplies out (2^n branches);
     as cases it is ``anyOf[P in values_k and T_k]``: a narrowing (values without ``P``, or with a
     ``P`` no case names, are not generated)."""
-    cases, others, prop, seen = [], [], None, set()
+    cases: list = []
+    others: list = []
+    prop: Optional[str] = None
+    seen: set[str] = set()
     for m in members:
         case = _case(m)
         if case is None or (prop is not None and case[0] != prop) or seen & {_key(v) for v in case[1]}:
