@@ -152,6 +152,7 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
     candidates = [p for p in (prepared, refs_kept) if p is not None]
     overlapping = any("not disjoint" in str(e) for e in errors)
     circular = any("circular references" in str(e) for e in errors)
+    counted = any("min/maxProperties" in str(e) for e in errors)
     for p in candidates:  # 1. overlapping patternProperties not applied to the declared properties
         widened: list[str] = []
         forms = _forms(p, additional, widened)
@@ -159,6 +160,8 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
             forms = [merge_patterns(f, widened) for f in forms]
         if circular:
             forms = [lift_refs(f, widened) for f in forms]
+        if counted:
+            forms = [_drop_counts(f, "", widened) for f in forms]
         if widened and (found := attempt(p, forms, notes=sorted(set(widened)))):
             return found
     if unsatisfiable:  # 2. a narrowing may have left nothing: no narrowing, open objects
@@ -218,6 +221,25 @@ def _reason(message: str) -> str:
         if needle in low:
             return name
     return message[:40]
+
+
+def _drop_counts(node: Any, path: str, dropped: list) -> Any:
+    """``node`` without ``minProperties``/``maxProperties`` where llguidance cannot count the keys
+    (it does only when every declared property is required): wider, named in ``dropped``."""
+    if isinstance(node, list):
+        return [_drop_counts(v, f"{path}/{i}", dropped) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("minProperties", "maxProperties") and isinstance(node.get("properties"), dict) \
+                and set(node["properties"]) - set(node.get("required", [])):
+            dropped.append(f"{path}/{key}: dropped (llguidance counts keys only when every property is required)")
+        elif key in ("enum", "const"):
+            out[key] = value
+        else:
+            out[key] = _drop_counts(value, f"{path}/{key}", dropped)
+    return out
 
 
 _LOOKAROUND = re.compile(r"\(\?<?[!=](?:\\.|[^()\\]|\((?:\\.|[^()\\])*\))*\)")

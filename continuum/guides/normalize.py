@@ -57,6 +57,7 @@ _NOT_IN = {"draft4": {"const", "contains", "propertyNames", "if", "dependentRequ
            "draft7": {"dependentRequired", "dependentSchemas", "prefixItems", "unevaluatedProperties",
                       "unevaluatedItems", "minContains", "maxContains"},
            "2019-09": {"prefixItems", "dependencies"}, "2020-12": {"dependencies", "additionalItems"}}
+_FLOAT_MAX = 1.7976931348623157e308
 _INLINE_BUDGET = 200_000  # nodes; past it, refs stay references into $defs
 
 
@@ -335,6 +336,15 @@ class _Normalizer:
             t = out.get("type")
             if t == "string" or (isinstance(t, list) and "string" in t):
                 out["maxLength"] = max(self.max_len, out.get("minLength", 0))
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = out.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 1e300:
+                if abs(value) < _FLOAT_MAX and not self.approximate:
+                    continue
+                del out[key]  # every finite JSON number is within it (larger ones parse as inf)
+                if abs(value) < _FLOAT_MAX:  # llguidance cannot write such a range as a regex
+                    self.approximated.append(Narrowing(f"{path}/{key}", key, f"{value:g}: dropped (a bound that "
+                                                       "large is not enforced)"))
         if self.max_items is not None and "maxItems" not in out and _arrayish(out):
             low = out.get("minItems", 0)
             if isinstance(low, (int, float)) and low > self.max_items:
