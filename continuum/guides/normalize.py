@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import unquote
@@ -123,6 +124,32 @@ def _pointer(root: Any, ref: str, path: str) -> Any:
     return node
 
 
+_METASCHEMAS = {"http://json-schema.org/draft-04/schema": "Draft4Validator",
+                "http://json-schema.org/draft-06/schema": "Draft6Validator",
+                "http://json-schema.org/draft-07/schema": "Draft7Validator"}
+
+
+def _metaschema(ref: Any) -> Optional[dict]:
+    """The draft-4/6/7 metaschema a remote ``ref`` points into (its own references made absolute,
+    so they stay inside it), or None: these are the only remote documents known without a fetch."""
+    if not isinstance(ref, str) or "#" not in ref:
+        return None
+    name = _METASCHEMAS.get(ref.partition("#")[0].rstrip("/"))
+    if name is None:
+        return None
+    import jsonschema
+
+    base = ref.partition("#")[0]
+
+    def absolute(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (base + v if k == "$ref" and isinstance(v, str) and v.startswith("#") else absolute(v))
+                    for k, v in node.items()}
+        return [absolute(v) for v in node] if isinstance(node, list) else node
+
+    return absolute(getattr(jsonschema, name).META_SCHEMA)
+
+
 class _Normalizer:
     def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool,
                  approximate: bool = False, max_items: Optional[int] = None, relax: bool = False):
@@ -177,7 +204,8 @@ class _Normalizer:
         return node
 
     def ref(self, ref: Any, path: str) -> Any:
-        if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+        meta = _metaschema(ref)
+        if meta is None and (not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/")):
             raise rw.refuse(path, "$ref", f"{ref!r} is not a local JSON-pointer reference (#/...)",
                             "Inline the referenced schema, or move it under $defs and use '#/$defs/<name>'")
         if ref in self.inexact:
@@ -187,7 +215,9 @@ class _Normalizer:
         if ref not in self.done:
             self.stack.append(ref)
             mark = self.mark()
-            self.done[ref] = self.norm(_pointer(self.root, ref, path), ref[1:] or "")
+            fragment = "#" + ref.partition("#")[2] if meta is not None else ref
+            self.done[ref] = self.norm(_pointer(meta if meta is not None else self.root, fragment, path),
+                                       ref[1:] if meta is None else ref)
             if self.mark() != mark:
                 self.inexact.add(ref)
             self.stack.pop()
@@ -195,7 +225,9 @@ class _Normalizer:
 
     def _name(self, ref: str) -> str:
         if ref not in self.names:
-            base = (ref[2:].replace("/", ".").replace("~", "_") or "root")[-60:]
+            base = (re.sub(r"[^A-Za-z0-9_.$-]", "_", ref.partition("#")[2][1:].replace("/", ".")) or "root")[-60:]
+            if not ref.startswith("#"):  # a metaschema's definition
+                base = "meta." + base
             name, n = base, 1
             while name in self.names.values():
                 n, name = n + 1, f"{base}.{n}"
