@@ -96,7 +96,8 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
                                  additional_properties=additional_properties, on_unsupported=on_unsupported))
 
 
-def _forms(prepared: PreparedSchema, additional_properties: bool, widened: Optional[list] = None) -> list:
+def _forms(prepared: PreparedSchema, additional_properties: bool, widened: Optional[list] = None,
+           widen_refs: bool = False) -> list:
     """The engine schemas of ``prepared``, strictest first: closed objects with bounded keys, unbounded
     keys, then open objects (each sound, only less strict), spelled for llguidance (exact rewrites,
     or with ``widened`` a list, the widening of :func:`~continuum.guides.overlaps.split_overlaps`)."""
@@ -106,7 +107,7 @@ def _forms(prepared: PreparedSchema, additional_properties: bool, widened: Optio
     if prepared.normalized is not None:
         forms += [close_objects(prepared.normalized.schema, additional_properties=additional_properties),
                   prepared.normalized.schema]
-    forms = [lift_refs(split_overlaps(f, widened)) for f in forms]
+    forms = [lift_refs(split_overlaps(f, widened), widened if widen_refs else None) for f in forms]
     return [f for i, f in enumerate(forms) if f not in forms[:i]]
 
 
@@ -155,11 +156,9 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
     counted = any("min/maxProperties" in str(e) for e in errors)
     for p in candidates:  # 1. overlapping patternProperties not applied to the declared properties
         widened: list[str] = []
-        forms = _forms(p, additional, widened)
+        forms = _forms(p, additional, widened, widen_refs=circular)
         if overlapping:
             forms = [merge_patterns(f, widened) for f in forms]
-        if circular:
-            forms = [lift_refs(f, widened) for f in forms]
         if counted:
             forms = [_drop_counts(f, "", widened) for f in forms]
         if widened and (found := attempt(p, forms, notes=sorted(set(widened)))):
@@ -173,11 +172,9 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
             return found
     for p in candidates:  # 3. llguidance's lenient mode, without the string patterns it cannot compile
         dropped: list[str] = []
-        forms = [_drop_patterns(f, "", dropped) for f in _forms(p, additional, [])]
+        forms = [_drop_patterns(f, "", dropped) for f in _forms(p, additional, dropped, widen_refs=circular)]
         if overlapping:
             forms = [merge_patterns(f, dropped) for f in forms]
-        if circular:
-            forms = [lift_refs(f, dropped) for f in forms]
         if found := attempt(p, forms, lenient=True, notes=list(dict.fromkeys(dropped))):
             return found
     _refuse(prepared, errors, False, approximate, lenient=True)
