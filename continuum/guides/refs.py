@@ -16,8 +16,9 @@ sibling keys are not supported"). Two exact rewrites remove those intersections:
 Example:
     >>> s = {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}}}},
     ...      "allOf": [{"$ref": "#/$defs/n"}, {"required": ["k"]}]}
-    >>> lift_refs(s)["allOf"]
-    [{'$ref': '#/$defs/n'}, {'required': ['k']}]
+    >>> out = lift_refs(s)
+    >>> out["$ref"], out["$defs"][out["$ref"][8:]]
+    ('#/$defs/n&49903d6e33', {'type': 'object', 'properties': {'k': {'$ref': '#/$defs/n'}}, 'allOf': [{'required': ['k']}]})
 """
 
 from __future__ import annotations
