@@ -35,6 +35,7 @@ from urllib.parse import unquote
 from ..errors import UnsupportedSchemaError
 from . import rewrites as rw
 from .limits import check_schema_bounds
+from .metaschemas import metaschema as _metaschema
 
 __all__ = ["normalize_schema", "NormalizedSchema", "dialect_of", "ENFORCED_FORMATS"]
 
@@ -122,32 +123,6 @@ def _pointer(root: Any, ref: str, path: str) -> Any:
         except (KeyError, IndexError, ValueError, TypeError):
             raise rw.refuse(path, "$ref", f"{ref!r} points to nothing in this schema", "Fix the reference") from None
     return node
-
-
-_METASCHEMAS = {"http://json-schema.org/draft-04/schema": "Draft4Validator",
-                "http://json-schema.org/draft-06/schema": "Draft6Validator",
-                "http://json-schema.org/draft-07/schema": "Draft7Validator"}
-
-
-def _metaschema(ref: Any) -> Optional[dict]:
-    """The draft-4/6/7 metaschema a remote ``ref`` points into (its own references made absolute,
-    so they stay inside it), or None: these are the only remote documents known without a fetch."""
-    if not isinstance(ref, str) or "#" not in ref:
-        return None
-    name = _METASCHEMAS.get(ref.partition("#")[0].rstrip("/"))
-    if name is None:
-        return None
-    import jsonschema
-
-    base = ref.partition("#")[0]
-
-    def absolute(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {k: (base + v if k == "$ref" and isinstance(v, str) and v.startswith("#") else absolute(v))
-                    for k, v in node.items()}
-        return [absolute(v) for v in node] if isinstance(node, list) else node
-
-    return absolute(getattr(jsonschema, name).META_SCHEMA)
 
 
 class _Normalizer:
