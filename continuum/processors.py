@@ -198,12 +198,13 @@ class JSONLogitsProcessor(GuideLogitsProcessor):
     that nothing validates, so a schema that cannot be enforced exactly raises
     ``UnsupportedSchemaError`` here. ``on_unsupported="approximate"`` generates under a wider
     schema and warns (``SchemaCoverageWarning``) that every output must be checked with
-    :meth:`parse`; :attr:`exact` says whether it is needed.
+    :meth:`parse`; :attr:`exact` says whether it is needed. ``max_string_length`` and ``max_items``
+    bound the strings and arrays that have no bound of their own (as in ``generate.json``).
     """
 
     def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
                  max_string_length: Optional[int] = None, additional_properties: bool = False,
-                 on_unsupported: str = "raise"):
+                 on_unsupported: str = "raise", max_items: Optional[int] = None):
         import warnings
 
         from .guides.compile import json_for
@@ -214,7 +215,7 @@ class JSONLogitsProcessor(GuideLogitsProcessor):
             warnings.simplefilter("always")
             guide, prepared = json_for(adapter, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                        max_string_length=max_string_length, additional_properties=additional_properties,
-                                       on_unsupported=on_unsupported)
+                                       on_unsupported=on_unsupported, max_items=max_items)
         for w in caught:
             message = str(w.message)
             if issubclass(w.category, SchemaCoverageWarning) and not prepared.exact:

@@ -141,7 +141,7 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
 
 def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
          backend: str = "auto", max_string_length: Optional[int] = None, additional_properties: bool = False,
-         on_unsupported: str = "approximate", fast_forward: bool = True,
+         on_unsupported: str = "approximate", max_items: Optional[int] = None, fast_forward: bool = True,
          token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
@@ -176,6 +176,11 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
             enum) to this many characters, and every generated property name that has no bound of
             its own (extra keys; each repetition of a ``patternProperties`` pattern), so small models
             terminate; None (default) leaves them unbounded.
+        max_items: bounds every array without ``maxItems`` to this many items (an explicit
+            ``maxItems`` is never tightened; a ``minItems`` above it raises
+            ``UnsupportedSchemaError``), so a small model cannot fill its context inside an array
+            it never closes; None (default) leaves them unbounded. ``max_items=8`` with
+            ``max_string_length=32`` suits small models (docs/generators.md).
 
     Example:
         >>> class User(BaseModel):
@@ -190,7 +195,7 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     _check_model(model)
     guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                max_string_length=max_string_length, additional_properties=additional_properties,
-                               on_unsupported=on_unsupported)
+                               on_unsupported=on_unsupported, max_items=max_items)
     gen = Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                     fast_forward=fast_forward, token_healing=token_healing)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import replace
 from typing import Any, Optional
@@ -20,6 +21,8 @@ from .limits import compile_limits
 from .closing import close_objects
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
+from .overlaps import merge_patterns, split_overlaps
+from .refs import lift_refs
 from .prepare import PreparedSchema, coverage_message, prepare_json_schema
 from .regex_size import estimate_regex
 from .schema import SchemaCoverageWarning, outlines_regex_ignored
@@ -71,14 +74,14 @@ _LIMIT_WORDS = ("limit", "fuel", "too large", "too big", "too many", "exceeded")
 
 def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
              max_string_length: Optional[int] = None, additional_properties: bool = False,
-             on_unsupported: str = "approximate") -> tuple[Guide, PreparedSchema]:
+             on_unsupported: str = "approximate", max_items: Optional[int] = None) -> tuple[Guide, PreparedSchema]:
     """(guide, prepared schema) of a pydantic model class or JSON schema (raises ``UnsupportedSchemaError``).
 
     Emits ONE :class:`SchemaCoverageWarning` listing what is not enforced exactly (normaliser and
     engine together); ``prepared.exact`` says whether every keyword is enforced.
     """
     check_backend(backend)
-    prepared = prepare_json_schema(schema, max_string_length=max_string_length, warn=False,
+    prepared = prepare_json_schema(schema, max_string_length=max_string_length, warn=False, max_items=max_items,
                                    additional_properties=additional_properties, on_unsupported=on_unsupported)
     approximate = on_unsupported == "approximate"
     if backend == "outlines":
@@ -88,48 +91,155 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
         return guide, _done_prepared(prepared, ignored)
+    return _llguidance_json(tokenizer, schema, prepared, whitespace_pattern, approximate,
+                            dict(max_string_length=max_string_length, max_items=max_items, warn=False,
+                                 additional_properties=additional_properties, on_unsupported=on_unsupported))
+
+
+def _forms(prepared: PreparedSchema, additional_properties: bool, widened: Optional[list] = None,
+           widen_refs: bool = False) -> list:
+    """The engine schemas of ``prepared``, strictest first: closed objects with bounded keys, unbounded
+    keys, then open objects (each sound, only less strict), spelled for llguidance (exact rewrites,
+    or with ``widened`` a list, the widening of :func:`~continuum.guides.overlaps.split_overlaps`)."""
     if prepared.schema is False:
-        raise UnsupportedSchemaError("the JSON schema accepts no value once normalised (it is unsatisfiable, or was "
-                                     "narrowed to nothing: see the SchemaCoverageWarning), so nothing can be generated")
-    # the strict form first; if llguidance refuses it (disjoint key patterns, circular refs with siblings...),
-    # the same schema with unbounded keys, then with open objects: each is still sound, only less strict
+        return []
     forms = [prepared.schema]
     if prepared.normalized is not None:
         forms += [close_objects(prepared.normalized.schema, additional_properties=additional_properties),
                   prepared.normalized.schema]
-    forms = [f for i, f in enumerate(forms) if f not in forms[:i]]
-    errors = []
-    for form in forms:
-        try:
-            return llguidance_guide(json_grammar(form, whitespace_pattern), tokenizer), _done_prepared(prepared, ())
-        except GrammarCompileError as exc:
-            errors.append(exc)
-    exc = errors[-1]
-    if any(w in str(exc).lower() for w in _LIMIT_WORDS):
+    forms = [lift_refs(split_overlaps(f, widened), widened if widen_refs else None) for f in forms]
+    return [f for i, f in enumerate(forms) if f not in forms[:i]]
+
+
+def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespace_pattern: Optional[str],
+                     approximate: bool, options: dict) -> tuple[Guide, PreparedSchema]:
+    """The llguidance guide of ``prepared``: the exact forms first, then (``approximate``) wider ones,
+    each named in the coverage warning and validated against the original schema.
+
+    The ladder: exact forms; the same with references kept (``inline=False``: smaller, for llguidance's
+    size limits); [approximate only] patternProperties not applied to the declared properties they
+    overlap; no narrowing at all (``relax``: when a narrowing left nothing); llguidance's lenient mode
+    (keywords it does not implement ignored, patterns it cannot read dropped).
+    """
+    errors: list[GrammarCompileError] = []
+    additional = options["additional_properties"]
+
+    def attempt(p: PreparedSchema, forms: list, lenient: bool = False, notes=()):
+        for form in forms:
+            try:
+                grammar = json_grammar(form, whitespace_pattern, lenient=lenient)
+                guide = llguidance_guide(grammar, tokenizer)
+            except GrammarCompileError as exc:
+                errors.append(exc)
+                continue
+            if lenient:
+                from llguidance import LLMatcher
+
+                warned = LLMatcher.validate_grammar_with_warnings(grammar)[1]
+                notes = [f"llguidance: {n}" for n in warned] + list(notes) or [f"llguidance: {errors[-1]}"]
+            return guide, _done_prepared(p, notes, stacklevel=6)  # the caller of generate.json
+        return None
+
+    found = attempt(prepared, _forms(prepared, additional))
+    refs_kept = None
+    if found is None and prepared.schema is not False:  # smaller; its recursion may also lift better
+        refs_kept = prepare_json_schema(schema, inline=False, **options)
+        found = attempt(refs_kept, _forms(refs_kept, additional))
+    if found is not None:
+        return found
+    unsatisfiable = prepared.schema is False or any("unsatisfiable" in str(e).lower() for e in errors)
+    if not approximate or not isinstance(prepared.schema, (dict, bool)):
+        _refuse(prepared, errors, unsatisfiable, approximate)
+    candidates = [p for p in (prepared, refs_kept) if p is not None]
+    overlapping = any("not disjoint" in str(e) for e in errors)
+    circular = any("circular references" in str(e) for e in errors)
+    counted = any("min/maxProperties" in str(e) for e in errors)
+    for p in candidates:  # 1. overlapping patternProperties not applied to the declared properties
+        widened: list[str] = []
+        forms = _forms(p, additional, widened, widen_refs=circular)
+        if overlapping:
+            forms = [merge_patterns(f, widened) for f in forms]
+        if counted:
+            forms = [_drop_counts(f, "", widened) for f in forms]
+        if widened and (found := attempt(p, forms, notes=sorted(set(widened)))):
+            return found
+    if unsatisfiable:  # 2. a narrowing may have left nothing: no narrowing, open objects
+        relaxed = prepare_json_schema(schema, relax=True, **{**options, "additional_properties": True})
+        if relaxed.schema is False:
+            _refuse(relaxed, errors, True, approximate)
+        candidates.insert(0, relaxed)
+        if found := attempt(relaxed, _forms(relaxed, True)):
+            return found
+    for p in candidates:  # 3. llguidance's lenient mode, without the string patterns it cannot compile
+        dropped: list[str] = []
+        forms = [_drop_patterns(f, "", dropped) for f in _forms(p, additional, dropped, widen_refs=circular)]
+        if overlapping:
+            forms = [merge_patterns(f, dropped) for f in forms]
+        if found := attempt(p, forms, lenient=True, notes=list(dict.fromkeys(dropped))):
+            return found
+    _refuse(prepared, errors, False, approximate, lenient=True)
+    raise AssertionError("unreachable")
+
+
+def _limit_hit(errors: list) -> bool:
+    return bool(errors) and any(w in str(errors[-1]).lower() for w in _LIMIT_WORDS)
+
+
+def _refuse(prepared: PreparedSchema, errors: list, unsatisfiable: bool, approximate: bool, lenient: bool = False):
+    """Raise the ``UnsupportedSchemaError`` that says why no form compiled."""
+    exc = errors[-1] if errors else None
+    if unsatisfiable and (approximate or prepared.schema is False):
+        raise UnsupportedSchemaError(
+            "the JSON schema accepts no value (it is unsatisfiable" + (
+                "" if approximate else ", or a narrowing left nothing: on_unsupported='approximate' compiles a wider "
+                "schema and validates") + f"){': ' + str(exc) if exc else ''}: nothing can be generated",
+            keyword="unsatisfiable") from exc
+    if _limit_hit(errors):
         raise UnsupportedSchemaError(
             f"this JSON schema is too large for llguidance's limits ({exc}): raise the engine's limit it names, "
             "or simplify the schema (fewer alternatives, shorter patterns, bounded repetitions)",
             keyword="engine limit") from exc
-    if not approximate or not isinstance(prepared.schema, dict):
+    if not approximate:
         raise UnsupportedSchemaError(
             f"llguidance cannot enforce this JSON schema: {exc}. Remove or rewrite what it names, pass "
             "on_unsupported='approximate' (what llguidance cannot enforce is dropped, outputs are validated), "
             "or backend='outlines'") from exc
-    from llguidance import LLMatcher
+    raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {exc}",
+                                 keyword=_reason(str(exc))) from exc
 
-    dropped: list[str] = []
-    forms = [_drop_patterns(f, "", dropped) for f in forms]  # string patterns llguidance cannot read: widened
-    for form in forms:
-        try:
-            grammar = json_grammar(form, whitespace_pattern, lenient=True)
-            guide = llguidance_guide(grammar, tokenizer)
-        except GrammarCompileError as lenient_exc:
-            errors.append(lenient_exc)
-            continue
-        _, notes = LLMatcher.validate_grammar_with_warnings(grammar)
-        notes = [f"llguidance: {n}" for n in notes] + list(dict.fromkeys(dropped))
-        return guide, _done_prepared(prepared, notes or [f"llguidance: {exc}"])
-    raise UnsupportedSchemaError(f"llguidance cannot enforce this JSON schema, even leniently: {errors[-1]}") from exc
+
+def _reason(message: str) -> str:
+    """A short name of why llguidance refused (the refusal's ``keyword``, counted by the benchmark)."""
+    low = message.lower()
+    for needle, name in (("circular references", "recursion with sibling keys"),
+                         ("not disjoint", "overlapping patternProperties"), ("lookaround", "pattern lookaround"),
+                         ("regex parse error", "pattern syntax"), ("float range", "number range"),
+                         ("unsatisfiable", "unsatisfiable"), ("stack level", "engine limit")):
+        if needle in low:
+            return name
+    return message[:40]
+
+
+def _drop_counts(node: Any, path: str, dropped: list) -> Any:
+    """``node`` without ``minProperties``/``maxProperties`` where llguidance cannot count the keys
+    (it does only when every declared property is required): wider, named in ``dropped``."""
+    if isinstance(node, list):
+        return [_drop_counts(v, f"{path}/{i}", dropped) for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("minProperties", "maxProperties") and isinstance(node.get("properties"), dict) \
+                and set(node["properties"]) - set(node.get("required", [])):
+            dropped.append(f"{path}/{key}: dropped (llguidance counts keys only when every property is required)")
+        elif key in ("enum", "const"):
+            out[key] = value
+        else:
+            out[key] = _drop_counts(value, f"{path}/{key}", dropped)
+    return out
+
+
+_LOOKAROUND = re.compile(r"\(\?<?[!=](?:\\.|[^()\\]|\((?:\\.|[^()\\])*\))*\)")
 
 
 def _drop_patterns(node: Any, path: str, dropped: list) -> Any:
@@ -146,7 +256,18 @@ def _drop_patterns(node: Any, path: str, dropped: list) -> Any:
             continue
         if key in ("enum", "const"):
             out[key] = value
-        elif key in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {}
+            for pattern, sub in value.items():
+                if not _regex_ok(pattern):
+                    wider = _LOOKAROUND.sub("", pattern)
+                    dropped.append(f"{path}/patternProperties: {pattern[:60]!r} " + (
+                        f"read as {wider[:60]!r}" if _regex_ok(wider) else "dropped") + " (llguidance cannot compile it)")
+                    if not _regex_ok(wider):
+                        continue
+                    pattern = wider
+                out[key][pattern] = _drop_patterns(sub, f"{path}/{key}/{pattern}", dropped)
+        elif key in ("properties", "$defs") and isinstance(value, dict):
             out[key] = {k: _drop_patterns(v, f"{path}/{key}/{k}", dropped) for k, v in value.items()}
         else:
             out[key] = _drop_patterns(value, f"{path}/{key}", dropped)
@@ -164,12 +285,12 @@ def _regex_ok(pattern: str) -> bool:
     return not is_error
 
 
-def _done_prepared(prepared: PreparedSchema, engine_ignored) -> PreparedSchema:
+def _done_prepared(prepared: PreparedSchema, engine_ignored, stacklevel: int = 4) -> PreparedSchema:
     """``prepared`` with what the engine does not enforce, after its ONE coverage warning."""
     prepared = replace(prepared, engine_ignored=tuple(sorted(map(str, engine_ignored))))
     message = coverage_message(prepared.narrowed, prepared.approximated, prepared.engine_ignored)
     if message:
-        warnings.warn(message, SchemaCoverageWarning, stacklevel=4)
+        warnings.warn(message, SchemaCoverageWarning, stacklevel=stacklevel)
     return prepared
 
 

@@ -15,7 +15,9 @@
   onto the SOUND side: a narrower schema whose every instance is valid under the original (noted in
   :attr:`NormalizedSchema.narrowed`), else :class:`~continuum.errors.UnsupportedSchemaError` naming the
   keyword and its JSON path;
-* ``max_string_length`` bounds strings that have no ``maxLength`` (no ``format``/``pattern``/``enum``).
+* ``max_string_length`` bounds strings that have no ``maxLength`` (no ``format``/``pattern``/``enum``);
+  ``max_items`` bounds arrays that have no ``maxItems`` (an explicit bound is never tightened; a
+  ``minItems`` above ``max_items`` is refused, as no array could satisfy both).
 
 Example:
     >>> normalize_schema({"type": "object", "properties": {"t": {"$ref": "#/$defs/tag"}},
@@ -25,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import unquote
@@ -32,6 +35,7 @@ from urllib.parse import unquote
 from ..errors import UnsupportedSchemaError
 from . import rewrites as rw
 from .limits import check_schema_bounds
+from .metaschemas import metaschema as _metaschema
 
 __all__ = ["normalize_schema", "NormalizedSchema", "dialect_of", "ENFORCED_FORMATS"]
 
@@ -55,6 +59,7 @@ _NOT_IN = {"draft4": {"const", "contains", "propertyNames", "if", "dependentRequ
            "draft7": {"dependentRequired", "dependentSchemas", "prefixItems", "unevaluatedProperties",
                       "unevaluatedItems", "minContains", "maxContains"},
            "2019-09": {"prefixItems", "dependencies"}, "2020-12": {"dependencies", "additionalItems"}}
+_FLOAT_MAX = 1.7976931348623157e308
 _INLINE_BUDGET = 200_000  # nodes; past it, refs stay references into $defs
 
 
@@ -122,8 +127,9 @@ def _pointer(root: Any, ref: str, path: str) -> Any:
 
 class _Normalizer:
     def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool,
-                 approximate: bool = False):
+                 approximate: bool = False, max_items: Optional[int] = None, relax: bool = False):
         self.root, self.dialect, self.max_len, self.inline = root, dialect, max_string_length, inline
+        self.max_items, self.relax = max_items, relax
         self.approximate = approximate
         self.narrowed: list[Narrowing] = []
         self.approximated: list[Narrowing] = []
@@ -131,9 +137,30 @@ class _Normalizer:
         self.stack: list[str] = []
         self.names: dict[str, str] = {}  # ref -> name in the output's $defs
         self.size: dict[int, int] = {}
+        self.inexact: set[str] = set()  # refs whose normalised target is not exact
+        self.inexact_uses = 0
+
+    def mark(self) -> tuple[int, int, int]:
+        """A mark that changes when a schema normalised after it is not exact (widened or narrowed)."""
+        return len(self.approximated), len(self.narrowed), self.inexact_uses
+
+    def exact(self, value: Any, path: str) -> tuple[Any, bool]:
+        """(``value`` normalised, whether exactly): a schema that gets negated (``not``, ``if``,
+        ``oneOf`` branches) must be exact, as negation turns a widening into a narrowing."""
+        mark = self.mark()
+        out = self.norm(value, path)
+        return out, self.mark() == mark
 
     def note(self, path: str, keyword: str, what: str) -> None:
+        if self.relax:  # no narrowing: the caller widens instead
+            raise rw.refuse(path, keyword, "narrowing is off (relax)", "")
         self.narrowed.append(Narrowing(f"{path}/{keyword}", keyword, what))
+
+    def relaxed(self, path: str, keyword: str, what: str) -> bool:
+        """``relax``: note that ``keyword`` is widened (``what``) instead of narrowed; False otherwise."""
+        if self.relax:
+            self.approximated.append(Narrowing(f"{path}/{keyword}", keyword, what))
+        return self.relax
 
     def widen(self, exc: UnsupportedSchemaError, fallback: Any, what: str) -> Any:
         """``approximate``: ``fallback`` (wider: the keyword is not enforced) in place of a refusal."""
@@ -152,20 +179,30 @@ class _Normalizer:
         return node
 
     def ref(self, ref: Any, path: str) -> Any:
-        if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+        meta = _metaschema(ref)
+        if meta is None and (not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/")):
             raise rw.refuse(path, "$ref", f"{ref!r} is not a local JSON-pointer reference (#/...)",
                             "Inline the referenced schema, or move it under $defs and use '#/$defs/<name>'")
+        if ref in self.inexact:
+            self.inexact_uses += 1
         if ref in self.stack or (not self.inline and ref in self.done):
             return {"$ref": "#/$defs/" + self._name(ref)}
         if ref not in self.done:
             self.stack.append(ref)
-            self.done[ref] = self.norm(_pointer(self.root, ref, path), ref[1:] or "")
+            mark = self.mark()
+            fragment = "#" + ref.partition("#")[2] if meta is not None else ref
+            self.done[ref] = self.norm(_pointer(meta if meta is not None else self.root, fragment, path),
+                                       ref[1:] if meta is None else ref)
+            if self.mark() != mark:
+                self.inexact.add(ref)
             self.stack.pop()
         return self.done[ref] if self.inline else {"$ref": "#/$defs/" + self._name(ref)}
 
     def _name(self, ref: str) -> str:
         if ref not in self.names:
-            base = (ref[2:].replace("/", ".").replace("~", "_") or "root")[-60:]
+            base = (re.sub(r"[^A-Za-z0-9_.$-]", "_", ref.partition("#")[2][1:].replace("/", ".")) or "root")[-60:]
+            if not ref.startswith("#"):  # a metaschema's definition
+                base = "meta." + base
             name, n = base, 1
             while name in self.names.values():
                 n, name = n + 1, f"{base}.{n}"
@@ -206,26 +243,52 @@ class _Normalizer:
                     out["items"] = self.norm(value, here)
             elif key == "prefixItems":
                 out[key] = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+            elif key == "allOf" and isinstance(value, list) and not self.relax and (cased := rw.switch(value)):
+                prop, cases, others = cased
+                self.note(path, "allOf", f"its if/then cases on {prop!r} are generated as cases: only with {prop!r} set "
+                          "to a value a case names")
+                extra.append({"anyOf": [rw.all_of([{"type": "object", "required": [prop], "properties": {prop: {"enum": vals}}},
+                                                   self.norm(then, f"{here}/then")]) for vals, then in cases]})
+                extra.extend(self.norm(v, f"{here}/{i}") for i, v in enumerate(others))
             elif key in ("allOf", "anyOf", "oneOf"):
-                subs = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
+                normed = [self.exact(v, f"{here}/{i}") for i, v in enumerate(value)]
+                subs = [sub for sub, _ in normed]
                 if key == "allOf":
                     extra.extend(subs)
                 elif key == "anyOf":
-                    extra.append({"anyOf": subs} if len(subs) != 1 else subs[0])
+                    extra.append(rw.any_of(subs))
                 else:
                     try:
+                        if not all(ok for _, ok in normed):  # a branch widened or narrowed: cannot exclude it
+                            raise rw.refuse(path, "oneOf", "a branch is not enforced exactly", "")
                         extra.append(rw.one_of(subs, path, self.resolve, self.note))
                     except UnsupportedSchemaError as exc:
                         extra.append(self.widen(exc, {"anyOf": subs}, "generated as anyOf: a value may match "
                                                 "several branches"))
             elif key == "not":
                 try:
-                    extra.append(rw.not_(self.norm(value, here), path, self.resolve))
+                    sub, ok = self.exact(value, here)
+                    if not ok:  # the negation of a widened schema is narrower than the original: unsound
+                        raise rw.refuse(path, "not", "its schema is not enforced exactly, so neither is its negation",
+                                        "Rewrite the condition positively")
+                    extra.append(rw.not_(sub, path, self.resolve))
                 except UnsupportedSchemaError as exc:
                     self.widen(exc, None, "dropped: values it excludes may be generated")
             elif key == "if" and ("then" in node or "else" in node):
-                parts = [self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("if", "then", "else")]
-                extra.append(rw.if_then_else(*parts, path, self.resolve, self.note))
+                cond, ok = self.exact(node["if"], f"{path}/if")
+                parts = [cond, *(self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("then", "else"))]
+                try:
+                    if not ok:
+                        raise rw.refuse(path, "if", "`if` is not enforced exactly", "")
+                    extra.append(rw.if_then_else(parts[0], parts[1], parts[2], path, self.resolve, self.note))
+                except UnsupportedSchemaError as exc:
+                    cond, then, other = (p if p is not None else {} for p in parts)
+                    if ok:  # relax: (if and then) or else, wider than the original
+                        self.relaxed(path, "if", "generated as (if and then) or else: a value failing `if` may be "
+                                     "generated under `then` alone")
+                        extra.append(rw.any_of([rw.all_of([cond, then]), other]))
+                    else:  # `if` itself approximated: then or else, wider than the original
+                        extra.append(self.widen(exc, rw.any_of([then, other]), "generated as then or else"))
             elif key == "dependencies" and isinstance(value, dict):
                 lists = {k: v for k, v in value.items() if isinstance(v, list)}
                 extra.extend(rw.dependent_required(lists))
@@ -249,6 +312,11 @@ class _Normalizer:
 
     def _post(self, out: dict, path: str, extra: list) -> None:
         """The in-place rewrites of one node (after its subschemas are normalised)."""
+        if out.get("uniqueItems") is True and out.get("maxItems", 2) > 1 and self.relaxed(path, "uniqueItems",
+                                                                                    "dropped: items may repeat"):
+            out.pop("uniqueItems")
+        if "contains" in out and self.relaxed(path, "contains", "dropped: no item is required to satisfy it"):
+            out.pop("contains"), out.pop("minContains", None), out.pop("maxContains", None)
         if "uniqueItems" in out:
             try:
                 rw.unique_items(out, path, self.note)
@@ -275,6 +343,23 @@ class _Normalizer:
             t = out.get("type")
             if t == "string" or (isinstance(t, list) and "string" in t):
                 out["maxLength"] = max(self.max_len, out.get("minLength", 0))
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = out.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 1e300:
+                if abs(value) < _FLOAT_MAX and not self.approximate:
+                    continue
+                del out[key]  # every finite JSON number is within it (larger ones parse as inf)
+                if abs(value) < _FLOAT_MAX:  # llguidance cannot write such a range as a regex
+                    self.approximated.append(Narrowing(f"{path}/{key}", key, f"{value:g}: dropped (a bound that "
+                                                       "large is not enforced)"))
+        if self.max_items is not None and "maxItems" not in out and _arrayish(out):
+            low = out.get("minItems", 0)
+            if isinstance(low, (int, float)) and low > self.max_items:
+                raise UnsupportedSchemaError(
+                    f"the array at {path or '/'} has minItems={low}, above max_items={self.max_items} (which bounds "
+                    f"arrays without maxItems): pass max_items={int(low)} or more, or None", keyword="minItems",
+                    path=f"{path}/minItems")
+            out["maxItems"] = self.max_items
 
     def expanded_size(self, node: Any) -> int:
         """Nodes of ``node`` once written out (shared subtrees counted at each use)."""
@@ -289,21 +374,39 @@ class _Normalizer:
         return self.size[key]
 
 
-def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None,
-                     approximate: bool = False) -> NormalizedSchema:
+def _arrayish(node: dict) -> bool:
+    """Whether ``node`` (normalised) may accept an array whose length it does not bound itself."""
+    t = node.get("type")
+    if t is None:
+        return any(k in node for k in ("items", "prefixItems", "minItems", "contains"))
+    return t == "array" or (isinstance(t, list) and "array" in t)
+
+
+def check_bound(name: str, value: Any) -> None:
+    """``max_string_length``/``max_items``: a positive int or None (``UnsupportedSchemaError`` otherwise)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UnsupportedSchemaError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None, approximate: bool = False,
+                     max_items: Optional[int] = None, relax: bool = False, inline: bool = True) -> NormalizedSchema:
     """Normalise ``schema`` (a dict or bool) for the engines; see the module docstring.
 
     Raises :class:`~continuum.errors.UnsupportedSchemaError` (with ``.keyword`` and ``.path``) for a
     keyword that no engine enforces and that has no sound rewrite; with ``approximate=True`` that
     keyword is dropped or widened instead (``oneOf`` -> ``anyOf``, ``not`` dropped...) and listed in
-    :attr:`NormalizedSchema.approximated`.
+    :attr:`NormalizedSchema.approximated`. ``max_items`` bounds every array without ``maxItems``.
+    ``relax=True`` (with ``approximate``) widens where it would narrow (``oneOf`` -> ``anyOf``,
+    ``uniqueItems`` and ``contains`` dropped...), so the result accepts every valid value: the
+    fallback when a narrowing left nothing. ``inline=False`` keeps every reference a ``$ref`` into
+    ``$defs`` (a smaller schema for the engines' size limits).
     """
-    if max_string_length is not None and (not isinstance(max_string_length, int) or max_string_length < 1):
-        raise UnsupportedSchemaError(f"max_string_length must be a positive int or None, got {max_string_length!r}")
+    check_bound("max_string_length", max_string_length)
+    check_bound("max_items", max_items)
     check_schema_bounds(schema)  # depth, size, enum: before any recursive walk
     dialect = dialect_of(schema)
-    for inline in (True, False):
-        n = _Normalizer(schema, dialect, max_string_length, inline, approximate)
+    for inline in (True, False)[0 if inline else 1:]:
+        n = _Normalizer(schema, dialect, max_string_length, inline, approximate, max_items, relax)
         n.stack.append("#")
         out = n.norm(schema, "")
         n.done["#"] = out

@@ -119,7 +119,7 @@ def coverage_message(narrowed=(), approximated=(), ignored=()) -> Optional[str]:
                      "the original schema and one that fails raises SchemaViolationError): "
                      + "; ".join(map(str, approximated)))
     if ignored:
-        parts.append("NOT enforced by the outlines-core engine (outputs that violate them raise "
+        parts.append("NOT enforced by the engine (outputs that violate them raise "
                      "SchemaViolationError): " + ", ".join(sorted(map(str, ignored))))
     if narrowed:
         parts.append("narrowed (every output is valid, but some valid values cannot be generated): "
@@ -138,17 +138,22 @@ def check_options(additional_properties: Any, on_unsupported: Any) -> None:
 
 
 def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None, additional_properties: bool = False,
-                        on_unsupported: str = "approximate", warn: bool = True) -> PreparedSchema:
+                        on_unsupported: str = "approximate", warn: bool = True,
+                        max_items: Optional[int] = None, relax: bool = False, inline: bool = True) -> PreparedSchema:
     """Normalise ``schema`` (a pydantic model class, a JSON schema dict or string) and build its output check.
 
     Args:
         max_string_length: bounds every string value and every generated property name that has no
             bound of its own.
+        max_items: bounds every array that has no ``maxItems`` (never tightens an explicit bound;
+            a ``minItems`` above it raises ``UnsupportedSchemaError``).
         additional_properties: False (default): objects that say nothing about extra keys are
             generated closed (only their declared properties); True: the JSON Schema default.
         on_unsupported: ``"approximate"`` (default): a keyword no engine enforces is dropped or
             widened (listed in :attr:`PreparedSchema.approximated`; outputs are validated);
             ``"raise"``: :class:`~continuum.errors.UnsupportedSchemaError` instead.
+        relax, inline: see :func:`~continuum.guides.normalize.normalize_schema` (the compile step's
+            fallbacks: no narrowing, references kept).
         warn: emit the :class:`SchemaCoverageWarning` here (the compile step emits one for the
             schema and the engine together instead).
 
@@ -171,7 +176,8 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None,
             model_schema = schema.model_json_schema()
         except Exception as exc:  # BaseModel itself, a field type pydantic cannot express in JSON Schema...
             raise UnsupportedSchemaError(f"pydantic cannot give the JSON schema of {schema.__name__}: {exc}") from exc
-        normalized = normalize_schema(model_schema, max_string_length=max_string_length, approximate=approximate)
+        normalized = normalize_schema(model_schema, max_string_length=max_string_length, approximate=approximate,
+                                      max_items=max_items, relax=relax, inline=inline)
 
         def validate_model(value: Any) -> None:
             schema.model_validate(value)
@@ -191,7 +197,8 @@ def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None,
                                          f"string, not {type(schema).__name__}")
         check_schema_bounds(schema)  # before anything walks it recursively
         validator = original_validator(schema, dialect_of(schema))  # the metaschema refuses malformed keywords first
-        normalized = normalize_schema(schema, max_string_length=max_string_length, approximate=approximate)
+        normalized = normalize_schema(schema, max_string_length=max_string_length, approximate=approximate,
+                                      max_items=max_items, relax=relax, inline=inline)
         validate = _checker(validator)
 
         def parse(text: str) -> Any:

@@ -16,9 +16,53 @@ import re
 from typing import Any, Callable, Optional
 
 from ..errors import UnsupportedSchemaError
-from .logic import Resolve, _forbids, _object_parts, disjoint, negate, types_of
+from .logic import Resolve, _forbids, _key, _object_parts, disjoint, negate, types_of
 
 Note = Callable[[str, str, str], None]  # (path, keyword, what is narrowed)
+
+
+_ANNOT = {"title", "description", "$comment", "examples", "default", "markdownDescription", "deprecated"}
+
+
+def switch(members: list) -> Optional[tuple[str, list, list]]:
+    """``allOf`` members that are ``if {"properties": {P: {"const"/"enum": ...}}} then T`` on one
+    property ``P`` with disjoint values and no ``else`` (JsonSchemaStore's tagged unions):
+    ``(P, [(values, T)...], other members)``, or None (fewer than 3 such cases).
+
+    Rewritten as rewrites each ``if`` separately, their conjunction multiplies out (2^n branches);
+    as cases it is ``anyOf[P in values_k and T_k]``: a narrowing (values without ``P``, or with a
+    ``P`` no case names, are not generated)."""
+    cases: list = []
+    others: list = []
+    prop: Optional[str] = None
+    seen: set[str] = set()
+    for m in members:
+        case = _case(m)
+        if case is None or (prop is not None and case[0] != prop) or seen & {_key(v) for v in case[1]}:
+            others.append(m)
+            continue
+        prop = case[0]
+        seen |= {_key(v) for v in case[1]}
+        cases.append(case[1:])
+    return (prop, cases, others) if prop is not None and len(cases) >= 3 else None
+
+
+def _case(member: Any) -> Optional[tuple[str, list, Any]]:
+    if not isinstance(member, dict) or set(member) - _ANNOT != {"if", "then"} or not isinstance(member["if"], dict):
+        return None
+    cond = {k: v for k, v in member["if"].items() if k not in _ANNOT}
+    props = cond.pop("properties", None)
+    if not isinstance(props, dict) or len(props) != 1:
+        return None
+    (name, sub), = props.items()
+    if cond.pop("required", [name]) != [name] or cond.pop("type", "object") != "object" or cond or not isinstance(sub, dict):
+        return None
+    sub = {k: v for k, v in sub.items() if k not in _ANNOT}
+    if set(sub) == {"const"}:
+        return name, [sub["const"]], member["then"]
+    if set(sub) == {"enum"} and isinstance(sub["enum"], list) and sub["enum"]:
+        return name, list(sub["enum"]), member["then"]
+    return None
 
 
 def refuse(path: str, keyword: str, why: str, todo: str) -> UnsupportedSchemaError:
@@ -33,6 +77,15 @@ def all_of(parts: list) -> Any:
         return False
     parts = [p for p in parts if p != {} and p is not True]
     return {} if not parts else parts[0] if len(parts) == 1 else {"allOf": parts}
+
+
+def any_of(parts: list) -> Any:
+    """The disjunction of normalised schemas: ``{}`` when a part accepts everything, ``False``
+    branches dropped (a tautological ``anyOf`` beside other keywords makes llguidance intersect for nothing)."""
+    if any(p == {} or p is True for p in parts):
+        return {}
+    parts = [p for p in parts if p is not False]
+    return False if not parts else parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
 _COUPLED = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
@@ -135,10 +188,10 @@ def if_then_else(cond: Any, then: Any, other: Any, path: str, resolve: Resolve, 
     other = {} if other is None else other
     neg = negate(cond, resolve)
     if neg is not None:
-        return {"anyOf": [all_of([cond, then]), all_of([neg, other])]}
+        return any_of([all_of([cond, then]), all_of([neg, other])])
     note(path, "if", "`if` cannot be negated exactly: a value that fails `if` is generated only if it also "
          "satisfies `then`")
-    return {"anyOf": [all_of([cond, then]), all_of([then, other])]}
+    return any_of([all_of([cond, then]), all_of([then, other])])
 
 
 def not_(sub: Any, path: str, resolve: Resolve) -> Any:
