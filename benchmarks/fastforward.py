@@ -7,8 +7,6 @@ figure is how many fewer forward passes a JSON output takes than the same genera
 
 from __future__ import annotations
 
-from typing import List
-
 from continuum import continuous, generate, samplers
 
 from .common import Bench, Row, log, make_text, median, n_tokens, paired
@@ -17,7 +15,7 @@ from .helpers import json_schema, new_tokens
 __all__ = ["b10"]
 
 
-def b10(bench: Bench, cfg) -> List[Row]:
+def b10(bench: Bench, cfg) -> list[Row]:
     """B10 on stories260K when the fixture is there (the checked row: a trained model that closes its
     JSON), and on the benchmark model. A random model writes digits until ``max_tokens``, so few keys
     get forced: with stories260K present its row is informational (checked only against ``>= 1``:

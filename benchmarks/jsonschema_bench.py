@@ -44,8 +44,8 @@ class _Tools:
     """Tokenizers, engines' vocabularies and the tiny model, built once per worker."""
 
     def __init__(self, e2e: bool):
-        from transformers import AutoTokenizer
         import llguidance.hf
+        from transformers import AutoTokenizer
 
         from continuum.models.tokenizer import Tokenizer
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 import weakref
 from collections import Counter
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor
@@ -48,7 +49,7 @@ __all__ = [
     "CFGLogitsProcessor",
 ]
 
-_TOKENIZERS: "weakref.WeakKeyDictionary[Any, Tokenizer]" = weakref.WeakKeyDictionary()
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
 _DEAD, _DONE = object(), object()  # row states: a disallowed token was chosen / EOS was generated
 
 
@@ -83,13 +84,13 @@ class _Rows:
     """Tracks the rows of one ``generate()`` call: each row's generated suffix and its parent row."""
 
     def __init__(self) -> None:
-        self.width: Optional[int] = None  # prompt width, fixed by the first call
+        self.width: int | None = None  # prompt width, fixed by the first call
         self.keys: list[tuple[int, ...]] = []
 
     def reset(self) -> None:
         self.width, self.keys = None, []
 
-    def step(self, input_ids: torch.Tensor) -> tuple[list[tuple[int, ...]], list[Optional[int]]]:
+    def step(self, input_ids: torch.Tensor) -> tuple[list[tuple[int, ...]], list[int | None]]:
         """(keys of the current rows, index of each row's parent in the previous call; ``None`` on the first call
         or when a row's history is unknown)."""
         if self.width is None or input_ids.shape[1] < self.width:
@@ -202,9 +203,9 @@ class JSONLogitsProcessor(GuideLogitsProcessor):
     bound the strings and arrays that have no bound of their own (as in ``generate.json``).
     """
 
-    def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
-                 max_string_length: Optional[int] = None, additional_properties: bool = False,
-                 on_unsupported: str = "raise", max_items: Optional[int] = None):
+    def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: str | None = r"[ ]?", backend: str = "auto",
+                 max_string_length: int | None = None, additional_properties: bool = False,
+                 on_unsupported: str = "raise", max_items: int | None = None):
         import warnings
 
         from .guides.compile import json_for
@@ -285,8 +286,8 @@ class GuidanceLogitsProcessor(LogitsProcessor):
     def reset(self) -> None:
         """Forget the previous ``generate()`` call."""
         self._rows.reset()
-        self._kv: Optional[kvcache.KV] = None
-        self._mask: Optional[torch.Tensor] = None
+        self._kv: kvcache.KV | None = None
+        self._mask: torch.Tensor | None = None
 
     def _start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The unconditional rows' first tokens and mask."""

@@ -6,7 +6,7 @@ import json
 import math
 import re
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import pytest
 import torch
@@ -91,7 +91,7 @@ class Person(BaseModel):
     color: Color
     tags: list[Annotated[str, StringConstraints(max_length=4)]] = Field(max_length=3)
     address: Address
-    nickname: Optional[str] = Field(default=None, max_length=5)
+    nickname: str | None = Field(default=None, max_length=5)
 
 
 SCHEMAS = [
@@ -277,10 +277,10 @@ def test_compiled_index_is_cached(model):
 
 def test_pydantic_models_are_closed():
     """Pydantic drops extra keys (extra="ignore"), so they are not generated; extra="allow" keeps them."""
+    import jsonschema
     from pydantic import ConfigDict
 
     from continuum.guides import prepare_json_schema
-    import jsonschema
 
     class Inner(BaseModel):
         x: int

@@ -16,7 +16,6 @@ import json
 import warnings
 
 import pytest
-from conftest import FIXTURES
 
 from continuum.errors import UnsupportedSchemaError
 from continuum.guides.compile import json_for
@@ -24,6 +23,8 @@ from continuum.guides.normalize import normalize_schema
 from continuum.guides.overlaps import excluding, split_overlaps
 from continuum.guides.prepare import normalized_validator
 from continuum.guides.refs import lift_refs
+
+from conftest import FIXTURES
 
 SCHEMAS = FIXTURES / "jsonschemas"
 needs_schemas = pytest.mark.skipif(not SCHEMAS.exists(), reason="../shared/fixtures/jsonschemas is absent")

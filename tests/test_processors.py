@@ -13,8 +13,8 @@ from transformers import LogitsProcessorList
 
 from continuum.processors import (
     CFGLogitsProcessor,
-    GuidanceLogitsProcessor,
     ChoiceLogitsProcessor,
+    GuidanceLogitsProcessor,
     JSONLogitsProcessor,
     RegexLogitsProcessor,
 )

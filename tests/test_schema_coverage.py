@@ -44,7 +44,6 @@ def _sample():
 @pytest.mark.skipif(not SCHEMAS.exists(), reason="../shared/fixtures/jsonschemas is absent")
 @pytest.mark.parametrize("schema", _sample())
 def test_wild_schema_compiles_or_is_refused_and_outputs_validate(stories, schema):
-    import jsonschema
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

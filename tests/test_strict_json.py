@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from continuum import generate, samplers
-from continuum.errors import (GeneratorArgumentError, IncompleteGenerationError, SchemaViolationError,
-                              UnsupportedSchemaError)
+from continuum.errors import GeneratorArgumentError, IncompleteGenerationError, SchemaViolationError, UnsupportedSchemaError
 from continuum.guides import SchemaCoverageWarning, normalize_schema, prepare_json_schema
 from continuum.guides.closing import bounded_key_pattern, excluding_pattern
+
 from conftest import FIXTURES
 
 FIX = FIXTURES / "jsonschemas"

@@ -7,10 +7,11 @@ grammars, outlines-core for regexes and choices.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
-from ..guidance import Guidance
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
+from ..guidance import Guidance
 from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
 from ..samplers import Sampler
@@ -49,7 +50,7 @@ def _check_model(model) -> None:
             f"got {type(model).__name__}")
 
 
-def text(model, sampler: Optional[Sampler] = None, *, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Free text. Returns the continuation only (not the prompt).
 
@@ -63,7 +64,7 @@ def text(model, sampler: Optional[Sampler] = None, *, token_healing: bool = Fals
                      token_healing=token_healing)
 
 
-def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: str = "auto",
+def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str = "auto",
           fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
@@ -89,7 +90,7 @@ def regex(model, pattern: str, sampler: Optional[Sampler] = None, *, backend: st
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
-def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, method: str = "exact",
+def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, method: str = "exact",
            backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
            guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """One of ``choices``.
@@ -139,9 +140,9 @@ def choice(model, choices: Sequence[str], sampler: Optional[Sampler] = None, *, 
     return ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance, token_healing=token_healing)
 
 
-def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pattern: Optional[str] = r"[ ]?",
-         backend: str = "auto", max_string_length: Optional[int] = None, additional_properties: bool = False,
-         on_unsupported: str = "approximate", max_items: Optional[int] = None, fast_forward: bool = True,
+def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_pattern: str | None = r"[ ]?",
+         backend: str = "auto", max_string_length: int | None = None, additional_properties: bool = False,
+         on_unsupported: str = "approximate", max_items: int | None = None, fast_forward: bool = True,
          token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
@@ -204,7 +205,7 @@ def json(model, schema: Any, sampler: Optional[Sampler] = None, *, whitespace_pa
     return gen
 
 
-def cfg(model, grammar: str, sampler: Optional[Sampler] = None, *, syntax: str = "lark", backend: str = "auto",
+def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "lark", backend: str = "auto",
         fast_forward: bool = True, token_healing: bool = False,
         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:

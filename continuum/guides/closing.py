@@ -23,7 +23,7 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["close_objects", "bounded_key_pattern", "excluding_pattern"]
 
@@ -51,7 +51,7 @@ def excluding_pattern(names: list[str], max_len: int) -> str:
                 node = node.setdefault(c, {})
             node[""] = {}
 
-    def walk(node: dict, depth: int) -> Optional[str]:
+    def walk(node: dict, depth: int) -> str | None:
         """The regex of the rests that, after this trie node, make a non-name (None: no rest does)."""
         left, stop_ok = max_len - depth, "" not in node  # stopping here is fine unless a name ends here
         alts = []
@@ -70,7 +70,7 @@ def excluding_pattern(names: list[str], max_len: int) -> str:
 _QUANT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\{(\d+),\}|[*+]")
 
 
-def bounded_key_pattern(pattern: str, max_len: int) -> Optional[str]:
+def bounded_key_pattern(pattern: str, max_len: int) -> str | None:
     """A regex matching only keys that ``pattern`` matches (search semantics), each repetition
     bounded by ``max_len`` (so the key is bounded) and anchored; None when the pattern cannot be
     read safely (it then stays as is)."""
@@ -100,7 +100,7 @@ def bounded_key_pattern(pattern: str, max_len: int) -> Optional[str]:
             + "$")
 
 
-def _search(pattern: str, name: str) -> Optional[bool]:
+def _search(pattern: str, name: str) -> bool | None:
     try:
         return re.search(pattern, name) is not None
     except re.error:
@@ -108,7 +108,7 @@ def _search(pattern: str, name: str) -> Optional[bool]:
 
 
 class _Closer:
-    def __init__(self, root: Any, additional: bool, max_len: Optional[int]):
+    def __init__(self, root: Any, additional: bool, max_len: int | None):
         self.root, self.additional, self.max_len = root, additional, max_len
         self.memo: dict[int, Any] = {}
         self.members_memo: dict[int, Any] = {}
@@ -228,7 +228,7 @@ class _Closer:
         return out
 
 
-def close_objects(schema: Any, *, additional_properties: bool = False, max_key_length: Optional[int] = None) -> Any:
+def close_objects(schema: Any, *, additional_properties: bool = False, max_key_length: int | None = None) -> Any:
     """``schema`` (normalised) with closed objects (unless ``additional_properties``) and, when
     ``max_key_length`` is given, bounded extra keys; see the module docstring."""
     if not isinstance(schema, dict) or (additional_properties and max_key_length is None):

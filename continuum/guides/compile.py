@@ -12,18 +12,18 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
 from ..models.tokenizer import check_encodable
 from .base import Guide, check_backend
-from .limits import compile_limits
 from .closing import close_objects
+from .limits import compile_limits
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
 from .outlines import regex_guide
 from .overlaps import merge_patterns, split_overlaps
-from .refs import lift_refs
 from .prepare import PreparedSchema, coverage_message, prepare_json_schema
+from .refs import lift_refs
 from .regex_size import estimate_regex
 from .schema import SchemaCoverageWarning, outlines_regex_ignored
 
@@ -72,9 +72,9 @@ def regex_for(tokenizer, pattern: str, backend: str = "auto") -> Guide:
 _LIMIT_WORDS = ("limit", "fuel", "too large", "too big", "too many", "exceeded")
 
 
-def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ ]?", backend: str = "auto",
-             max_string_length: Optional[int] = None, additional_properties: bool = False,
-             on_unsupported: str = "approximate", max_items: Optional[int] = None) -> tuple[Guide, PreparedSchema]:
+def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?", backend: str = "auto",
+             max_string_length: int | None = None, additional_properties: bool = False,
+             on_unsupported: str = "approximate", max_items: int | None = None) -> tuple[Guide, PreparedSchema]:
     """(guide, prepared schema) of a pydantic model class or JSON schema (raises ``UnsupportedSchemaError``).
 
     Emits ONE :class:`SchemaCoverageWarning` listing what is not enforced exactly (normaliser and
@@ -96,7 +96,7 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: Optional[str] = r"[ 
                                  additional_properties=additional_properties, on_unsupported=on_unsupported))
 
 
-def _forms(prepared: PreparedSchema, additional_properties: bool, widened: Optional[list] = None,
+def _forms(prepared: PreparedSchema, additional_properties: bool, widened: list | None = None,
            widen_refs: bool = False) -> list:
     """The engine schemas of ``prepared``, strictest first: closed objects with bounded keys, unbounded
     keys, then open objects (each sound, only less strict), spelled for llguidance (exact rewrites,
@@ -111,7 +111,7 @@ def _forms(prepared: PreparedSchema, additional_properties: bool, widened: Optio
     return [f for i, f in enumerate(forms) if f not in forms[:i]]
 
 
-def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespace_pattern: Optional[str],
+def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespace_pattern: str | None,
                      approximate: bool, options: dict) -> tuple[Guide, PreparedSchema]:
     """The llguidance guide of ``prepared``: the exact forms first, then (``approximate``) wider ones,
     each named in the coverage warning and validated against the original schema.

@@ -22,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +57,7 @@ def _executor():
     return _EXECUTOR
 
 
-def json_grammar(schema: dict, whitespace_pattern: Optional[str] = r"[ ]?", lenient: bool = False) -> str:
+def json_grammar(schema: dict, whitespace_pattern: str | None = r"[ ]?", lenient: bool = False) -> str:
     """The llguidance grammar of a (prepared) JSON schema dict.
 
     ``whitespace_pattern`` bounds the whitespace between tokens like the outlines-core engine does
@@ -201,11 +202,11 @@ class LLGuidanceGuide:
             else:
                 for i, r in enumerate(live):
                     np.copyto(out[r, :n], -np.inf, where=banned[i, :n])
-            if V > n:  # an LM head wider than the vocabulary (padding): its extra ids are never allowed
+            if n < V:  # an LM head wider than the vocabulary (padding): its extra ids are never allowed
                 out[live, n:] = -np.inf
             return logprobs
         mask = torch.from_numpy(banned)
-        if V != self.n_vocab:
+        if self.n_vocab != V:
             full = torch.ones((len(live), V), dtype=torch.bool)
             full[:, :n] = mask[:, :n]
             mask = full

@@ -15,7 +15,8 @@ Example:
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 Resolve = Callable[[Any], Any]
 ALL_TYPES = frozenset({"null", "boolean", "object", "array", "string", "number", "integer"})
@@ -42,7 +43,7 @@ def _key(value: Any) -> str:
     return _value_type(value) + ":" + json.dumps(value, sort_keys=True)
 
 
-def values_of(schema: Any) -> Optional[set[str]]:
+def values_of(schema: Any) -> set[str] | None:
     """The canonical keys of the only values ``schema`` admits (``const``/``enum``), or None."""
     if not isinstance(schema, dict):
         return None
@@ -144,7 +145,7 @@ _COUNT = {"minLength": "maxLength", "maxLength": "minLength", "minItems": "maxIt
           "minProperties": "maxProperties", "maxProperties": "minProperties"}
 
 
-def _negate_type(t: Any) -> Optional[dict]:
+def _negate_type(t: Any) -> dict | None:
     names = set().union(*(_TYPE_SETS.get(n, {n}) for n in ([t] if isinstance(t, str) else t)))
     rest = ALL_TYPES - names
     if "number" in rest and "integer" not in rest:
@@ -153,7 +154,7 @@ def _negate_type(t: Any) -> Optional[dict]:
     return {"type": spelled} if spelled else False
 
 
-def _negate_clause(key: str, value: Any, resolve: Resolve, depth: int) -> Optional[list]:
+def _negate_clause(key: str, value: Any, resolve: Resolve, depth: int) -> list | None:
     """Schemas whose union is exactly the instances failing the single keyword ``key: value``."""
     if key == "type":
         neg = _negate_type(value)

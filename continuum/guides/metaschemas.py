@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["metaschema"]
 
@@ -18,7 +18,7 @@ _METASCHEMAS = {"http://json-schema.org/draft-04/schema": "Draft4Validator",
                 "http://json-schema.org/draft-07/schema": "Draft7Validator"}
 
 
-def metaschema(ref: Any) -> Optional[dict]:
+def metaschema(ref: Any) -> dict | None:
     """The draft-4/6/7 metaschema a remote ``ref`` points into (its own references made absolute,
     so they stay inside it), or None: these are the only remote documents known without a fetch."""
     if not isinstance(ref, str) or "#" not in ref:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import unquote
 
 from ..errors import UnsupportedSchemaError
@@ -126,8 +126,8 @@ def _pointer(root: Any, ref: str, path: str) -> Any:
 
 
 class _Normalizer:
-    def __init__(self, root: Any, dialect: str, max_string_length: Optional[int], inline: bool,
-                 approximate: bool = False, max_items: Optional[int] = None, relax: bool = False):
+    def __init__(self, root: Any, dialect: str, max_string_length: int | None, inline: bool,
+                 approximate: bool = False, max_items: int | None = None, relax: bool = False):
         self.root, self.dialect, self.max_len, self.inline = root, dialect, max_string_length, inline
         self.max_items, self.relax = max_items, relax
         self.approximate = approximate
@@ -388,8 +388,8 @@ def check_bound(name: str, value: Any) -> None:
         raise UnsupportedSchemaError(f"{name} must be a positive int or None, got {value!r}")
 
 
-def normalize_schema(schema: Any, *, max_string_length: Optional[int] = None, approximate: bool = False,
-                     max_items: Optional[int] = None, relax: bool = False, inline: bool = True) -> NormalizedSchema:
+def normalize_schema(schema: Any, *, max_string_length: int | None = None, approximate: bool = False,
+                     max_items: int | None = None, relax: bool = False, inline: bool = True) -> NormalizedSchema:
     """Normalise ``schema`` (a dict or bool) for the engines; see the module docstring.
 
     Raises :class:`~continuum.errors.UnsupportedSchemaError` (with ``.keyword`` and ``.path``) for a

@@ -9,7 +9,8 @@ token ids (memoised per state), and builds the additive logits mask of a whole b
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json as _json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ..errors import SchemaViolationError, UnsupportedSchemaError
 from .limits import check_schema_bounds
@@ -41,7 +42,7 @@ class PreparedSchema:
     validate: Callable[[Any], None]  # raises SchemaViolationError
     parse: Callable[[str], Any]  # text -> validated value
     name: str = "schema"
-    normalized: Optional[NormalizedSchema] = None
+    normalized: NormalizedSchema | None = None
     #: what the engine does not enforce (outlines-core's ignored keywords, llguidance's lenient notes)
     engine_ignored: tuple = ()
 
@@ -111,7 +112,7 @@ def _checker(validator) -> Callable[[Any], None]:
 ON_UNSUPPORTED = ("approximate", "raise")
 
 
-def coverage_message(narrowed=(), approximated=(), ignored=()) -> Optional[str]:
+def coverage_message(narrowed=(), approximated=(), ignored=()) -> str | None:
     """The text of the one :class:`SchemaCoverageWarning` of a schema, or None when everything is enforced exactly."""
     parts = []
     if approximated:
@@ -137,9 +138,9 @@ def check_options(additional_properties: Any, on_unsupported: Any) -> None:
         raise GeneratorArgumentError(f"on_unsupported must be 'approximate' or 'raise', got {on_unsupported!r}")
 
 
-def prepare_json_schema(schema: Any, *, max_string_length: Optional[int] = None, additional_properties: bool = False,
+def prepare_json_schema(schema: Any, *, max_string_length: int | None = None, additional_properties: bool = False,
                         on_unsupported: str = "approximate", warn: bool = True,
-                        max_items: Optional[int] = None, relax: bool = False, inline: bool = True) -> PreparedSchema:
+                        max_items: int | None = None, relax: bool = False, inline: bool = True) -> PreparedSchema:
     """Normalise ``schema`` (a pydantic model class, a JSON schema dict or string) and build its output check.
 
     Args:

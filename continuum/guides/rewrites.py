@@ -13,7 +13,8 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import UnsupportedSchemaError
 from .logic import Resolve, _forbids, _key, _object_parts, disjoint, negate, types_of
@@ -24,7 +25,7 @@ Note = Callable[[str, str, str], None]  # (path, keyword, what is narrowed)
 _ANNOT = {"title", "description", "$comment", "examples", "default", "markdownDescription", "deprecated"}
 
 
-def switch(members: list) -> Optional[tuple[str, list, list]]:
+def switch(members: list) -> tuple[str, list, list] | None:
     """``allOf`` members that are ``if {"properties": {P: {"const"/"enum": ...}}} then T`` on one
     property ``P`` with disjoint values and no ``else`` (JsonSchemaStore's tagged unions):
     ``(P, [(values, T)...], other members)``, or None (fewer than 3 such cases).
@@ -34,7 +35,7 @@ def switch(members: list) -> Optional[tuple[str, list, list]]:
     ``P`` no case names, are not generated)."""
     cases: list = []
     others: list = []
-    prop: Optional[str] = None
+    prop: str | None = None
     seen: set[str] = set()
     for m in members:
         case = _case(m)
@@ -47,7 +48,7 @@ def switch(members: list) -> Optional[tuple[str, list, list]]:
     return (prop, cases, others) if prop is not None and len(cases) >= 3 else None
 
 
-def _case(member: Any) -> Optional[tuple[str, list, Any]]:
+def _case(member: Any) -> tuple[str, list, Any] | None:
     if not isinstance(member, dict) or set(member) - _ANNOT != {"if", "then"} or not isinstance(member["if"], dict):
         return None
     cond = {k: v for k, v in member["if"].items() if k not in _ANNOT}
@@ -165,7 +166,7 @@ def one_of(branches: list, path: str, resolve: Resolve, note: Note) -> Any:
     return {"anyOf": [all_of([b, *e]) for b, e in zip(branches, extra)]}
 
 
-def _excluding(mine: Any, other: Any, resolve: Resolve) -> Optional[tuple[dict, str]]:
+def _excluding(mine: Any, other: Any, resolve: Resolve) -> tuple[dict, str] | None:
     """A constraint that, added to ``mine``, excludes every value of ``other`` (both object-only):
     forbid a property ``other`` requires, or require one of ``mine``'s properties ``other`` forbids."""
     if not (types_of(mine, resolve) <= {"object"} and types_of(other, resolve) <= {"object"}):
