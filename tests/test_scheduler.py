@@ -196,7 +196,10 @@ def test_padding_is_reported_and_bounded(gpt2_model):
     prompts = [CORPUS[i][:40] for i in (0, 1, 6, 7, 8)]  # similar lengths (ASCII): little left padding, as in a list call
     concurrently([lambda p=p: gen(p, max_tokens=12) for p in prompts])
     stats = sched.stats()
-    assert stats["merged_forwards"] > 0 and 1.0 <= stats["peak_padding"] < 1.5
+    # Released together, the calls still reach their first forward at times the OS decides: one that
+    # joins after the others generated a few tokens is left-padded to their width (measured here: 1.1-1.6
+    # on a loaded machine). 2 bounds that skew; the 1.5 target is the benchmarks' (B15-B20 report it).
+    assert stats["merged_forwards"] > 0 and 1.0 <= stats["peak_padding"] < 2.0
     assert stats["p99_step_wait_s"] >= 0.0
 
 
