@@ -153,7 +153,8 @@ def run(args) -> int:
     failing = [r for r in records if r["outcome"] not in ("valid", "compiled")]
     print("\nNot valid, with reasons:")
     for r in failing:
-        print(f"- {r['id']}: {r['outcome']} {r.get('reason', '')} {'(not enforced: ' + '; '.join(r['not_enforced']) + ')' if r.get('not_enforced') else ''}")
+        unenforced = '(not enforced: ' + '; '.join(r['not_enforced']) + ')' if r.get('not_enforced') else ''
+        print(f"- {r['id']}: {r['outcome']} {r.get('reason', '')} {unenforced}")
     if args.json:
         Path(args.json).write_text(json.dumps(records))
     return 1 if any(r["outcome"] == "SILENT-INVALID" for r in records) else 0

@@ -326,6 +326,7 @@ class GuidanceLogitsProcessor(LogitsProcessor):
             return self._forward(torch.cat([neg, gen], 1), torch.cat([mask, torch.ones_like(gen)], 1))
         ancestors = torch.tensor(parents, dtype=torch.long)
         self._kv = kvcache.select_rows(self._kv, ancestors)
+        assert self._mask is not None  # _forward sets it together with _kv
         mask = self._mask.index_select(0, ancestors.to(self._mask.device))
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
         return self._forward(ids[:, -1:], mask)

@@ -331,7 +331,7 @@ def test_exact_choice_scores_options_in_one_forward(model):
     expected = []
     for o in options:
         s = base + o
-        ids, mask = s.token_ids, s.attention_masks
+        ids = s.token_ids
         with torch.no_grad():
             lp = torch.log_softmax(model.model(input_ids=ids).logits[0].float(), -1)
         n = len(model.tokenizer.encode_continuation(o))
@@ -365,7 +365,8 @@ def test_choice_beam_search_returns_distinct_best_pairs(model):
 
 def test_choice_methods(model):
     for method in ("exact", "mean", "greedy"):
-        out = generate.choice(model, ["yes", "no"], samplers.multinomial(4), method=method)("Q: ", rng=torch.Generator().manual_seed(0))
+        gen = generate.choice(model, ["yes", "no"], samplers.multinomial(4), method=method)
+        out = gen("Q: ", rng=torch.Generator().manual_seed(0))
         assert set(out) <= {"yes", "no"}
     with pytest.raises(ValueError, match="method"):
         generate.choice(model, ["a"], method="best")

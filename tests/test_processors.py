@@ -192,10 +192,11 @@ def test_guidance_processor_equals_the_guided_generator(model):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     negative = "The sad end."
-    ours = generate.text(model, samplers.greedy(), guidance_scale=2.0, negative_prompt=negative)("Once upon a time", max_tokens=12)
+    ours = generate.text(model, samplers.greedy(), guidance_scale=2.0, negative_prompt=negative)("Once upon a time",
+                                                                                                 max_tokens=12)
     neg_ids = torch.tensor([model.tokenizer.encode_prompts([negative])[0]])
-    theirs = _generate(model.model, tok, ["Once upon a time"], [GuidanceLogitsProcessor(2.0, model.model, negative_prompt_ids=neg_ids)],
-                       "greedy", max_new_tokens=12)[0]
+    theirs = _generate(model.model, tok, ["Once upon a time"],
+                       [GuidanceLogitsProcessor(2.0, model.model, negative_prompt_ids=neg_ids)], "greedy", max_new_tokens=12)[0]
     assert ours == theirs
 
 

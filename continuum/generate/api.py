@@ -8,7 +8,7 @@ grammars, outlines-core for regexes and choices.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
 from ..guidance import Guidance
@@ -20,7 +20,7 @@ from .generator import ChoiceGenerator, Generator
 __all__ = ["text", "choice", "regex", "json", "cfg"]
 
 
-NegativePrompt = Union[str, Sequence[str], None]
+NegativePrompt = str | Sequence[str] | None
 _GUIDANCE_DOC = """
     Every generator also takes:
         token_healing: when the input ends inside what would be one token (``"https:"`` before
@@ -50,7 +50,8 @@ def _check_model(model) -> None:
             f"got {type(model).__name__}")
 
 
-def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0,
+         negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Free text. Returns the continuation only (not the prompt).
 
@@ -60,12 +61,14 @@ def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, 
         ' there was a little girl named Lily.'
     """
     _check_model(model)
-    return Generator(model, sampler, kind="text", guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, kind="text",
+                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      token_healing=token_healing)
 
 
 def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str = "auto",
-          fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+          fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
+          negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
 
@@ -86,12 +89,14 @@ def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str =
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern), guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+    return Generator(model, sampler, guide, kind="regex", description=repr(pattern),
+                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing)
 
 
 def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, method: str = "exact",
-           backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
+           backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
+           negative_prompt: NegativePrompt = None,
            guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
     """One of ``choices``.
 
@@ -136,7 +141,8 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
     guidance = Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     if method == "greedy":
         return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
-                         description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward, token_healing=token_healing)
+                         description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward,
+                         token_healing=token_healing)
     return ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance, token_healing=token_healing)
 
 
@@ -234,9 +240,10 @@ def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "l
     _check_model(model)
     guide = grammar_for(model.tokenizer, grammar, syntax, backend)
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
-                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode), fast_forward=fast_forward,
-                     token_healing=token_healing)
+                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
+                     fast_forward=fast_forward, token_healing=token_healing)
 
 
 for _f in (text, regex, choice, json, cfg):
+    assert _f.__doc__ is not None  # each has a docstring (under python -OO the += failed before too)
     _f.__doc__ += _GUIDANCE_DOC

@@ -12,8 +12,9 @@
   many characters that are not declared properties (``additionalProperties: false`` then refuses
   the rest); a ``patternProperties`` pattern gets its repetitions bounded (``*`` -> ``{0,n}``...) and
   anchored (extra keys beside ``patternProperties`` stay unbounded: llguidance wants disjoint key
-  patterns, and the complement of a pattern has no spelling). Both narrow soundly: a generated key matches what the original allowed, and its value
-  satisfies every schema the original applies to it.
+  patterns, and the complement of a pattern has no spelling). Both narrow soundly: a generated key
+  matches what the original allowed, and its value satisfies every schema the original applies to
+  it.
 
 Example:
     >>> close_objects({"type": "object", "properties": {"ok": {"type": "boolean"}}})
@@ -64,7 +65,9 @@ def excluding_pattern(names: list[str], max_len: int) -> str:
             return "" if stop_ok else None
         return "(?:" + "|".join(alts) + ")" + ("?" if stop_ok else "")
 
-    return "^" + walk(trie, 0) + "$"
+    root = walk(trie, 0)
+    assert root is not None  # max_len >= 1 (check_bound): the root always has a one-character rest
+    return "^" + root + "$"
 
 
 _QUANT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\{(\d+),\}|[*+]")
@@ -197,8 +200,11 @@ class _Closer:
         if "unevaluatedProperties" in node or (patterns is not None and not isinstance(patterns, dict)):
             return node
         patterns = patterns or {}
-        bounded = {p: bounded_key_pattern(p, self.max_len) for p in patterns}
-        if any(b is None for b in bounded.values()):
+        max_len = self.max_len
+        assert max_len is not None  # member() calls bound_keys only with a bound
+        bounded = {p: bounded_key_pattern(p, max_len) for p in patterns}
+        keys = [b for b in bounded.values() if b is not None]
+        if len(keys) < len(bounded):
             return node
         props = dict(node.get("properties", {}))
         for name in list(props):  # a declared name the original patterns match keeps their schemas
@@ -209,15 +215,15 @@ class _Closer:
                 props[name] = {"allOf": [props[name], *hits]}
         every = [s for s in patterns.values() if s not in ({}, True)]
         out_patterns: dict[str, Any] = {}
-        for p, b in bounded.items():
+        for b in keys:
             # a key may match several original patterns: its value satisfies all of them (sound)
             out_patterns[b] = {"allOf": every} if len(every) > 1 else (every[0] if every else {})
-        value = [s for s in [extra, *patterns.values()] if s not in ({}, True, None, False)]
-        value = {"allOf": value} if len(value) > 1 else value[0] if value else {}
+        parts = [s for s in [extra, *patterns.values()] if s not in ({}, True, None, False)]
+        value = {"allOf": parts} if len(parts) > 1 else parts[0] if parts else {}
         if extra is None or extra is False:
             extra = False
         elif not patterns:  # llguidance wants disjoint key patterns: the extra keys' one excludes the declared names
-            out_patterns[excluding_pattern(list(props), self.max_len)] = value
+            out_patterns[excluding_pattern(list(props), max_len)] = value
             extra = False
         else:  # extra keys beside patterns stay unbounded; a long key a pattern matched still gets its schema
             extra = value

@@ -23,13 +23,16 @@ import hashlib
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..errors import GuideLimitError
 from .limits import compile_limits, explain_llguidance_error, llguidance_limit_hit, llguidance_limits
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stub only
 
 __all__ = ["LLGuidanceGuide", "GrammarCompileError", "llguidance_guide", "json_grammar", "lark_grammar",
            "regex_grammar"]
@@ -68,12 +71,12 @@ def json_grammar(schema: dict, whitespace_pattern: str | None = r"[ ]?", lenient
     """
     from llguidance import LLMatcher
 
-    defaults = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern is not None else {}
+    defaults: JsonCompileOptions = {"whitespace_pattern": whitespace_pattern} if whitespace_pattern is not None else {}
     if lenient:
-        defaults.update(lenient=True, coerce_one_of=True)
-    defaults = defaults or None
+        defaults["lenient"] = True
+        defaults["coerce_one_of"] = True
     try:
-        return LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=defaults or None)
     except Exception as exc:  # not a JSON object, or x-guidance options it does not know
         raise GrammarCompileError(str(exc)) from exc
 

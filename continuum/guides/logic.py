@@ -33,7 +33,8 @@ def _value_type(value: Any) -> str:
         return "integer"
     if isinstance(value, float):
         return "number"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
+    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return names[type(value)]
 
 
 def _key(value: Any) -> str:
@@ -81,7 +82,10 @@ def _object_parts(schema: Any, resolve: Resolve) -> tuple[set[str], dict[str, li
     """(required names, property schemas, additionalProperties, has patternProperties) of an
     object schema, gathered through ``allOf``."""
     schema = resolve(schema)
-    required, props, extra, patterns = set(), {}, None, False
+    required: set[str] = set()
+    props: dict[str, list] = {}
+    extra: Any = None
+    patterns = False
     if not isinstance(schema, dict):
         return required, props, extra, patterns
     required |= set(schema.get("required", []))
@@ -145,7 +149,7 @@ _COUNT = {"minLength": "maxLength", "maxLength": "minLength", "minItems": "maxIt
           "minProperties": "maxProperties", "maxProperties": "minProperties"}
 
 
-def _negate_type(t: Any) -> dict | None:
+def _negate_type(t: Any) -> dict | bool | None:
     names = set().union(*(_TYPE_SETS.get(n, {n}) for n in ([t] if isinstance(t, str) else t)))
     rest = ALL_TYPES - names
     if "number" in rest and "integer" not in rest:

@@ -405,12 +405,12 @@ def normalize_schema(schema: Any, *, max_string_length: int | None = None, appro
     check_bound("max_items", max_items)
     check_schema_bounds(schema)  # depth, size, enum: before any recursive walk
     dialect = dialect_of(schema)
-    for inline in (True, False)[0 if inline else 1:]:
-        n = _Normalizer(schema, dialect, max_string_length, inline, approximate, max_items, relax)
+    for inline_refs in (True, False)[0 if inline else 1:]:
+        n = _Normalizer(schema, dialect, max_string_length, inline_refs, approximate, max_items, relax)
         n.stack.append("#")
         out = n.norm(schema, "")
         n.done["#"] = out
-        if not inline or n.expanded_size(out) <= _INLINE_BUDGET:
+        if not inline_refs or n.expanded_size(out) <= _INLINE_BUDGET:
             break
     if n.names:
         defs = {n.names[r]: n.done[r] for r in list(n.names)}

@@ -90,6 +90,7 @@ class OutlinesGuide:
         """Final and nothing but EOS allowed: the row ends here without sampling."""
         if state not in self._final:
             return False
+        assert state is not None  # _final holds only int states
         ids = self.allowed(state)
         return ids.numel() == 0 or bool((ids == self.eos_token_id).all())
 

@@ -14,9 +14,10 @@ When ``allOf[P, Q]`` itself refers to a recursive definition, llguidance still r
 approximate fallback of ``json_for`` then gives the property ``P`` alone (``widened``), validated.
 
 Example:
-    >>> split_overlaps({"type": "object", "properties": {"a": {"type": "integer"}},
+    >>> split_overlaps({"type": "object", "properties": {"a": {"type": "integer"}},  # doctest: +NORMALIZE_WHITESPACE
     ...                 "patternProperties": {".*": {"type": "integer"}}})
-    {'type': 'object', 'properties': {'a': {'type': 'integer'}}, 'patternProperties': {'^(?:[^a\\\\n].*|a(?:.+))?$': {'type': 'integer'}}}
+    {'type': 'object', 'properties': {'a': {'type': 'integer'}},
+     'patternProperties': {'^(?:[^a\\\\n].*|a(?:.+))?$': {'type': 'integer'}}}
 """
 
 from __future__ import annotations

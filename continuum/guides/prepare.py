@@ -11,10 +11,11 @@ Example:
     >>> prepared = prepare_json_schema({"type": "integer", "minimum": 3})
     >>> prepared.schema, prepared.parse("4")
     ({'type': 'integer', 'minimum': 3}, 4)
-    >>> prepared.parse("2")
+    >>> prepared.parse("2")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    continuum.errors.SchemaViolationError: the JSON output fails its schema at / (rule minimum at /minimum): 2 is less than the minimum of 3
+    continuum.errors.SchemaViolationError: the JSON output fails its schema at / (rule minimum at /minimum):
+    2 is less than the minimum of 3
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def _prepare_schema(node: Any, ignored: set[str]) -> Any:
         return node
     if set(node) <= _ANNOTATIONS:
         return {**node, **_ANY_VALUE}
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {k: _prepare_schema(v, ignored) for k, v in value.items()}
