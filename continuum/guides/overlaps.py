@@ -26,6 +26,8 @@ import json
 import re
 from typing import Any
 
+from .walk import SchemaRewriter
+
 __all__ = ["excluding", "merge_patterns", "split_overlaps"]
 
 _NON_ASCII = ("\u00e9", "\u6771", "\U0001f600", "\u00a0", "\u0660", "\u212a")
@@ -96,9 +98,9 @@ def _search(pattern: str, name: str) -> bool | None:
         return None
 
 
-class _Splitter:
+class _Splitter(SchemaRewriter):
     def __init__(self, widened: list | None) -> None:
-        self.memo: dict[int, Any] = {}
+        super().__init__()
         self.widened = widened
 
     def conj(self, p: Any, q: Any, name: str, pattern: str) -> Any:
@@ -113,17 +115,6 @@ class _Splitter:
                                 "(llguidance cannot intersect schemas with recursive references)")
             return p
         return {"allOf": [p, q]}
-
-    def node(self, node: Any) -> Any:
-        if isinstance(node, list):
-            return [self.node(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        key = id(node)
-        if key not in self.memo:
-            self.memo[key] = node  # a cycle reads the node as it was
-            self.memo[key] = self._node(node)
-        return self.memo[key]
 
     def _node(self, node: dict) -> dict:
         out = {}

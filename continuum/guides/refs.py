@@ -28,6 +28,7 @@ import json
 from typing import Any
 
 from .logic import types_of
+from .walk import SchemaRewriter
 
 __all__ = ["MAX_NEW_DEFS", "lift_refs"]
 
@@ -42,12 +43,12 @@ def _ref_name(node: Any) -> str | None:
     return None
 
 
-class _Lifter:
+class _Lifter(SchemaRewriter):
     def __init__(self, root: dict, widened: list | None = None):
         self.widened = widened
         self.defs: dict[str, Any] = dict(root.get("$defs", {}))
         self.new: dict[str, str] = {}  # content key -> new def name
-        self.memo: dict[int, Any] = {}
+        super().__init__()
 
     def resolve(self, node: Any) -> Any:
         seen = 0
@@ -69,17 +70,6 @@ class _Lifter:
             else:
                 self.defs[new] = {"allOf": [body, *parts]}  # lifted in its turn by run()
         return {"$ref": f"#/$defs/{self.new[key]}"}
-
-    def node(self, node: Any) -> Any:
-        if isinstance(node, list):
-            return [self.node(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        key = id(node)
-        if key not in self.memo:
-            self.memo[key] = node
-            self.memo[key] = self._node(node)
-        return self.memo[key]
 
     def _node(self, node: dict) -> Any:
         out = {k: (v if k in ("enum", "const") else
