@@ -159,7 +159,6 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             ticket.park()
             yield step  # GeneratorExit here (the caller closed the stream): the loop leaves in `finally`
             ticket.resume()
-            ticket.step()  # step hooks, e.g. a cancellation check: they raise to stop this loop
     finally:
         loop.close()
         prefix_cache.settle(state._model)  # prefixes registered as being computed and not inserted (an error)

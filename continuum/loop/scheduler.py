@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import ContinuumError
@@ -37,14 +37,9 @@ from . import merge
 from .merge import Request
 from .ranks import Ranks, next_key
 
-__all__ = ["DEFAULT_MAX_ROWS", "Scheduler", "Ticket", "step_hooks"]
+__all__ = ["DEFAULT_MAX_ROWS", "Scheduler", "Ticket"]
 
 DEFAULT_MAX_ROWS = 256
-
-# Called once per decoding step by every running loop, in its own thread (after the step's tokens are
-# appended, before its next forward): the place for a cancellation check (run_batch, Ctrl-C), which
-# raises to stop the loop. A hook must be cheap.
-step_hooks: list[Callable[[], None]] = []
 
 
 class Ticket:
@@ -56,11 +51,6 @@ class Ticket:
         self._sched, self.rows = sched, rows
         self._thread: int | None = None  # the thread running it, None while parked
         self._left = False
-
-    def step(self) -> None:
-        """Once per decoding step: run the step hooks (e.g. a cancellation check)."""
-        for hook in step_hooks:
-            hook()
 
     def park(self) -> None:
         """The loop yields to its caller: the others stop waiting for it."""
