@@ -196,9 +196,11 @@ class PrefixCache:
                 self._inflight.append(_Inflight(tokens, me))
         return None
 
-    def settle(self) -> None:
-        """This thread's prefixes are computed (and inserted) or abandoned: wake the calls waiting for them."""
-        me = self._inflight and threading.get_ident()
+    def settle(self, owner: int | None = None) -> None:
+        """The prefixes registered by thread ``owner`` (default: this one) are computed (and inserted) or
+        abandoned: wake the calls waiting for them. (A call's loop runs in the engine's thread: it names
+        the thread that registered its prefixes.)"""
+        me = self._inflight and (owner if owner is not None else threading.get_ident())
         if not me:
             return
         with self._lock:
@@ -321,8 +323,7 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
         for chain in hits.values():
             cache.release(chain)
         cache.settle()  # a waiting call holds no prefix others could wait for (no cycle)
-        with state._model.scheduler.idle():  # parked: the call computing the prefix must not wait for this one
-            wait.done.wait(_WAIT_S)
+        wait.done.wait(_WAIT_S)  # (not yet submitted to the engine: nobody waits for this call meanwhile)
     else:
         hits = {}
     if not hits:
@@ -385,9 +386,10 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
                          batch=state.batch, samples=state.samples, last=state._last)
 
 
-def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> None:
+def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV, owner: int | None = None) -> None:
     """Add the full blocks of every row that a prefill just computed (``kv`` covers the first
-    ``length(kv)`` columns of ``ids``/``mask``); calls waiting for these prefixes find them now."""
+    ``length(kv)`` columns of ``ids``/``mask``); calls waiting for these prefixes find them now
+    (those registered by thread ``owner``, default this one)."""
     cache = getattr(model, "prefix_cache", None)
     if cache is None or _timing_dependent(model):
         return
@@ -395,7 +397,7 @@ def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> No
         if kv is not None and cache.block_bytes(kv) <= cache.max_bytes:  # else not even one block fits
             _insert_rows(cache, _identity(model), ids, mask, kv)
     finally:
-        cache.settle()
+        cache.settle(owner)
 
 
 def _insert_rows(cache: PrefixCache, identity: tuple, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV) -> None:

@@ -139,7 +139,7 @@ def test_a_stream_closed_early_leaves_the_batch(gpt2_model):
     solo, together, _ = solo_and_concurrent(gpt2_model, jobs)
     assert together == solo
     sched = gpt2_model.scheduler
-    assert not sched._running and not sched._pending  # nobody left registered
+    assert not sched._running and not sched._inbox  # nobody left registered
 
 
 def test_two_streams_interleaved_in_one_thread(gpt2_model):

@@ -131,8 +131,8 @@ def test_stream_used_from_two_threads_is_a_clear_error(gpt2_model):
     inside, release = threading.Event(), threading.Event()
     owner: list = []
 
-    def hook(module, args, kwargs):  # hold the owning thread inside its forward pass
-        if threading.current_thread() is owner[0]:
+    def hook(module, args, kwargs):  # hold the stream's first forward (run by the engine): its owner waits inside next()
+        if owner and not inside.is_set():
             inside.set()
             release.wait(timeout=30)
 

@@ -16,6 +16,7 @@ the whole run is appended and computed in the same next forward pass (:mod:`cont
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from ..samplers import Sampler
 from ..state import LastStep, SequenceState
 from ..text import token_char_spans
 from .fastforward import forced_runs, run_logprobs, step_marks
-from .merge import slot_of
+from .merge import Request, slot_of
 from .rows import Rows
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "positions"]
@@ -85,11 +86,10 @@ def prefill(state: SequenceState, reserve: int = 0) -> SequenceState:
     model's prefix cache, when on, supplies what it holds and keeps what was computed).
     ``reserve``: columns the caller appends right after (choice scoring's token tree), so the KV
     storage written here has room for them."""
-    with state._model.scheduler.enter(state.rows):  # concurrent calls share the forward
-        try:
-            return _prefill(state, reserve)
-        finally:
-            prefix_cache.settle(state._model)  # prefixes registered as being computed (in-batch sharing)
+    try:  # (its forward joins the engine's next step while other calls run)
+        return _prefill(state, reserve)
+    finally:
+        prefix_cache.settle(state._model)  # prefixes registered as being computed (in-batch sharing)
 
 
 def _prefill(state: SequenceState, reserve: int) -> SequenceState:
@@ -141,28 +141,37 @@ def _too_long(state: SequenceState, ctx: int) -> str:
 
 
 def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step, None, SequenceState]:
-    """Continue ``state`` with ``sampler``: the decoding loop (:func:`_decode`, same options), registered
-    with the model's scheduler so that concurrent calls share every forward.
+    """Continue ``state`` with ``sampler``: the decoding loop (:func:`_decode`, same options), run by the
+    model's engine with every other running call (:mod:`continuum.loop.engine`).
 
-    The loop counts as running from here until it returns, raises or is closed, except while it is
-    parked at a ``yield`` (its caller holds the thread); see :mod:`continuum.loop.scheduler`.
+    The checks, the prefix cache and the rows are set up here, in the caller's thread (a bad input
+    raises here); the loop then joins the engine's next step. Without ``track_text`` (a plain call)
+    this yields nothing: the caller waits once for the final state. With it (a stream) the steps
+    come through a queue; closing this generator takes the loop out at the engine's next step.
     """
+    model = state._model
     loop = _decode(state, sampler, **options)
-    rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
-    ticket = state._model.scheduler.enter(rows)
     try:
-        while True:
-            try:
-                step = next(loop)
-            except StopIteration as done:
-                return done.value
-            ticket.park()
-            yield step  # GeneratorExit here (the caller closed the stream): the loop leaves in `finally`
-            ticket.resume()
+        stream = bool(options.get("track_text"))
+        try:
+            first = next(loop)  # the setup, up to the loop's first forward request
+            while not isinstance(first, Request):  # guidance: the branch's forwards are one-off requests,
+                if stream:  # so that loop runs here, in the caller's thread (its forwards still merged)
+                    yield first
+                first = next(loop)
+        except StopIteration as done:  # nothing left to compute (max_tokens=0, or the loop ran here)
+            return done.value
+        rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
+        engine = model.engine
+        call = engine.submit(loop, first, rows, stream=stream)
+        try:
+            if call.queue is None:
+                return engine.wait(call)
+            return (yield from engine.stream(call))
+        finally:
+            engine.close(call)  # (a no-op once the call is done)
     finally:
-        loop.close()
-        prefix_cache.settle(state._model)  # prefixes registered as being computed and not inserted (an error)
-        ticket.leave()
+        prefix_cache.settle(model)  # prefixes registered as being computed and not inserted (an error)
 
 
 def _decode(
@@ -215,16 +224,22 @@ def _decode(
     C, W = kvcache.length(rows.kv), rows.width
     eos, pad = tok.eos_token_ids | frozenset(extra_eos), tok.pad_token_id
     ff = fast_forward and guide is not None and rows.branch is None
+    owner = threading.get_ident()  # the caller's thread: prefixes it registered as being computed (in-batch sharing)
 
     def forward(start: int, end: int, logits: str = "last"):
+        """The model on columns [start, end): a request the engine runs in its next step (merged with
+        every running call's); with guidance, the branch's own forwards (run by the engine's thread)."""
         mask = rows.mask[:, :end]
         if end - start == 1:  # one column: positions(mask)[:, -1:] without the cumsum (a pad column of a row
             pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
         else:
             pos = positions(mask)[:, start:]
         reserve = max(0, min(W + steps - end, kvcache.RESERVE_CAP))  # the columns still to come: KV storage allocated once
-        call = model.forward if rows.branch is None else rows.branch.forward  # guidance: runs both branches
-        return call(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
+        if rows.branch is not None:  # guidance: runs both branches
+            return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
+        req = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve)
+        yield req
+        return req.result
 
     if steps == 0:
         if n != group:  # fork: the samples share the prefilled cache
@@ -233,8 +248,8 @@ def _decode(
             rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
 
-    logits, rows.kv = forward(C, W)
-    prefix_cache.remember(model, rows.ids, rows.mask, rows.kv)  # what this prefill computed, for later calls
+    logits, rows.kv = yield from forward(C, W)
+    prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)  # what this prefill computed, for later calls
     fed = col = W
     while True:
         check_cancelled(rows.finished.count(False))  # Ctrl-C / a closed stream: stop between two forwards
@@ -298,11 +313,11 @@ def _decode(
                    reordered)
         if all(rows.finished):
             if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
-                out, rows.kv = forward(col, col + width - 1, logits="all")
+                out, rows.kv = yield from forward(col, col + width - 1, logits="all")
                 rows.add_forced_logprobs(col, width, runs, run_logprobs(out, runs, width))
                 fed = col + width - 1
             break
-        logits, rows.kv = forward(col, col + width, logits="all" if runs else "last")
+        logits, rows.kv = yield from forward(col, col + width, logits="all" if runs else "last")
         if runs:
             rows.add_forced_logprobs(col, width, runs, run_logprobs(logits, runs, width))
             logits = logits[:, -1]

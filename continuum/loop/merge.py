@@ -57,6 +57,7 @@ class Request:
     thread: int = 0
     allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
     key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
+    event: Any = None  # a one-off request's owner waits on it (continuum.loop.engine)
     result: Any = None
     error: BaseException | None = None
     done: bool = False

@@ -20,7 +20,7 @@ from .identity import ModelFingerprint, fingerprint_of
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from ..loop.scheduler import Scheduler
+    from ..loop.engine import Engine
 
 __all__ = ["Transformers", "transformers"]
 
@@ -130,22 +130,25 @@ class Transformers:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler that merges the forwards of concurrent calls on this model (created on first use).
+    def engine(self) -> Engine:
+        """The engine that runs the decode loop of every concurrent call on this model, one step for all
+        (created on first use; ``model.scheduler`` is the same object).
 
-        ``model.scheduler.max_rows`` bounds the rows of calls decoding at once (default 256);
-        ``model.scheduler.stats()`` counts merged forwards and reports padding and step waits.
+        ``model.engine.max_rows`` bounds the rows of calls decoding at once (default 256);
+        ``model.engine.stats()`` counts steps and merged forwards and reports padding and step times.
         See ``docs/scheduler.md``.
         """
-        sched = self.__dict__.get("_scheduler")
-        if sched is None:
+        engine = self.__dict__.get("_engine")
+        if engine is None:
             with self._count_lock:
-                sched = self.__dict__.get("_scheduler")
-                if sched is None:
-                    from ..loop.scheduler import Scheduler
+                engine = self.__dict__.get("_engine")
+                if engine is None:
+                    from ..loop.engine import Engine
 
-                    sched = self.__dict__["_scheduler"] = Scheduler(self)
-        return sched
+                    engine = self.__dict__["_engine"] = Engine(self)
+        return engine
+
+    scheduler = engine  # (the name of earlier releases)
 
     @torch.inference_mode()
     def forward(
@@ -172,11 +175,11 @@ class Transformers:
         each new column sits. The sliding window, when the model has one, still applies by position.
 
         While other calls decode on this model (other threads), the forward is merged with theirs
-        (:mod:`continuum.loop.scheduler`); the result is the same.
+        (:mod:`continuum.loop.engine`); the result is the same.
         """
-        sched = self.__dict__.get("_scheduler")
-        if sched is not None:
-            return sched.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
         return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
                                    allowed=allowed)
 

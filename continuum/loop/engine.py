@@ -1,0 +1,408 @@
+"""One engine per model: it owns the decode loop of every running call (``model.engine``).
+
+Where things happen::
+
+    generator call (any thread) ──▶ decoding.decode: checks, prefix reuse, Rows (the caller's thread)
+         │  the loop (a Python generator) yields its first forward request
+         ▼
+    Engine.submit ──▶ inbox ──(next step boundary)──▶ running calls ──▶ Engine._step, once for all of them:
+                                                        1. admit: new calls join (rows within max_rows)
+                                                        2. ONE merged forward per group (merge.py), every
+                                                           call's request, log-softmax over the whole group
+                                                        3. each call's loop resumes with its result and
+                                                           runs to its next forward request (or ends)
+    the caller waits on ONE event (a stream reads a queue) ◀── its call ended: result or error
+
+Who drives (runs the steps): a lone non-streaming call drives inline, in its own thread (it costs
+what a call always cost: no thread hop). Calls that arrive meanwhile join its next step. When the
+driver's own call ends and others remain, the engine's thread (one daemon per model, started on
+first use) takes over; it sleeps on a condition while no call runs (no polling, no CPU when idle).
+A waiting caller is woken once, when its call is done; a stream's consumer once per chunk.
+
+A call is a *coroutine*: ``decoding._decode`` yields a :class:`~continuum.loop.merge.Request` where
+it needs the model and a ``Step`` after each step (handed to its stream, if any). Everything a call
+does between two forwards (guides, sampler, stop strings, fast-forward, beam reorders) is its own
+code, unchanged; only the forward and its log-softmax are shared. Forwards a call makes outside its
+loop (a prefill for ``max_tokens=0``, choice scoring's token tree, classifier-free guidance's first
+prefill) are *one-off requests*: merged into the next step when the engine runs, run at once when it
+is idle (or when the driver itself makes them, inside a step).
+
+Errors: a merged forward that raises is re-run per request, so the error reaches only its owner; a
+call whose loop raises (a guide failure, a bad state) ends with that error, the others go on.
+Cancellation (``run_batch``'s Ctrl-C, a cancelled task, a closed stream) is checked by each call's
+loop at every step (its own cancel token is bound while it runs), so it leaves at the next step.
+
+Tensor parallelism (torchrun): rank 0 decides which calls join at each step and broadcasts their
+keys; the other ranks admit exactly those, in that order, so every rank runs the same steps.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Generator
+from typing import Any
+
+from .. import cancel
+from ..errors import ContinuumError
+from ..parallel import world_size
+from . import merge
+from .merge import Request
+from .ranks import Ranks, next_key
+
+__all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
+
+DEFAULT_MAX_ROWS = 256
+END = object()  # the last item a stream's queue receives
+
+
+class Call:
+    """One decoding loop submitted to the engine (a handle for its caller)."""
+
+    __slots__ = ("closed", "done", "error", "event", "gen", "key", "pending", "queue", "result", "rows", "token")
+
+    def __init__(self, gen: Generator, first: Request, rows: int, stream: bool, key: Any):
+        self.gen, self.pending, self.rows, self.key = gen, first, rows, key
+        self.token = cancel.current()  # bound while the engine runs this loop: its own Ctrl-C / progress
+        self.queue: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self.event = threading.Event()
+        self.done = self.closed = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class Engine:
+    """The decode loop of every running call on one model (see the module docstring).
+
+    Args:
+        model: the ``Transformers`` adapter (runs ``_forward_alone`` and ``_run``).
+        max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
+            than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
+    """
+
+    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS):
+        self._model = model
+        self.max_rows = max_rows
+        self._cond = threading.Condition(threading.Lock())
+        self._inbox: list[Call | Request] = []
+        self._running: list[Call] = []
+        self._rows = 0
+        self._driver: int | None = None  # the thread running steps
+        self._thread: threading.Thread | None = None
+        self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
+        self._stats: dict[str, Any] = {}
+        self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
+        self.reset_stats()
+
+    @property
+    def coordinated(self) -> bool:
+        """Under tensor parallelism: every step's composition is decided on rank 0 (:mod:`continuum.loop.ranks`)."""
+        return self._ranks is not None
+
+    # -- calls ---------------------------------------------------------------------------
+    def submit(self, gen: Generator, first: Request, rows: int, stream: bool = False) -> Call:
+        """Hand a decoding loop (suspended at its first forward request ``first``) to the engine."""
+        key = next_key() if self._ranks is not None else None
+        call = Call(gen, first, rows, stream, key)
+        with self._cond:
+            self._inbox.append(call)
+            self._cond.notify_all()
+        if stream:
+            self._wake()
+        return call
+
+    def wait(self, call: Call) -> Any:
+        """The call's final state: drive the engine inline when nobody does, else sleep until it is done."""
+        me = threading.get_ident()
+        with self._cond:
+            drive = self._driver is None and not call.done
+            if drive:
+                self._driver = me
+        try:
+            if drive:
+                try:
+                    while not call.done:
+                        self._step()
+                finally:
+                    self._release()
+            else:
+                call.event.wait()
+        except BaseException:  # Ctrl-C in the caller's thread: the loop leaves at the next step
+            self.close(call)
+            raise
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def close(self, call: Call) -> None:
+        """The caller is gone (a closed stream, an interrupt): the loop is closed at the next step;
+        returns once it has left (at once when called by the driver itself)."""
+        if not call.done:
+            call.closed = True
+            self._wake()
+            if self._driver != threading.get_ident():
+                call.event.wait()
+
+    def stream(self, call: Call):
+        """The call's steps as they come (the consumer is woken per step), then its final state."""
+        assert call.queue is not None
+        while True:
+            item = call.queue.get()
+            if item is END:
+                break
+            yield item
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    # -- one-off forwards --------------------------------------------------------------------
+    def forward(self, ids, mask, pos, kv, logits: str, reserve: int, allowed=None):
+        """``model.forward`` outside a running loop's step: alone while the engine is idle (or when the
+        driver makes it, inside a step), else merged into the engine's next step."""
+        me = threading.get_ident()
+        with self._cond:
+            alone = self._driver == me or (self._ranks is None and self._driver is None and not self._running
+                                           and not self._inbox)
+            if not alone:
+                req = Request(ids, mask, pos, kv, logits, reserve, me, allowed=allowed)
+                req.key = next_key() if self._ranks is not None else None
+                req.event = threading.Event()
+                self._inbox.append(req)
+                drive = self._driver is None
+                if drive:
+                    self._driver = me
+                self._cond.notify_all()
+        if alone:
+            return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
+        if drive:
+            try:
+                while not req.done:
+                    self._step()
+            finally:
+                self._release()
+        else:
+            req.event.wait()
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    # -- driving -------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._running or self._inbox)
+
+    def _release(self) -> None:
+        """The inline driver stops; the engine's thread takes over if calls remain."""
+        with self._cond:
+            self._driver = None
+            more = self._has_work()
+            self._cond.notify_all()
+        if more:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="continuum-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        """The engine's thread: drive while calls run and nobody else drives; sleep otherwise."""
+        me = threading.get_ident()
+        while True:
+            with self._cond:
+                while not (self._has_work() and self._driver is None):
+                    self._cond.wait()
+                self._driver = me
+            try:
+                while True:
+                    self._step()
+                    with self._cond:
+                        if not self._has_work():
+                            break
+            except BaseException as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, keep serving)
+                self._fail_all(exc)
+            finally:
+                with self._cond:
+                    self._driver = None
+                    self._cond.notify_all()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            calls, self._running = self._running, []
+            pending, self._inbox = self._inbox, []
+            self._rows = 0
+        for c in calls + [c for c in pending if isinstance(c, Call)]:
+            c.gen.close()
+            self._end(c, None, ContinuumError(f"the engine failed while running this call: {exc!r}"))
+        for r in pending:
+            if isinstance(r, Request):
+                r.error, r.done = ContinuumError(f"the engine failed: {exc!r}"), True
+                r.event.set()
+
+    # -- one step ------------------------------------------------------------------------
+    def _admit(self) -> tuple[list[Call], list[Request]]:
+        """Take the inbox's calls that fit (``max_rows``) and every one-off request."""
+        with self._cond:
+            if self._ranks is not None:
+                chosen = self._coordinated_admission()
+            else:
+                chosen: list[Call | Request] = []
+                rest: list[Call | Request] = []
+                rows = self._rows
+                for item in self._inbox:
+                    if isinstance(item, Call) and rows and rows + item.rows > self.max_rows:
+                        rest.append(item)
+                        continue
+                    if isinstance(item, Call):
+                        rows += item.rows
+                    chosen.append(item)
+                self._inbox = rest
+            calls = [c for c in chosen if isinstance(c, Call)]
+            self._running.extend(calls)
+            self._rows += sum(c.rows for c in calls)
+        return calls, [r for r in chosen if isinstance(r, Request)]
+
+    def _coordinated_admission(self) -> list[Call | Request]:
+        """Under tensor parallelism (lock held): rank 0 admits its whole inbox and broadcasts the keys;
+        the other ranks wait until those are in their inbox and admit exactly them, in that order."""
+        assert self._ranks is not None
+        if self._ranks.leader:
+            chosen = sorted(self._inbox, key=lambda x: repr(x.key))
+            self._inbox = []
+            self._cond.release()
+            try:
+                self._ranks.share([x.key for x in chosen])
+            finally:
+                self._cond.acquire()
+            return chosen
+        self._cond.release()
+        try:
+            keys = self._ranks.share([])
+        finally:
+            self._cond.acquire()
+        wanted = set(keys)
+        while not wanted.issubset(x.key for x in self._inbox):
+            self._cond.wait()
+        by_key = {x.key: x for x in self._inbox}
+        self._inbox = [x for x in self._inbox if x.key not in wanted]
+        return [by_key[k] for k in keys]
+
+    def _step(self) -> None:
+        """One step of every running call: admit, one merged forward, every loop to its next request."""
+        t0 = time.perf_counter()
+        _, oneoff = self._admit()
+        running = list(self._running)
+        closed = [c for c in running if c.closed]
+        for c in closed:
+            c.gen.close()
+            self._end(c, None, None)
+        live = [c for c in running if not c.closed]
+        self._run_requests([c.pending for c in live] + oneoff)
+        for r in oneoff:
+            r.done = True
+            r.event.set()
+        for c in live:
+            self._resume(c)
+        if len(live) > 1 and len(self._steps) < 100_000:
+            self._steps.append(time.perf_counter() - t0)
+        self._stats["steps"] += 1
+
+    def _resume(self, call: Call) -> None:
+        """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""
+        req, saved = call.pending, cancel.current()
+        cancel._local.token = call.token  # the call's own cancellation and progress count, as in its thread
+        try:
+            item = call.gen.throw(req.error) if req.error is not None else call.gen.send(None)
+            while not isinstance(item, Request):  # a Step: to the stream, if any
+                if call.queue is not None:
+                    call.queue.put(item)
+                item = call.gen.send(None)
+            call.pending = item
+        except StopIteration as stop:
+            self._end(call, stop.value, None)
+        except BaseException as exc:  # noqa: BLE001  (the call's own error, Cancelled included: to its caller)
+            self._end(call, None, exc)
+        finally:
+            cancel._local.token = saved
+
+    def _end(self, call: Call, result: Any, error: BaseException | None) -> None:
+        with self._cond:
+            if call in self._running:
+                self._running.remove(call)
+                self._rows -= call.rows
+            call.result, call.error, call.done = result, error, True
+        if call.queue is not None:
+            call.queue.put(END)
+        call.event.set()  # the one wake-up of its caller
+        self._stats["wakeups"] += 1
+
+    def _run_requests(self, batch: list[Request]) -> None:
+        """Run every request of the step: merged forwards by group, the rest alone; errors to their owners."""
+        model = self._model
+        alone = [r for r in batch if not r.mergeable]
+        merged = [r for r in batch if r.mergeable]
+        for group in merge.groups(merged):
+            if len(group) == 1 and merge.slot_of(group[0].kv) is None:
+                alone.append(group[0])
+                continue
+            try:
+                p = merge.plan(group, len(group[0].kv) if group[0].kv is not None else model._layers)
+                self._note(p)
+                results = merge.run_group(model, p)
+            except Exception:  # noqa: BLE001  (the merged forward failed: run each alone, so an error reaches only its owner)
+                self._stats["fallbacks"] += 1
+                alone.extend(group)
+                continue
+            for r, res in zip(group, results):
+                r.result, r.error = res, None
+            self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], p.slab.nbytes())
+            with model._count_lock:
+                model.tokens_computed += sum(r.ids.numel() for r in group)
+            self._stats["merged_forwards"] += 1
+            self._stats["requests_merged"] += len(group)
+        for r in alone:
+            self._stats["alone"] += 1
+            try:
+                r.result = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
+                                                allowed=r.allowed)
+                r.error = None
+            except Exception as exc:  # noqa: BLE001  (handed to the request's owner, raised there)
+                r.error = exc
+
+    def _note(self, p: merge.Plan) -> None:
+        """Statistics of a planned merged forward: rows, padding (cells / real tokens), KV bytes."""
+        s = self._stats
+        s["new_slabs"] += p.fresh
+        s["joins_copied"] += sum(kv is not None for kv, _, _ in p.copies) if not p.fresh else 0
+        real = sum(int(r.mask.sum()) for r in p.requests)
+        cells = p.forward_rows * (p.cached + p.new)
+        s["peak_rows"] = max(s["peak_rows"], p.forward_rows)
+        if cells >= s["_peak_cells"]:
+            s["_peak_cells"] = cells
+            s["peak_padding"] = cells / max(real, 1)
+
+    # -- reporting -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters: ``steps``, ``merged_forwards``, ``requests_merged``, ``alone``, ``fallbacks``,
+        ``wakeups`` (callers woken: one per call); at the largest merged step ``peak_rows`` and
+        ``peak_padding`` (KV cells of the merged cache, holes and dead rows included, over real tokens);
+        ``peak_kv_bytes``: the largest slab's storage; ``p99_step_s``: the 99th percentile of a step's
+        time while several calls ran (the wait between two tokens of one call)."""
+        with self._cond:
+            out = {k: v for k, v in self._stats.items() if not k.startswith("_")}
+            steps = sorted(self._steps)
+            out["running_calls"], out["running_rows"] = len(self._running), self._rows
+        out["p99_step_s"] = steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else 0.0
+        out["p99_step_wait_s"] = out["p99_step_s"]  # (the name of earlier releases)
+        out["max_rows"] = self.max_rows
+        return out
+
+    def reset_stats(self) -> None:
+        with self._cond:
+            self._stats = {"steps": 0, "merged_forwards": 0, "requests_merged": 0, "alone": 0, "fallbacks": 0,
+                           "new_slabs": 0, "joins_copied": 0, "wakeups": 0, "peak_rows": 0, "peak_padding": 1.0,
+                           "peak_kv_bytes": 0, "_peak_cells": 0}
+            self._steps.clear()
+
