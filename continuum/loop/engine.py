@@ -244,12 +244,12 @@ class Engine:
     # -- one step ------------------------------------------------------------------------
     def _admit(self) -> tuple[list[Call], list[Request]]:
         """Take the inbox's calls that fit (``max_rows``) and every one-off request."""
+        chosen: list[Call | Request] = []
+        rest: list[Call | Request] = []
         with self._cond:
             if self._ranks is not None:
                 chosen = self._coordinated_admission()
             else:
-                chosen: list[Call | Request] = []
-                rest: list[Call | Request] = []
                 rows = self._rows
                 for item in self._inbox:
                     if isinstance(item, Call) and rows and rows + item.rows > self.max_rows:
