@@ -185,7 +185,9 @@ def from_dynamic_cache(cache) -> KV:
 
 def length(kv: KV | None) -> int:
     """Number of columns the cache covers."""
-    return 0 if kv is None else kv[0][0].shape[-2]
+    if kv is None:
+        return 0
+    return kv[0][0].shape[-2] if isinstance(kv, tuple) else kv.width  # (the engine's lazy slab views know theirs)
 
 
 def select_rows(kv: KV | None, rows: torch.Tensor) -> KV | None:

@@ -353,7 +353,7 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
     for r in range(R):  # rows still running when the steps ran out
         if rows.reason[r] is None:
             rows.end(r, exhausted)
-    kv = kvcache.crop(rows.kv, fed)
+    kv = kvcache.crop(tuple(rows.kv) if rows.kv is not None else None, fed)  # (the engine's lazy views made here)
     # a view of a merged batch's storage keeps its own copy when it holds a small part of it
     kv = kvcache.compact(kv) if slot_of(rows.kv) is not None else kvcache.shrink(kv)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],

@@ -349,14 +349,14 @@ class Engine:
                 continue
             try:
                 p = merge.plan(group, len(group[0].kv) if group[0].kv is not None else model._layers)
-                self._note(p)
                 results = merge.run_group(model, p)
             except Exception:  # noqa: BLE001  (the merged forward failed: run each alone, so an error reaches only its owner)
                 self._stats["fallbacks"] += 1
                 alone.extend(group)
                 continue
-            for r, res in zip(group, results):
-                r.result, r.error = res, None
+            self._note(p)
+            for r, (lg, kv) in zip(group, results):  # a one-off request's owner gets plain views (a loop: lazy ones)
+                r.result, r.error = (lg, kv if r.event is None else tuple(kv)), None
             self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], p.slab.nbytes())
             with model._count_lock:
                 model.tokens_computed += sum(r.ids.numel() for r in group)
@@ -375,11 +375,11 @@ class Engine:
         """Statistics of a planned merged forward: rows, padding (cells / real tokens), KV bytes."""
         s = self._stats
         s["new_slabs"] += p.fresh
-        s["joins_copied"] += sum(kv is not None for kv, _, _ in p.copies) if not p.fresh else 0
-        real = sum(int(r.mask.sum()) for r in p.requests)
+        s["joins_copied"] += sum(r.kv is not None for r in p.joiners) if not p.fresh else 0
         cells = p.forward_rows * (p.cached + p.new)
         s["peak_rows"] = max(s["peak_rows"], p.forward_rows)
-        if cells >= s["_peak_cells"]:
+        if cells >= s["_peak_cells"] and p.slab.mask is not None:
+            real = int(p.slab.mask[p.rows_index, :p.cached + p.new].sum())  # the live rows' real tokens
             s["_peak_cells"] = cells
             s["peak_padding"] = cells / max(real, 1)
 

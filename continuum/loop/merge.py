@@ -30,6 +30,7 @@ one forward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,11 +82,14 @@ class Request:
 
 
 class Slab:
-    """Merged KV storage (see the module docstring); allocated layer by layer on first use."""
+    """Merged KV storage (see the module docstring); allocated layer by layer on first use. ``mask``
+    is the merged attention mask of its rows, kept from step to step: a member's cached columns are
+    written once, when it joins, and each step adds only the new columns."""
 
     def __init__(self, layers: int, rows_cap: int, cols_cap: int):
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
+        self.mask: torch.Tensor | None = None
         self.rows_cap, self.cols_cap = rows_cap, cols_cap
         self.rows_used = 0  # rows [0, rows_used) have been handed out (live or dead); the rest never were
         self.end = 0  # columns [0, end) are written; the next step writes at end
@@ -94,10 +98,43 @@ class Slab:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
 
+class SlabView(Sequence):
+    """One request's KV in a slab, ``((keys, values), ...)`` like any cache, its per-layer views made on
+    first use: a running call hands it straight back to the next step, which needs only its slot
+    (no view is made per call per step). The slab's storage never moves and its written columns never
+    change (copy-on-write), so a view made late holds what one made at once would."""
+
+    __slots__ = ("_kv", "slot", "width")
+
+    def __init__(self, slot: tuple[Slab, int, int, int], width: int):
+        self.slot, self.width = slot, width  # (slab, first row, rows, first column), columns
+        self._kv: kvcache.KV | None = None
+
+    def materialize(self) -> kvcache.KV:
+        if self._kv is None:
+            slab, row, rows, start = self.slot
+            self._kv = tuple((K.narrow(0, row, rows).narrow(2, start, self.width),
+                              V.narrow(0, row, rows).narrow(2, start, self.width))
+                             for K, V in zip(slab.keys, slab.values) if K is not None and V is not None)
+            self._kv[0][0]._continuum_slot = self.slot  # type: ignore[attr-defined]
+        return self._kv
+
+    def __getitem__(self, i):
+        return self.materialize()[i]
+
+    def __len__(self) -> int:
+        return len(self.slot[0].keys)
+
+    def __iter__(self):
+        return iter(self.materialize())
+
+
 def slot_of(kv: kvcache.KV | None) -> tuple[Slab, int, int, int] | None:
     """``(slab, first row, row count, first column)`` when ``kv`` is a view a merged forward handed out."""
     if kv is None:
         return None
+    if isinstance(kv, SlabView):
+        return kv.slot
     return getattr(kv[0][0], "_continuum_slot", None)
 
 
@@ -113,10 +150,15 @@ class Plan:
     forward_rows: int  # rows [0, forward_rows) of the slab run (dead rows included)
     copies: list[tuple[kvcache.KV | None, int, int]] = field(default_factory=list)  # (newcomer's cache, first row, rows)
     fresh: bool = False  # a new slab (every row copied in, zero-filled where masked)
+    joiners: list[Request] = field(default_factory=list)  # requests whose cached mask the slab does not hold yet
+    rows_index: Any = None  # the slab row of every request row, in request order (set by merged_inputs)
 
 
 def _in_place(r: Request) -> tuple[Slab, int, int, int] | None:
     """The slot of ``r``'s cache when it is exactly a view a merged forward handed out, ending at its slab's end."""
+    if isinstance(r.kv, SlabView):  # handed out as it is: its slot is its layout
+        slab, row, rows, start = slot = r.kv.slot
+        return slot if rows == r.rows and slab.end == start + r.kv.width else None
     slot = slot_of(r.kv)
     if slot is None or r.kv is None:
         return None
@@ -165,7 +207,8 @@ def plan(requests: list[Request], layers: int) -> Plan:
                 first[id(r)] = row
                 copies.append((r.kv, row, r.rows))
                 row += r.rows
-            return Plan(slab, requests, [first[id(r)] for r in requests], slab.end, N, row if newcomers else top, copies)
+            return Plan(slab, requests, [first[id(r)] for r in requests], slab.end, N, row if newcomers else top, copies,
+                        joiners=newcomers)
     # a new slab: rows in request order, columns right-aligned at the longest cache
     C = max(r.cached for r in requests)
     rows = sum(r.rows for r in requests)
@@ -178,7 +221,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
         starts.append(row)
         fill.append((r.kv, row, r.rows))
         row += r.rows
-    return Plan(new, requests, starts, C, N, row, fill, fresh=True)
+    return Plan(new, requests, starts, C, N, row, fill, fresh=True, joiners=list(requests))
 
 
 def groups(requests: list[Request]) -> list[list[Request]]:
@@ -245,43 +288,61 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
 
     A request's cached columns end at C (masked holes before); its new columns end at C + N
     (fresh prefills shorter than N: masked holes before them). Dead rows attend only to their
-    own new column (never an all-masked row, whose softmax would be NaN).
+    own new column (never an all-masked row, whose softmax would be NaN). The mask is the slab's
+    own (kept between steps): only joiners' cached columns and every row's new columns are written,
+    the new columns of a stable cohort in one indexed copy.
     """
     R, C, N = p.forward_rows, p.cached, p.new
-    ids = torch.full((R, N), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((R, C + N), dtype=torch.long, device=device)
-    pos = torch.zeros((R, N), dtype=torch.long, device=device)
-    live = torch.zeros(R, dtype=torch.bool)
+    slab = p.slab
+    if slab.mask is None:
+        slab.mask = torch.zeros((slab.rows_cap, slab.cols_cap), dtype=p.requests[0].mask.dtype, device=device)
+    mask = slab.mask
+    joining = {id(r) for r in p.joiners}
+    for r, row in zip(p.requests, p.first_rows):  # joiners' cached columns, right-aligned at C
+        if id(r) in joining:
+            c = r.cached
+            mask[row:row + r.rows, :C - c] = 0
+            mask[row:row + r.rows, C - c:C] = r.mask[:, :c]
+    index: list[int] = []
     for r, row in zip(p.requests, p.first_rows):
-        n, c = r.new, r.cached
-        ids[row:row + r.rows, N - n:] = r.ids
-        mask[row:row + r.rows, C - c:C] = r.mask[:, :c]
-        mask[row:row + r.rows, C + N - n:] = r.mask[:, c:]
-        pos[row:row + r.rows, N - n:] = r.pos
-        live[row:row + r.rows] = True
-    dead = (~live).nonzero().flatten().to(device)
-    if dead.numel():
-        mask[dead, C + N - 1] = 1
-    return ids, mask, pos
+        index.extend(range(row, row + r.rows))
+    rows = torch.tensor(index, device=device)
+    mask[:R, C:C + N] = 0
+    ids = torch.full((R, N), pad_id, dtype=torch.long, device=device)
+    pos = torch.zeros((R, N), dtype=torch.long, device=device)
+    if all(r.new == N for r in p.requests):
+        ids[rows] = torch.cat([r.ids for r in p.requests])
+        pos[rows] = torch.cat([r.pos for r in p.requests])
+        mask[rows, C:C + N] = torch.cat([r.mask[:, r.cached:] for r in p.requests]).to(mask.dtype)
+    else:  # fresh prefills of several lengths, right-aligned
+        for r, row in zip(p.requests, p.first_rows):
+            n, c = r.new, r.cached
+            ids[row:row + r.rows, N - n:] = r.ids
+            mask[row:row + r.rows, C + N - n:C + N] = r.mask[:, c:]
+            pos[row:row + r.rows, N - n:] = r.pos
+    if len(index) < R:  # dead rows: their own new column only
+        live = torch.zeros(R, dtype=torch.bool, device=device)
+        live[rows] = True
+        mask[(~live).nonzero().flatten(), C + N - 1] = 1
+    p.rows_index = rows
+    return ids, mask[:R, :C + N], pos
 
 
-def split_outputs(p: Plan, logits: torch.Tensor | None, kv: kvcache.KV) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
-    """Each request's logits and its row-slice of the slab (views covering exactly its own columns)."""
+def split_outputs(p: Plan, logits: torch.Tensor | None) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
+    """Each request's logits and its row-slice of the slab (lazy views covering exactly its own columns)."""
     C, N = p.cached, p.new
     out = []
     for r, row in zip(p.requests, p.first_rows):
         width = r.cached + r.new
         start = C + N - width  # contiguous: a cached request has N new columns, a fresh one no cached ones
-        views = tuple((k.narrow(0, row, r.rows).narrow(2, start, width), v.narrow(0, row, r.rows).narrow(2, start, width))
-                      for k, v in kv)
-        views[0][0]._continuum_slot = (p.slab, row, r.rows, start)  # type: ignore[attr-defined]
+        view: Any = SlabView((p.slab, row, r.rows, start), width)
         if logits is None or r.logits == "none":
             lg = None
         elif r.logits == "last":
             lg = logits[row:row + r.rows, -1]
         else:
             lg = logits[row:row + r.rows, N - r.new:]
-        out.append((lg, views))
+        out.append((lg, view))
     return out
 
 
@@ -297,10 +358,7 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
         "none" if all(r.logits == "none" for r in p.requests) else "last")
     logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last")  # (rows, 1 or N, vocab)
     slab = p.slab
-    width = p.cached + p.new
-    kv = tuple((K[:p.forward_rows, :, :width], V[:p.forward_rows, :, :width])  # every layer was written by the forward
-               for K, V in zip(slab.keys, slab.values) if K is not None and V is not None)
     slab.rows_used = max(slab.rows_used, p.forward_rows)
     slab.end = p.cached + p.new
     p.copies = []
-    return split_outputs(p, None if want == "none" else logits, kv)
+    return split_outputs(p, None if want == "none" else logits)
