@@ -33,7 +33,7 @@ from ..healing import apply_heal_masks, heal
 from ..memory import check_rows_fit
 from ..models.tokenizer import check_encodable
 from ..parallel import check_seeded
-from ..samplers import Sampler
+from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState
 from ..text import token_char_spans
 from .fastforward import forced_runs, run_logprobs, step_marks
@@ -225,6 +225,9 @@ def _decode(
     eos, pad = tok.eos_token_ids | frozenset(extra_eos), tok.pad_token_id
     ff = fast_forward and guide is not None and rows.branch is None
     owner = threading.get_ident()  # the caller's thread: prefixes it registered as being computed (in-batch sharing)
+    last: list[Request | None] = [None]  # the last forward request: its logits are log-probs when it has a `top`
+    lists = guide is None and rows.branch is None and type(sampler) is GreedySampler  # common steps as lists
+    reals: list[int] | None = None  # real tokens per row before the current column (common steps)
 
     def forward(start: int, end: int, logits: str = "last"):
         """The model on columns [start, end): a request the engine runs in its next step (merged with
@@ -236,8 +239,23 @@ def _decode(
             pos = positions(mask)[:, start:]
         reserve = max(0, min(W + steps - end, kvcache.RESERVE_CAP))  # the columns still to come: KV storage allocated once
         if rows.branch is not None:  # guidance: runs both branches
+            last[0] = None
             return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
-        req = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve)
+        req = last[0] = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True)
+        yield req
+        return req.result
+
+    def column_forward(col: int, ids: list[int], pos: list[int]):
+        """:func:`forward` on the one column ``col`` in which every row is real, as lists (the engine's
+        common step: it builds the batch's tensors at once; ``source`` makes this call's if needed)."""
+        def source():
+            rows.flush()
+            mask = rows.mask[:, :col + 1]
+            return rows.ids[:, col:col + 1], mask, (mask.sum(1, keepdim=True) - 1).clamp(min=0)
+
+        reserve = max(0, min(W + steps - col - 1, kvcache.RESERVE_CAP))
+        req = last[0] = Request(None, None, None, rows.kv, "last", reserve, normalize=True,  # type: ignore[arg-type]
+                                column=(ids, pos), source=source)
         yield req
         return req.result
 
@@ -253,7 +271,31 @@ def _decode(
     fed = col = W
     while True:
         check_cancelled(rows.finished.count(False))  # Ctrl-C / a closed stream: stop between two forwards
-        logprobs = raw = torch.log_softmax(logits, dim=-1)
+        top = last[0].top if last[0] is not None else None
+        if lists and top is not None and not any(rows.finished) and eos.isdisjoint(top[0]) \
+                and all(h is None for h in rows.heal):  # the common step (greedy, no row ends on EOS): lists only
+            id_list, lp_list = top
+            for r, t in enumerate(id_list):
+                rows.accept(r, t)  # (no guide: always kept; a stop string may end the row after it)
+            rows.queue_column(id_list, lp_list)
+            for r, g in enumerate(rows.generated):
+                if not rows.finished[r] and (g >= steps or rows.room[r] <= 0):
+                    rows.end(r, exhausted if g >= steps else "context")
+            if track_text:  # (a stream's chunk)
+                yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None
+                           else None, False)
+            if all(rows.finished):
+                break
+            if reals is None:
+                rows.flush()
+                reals = rows.mask[:, :col].sum(1).tolist()
+            pos, reals = reals, [x + 1 for x in reals]
+            logits, rows.kv = yield from column_forward(col, id_list, pos)
+            col = fed = col + 1
+            continue
+        rows.flush()
+        reals = None
+        logprobs = raw = last[0].log_probs() if top is not None else torch.log_softmax(logits, dim=-1)  # type: ignore[union-attr]
         if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
             logprobs = rows.branch.guide(raw)
         healing = any(h is not None for h in rows.heal)
@@ -309,8 +351,9 @@ def _decode(
         for r, g in enumerate(rows.generated):
             if not rows.finished[r] and (g >= steps or rows.room[r] <= 0):  # max_tokens, or this row's context is full
                 rows.end(r, exhausted if g >= steps else "context")
-        yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None else None,
-                   reordered)
+        if track_text:  # (a stream's chunk)
+            yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None
+                       else None, reordered)
         if all(rows.finished):
             if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
                 out, rows.kv = yield from forward(col, col + width - 1, logits="all")
@@ -349,6 +392,7 @@ def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -
 def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,
             exhausted: str) -> SequenceState:
     """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
+    rows.flush()
     R, tok = rows.ids.shape[0], state._model.tokenizer
     for r in range(R):  # rows still running when the steps ran out
         if rows.reason[r] is None:

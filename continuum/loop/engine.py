@@ -359,15 +359,19 @@ class Engine:
                 r.result, r.error = (lg, kv if r.event is None else tuple(kv)), None
             self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], p.slab.nbytes())
             with model._count_lock:
-                model.tokens_computed += sum(r.ids.numel() for r in group)
+                model.tokens_computed += sum(r.rows * r.new for r in group)
             self._stats["merged_forwards"] += 1
             self._stats["requests_merged"] += len(group)
         for r in alone:
             self._stats["alone"] += 1
             try:
-                r.result = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
-                                                allowed=r.allowed)
-                r.error = None
+                r.materialize()
+                lg, kv = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
+                                              allowed=r.allowed)
+                if r.normalize and r.logits == "last":
+                    lp, best, top = merge.normalized(lg)
+                    r.logprobs, r.top, lg = (lp, 0), (top, best), None
+                r.result, r.error = (lg, kv), None
             except Exception as exc:  # noqa: BLE001  (handed to the request's owner, raised there)
                 r.error = exc
 

@@ -45,7 +45,7 @@ _MAX_DEAD = 0.25  # dead rows allowed in a reused slab, as a fraction of the liv
 _PREFILL_PAD = 1.5  # fresh prefills of different lengths share a forward while padded cells <= this x real ones
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One call's forward: the arguments of ``Transformers.forward`` and, once run, its result."""
 
@@ -59,17 +59,32 @@ class Request:
     allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
     key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
     event: Any = None  # a one-off request's owner waits on it (continuum.loop.engine)
+    normalize: bool = False  # a decoding step: hand back log-probs (log-softmax over the group at once) and `top`
+    column: tuple[list[int], list[int]] | None = None  # a decode step as lists: each row's new token and its position
+    source: Any = None  # with `column`: makes ids, mask, pos as tensors, when a layout needs them (materialize)
     result: Any = None
+    top: tuple[list[int], list[float]] | None = None  # with normalize: each row's most likely token and its log-prob
     error: BaseException | None = None
     done: bool = False
 
-    @property
-    def rows(self) -> int:
-        return self.ids.shape[0]
+    rows: int = field(init=False)
+    new: int = field(init=False)
+    logprobs: Any = None  # with normalize: (the group's log-probs, first row), sliced on demand (log_probs())
 
-    @property
-    def new(self) -> int:
-        return self.ids.shape[1]
+    def __post_init__(self) -> None:
+        self.rows = len(self.column[0]) if self.column is not None else self.ids.shape[0]
+        self.new = 1 if self.column is not None else self.ids.shape[1]
+
+    def log_probs(self) -> torch.Tensor:
+        """The log-probs of each row's last column (a normalized request's result holds no logits)."""
+        lp, row = self.logprobs
+        return lp[row:row + self.rows]
+
+    def materialize(self) -> Request:
+        """Give a list-form decode step (``column``) its tensors, the ones it stands for."""
+        if self.column is not None and self.ids is None:
+            self.ids, self.mask, self.pos = self.source()
+        return self
 
     @property
     def cached(self) -> int:
@@ -78,7 +93,7 @@ class Request:
     @property
     def mergeable(self) -> bool:
         """2-D masks only (a token tree, ``allowed``, runs alone)."""
-        return self.allowed is None and self.mask.dim() == 2 and self.ids.dim() == 2
+        return self.column is not None or (self.allowed is None and self.mask.dim() == 2 and self.ids.dim() == 2)
 
 
 class Slab:
@@ -176,31 +191,33 @@ def _in_place(r: Request) -> tuple[Slab, int, int, int] | None:
 def plan(requests: list[Request], layers: int) -> Plan:
     """Lay out one group (same new width, or all fresh): reuse the slab most of them are in, or a new one."""
     N = max(r.new for r in requests)
+    slots = [_in_place(r) for r in requests]
     best: dict[int, tuple[Slab, int]] = {}
-    for r in requests:
-        slot = _in_place(r)
+    for r, slot in zip(requests, slots):
         if slot is not None:
             s, rows = best.get(id(slot[0]), (slot[0], 0))
             best[id(slot[0])] = (s, rows + r.rows)
     slab = max(best.values(), key=lambda x: x[1])[0] if best else None
     if slab is not None:
-        taken: set[int] = set()
+        taken = bytearray(slab.rows_cap)  # rows already claimed (two requests may hold views of the same rows)
+        first: dict[int, int] = {}
         members, newcomers = [], []
-        for r in requests:
-            slot = _in_place(r)
-            if slot is not None and slot[0] is slab and not taken.intersection(range(slot[1], slot[1] + r.rows)):
-                taken.update(range(slot[1], slot[1] + r.rows))
+        top = 0
+        for r, slot in zip(requests, slots):
+            if slot is not None and slot[0] is slab and not any(taken[slot[1]:slot[1] + r.rows]):
+                taken[slot[1]:slot[1] + r.rows] = b"\1" * r.rows
                 members.append(r)
+                first[id(r)] = slot[1]
+                top = max(top, slot[1] + r.rows)
             else:
                 newcomers.append(r)
         live = sum(r.rows for r in requests)
         joining = sum(r.rows for r in newcomers)
         # rows of departed calls after the last member's are left out of the forward when nobody joins
-        top = slab.rows_used if newcomers else max((_in_place(r)[1] + r.rows for r in members), default=0)  # type: ignore[index]
+        top = slab.rows_used if newcomers else top
         dead = top - sum(r.rows for r in members)
         if (all(r.cached <= slab.end for r in newcomers) and slab.rows_used + joining <= slab.rows_cap
                 and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and min(r.new for r in requests) == N):
-            first = {id(r): _in_place(r)[1] for r in members}  # type: ignore[index]  # (members are in place)
             copies = []
             row = slab.rows_used
             for r in newcomers:
@@ -295,9 +312,11 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
     R, C, N = p.forward_rows, p.cached, p.new
     slab = p.slab
     if slab.mask is None:
-        slab.mask = torch.zeros((slab.rows_cap, slab.cols_cap), dtype=p.requests[0].mask.dtype, device=device)
+        slab.mask = torch.zeros((slab.rows_cap, slab.cols_cap), dtype=torch.long, device=device)
     mask = slab.mask
     joining = {id(r) for r in p.joiners}
+    for r in p.joiners:
+        r.materialize()
     for r, row in zip(p.requests, p.first_rows):  # joiners' cached columns, right-aligned at C
         if id(r) in joining:
             c = r.cached
@@ -310,12 +329,24 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
     mask[:R, C:C + N] = 0
     ids = torch.full((R, N), pad_id, dtype=torch.long, device=device)
     pos = torch.zeros((R, N), dtype=torch.long, device=device)
-    if all(r.new == N for r in p.requests):
+    if all(r.column is not None and r.ids is None for r in p.requests):  # a stable cohort of decode steps: lists
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        for r in p.requests:
+            flat_ids += r.column[0]  # type: ignore[index]
+            flat_pos += r.column[1]  # type: ignore[index]
+        ids[rows, 0] = torch.tensor(flat_ids, device=device)
+        pos[rows, 0] = torch.tensor(flat_pos, device=device)
+        mask[rows, C] = 1
+    elif all(r.new == N for r in p.requests):
+        for r in p.requests:
+            r.materialize()
         ids[rows] = torch.cat([r.ids for r in p.requests])
         pos[rows] = torch.cat([r.pos for r in p.requests])
         mask[rows, C:C + N] = torch.cat([r.mask[:, r.cached:] for r in p.requests]).to(mask.dtype)
     else:  # fresh prefills of several lengths, right-aligned
         for r, row in zip(p.requests, p.first_rows):
+            r.materialize()
             n, c = r.new, r.cached
             ids[row:row + r.rows, N - n:] = r.ids
             mask[row:row + r.rows, C + N - n:C + N] = r.mask[:, c:]
@@ -325,7 +356,7 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
         live[rows] = True
         mask[(~live).nonzero().flatten(), C + N - 1] = 1
     p.rows_index = rows
-    return ids, mask[:R, :C + N], pos
+    return ids, mask[:R, :C + N].contiguous(), pos
 
 
 def split_outputs(p: Plan, logits: torch.Tensor | None) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
@@ -336,14 +367,27 @@ def split_outputs(p: Plan, logits: torch.Tensor | None) -> list[tuple[torch.Tens
         width = r.cached + r.new
         start = C + N - width  # contiguous: a cached request has N new columns, a fresh one no cached ones
         view: Any = SlabView((p.slab, row, r.rows, start), width)
-        if logits is None or r.logits == "none":
-            lg = None
+        if logits is None or r.logits == "none" or (r.normalize and r.logits == "last"):
+            lg = None  # (a normalized request reads its log-probs, log_probs(), only if it needs the tensor)
         elif r.logits == "last":
             lg = logits[row:row + r.rows, -1]
         else:
             lg = logits[row:row + r.rows, N - r.new:]
         out.append((lg, view))
+    if logits is not None and any(r.normalize and r.logits == "last" for r in p.requests):
+        lp, best, top = normalized(logits[:, -1])  # once for the whole group
+        for r, row in zip(p.requests, p.first_rows):
+            if r.normalize and r.logits == "last":
+                r.logprobs = (lp, row)
+                r.top = (top[row:row + r.rows], best[row:row + r.rows])
     return out
+
+
+def normalized(logits: torch.Tensor) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Log-softmax of ``(rows, vocab)`` logits, and each row's best log-prob and token (as lists)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    best, top = lp.max(dim=-1)
+    return lp, best.tolist(), top.tolist()
 
 
 def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:

@@ -35,6 +35,7 @@ class Rows:
         self.lp = torch.full((R, L + capacity), float("nan"), dtype=torch.float32, device=dev)
         self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
         self.width = L
+        self.queued: list[tuple[list[int], list[float]]] = []  # decode columns not yet in the tensors (flush)
         self.kv = state._kv
         self.weights = state._weights.detach().to("cpu", torch.float32).clone()  # per-row sums live on the CPU
         self.scores = self.weights.to(dev)  # what beam search ranks by, next to the logits
@@ -65,6 +66,27 @@ class Rows:
         real = state._real_rows() if track_text else None
         self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if real is not None else None
 
+    def queue_column(self, ids: list[int], lps: list[float]) -> None:
+        """Append a decode column in which every row is real (the engine's common step), as lists: written
+        into the tensors by :meth:`flush`, once, when something reads them."""
+        self.queued.append((ids, lps))
+        self.width += 1
+
+    def flush(self) -> None:
+        """Write the queued columns into ``ids``, ``mask``, ``lp`` and ``weights``."""
+        if not self.queued:
+            return
+        k, dev = len(self.queued), self.ids.device
+        start = self.width - k
+        self.ensure(self.width)
+        ids = torch.tensor([c[0] for c in self.queued], dtype=torch.long).T
+        lps = torch.tensor([c[1] for c in self.queued], dtype=torch.float32).T
+        self.queued = []
+        self.ids[:, start:self.width] = ids.to(dev)
+        self.mask[:, start:self.width] = 1
+        self.lp[:, start:self.width] = lps.to(dev)
+        self.weights += lps.sum(1)
+
     def end(self, r: int, reason: str) -> None:
         """Finish row ``r`` for ``reason``; a row cut just as its constraint completed counts as "pattern"."""
         gs = self.guide_states[r] if self.guide_states is not None else None
@@ -72,6 +94,7 @@ class Rows:
         self.finished[r], self.reason[r] = True, "pattern" if done else reason
 
     def reorder(self, ancestors: torch.Tensor) -> None:
+        self.flush()
         idx = ancestors.tolist()
         a = ancestors.to(self.ids.device)
         self.ids, self.mask, self.lp = self.ids.index_select(0, a), self.mask.index_select(0, a), self.lp.index_select(0, a)
