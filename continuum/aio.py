@@ -1,8 +1,8 @@
 """asyncio for generators and chats: ``await g.acall(...)``, ``async for text in g.astream(...)``.
 
 A generator call is a blocking decoding loop; here it runs on one of continuum's shared worker threads
-(a bounded pool of :data:`ASYNC_WORKERS`), so the event loop stays free and concurrent ``acall``\\ s
-(``asyncio.gather``) are concurrent loops whose forwards the model's scheduler merges. A stream runs
+(a bounded pool of :data:`ASYNC_WORKERS`; a worker waiting on the engine holds no CPU), so the event loop stays free and concurrent ``acall``\\ s
+(``asyncio.gather``) are calls the model's engine runs in one step. A stream runs
 on a worker too and hands its chunks to the event loop through a queue.
 
 Cancellation is cooperative (:mod:`continuum.cancel`): cancelling the awaiting task, or closing an
@@ -22,7 +22,7 @@ from .cancel import Cancelled, CancelToken, bound, current
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
 
-ASYNC_WORKERS = 64
+ASYNC_WORKERS = 256
 """The most ``acall``/``astream`` calls running at once (more wait for a free worker; set before the first call)."""
 
 _executor: ThreadPoolExecutor | None = None

@@ -1,0 +1,135 @@
+"""Benchmark B22: one engine loop per model (issue 29), on a model whose forward costs almost nothing.
+
+stories260K (the fixture: a real 5-layer Llama, 512-token vocabulary) makes the runtime's own cost per
+step show: every figure is a ratio against a baseline measured in the same run (paired repetitions,
+rotated order, median ratio):
+
+* B22a N one-call programs (32 new greedy tokens) under ``run_batch`` vs ONE list call of the same
+  prompts (target >= 0.8x) and vs transformers' ``generate_batch`` (>= 1.5x), N = 32 and 128; the
+  microseconds per row per step of ``run_batch`` at N = 1, 8, 32, 128 in the notes (they should fall
+  as N rises: the step is shared);
+* B22b a 3-call chain per input (text, then a choice, then a regex, on the state) under ``run_batch``
+  vs the same chain as three lockstep list calls over all inputs (>= 0.8x), N = 32 and 128;
+* B22c 128 ``acall``\\ s under ``asyncio.gather`` vs B22a's ``run_batch`` at 128 (>= 0.9x: within 10%).
+
+Skipped cleanly (a note, no row) when the fixture is absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+
+import continuum
+from continuum import continuous, generate, samplers
+
+from .common import FIXTURES, Bench, Row, load_bench, log, make_text
+from .programs_bench import _compare, _hf_generate_batch, _reps, _rows, _size
+
+__all__ = ["b22", "ENGINE_SCENARIOS"]
+
+STORIES = FIXTURES / "models" / "stories260K"
+OPTIONS = ["happy", "sad", "angry"]
+
+
+def _bench(bench: Bench) -> Bench | None:
+    """The stories260K bench (B22 is about a cheap forward), or None when the fixture is absent."""
+    if not (STORIES / "config.json").exists():
+        return None
+    if STORIES.name in bench.name:
+        return bench
+    return load_bench(str(STORIES))
+
+
+def _prompts(tok, n: int) -> list[str]:
+    return [make_text(tok, 12 + (i * 7) % 13, offset=31 * i) for i in range(n)]
+
+
+def _per_row_step(bench: Bench, ns: list[int], new: int, reps: int) -> list[str]:
+    """run_batch's microseconds per row per step at each N (median of ``reps``)."""
+    gen = generate.text(bench.model, samplers.greedy())
+    out = []
+    for n in ns:
+        prompts = _prompts(bench.tok, n)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            continuum.run_batch(lambda p: gen(p, max_tokens=new), prompts, concurrency=n)
+            times.append(time.perf_counter() - t0)
+        us = statistics.median(times) / (n * new) * 1e6
+        out.append(f"N={n}: {us:.0f} us/row/step ({n * new / statistics.median(times):.0f} tok/s)")
+    return out
+
+
+def b22(bench: Bench, cfg) -> list[Row]:
+    quick = getattr(cfg, "quick", False)
+    sb = _bench(bench)
+    if sb is None:
+        log(f"B22: skipped, no stories260K at {STORIES}")
+        return []
+    model, new, reps = sb.model, _size(cfg, 32, 8, "b22_new"), _reps(cfg)
+    sizes = [int(x) for x in getattr(cfg, "b22_sizes", (8, 16) if quick else (32, 128))]
+    gen = generate.text(model, samplers.greedy())
+    text = continuous(generate.text(model, samplers.greedy()))
+    choose = continuous(generate.choice(model, OPTIONS, samplers.greedy()))
+    number = continuous(generate.regex(model, r"[0-9]{2}", samplers.greedy()))
+    gen("Once upon a time", max_tokens=2)
+    rows: list[Row] = []
+    notes = [f"model: {sb.name}", "run_batch " + "; ".join(_per_row_step(sb, [1, 8] + sizes, new, 1 if quick else 3))]
+    for n in sizes:
+        prompts = _prompts(sb.tok, n)
+        log(f"B22a: {n} one-call programs, {new} new tokens")
+        variants: dict[str, Callable[[], object]] = {
+            "list call": lambda: gen(prompts, max_tokens=new) and n * new,
+            "run_batch": lambda: continuum.run_batch(lambda p: gen(p, max_tokens=new), prompts, concurrency=n) and n * new,
+        }
+        hf = _hf_generate_batch(sb, prompts, new, quick) if getattr(cfg, "b15_hf", True) else "turned off"
+        extra = list(notes) if n == sizes[0] else []
+        if callable(hf):
+            variants["generate_batch"] = hf
+        else:
+            extra.append(f"HF generate_batch skipped: {hf or 'not available'}")
+        calls = _compare(sb, variants, reps)
+        rows += _rows(f"B22a-{n}", f"{n} one-call programs (stories260K)", n, calls,
+                      {"list call": 0.8, "generate_batch": 1.5},
+                      {"list call": "one list call", "generate_batch": "HF generate_batch"}, extra)
+        if n == max(sizes):
+            rb128 = statistics.median(c.seconds for c in calls["run_batch"])
+
+        def chain(inputs):  # one input, or all of them (lockstep): text, then a choice, then a regex
+            s = text(inputs, max_tokens=8)
+            s = choose(s + "\nMood:", max_tokens=4)
+            return number(s + "\nAge:", max_tokens=4).value
+
+        log(f"B22b: 3-call chain x{n}")
+        chain(prompts[0])
+        calls = _compare(sb, {
+            "lockstep": lambda: chain(prompts) and n * 12,
+            "run_batch": lambda: continuum.run_batch(chain, prompts, concurrency=n) and n * 12,
+        }, reps)
+        rows += _rows(f"B22b-{n}", f"3-call chain x{n} (text, choice, regex)", n, calls, {"lockstep": 0.8},
+                      {"lockstep": "three lockstep list calls"}, [])
+    n = max(sizes)
+    prompts = _prompts(sb.tok, n)
+
+    async def gathered():
+        return await asyncio.gather(*(gen.acall(p, max_tokens=new) for p in prompts))
+
+    log(f"B22c: {n} acalls under asyncio.gather")
+    calls = _compare(sb, {
+        "run_batch": lambda: continuum.run_batch(lambda p: gen(p, max_tokens=new), prompts, concurrency=n) and n * new,
+        "acall": lambda: asyncio.run(gathered()) and n * new,
+    }, reps)
+    ratio = statistics.median(r.seconds / a.seconds for r, a in zip(calls["run_batch"], calls["acall"]))
+    rows.append(Row(id=f"B22c-{n}", title=f"{n} acalls under asyncio.gather vs run_batch", baseline="run_batch (B22a)",
+                    figure=ratio, op=">=", threshold=0.9, unit="x tokens/s",
+                    base_s=statistics.median(c.seconds for c in calls["run_batch"]),
+                    cont_s=statistics.median(c.seconds for c in calls["acall"]), reps=len(calls["acall"]),
+                    notes=[f"run_batch at {n} measured twice: {rb128:.3f}s (B22a), "
+                           f"{statistics.median(c.seconds for c in calls['run_batch']):.3f}s (here)"]))
+    return rows
+
+
+ENGINE_SCENARIOS = {"B22": b22}
