@@ -1,9 +1,9 @@
 """asyncio for generators and chats: ``await g.acall(...)``, ``async for text in g.astream(...)``.
 
-A generator call is a blocking decoding loop; here it runs on one of continuum's shared worker threads
-(a bounded pool of :data:`ASYNC_WORKERS`; a worker waiting on the engine holds no CPU), so the event loop stays free and concurrent ``acall``\\ s
-(``asyncio.gather``) are calls the model's engine runs in one step. A stream runs
-on a worker too and hands its chunks to the event loop through a queue.
+A generator call is a blocking call; here it runs on one of continuum's shared worker threads (a bounded
+pool of :data:`ASYNC_WORKERS`; a worker waiting for the engine holds no CPU), so the event loop stays free
+and concurrent ``acall``\\ s (``asyncio.gather``) are calls the model's engine runs in one step. A stream
+runs on a worker too and hands its chunks to the event loop through a queue.
 
 Cancellation is cooperative (:mod:`continuum.cancel`): cancelling the awaiting task, or closing an
 async stream (``break`` out of ``async for``, ``aclose()``), stops the call at its next decoding step.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -375,7 +376,7 @@ class ChatStream:
     def __init__(self, turn: _Turn, steps):
         self._turn, self._steps, self._chat = turn, steps, None
         self._beams = turn.generator.sampler.is_beam_search
-        self._iter = self._run()
+        self._iter = type(self)._run(weakref.proxy(self))  # (no cycle: dropping the stream closes its loop at once)
 
     def __iter__(self) -> Iterator:
         return self

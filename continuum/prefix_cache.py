@@ -386,6 +386,7 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
                          batch=state.batch, samples=state.samples, last=state._last)
 
 
+@torch.inference_mode()  # (blocks are written in place: always under inference mode, whoever calls)
 def remember(model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV, owner: int | None = None) -> None:
     """Add the full blocks of every row that a prefill just computed (``kv`` covers the first
     ``length(kv)`` columns of ``ids``/``mask``); calls waiting for these prefixes find them now

@@ -189,3 +189,27 @@ def test_seeded_multinomial_calls_draw_what_they_draw_alone(gpt2_model, n):
     together = concurrently([lambda i=i, p=p: gen(p, max_tokens=8, rng=torch.Generator().manual_seed(i))
                              for i, p in enumerate(prompts)])
     assert together == solo
+
+
+def test_concurrent_choices_share_their_token_tree_forward(model):
+    """Choice scoring's token trees of concurrent calls run in one forward (same tree width), choices and
+    weights as alone."""
+    choose = continuous(generate.choice(model, ["red", "green", "blue", "dark red"], samplers.greedy()))
+    prompts = _prompts(8)
+    states = [continuous(generate.text(model, samplers.greedy()))(p, max_tokens=3) for p in prompts]
+    solo = [comparable(choose(s + " Colour:")) for s in states]
+    trees = []
+    real_run = model._run
+
+    def spy(ids, mask, pos, past, logits, allowed=None):
+        if allowed is not None:
+            trees.append(ids.shape[0])
+        return real_run(ids, mask, pos, past, logits, allowed)
+
+    model._run = spy
+    try:
+        together = concurrently([lambda s=s: comparable(choose(s + " Colour:")) for s in states])
+    finally:
+        del model._run
+    assert together == solo
+    assert sum(trees) >= len(states) and len(trees) < len(states)  # some trees shared a forward

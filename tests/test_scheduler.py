@@ -256,3 +256,4 @@ def test_programs_with_chained_calls_join_and_leave_at_every_step(model):
     assert together == solo
     stats = model.scheduler.stats()
     assert stats["merged_forwards"] > 0 and stats["fallbacks"] == 0
+

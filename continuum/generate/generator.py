@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ class Stream:
         self._steps, self._shape, self._beams, self._finalize = steps, shape, beams, finalize
         self._state: SequenceState | None = None
         self._emitted: list[str] | None = None
-        self._iter = self._run()
+        self._iter = Stream._run(weakref.proxy(self))  # (no cycle: dropping the stream closes its loop at once)
         self._busy = threading.Lock()
 
     def __iter__(self) -> Stream:

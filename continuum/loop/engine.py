@@ -44,6 +44,8 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+import torch
+
 from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
@@ -158,12 +160,12 @@ class Engine:
 
     # -- one-off forwards --------------------------------------------------------------------
     def forward(self, ids, mask, pos, kv, logits: str, reserve: int, allowed=None):
-        """``model.forward`` outside a running loop's step: alone while the engine is idle (or when the
-        driver makes it, inside a step), else merged into the engine's next step."""
+        """``model.forward`` outside a running loop's step: merged into the engine's next step (this thread
+        runs that step when nobody else drives: a lone one costs one forward); at once when the driver
+        itself makes it, inside a step."""
         me = threading.get_ident()
         with self._cond:
-            alone = self._driver == me or (self._ranks is None and self._driver is None and not self._running
-                                           and not self._inbox)
+            alone = self._driver == me
             if not alone:
                 req = Request(ids, mask, pos, kv, logits, reserve, me, allowed=allowed)
                 req.key = next_key() if self._ranks is not None else None
@@ -289,6 +291,7 @@ class Engine:
         self._inbox = [x for x in self._inbox if x.key not in wanted]
         return [by_key[k] for k in keys]
 
+    @torch.inference_mode()  # (the loops' tensors and the merged forwards: no autograd, as in model.forward)
     def _step(self) -> None:
         """One step of every running call: admit, one merged forward, every loop to its next request."""
         t0 = time.perf_counter()

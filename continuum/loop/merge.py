@@ -92,8 +92,9 @@ class Request:
 
     @property
     def mergeable(self) -> bool:
-        """2-D masks only (a token tree, ``allowed``, runs alone)."""
-        return self.column is not None or (self.allowed is None and self.mask.dim() == 2 and self.ids.dim() == 2)
+        """2-D masks (token trees, ``allowed``, merge with token trees of the same width)."""
+        return self.column is not None or (self.mask.dim() == 2 and self.ids.dim() == 2
+                                           and (self.allowed is None or self.allowed.dim() == 3))
 
 
 class Slab:
@@ -167,6 +168,7 @@ class Plan:
     fresh: bool = False  # a new slab (every row copied in, zero-filled where masked)
     joiners: list[Request] = field(default_factory=list)  # requests whose cached mask the slab does not hold yet
     rows_index: Any = None  # the slab row of every request row, in request order (set by merged_inputs)
+    allowed: Any = None  # token trees: the merged explicit attention (set by merged_inputs)
 
 
 def _in_place(r: Request) -> tuple[Slab, int, int, int] | None:
@@ -244,7 +246,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
 def groups(requests: list[Request]) -> list[list[Request]]:
     """Requests that share a forward: fresh prefills by similar length, cached ones by equal new width."""
     out: list[list[Request]] = []
-    fresh = sorted((r for r in requests if r.kv is None and r.logits != "all"), key=lambda r: -r.new)
+    fresh = sorted((r for r in requests if r.kv is None and r.logits != "all" and r.allowed is None), key=lambda r: -r.new)
     group: list[Request] = []
     real = 0
     for r in fresh:
@@ -256,10 +258,10 @@ def groups(requests: list[Request]) -> list[list[Request]]:
         real += r.rows * r.new
     if group:
         out.append(group)
-    by_width: dict[int, list[Request]] = {}
+    by_width: dict[tuple[int, bool], list[Request]] = {}  # token trees merge with token trees
     for r in requests:
-        if r.kv is not None or r.logits == "all":
-            by_width.setdefault(r.new, []).append(r)
+        if r.kv is not None or r.logits == "all" or r.allowed is not None:
+            by_width.setdefault((r.new, r.allowed is not None), []).append(r)
     return out + list(by_width.values())
 
 
@@ -351,11 +353,23 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
             ids[row:row + r.rows, N - n:] = r.ids
             mask[row:row + r.rows, C + N - n:C + N] = r.mask[:, c:]
             pos[row:row + r.rows, N - n:] = r.pos
+    dead = None
     if len(index) < R:  # dead rows: their own new column only
         live = torch.zeros(R, dtype=torch.bool, device=device)
         live[rows] = True
-        mask[(~live).nonzero().flatten(), C + N - 1] = 1
+        dead = (~live).nonzero().flatten()
+        mask[dead, C + N - 1] = 1
     p.rows_index = rows
+    if any(r.allowed is not None for r in p.requests):  # token trees: each row's explicit attention, laid out likewise
+        allowed = torch.zeros((R, N, C + N), dtype=torch.bool, device=device)
+        for r, row in zip(p.requests, p.first_rows):
+            c = r.cached
+            if r.allowed is not None:  # (groups hold token trees only, or none)
+                allowed[row:row + r.rows, :, C - c:C] = r.allowed[:, :, :c]
+                allowed[row:row + r.rows, :, C:] = r.allowed[:, :, c:]
+        if dead is not None:
+            allowed[dead, torch.arange(N, device=device)[:, None], C + torch.arange(N, device=device)[:, None]] = True
+        p.allowed = allowed
     return ids, mask[:R, :C + N].contiguous(), pos
 
 
@@ -400,7 +414,7 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     ids, mask, pos = merged_inputs(p, model.device, model.tokenizer.pad_token_id)
     want = "all" if any(r.logits == "all" for r in p.requests) else (
         "none" if all(r.logits == "none" for r in p.requests) else "last")
-    logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last")  # (rows, 1 or N, vocab)
+    logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last", p.allowed)  # (rows, 1 or N, vocab)
     slab = p.slab
     slab.rows_used = max(slab.rows_used, p.forward_rows)
     slab.end = p.cached + p.new
