@@ -10,10 +10,10 @@
 
 A program is any Python function of one input that calls continuum generators (plain, continuous,
 chats) and branches on their outputs. Each instance runs on a worker thread; the decoding loops of the
-instances are merged into shared forwards by the model's scheduler (see ``docs/scheduler.md``), so the
-program is written for one input and runs batched. Ctrl-C (``KeyboardInterrupt`` in the calling thread)
-cancels every instance at its next decoding step (:mod:`continuum.cancel`) and re-raises once they
-have all left the model. See ``docs/concurrency.md``.
+instances are run by the model's engine, one step for all of them (see ``docs/scheduler.md``), so the
+program is written for one input and runs batched (a waiting instance holds no CPU). Ctrl-C
+(``KeyboardInterrupt`` in the calling thread) cancels every instance at its next decoding step
+(:mod:`continuum.cancel`) and re-raises once they have all left the model. See ``docs/concurrency.md``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ SERIAL_UNDER_TORCHRUN = False
 """Under torchrun (a process group of several ranks), run the instances one at a time, in input order.
 
 Every rank must run the same forwards in the same order (tensor parallelism exchanges activations at
-every layer), and threads reach the model in a different order on each rank. The scheduler decides
-every merged forward on rank 0 and broadcasts it (:mod:`continuum.loop.ranks`), keyed by each
+every layer), and threads reach the model in a different order on each rank. The engine decides
+which calls join every step on rank 0 and broadcasts it (:mod:`continuum.loop.ranks`), keyed by each
 instance's ``call_key`` (set here, per input index), so concurrent instances are safe there: this
 switch (off) only forces the one-at-a-time fallback, e.g. to rule the coordination out while debugging."""
 

@@ -1,4 +1,4 @@
-"""Concurrent calls on one model share forwards (continuum/loop/scheduler.py) and give the results of solo runs.
+"""Concurrent calls on one model share forwards (continuum/loop/engine.py) and give the results of solo runs.
 
 Every job runs alone first (the reference), then all jobs at once, one thread each, started behind a
 barrier. Results must be equal: same texts and token ids, weights within 1e-4 (a merged forward sums

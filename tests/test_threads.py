@@ -3,7 +3,7 @@
 Every job runs twice: sequentially, then all at once from a thread pool started behind a barrier
 (so the calls overlap). Results must be equal, and ``model.tokens_computed`` must grow by exactly
 what the sequential runs added. ``forward_calls`` may grow less: concurrent calls share forwards
-(continuum/loop/scheduler.py), never more.
+(continuum/loop/engine.py), never more.
 """
 
 from __future__ import annotations
