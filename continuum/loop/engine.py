@@ -294,6 +294,7 @@ class Engine:
     @torch.inference_mode()  # (the loops' tensors and the merged forwards: no autograd, as in model.forward)
     def _step(self) -> None:
         """One step of every running call: admit, one merged forward, every loop to its next request."""
+        time.sleep(0)  # hand the GIL to callers between steps: threads setting up a call join this step, not a later one
         t0 = time.perf_counter()
         _, oneoff = self._admit()
         running = list(self._running)
