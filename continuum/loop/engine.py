@@ -38,9 +38,11 @@ keys; the other ranks admit exactly those, in that order, so every rank runs the
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -57,6 +59,14 @@ __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
 DEFAULT_MAX_ROWS = 256
 END = object()  # the last item a stream's queue receives
+
+
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
+
+
+def _stop_all() -> None:
+    for engine in list(_ENGINES):
+        engine._stop()
 
 
 class Call:
@@ -92,6 +102,7 @@ class Engine:
         self._rows = 0
         self._driver: int | None = None  # the thread running steps
         self._thread: threading.Thread | None = None
+        self._closing = False
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
         self._stats: dict[str, Any] = {}
         self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
@@ -202,9 +213,22 @@ class Engine:
         if more:
             self._wake()
 
+    def _stop(self) -> None:
+        """At interpreter exit: let the engine's thread finish its step and leave (a daemon thread killed
+        inside a torch op aborts the process)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+
     def _wake(self) -> None:
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
+                if not _ENGINES:
+                    atexit.register(_stop_all)
+                _ENGINES.add(self)
                 self._thread = threading.Thread(target=self._serve, name="continuum-engine", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
@@ -215,6 +239,8 @@ class Engine:
         while True:
             with self._cond:
                 while not (self._has_work() and self._driver is None):
+                    if self._closing:
+                        return
                     self._cond.wait()
                 self._driver = me
             try:
