@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import torch
 
-from continuum import continuous, generate, models, samplers
+from continuum import SequenceState, continuous, generate, models, samplers
 from continuum.errors import ReasoningError
 
 from conftest import fixture_path, tiny_llama
@@ -180,7 +180,7 @@ def test_a_prompt_opening_the_thought_continues_inside_it(think_model):
     assert ids.index(ids_of(model, "</think>")) <= 7 and re.fullmatch(REGEX, state.value)
 
 
-def test_continuing_a_thinking_state_thinks_again_and_slicing_keeps_the_thought(think_model):
+def test_continuing_a_thinking_state_thinks_again_and_slicing_keeps_the_thought(think_model, tmp_path):
     model = think_model
     gen = continuous(generate.json(model, SCHEMA, samplers.multinomial(2), reasoning=True, thinking_budget=10))
     first = gen(qwen3_prompt(model, "One."), max_tokens=40, rng=torch.Generator().manual_seed(2))
@@ -195,6 +195,9 @@ def test_continuing_a_thinking_state_thinks_again_and_slicing_keeps_the_thought(
     assert again._cached_real()[0] >= len(row._real_rows()[0][0]) - 1  # the first turn's cache was reused
     more = continuous(generate.text(model, samplers.greedy()))(again[0, 0, :] + " ok", max_tokens=2)  # added text
     assert more.reasoning == "" and list(more)[0].startswith(list(again)[0] + " ok")
+    row.save(tmp_path / "s.safetensors")  # a saved state keeps its thought
+    back = SequenceState.load(tmp_path / "s.safetensors", model)
+    assert back.reasoning == row.reasoning and back.value == row.value
     with pytest.raises(ReasoningError, match="separate calls"):  # one prompt opened, one not: two phases
         gen([qwen3_prompt(model, "a"), qwen3_prompt(model, "b") + "<think>\n"], max_tokens=40)
 
