@@ -131,3 +131,13 @@ def test_responses_reasoning_item_comes_before_the_message(client):
     r2 = client.responses.create(**{**kw, "reasoning": {"effort": "low"}, "previous_response_id": r.id, "input": "Again?"})
     assert [o.type for o in r2.output] == ["reasoning", "message"]
     assert r2.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def test_reasoning_on_a_tokenizer_without_markers_fails_at_start(bpe_tokenizer):
+    from continuum.errors import ReasoningError
+    from continuum.serve.engine import Engine
+
+    model = models.Transformers(tiny_llama(len(bpe_tokenizer), bos=0, eos=0), bpe_tokenizer)
+    with pytest.raises(ReasoningError, match="no '<think>'/'</think>' tokens"):
+        Engine(model, reasoning=True)
+    Engine(model)  # (off: nothing is checked)

@@ -91,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
                          max_string_length=args.max_string_length, reasoning=args.reasoning)
+    from ..errors import ReasoningError
     from .store import StoreLockedError
 
     try:
         app = create_app(model, config)
-    except StoreLockedError as exc:
+    except (StoreLockedError, ReasoningError) as exc:
         print(f"continuum serve: {exc}", file=sys.stderr)
         return 2
     if not args.api_keys:

@@ -33,7 +33,7 @@ from .. import generate, samplers
 from ..chat import Chat
 from ..chatreasoning import template_kwargs_for
 from ..generate import Generator
-from ..reasoning import MIN_ANSWER_TOKENS, reasoning_tokens
+from ..reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
 from ..samplers import Sampler
 from ..state import SequenceState
 from .messages import new_id, template_message, tool_call_schema
@@ -158,6 +158,8 @@ class Engine:
                  reasoning: bool = False):
         self.model, self.template, self.max_string_length = model, template, max_string_length
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
+        if reasoning:  # the markers must exist: fail at start, not on every request
+            resolve_markers(model.tokenizer, True)
         self._generators: OrderedDict[tuple, Generator] = OrderedDict()
         self._lock = threading.Lock()
         self._trigger: str | None = None
