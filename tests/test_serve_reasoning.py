@@ -141,3 +141,20 @@ def test_reasoning_on_a_tokenizer_without_markers_fails_at_start(bpe_tokenizer):
     with pytest.raises(ReasoningError, match="no '<think>'/'</think>' tokens"):
         Engine(model, reasoning=True)
     Engine(model)  # (off: nothing is checked)
+
+
+def test_a_text_end_marker_split_across_chunks_never_leaks(bpe_tokenizer):
+    from continuum.guides.reasoning import ANSWER, THINK, ReasoningGuide
+    from continuum.reasoning import resolve_markers
+    from continuum.serve.reasoning import Splitter
+
+    model = models.Transformers(tiny_llama(len(bpe_tokenizer), bos=0, eos=0), bpe_tokenizer)
+    markers = resolve_markers(model.tokenizer, ("[T]", "[/T]"))
+    split = Splitter(ReasoningGuide(None, markers, 8, initial=(THINK, 0)), model.tokenizer)
+    steps = [("\nab", THINK), ("c\n[", THINK), ("/", THINK), ("T]\n\nan", ANSWER), ("s", ANSWER)]
+    thought, answer = "", ""
+    for chunk, phase in steps:
+        delta, answer = split.feed(chunk, phase)
+        thought += delta
+        assert "[" not in thought and "[" not in answer
+    assert (thought, answer) == ("abc", "ans")
