@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ContinuumTypeError
+from .errors import ContinuumTypeError, ReasoningError
 
 __all__ = ["template_kwargs_for", "history_for", "reply_generator", "with_thoughts", "check_chat_reasoning"]
 
@@ -64,6 +64,11 @@ def history_for(messages: Sequence[dict], markers: tuple[str, str] | None) -> li
 def reply_generator(generator, default: Any, reasoning: Any, thinking_budget: int | None, default_budget: int | None):
     """The generator a reply runs: ``generator`` with the reply's settings, else the chat's, else its own."""
     want = default if reasoning is None else reasoning
+    if want is None and generator.markers is not None:
+        want = generator.reasoning  # (the generator's own thought; a reply's budget still applies)
+    if not want and thinking_budget is not None:
+        raise ReasoningError("thinking_budget needs reasoning: pass reasoning=True to the reply (or the Chat, or the "
+                             "generator)")
     if want is None:
         return generator
     if not want:

@@ -89,6 +89,11 @@ def _find_last(ids: Sequence[int], marker: tuple[int, ...]) -> int:
     return -1
 
 
+def _find_first(ids: Sequence[int], marker: tuple[int, ...]) -> int:
+    n = len(marker)
+    return next((i for i in range(len(ids) - n + 1) if tuple(ids[i:i + n]) == marker), -1)
+
+
 def initial_phase(markers: Markers, ids: Sequence[int], decode) -> tuple[str, int]:
     """Where a row starts: inside an open thought, after a closed one, or before it (forced open)."""
     s, e = _find_last(ids, markers.start), _find_last(ids, markers.end)
@@ -154,7 +159,9 @@ def annotate(out, markers: Markers, guide: ReasoningGuide, text_kind: bool):
             cut -= 1
         chars = _Chars(tok, ids)
         gen_from = next((i for i in range(cut, len(ids)) if chars(i) >= begin), len(ids))
-        e = _find_last(ids[gen_from:], markers.end)
+        # the thought's end: the first marker of the step (a free answer may write one again); none when the
+        # prompt had closed the thought
+        e = _find_first(ids[gen_from:], markers.end) if guide.initial[0] in (OPEN, THINK) else -1
         s = _find_last(ids[gen_from:e + gen_from if e >= 0 else len(ids)], markers.start)
         if s >= 0:
             first = gen_from + s + len(markers.start) + len(markers.open_sep)

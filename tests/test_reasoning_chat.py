@@ -98,3 +98,7 @@ def test_a_reply_can_think_in_a_chat_that_does_not_by_default(think_char_model):
     assert c.finish_reason == ["thinking_budget", "thinking_budget"] or "length" in c.finish_reason
     with pytest.raises(ReasoningError, match="thinking_budget must be"):
         chat.reply(generate.text(model), reasoning=True, thinking_budget=-1)
+    with pytest.raises(ReasoningError, match="needs reasoning"):  # nothing asked for a thought
+        chat.reply(generate.text(model), thinking_budget=4)
+    own = chat.reply(generate.text(model, samplers.greedy(), reasoning=True), max_tokens=30, thinking_budget=3)
+    assert len(own.messages[-1]["reasoning_content"]) <= 4  # the generator thinks; the reply's budget applies

@@ -65,10 +65,12 @@ def ask(client, stream=False, **kw):
     return client.chat.completions.create(**{**base, **kw}, extra_body=extra, stream=stream)
 
 
-def streamed(chunks) -> tuple[str, str, list]:
+def streamed(chunks, index: int = 0) -> tuple[str, str, list]:
     thought, content, calls = "", "", []
     for ch in chunks:
         for c in ch.choices:
+            if c.index != index:
+                continue
             d = c.delta
             thought += (d.model_extra or {}).get("reasoning_content") or ""
             content += d.content or ""
@@ -158,3 +160,12 @@ def test_a_text_end_marker_split_across_chunks_never_leaks(bpe_tokenizer):
         thought += delta
         assert "[" not in thought and "[" not in answer
     assert (thought, answer) == ("abc", "ans")
+
+
+def test_sampled_choices_stream_the_same_reasoning_and_content(client):
+    kw = {"temperature": 1.0, "seed": 11, "n": 2, "max_tokens": 48}
+    r = ask(client, **kw)
+    chunks = list(ask(client, stream=True, **kw))
+    for i, choice in enumerate(r.choices):
+        thought, content, _ = streamed(chunks, i)
+        assert (thought, content) == (choice.message.model_extra["reasoning_content"], choice.message.content)
