@@ -25,7 +25,8 @@ from .errors import ReasoningError
 from .guides.reasoning import ANSWER, OPEN, SEP, THINK, Markers, ReasoningGuide
 
 __all__ = ["Markers", "resolve_markers", "check_reasoning", "plan_budget", "reasoning_guide", "annotate",
-           "MIN_ANSWER_TOKENS", "thought_texts", "reasoning_tokens", "step_texts"]
+           "MIN_ANSWER_TOKENS", "thought_texts", "reasoning_tokens", "step_texts", "Steps",
+           "think_then"]
 
 #: The room ``max_tokens`` must leave after a thought's budget and its markers (an explicit budget
 #: larger than ``max_tokens - overhead - MIN_ANSWER_TOKENS`` is refused).
@@ -225,44 +226,71 @@ def reasoning_tokens(state) -> list[int]:
     return [t[3] for t in last.thoughts] if last.thoughts is not None else [0] * state.rows
 
 
-def think_then_choose(gen, state, max_tokens, stop_at, rng, track_text: bool, extra_eos):
-    """Choice by scoring with reasoning: decode the thought (the row stops where the answer starts),
-    then score the options after it (:func:`continuum.scoring.choose`); one state, one last step."""
+class Steps:
+    """A reasoning call's steps (an iterator of loop ``Step``s returning the final state), with the
+    reasoning guide: ``phases()`` says where each row is now (a server splits its stream with it)."""
+
+    def __init__(self, steps, guide: ReasoningGuide, finish=None):
+        self._steps, self.guide, self._finish = steps, guide, finish
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._steps)
+        except StopIteration as done:
+            value = done.value if self._finish is None else self._finish(done.value)
+            raise StopIteration(value) from None
+
+    def close(self) -> None:
+        self._steps.close()
+
+    def phases(self) -> list[str | None]:
+        return self.guide.phases()
+
+
+def think_then(gen, state, max_tokens, rng, track_text: bool, extra_eos, answer) -> Steps:
+    """Decode the thought alone (the row stops where the answer starts), then ``answer(state, max_tokens
+    left)``'s steps after it: choice by scoring, and a ``stop_at`` that must apply to the answer only.
+    One state, one last step (the answer's, with the thought's spans)."""
     from .loop.decoding import Step, decode
-    from .scoring import choose
     from .state import LastStep, SequenceState
 
     guide = reasoning_guide(state, None, gen.markers, gen.thinking_budget, max_tokens, extra_eos, stop_after=True)
 
     def run():
-        out = yield from decode(state, gen.sampler, guide=guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
-                                kind="choice", track_text=track_text, guidance=gen.guidance,
+        out = yield from decode(state, gen.sampler, guide=guide, max_tokens=max_tokens, rng=rng, kind=gen.kind,
+                                parse=gen.parse, track_text=track_text, guidance=gen.guidance,
                                 fast_forward=gen.fast_forward, extra_eos=extra_eos)
         thought = annotate(out, gen.markers, guide, False)
         t_last, t_real = thought._last_step(), thought._real_rows()
-        if not all(t_last.complete):  # the thought never closed: no option can be scored after it
+        if not all(t_last.complete):  # a thought that never closed: no answer after it
             return thought
+        left = None if max_tokens is None else max(0, max_tokens - max(reasoning_tokens(thought)))
         prefix = [t[a[0]:] for t, a in zip(thought.texts, t_last.thoughts or ())]
-        steps = choose(thought, gen.options, gen.sampler, method=gen.method, rng=rng, guidance=gen.guidance)
+        steps = answer(thought, left)
         while True:
             try:
                 step = next(steps)
             except StopIteration as done:
-                chosen = done.value
+                final = done.value
                 break
             yield Step([p + t for p, t in zip(prefix, step.texts)] if step.texts and len(step.texts) == len(prefix)
                        else step.texts, step.reordered)
-        last = chosen._last_step()
-        src = [max(range(len(t_real)), key=lambda i: (_prefix_of(t_real[i][0], ids), -i)) for ids, _ in chosen._real_rows()]
-        budget_cut = ["thinking_budget" if (t_last.finish or ())[i] == "thinking_budget" else None for i in src]
-        finish = tuple(b or f for b, f in zip(budget_cut, last.finish or ("pattern",) * chosen.rows))
-        new = LastStep(kind="choice", starts=last.starts, ends=last.ends, complete=last.complete, parse=last.parse,
-                       max_tokens=max_tokens, finish=finish, thoughts=tuple(t_last.thoughts[i] for i in src)
-                       if t_last.thoughts is not None else None)
-        return SequenceState(model=chosen._model, ids=chosen._ids, mask=chosen._mask, logprobs=chosen._logprobs,
-                             weights=chosen._weights, kv=chosen._kv, batch=chosen.batch, samples=chosen.samples, last=new)
+        last = final._last_step()
+        src = [max(range(len(t_real)), key=lambda i: (_prefix_of(t_real[i][0], ids), -i)) for ids, _ in final._real_rows()]
+        cut = [(t_last.finish or ())[i] == "thinking_budget" for i in src]
+        finish = tuple("thinking_budget" if c and f in ("pattern", "eos") else f
+                       for c, f in zip(cut, last.finish or ("pattern",) * final.rows))
+        spans = t_last.thoughts or ((0, 0, 0, 0),) * len(t_real)
+        new = LastStep(kind=last.kind, starts=last.starts, ends=last.ends, complete=last.complete, parse=last.parse,
+                       max_tokens=max_tokens, guide_key=last.guide_key, guide_states=last.guide_states, finish=finish,
+                       thoughts=tuple((spans[i][0], spans[i][1], spans[i][2], spans[i][3]) for i in src))
+        return SequenceState(model=final._model, ids=final._ids, mask=final._mask, logprobs=final._logprobs,
+                             weights=final._weights, kv=final._kv, batch=final.batch, samples=final.samples, last=new)
 
-    return run()
+    return Steps(run(), guide)
 
 
 def _prefix_of(prefix: Sequence[int], ids: Sequence[int]) -> int:

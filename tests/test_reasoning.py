@@ -226,3 +226,18 @@ def test_text_with_reasoning_streams_the_thought_then_the_answer(think_model):
     assert stream.result == state.value and stream.state.reasoning == state.reasoning
     assert "".join(chunks).endswith(state.value) and state.reasoning in "".join(chunks)
     check_thought(model, state, 0, 8)
+
+
+def test_stop_strings_apply_to_the_answer_only(think_model):
+    model = think_model
+    gen = continuous(generate.text(model, samplers.multinomial(6), reasoning=True, thinking_budget=12))
+    prompt = qwen3_prompt(model, "Stop?")
+    free = gen(prompt, max_tokens=40, rng=torch.Generator().manual_seed(5))
+    cut = gen(prompt, max_tokens=40, stop_at="e", rng=torch.Generator().manual_seed(5))
+    assert cut.reasoning == free.reasoning  # the same thoughts: a stop string never cuts one
+    assert any("e" in t for t in cut.reasoning)  # (and some thought holds the stop string)
+    for r, (value, reason) in enumerate(zip(cut.value, cut.finish_reasons[0])):
+        ids = cut._real_rows()[r][0]  # (a stop cut re-encodes the last token: count the markers on the whole row)
+        assert ids.count(ids_of(model, "</think>")) == 1 and ids.count(ids_of(model, "<think>")) == 1
+        assert "e" not in value[:-1] and (reason != "stop" or value.endswith("e"))
+        assert free.value[r].startswith(value) or reason != "stop"

@@ -13,9 +13,9 @@ from ..aio import AsyncStream, to_thread
 from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
 from ..guidance import Guidance
 from ..guides import Guide
-from ..guides.reasoning import Markers, ReasoningGuide
+from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
-from ..reasoning import annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts
+from ..reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
 
@@ -158,10 +158,16 @@ class Generator:
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
         if self.markers is not None:  # think first: the constraint wrapped (guides.reasoning), the result split
             guide = reasoning_guide(state, self.guide, self.markers, self.thinking_budget, max_tokens, extra_eos)
-            steps = decode(state, self.sampler, guide=guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
+            if stop_at is not None and guide.initial[0] in (OPEN, THINK):  # stop strings: in the answer only
+                return think_then(self, state, max_tokens, rng, track_text, extra_eos, lambda st, left: decode(
+                    st, self.sampler, guide=self.guide, max_tokens=left, stop_at=stop_at, rng=rng, kind=self.kind,
+                    parse=self.parse, track_text=track_text, guidance=self.guidance, fast_forward=self.fast_forward,
+                    extra_eos=extra_eos))
+            steps = decode(state, self.sampler, guide=guide, max_tokens=max_tokens, rng=rng,
                            kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
                            fast_forward=self.fast_forward, extra_eos=extra_eos)
-            return _ReasoningSteps(steps, self.markers, guide, self.guide is None)
+            markers, text_kind = self.markers, self.guide is None
+            return Steps(steps, guide, lambda out: annotate(out, markers, guide, text_kind))
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
                       kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
                       fast_forward=self.fast_forward, token_healing=self.token_healing, extra_eos=extra_eos)
@@ -227,29 +233,6 @@ class Generator:
         return AsyncStream(self.stream(prompts, max_tokens, stop_at, rng))
 
 
-class _ReasoningSteps:
-    """The loop's steps with reasoning: its final state split into thought and answer (``annotate``);
-    ``phases()`` says where each row is now (a server splits its stream with it)."""
-
-    def __init__(self, steps, markers: Markers, guide: ReasoningGuide, text_kind: bool):
-        self._steps, self._markers, self.guide, self._text = steps, markers, guide, text_kind
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Step:
-        try:
-            return next(self._steps)
-        except StopIteration as done:
-            raise StopIteration(annotate(done.value, self._markers, self.guide, self._text)) from None
-
-    def close(self) -> None:
-        self._steps.close()
-
-    def phases(self) -> list[str | None]:
-        return self.guide.phases()
-
-
 class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
@@ -267,8 +250,7 @@ class ChoiceGenerator(Generator):
 
         check_rng(rng)
         if self.markers is not None:  # decode the thought first, then score the options after it
-            from ..reasoning import think_then_choose
-
-            return think_then_choose(self, state, max_tokens, stop_at, rng, track_text, extra_eos)
+            return think_then(self, state, max_tokens, rng, track_text, extra_eos, lambda st, left: choose(
+                st, self.options, self.sampler, method=self.method, rng=rng, guidance=self.guidance))
         return choose(state, self.options, self.sampler, method=self.method, rng=rng, guidance=self.guidance,
                       token_healing=self.token_healing)
