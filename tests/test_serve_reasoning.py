@@ -169,3 +169,14 @@ def test_sampled_choices_stream_the_same_reasoning_and_content(client):
     for i, choice in enumerate(r.choices):
         thought, content, _ = streamed(chunks, i)
         assert (thought, content) == (choice.message.model_extra["reasoning_content"], choice.message.content)
+
+
+def test_stop_sequences_cut_the_answer_not_the_thought(client):
+    kw = {"stop": ["e", "a"], "max_tokens": 48}
+    r = ask(client, **kw)
+    free = ask(client, max_tokens=48)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == free.choices[0].message.model_extra["reasoning_content"]
+    assert "e" not in msg.content and "a" not in msg.content and free.choices[0].message.content.startswith(msg.content)
+    s_thought, s_content, _ = streamed(ask(client, stream=True, **kw))
+    assert (s_thought, s_content) == (msg.model_extra["reasoning_content"], msg.content)
