@@ -26,6 +26,9 @@ class Renderer:
     template: str | None
     tools: list | None
     template_kwargs: dict
+    reasoning: Any = None  # the chat's default for replies (continuum.chatreasoning)
+    keep_reasoning: bool = False
+    thinking_budget: int | None = None
     _end: tuple[frozenset, tuple[str, ...]] | None = field(default=None, repr=False)
 
     @property
@@ -36,6 +39,11 @@ class Renderer:
         """``apply_chat_template`` of ``messages``: a prompt for a reply (``generation=True``:
         generation prompt, or continuing a final assistant message) or the history as it stands."""
         cont = generation and bool(messages) and messages[-1]["role"] == "assistant"
+        if self.keep_reasoning:  # earlier thoughts written into the history (continuum.chatreasoning)
+            from .chatreasoning import history_for
+
+            r = self.reasoning
+            messages = history_for(messages, tuple(r) if isinstance(r, (tuple, list)) else ("<think>", "</think>"))
         try:
             return self.hf.apply_chat_template(
                 [dict(m) for m in messages], tools=self.tools, chat_template=self.template,

@@ -32,6 +32,7 @@ __all__ = [
     "GuideLimitError",
     "UnencodableTextError",
     "ProgramError",
+    "ReasoningError",
 ]
 
 
@@ -196,3 +197,9 @@ class ProgramError(ContinuumError, RuntimeError):
         super().__init__(message)
         self.results = results if results is not None else []
         self.errors = errors if errors is not None else {}
+
+
+class ReasoningError(GeneratorArgumentError):
+    """A reasoning option that cannot work: markers the tokenizer cannot find, a ``thinking_budget``
+    that leaves the answer no room in ``max_tokens``, an option combined with one it excludes. The
+    message says what to pass instead (see docs/reasoning.md)."""

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import string
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,44 @@ def chars_key(state, sl, full_form: bool = False):
     if state.batch == 1 or state.samples == 1:
         return (slice(None), sl)
     return (slice(None), slice(None), sl)
+
+
+# ---------------------------------------------------------------- reasoning (issue 30)
+THINK_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def think_tokenizer(merges: bool = True):
+    """A byte-level BPE with ``<think>``/``</think>`` (and ChatML's markers) as special tokens. ``merges=False``:
+    one token per ASCII character, so any text has ONE tokenization (a random model's text re-renders exactly)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tmodels
+
+    tok = Tokenizer(tmodels.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if merges:
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=THINK_SPECIAL, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(CORPUS, trainer)
+    else:
+        trainer = trainers.BpeTrainer(vocab_size=1, special_tokens=THINK_SPECIAL, show_progress=False)
+        tok.train_from_iterator([t for t in CORPUS if t.isascii()] + [string.printable], trainer)
+    return _wrap(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=THINK_SPECIAL[1:])
+
+
+def think_llama(merges: bool = True, max_positions: int = 1024):
+    from continuum import models
+
+    tok = think_tokenizer(merges)
+    return models.Transformers(_sharpen(tiny_llama(len(tok), bos=0, eos=2, max_positions=max_positions)), tok)
+
+
+@pytest.fixture(scope="session")
+def think_model():
+    return think_llama()
+
+
+@pytest.fixture(scope="session")
+def think_char_model():
+    """One token per character: a random model's replies re-render to the same tokens (chat reuse is exact)."""
+    return think_llama(merges=False, max_positions=4096)

@@ -40,6 +40,18 @@ _GUIDANCE_DOC = """
         guidance_rescale: blend back ``r * cond + (1 - r) * guided``, in [0, 1].
         cfg_mode: ``"batched"`` (both branches in one forward, 2x rows) or ``"sequential"``
             (two forwards per step, less peak memory). Same results.
+
+    Reasoning (every generator; see docs/reasoning.md):
+        reasoning: False (default); True: the model first writes a free thought between the
+            tokenizer's ``<think>``/``</think>`` tokens (no mask: the sampler's own distribution),
+            then the constraint applies from the token after the end marker; or the marker pair
+            ``("<think>", "</think>")`` for a tokenizer without such tokens. A prompt that already
+            closed the thought gets the constraint from token 0. ``state.value`` is the answer,
+            ``state.reasoning`` the thought.
+        thinking_budget: at most this many thought tokens, then the end marker (and the
+            template's newlines) is forced; ``finish_reason`` reads ``"thinking_budget"``.
+            ``max_tokens`` counts thought, markers and answer: a budget that leaves the answer
+            fewer than 8 tokens raises ``ReasoningError``.
 """
 
 
@@ -52,7 +64,8 @@ def _check_model(model) -> None:
 
 def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0,
          negative_prompt: NegativePrompt = None,
-         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
+         thinking_budget: int | None = None) -> Generator:
     """Free text. Returns the continuation only (not the prompt).
 
     Example:
@@ -63,13 +76,14 @@ def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, 
     _check_model(model)
     return Generator(model, sampler, kind="text",
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
-                     token_healing=token_healing)
+                     token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget)
 
 
 def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str = "auto",
           fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
           negative_prompt: NegativePrompt = None,
-         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
+         thinking_budget: int | None = None) -> Generator:
     """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
 
     ``backend``: ``"auto"``/``"outlines"`` compile the pattern to an outlines-core index (its
@@ -91,13 +105,15 @@ def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str =
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
     return Generator(model, sampler, guide, kind="regex", description=repr(pattern),
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
-                     fast_forward=fast_forward, token_healing=token_healing)
+                     fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
+                     thinking_budget=thinking_budget)
 
 
 def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, method: str = "exact",
            backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
            negative_prompt: NegativePrompt = None,
-           guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+           guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
+         thinking_budget: int | None = None) -> Generator:
     """One of ``choices``.
 
     Args:
@@ -142,15 +158,17 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
     if method == "greedy":
         return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
                          description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward,
-                         token_healing=token_healing)
-    return ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance, token_healing=token_healing)
+                         token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget)
+    return ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance, token_healing=token_healing,
+                           reasoning=reasoning, thinking_budget=thinking_budget)
 
 
 def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_pattern: str | None = r"[ ]?",
          backend: str = "auto", max_string_length: int | None = None, additional_properties: bool = False,
          on_unsupported: str = "approximate", max_items: int | None = None, fast_forward: bool = True,
          token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
-         guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+         guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
+         thinking_budget: int | None = None) -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
     The schema is normalised first (``prepare_json_schema``: references inlined, keywords the
@@ -205,7 +223,8 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
                                on_unsupported=on_unsupported, max_items=max_items)
     gen = Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
-                    fast_forward=fast_forward, token_healing=token_healing)
+                    fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
+                    thinking_budget=thinking_budget)
     gen.exact = prepared.exact
     gen.not_enforced = tuple(map(str, (*prepared.approximated, *prepared.engine_ignored)))
     return gen
@@ -214,7 +233,8 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
 def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "lark", backend: str = "auto",
         fast_forward: bool = True, token_healing: bool = False,
         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
-        guidance_rescale: float = 0.0, cfg_mode: str = "batched") -> Generator:
+        guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
+         thinking_budget: int | None = None) -> Generator:
     r"""Text generated by a context-free ``grammar``; returns the text.
 
     Args:
@@ -241,7 +261,8 @@ def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "l
     guide = grammar_for(model.tokenizer, grammar, syntax, backend)
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
-                     fast_forward=fast_forward, token_healing=token_healing)
+                     fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
+                     thinking_budget=thinking_budget)
 
 
 for _f in (text, regex, choice, json, cfg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -10,10 +11,12 @@ from typing import Any
 import torch
 
 from ..aio import AsyncStream, to_thread
-from ..errors import ContinuumTypeError, GeneratorArgumentError
+from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
 from ..guidance import Guidance
 from ..guides import Guide
+from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
+from ..reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
 
@@ -67,7 +70,7 @@ class Stream:
             self._emitted = step.texts
             if any(chunks):
                 yield self._shape(chunks)
-        final = self._state.last_text
+        final = _streamed(self._state)
         flat = final if isinstance(final, list) else [final]
         if flat and isinstance(flat[0], list):
             flat = [x for row in flat for x in row]
@@ -89,6 +92,11 @@ class Stream:
         return self._finalize(self.state)
 
 
+def _streamed(state: SequenceState):
+    """The text a stream of the last step emits, shaped like ``last_text`` (with reasoning: thought and answer)."""
+    return state._shape_output(step_texts(state))
+
+
 class Generator:
     """A reusable generator: ``gen(prompts, max_tokens=None, stop_at=None, rng=None)``.
 
@@ -103,10 +111,12 @@ class Generator:
 
     exact: bool = True
     not_enforced: tuple = ()
+    markers: Markers | None = None  # reasoning markers (continuum.reasoning), None when off
 
     def __init__(self, model, sampler: Sampler | None = None, guide: Guide | None = None, *, kind: str = "text",
                  parse: Callable[[str], Any] | None = None, description: str = "", guidance: Guidance | None = None,
-                 fast_forward: bool = True, token_healing: bool = False):
+                 fast_forward: bool = True, token_healing: bool = False, reasoning: Any = False,
+                 thinking_budget: int | None = None):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
@@ -119,6 +129,25 @@ class Generator:
         if not isinstance(token_healing, bool):
             raise GeneratorArgumentError(f"token_healing must be True or False, got {token_healing!r}")
         self.fast_forward, self.token_healing = fast_forward, token_healing
+        self._set_reasoning(reasoning, thinking_budget)
+
+    def _set_reasoning(self, reasoning: Any, thinking_budget: int | None) -> None:
+        check_reasoning(reasoning, thinking_budget)
+        if reasoning and self.token_healing:
+            raise ReasoningError("token_healing does not combine with reasoning (the first token opens the thought): "
+                                 "drop one of them")
+        self.reasoning, self.thinking_budget = reasoning or False, thinking_budget
+        self.markers = resolve_markers(self.model.tokenizer, reasoning)
+
+    def with_reasoning(self, reasoning: Any = True, thinking_budget: int | None = None) -> Generator:
+        """A copy of this generator that thinks first (``reasoning=False``: one that does not); see docs/reasoning.md.
+
+        Example:
+            >>> gen.with_reasoning(True, thinking_budget=32)("Q: ...", max_tokens=96)   # doctest: +SKIP
+        """
+        out = copy.copy(self)
+        out._set_reasoning(reasoning, thinking_budget)
+        return out
 
     def __repr__(self) -> str:
         what = f", {self.description}" if self.description else ""
@@ -128,6 +157,18 @@ class Generator:
 
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
+        if self.markers is not None:  # think first: the constraint wrapped (guides.reasoning), the result split
+            guide = reasoning_guide(state, self.guide, self.markers, self.thinking_budget, max_tokens, extra_eos)
+            if stop_at is not None and guide.initial[0] in (OPEN, THINK):  # stop strings: in the answer only
+                return think_then(self, state, max_tokens, rng, track_text, extra_eos, lambda st, left: decode(
+                    st, self.sampler, guide=self.guide, max_tokens=left, stop_at=stop_at, rng=rng, kind=self.kind,
+                    parse=self.parse, track_text=track_text, guidance=self.guidance, fast_forward=self.fast_forward,
+                    extra_eos=extra_eos))
+            steps = decode(state, self.sampler, guide=guide, max_tokens=max_tokens, rng=rng,
+                           kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
+                           fast_forward=self.fast_forward, extra_eos=extra_eos)
+            markers, text_kind = self.markers, self.guide is None
+            return Steps(steps, guide, lambda out: annotate(out, markers, guide, text_kind))
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
                       kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
                       fast_forward=self.fast_forward, token_healing=self.token_healing, extra_eos=extra_eos)
@@ -197,8 +238,10 @@ class ChoiceGenerator(Generator):
     """``generate.choice`` with ``method="exact"`` or ``"mean"``: options scored in one forward pass."""
 
     def __init__(self, model, options: list[str], sampler: Sampler | None = None, *, method: str = "exact",
-                 guidance: Guidance | None = None, token_healing: bool = False):
-        super().__init__(model, sampler, kind="choice", description=repr(options), guidance=guidance, token_healing=token_healing)
+                 guidance: Guidance | None = None, token_healing: bool = False, reasoning: Any = False,
+                 thinking_budget: int | None = None):
+        super().__init__(model, sampler, kind="choice", description=repr(options), guidance=guidance,
+                         token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget)
         self.options, self.method = options, method
 
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
@@ -207,5 +250,8 @@ class ChoiceGenerator(Generator):
         from ..scoring import choose
 
         check_rng(rng)
+        if self.markers is not None:  # decode the thought first, then score the options after it
+            return think_then(self, state, max_tokens, rng, track_text, extra_eos, lambda st, left: choose(
+                st, self.options, self.sampler, method=self.method, rng=rng, guidance=self.guidance))
         return choose(state, self.options, self.sampler, method=self.method, rng=rng, guidance=self.guidance,
                       token_healing=self.token_healing)

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception
 from .messages import chat_messages, new_id
+from .reasoning import plan_reasoning
 from .schemas import ChatCompletionRequest
 from .sse import DONE, ThreadStream, sse
 
@@ -83,7 +84,8 @@ def logprob_entries(engine, row) -> list[dict]:
 def _usage(reply: Reply) -> dict:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
             "total_tokens": reply.prompt_tokens + reply.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": reply.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": sum(r.reasoning_tokens for r in reply.rows)}}
 
 
 def _tool_calls(row) -> list[dict]:
@@ -98,6 +100,8 @@ def _body(ctx, req: ChatCompletionRequest, cid: str, created: int, reply: Reply)
                                    "refusal": None}
         if row.tool_calls:
             message["tool_calls"] = _tool_calls(row)
+        if row.reasoning is not None:  # (vLLM's and DeepSeek's field)
+            message["reasoning_content"] = row.reasoning
         lps = {"content": logprob_entries(ctx.engine, row), "refusal": None} if req.logprobs else None
         choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": row.finish_reason})
     return {"id": cid, "object": "chat.completion", "created": created, "model": ctx.config.served_model_name,
@@ -110,6 +114,10 @@ def register(app: FastAPI, ctx) -> None:
         ctx.owner(request)
         ctx.check_model(req.model)
         plan = _plan(req)
+        enable = (req.chat_template_kwargs or {}).get("enable_thinking")
+        plan.reasoning, plan.thinking_budget = plan_reasoning(ctx.engine.reasoning, enable if isinstance(enable, bool) else None,
+                                                              req.reasoning_effort, req.thinking_budget)
+        plan.soft_budget = req.thinking_budget is None
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -121,7 +129,7 @@ def register(app: FastAPI, ctx) -> None:
 
         def build():
             check_plan(ctx, plan)
-            return ctx.engine.chat(messages, tools)
+            return ctx.engine.chat(messages, tools, template_kwargs=req.chat_template_kwargs, reasoning=plan.reasoning)
 
         chat = await ctx.run(build)
         if not req.stream:
@@ -129,7 +137,8 @@ def register(app: FastAPI, ctx) -> None:
             return _body(ctx, req, cid, created, reply)
 
         def work(emit, cancelled):
-            return ctx.engine.reply(chat, plan, sampling, on_delta=lambda r, t: emit((r, t)), cancelled=cancelled)
+            return ctx.engine.reply(chat, plan, sampling, on_delta=lambda r, t: emit((r, t)), cancelled=cancelled,
+                                    on_reasoning=lambda r, t: emit((r, t, "reasoning")))
 
         stream = ThreadStream(work)
         first = await stream.get()
@@ -149,12 +158,17 @@ def _chunk(ctx, cid: str, created: int, choices: list, usage: dict | None = None
 
 
 async def _events(ctx, req, cid, created, stream: ThreadStream, first, include_usage: bool):
-    sent = [""] * req.n
+    sent, thought = [""] * req.n, [""] * req.n
     for i in range(req.n):
         yield _chunk(ctx, cid, created, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                           "finish_reason": None}])
     async for kind, item in stream.items(first):
-        if kind == "event":
+        if kind == "event" and len(item) == 3:  # the thought, streamed before the answer
+            r, text, _ = item
+            thought[r] += text
+            yield _chunk(ctx, cid, created, [{"index": r, "delta": {"reasoning_content": text}, "logprobs": None,
+                                              "finish_reason": None}])
+        elif kind == "event":
             r, text = item
             sent[r] += text
             yield _chunk(ctx, cid, created, [{"index": r, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
@@ -166,6 +180,8 @@ async def _events(ctx, req, cid, created, stream: ThreadStream, first, include_u
             reply: Reply = item
             for i, row in enumerate(reply.rows):
                 delta: dict[str, Any] = {}
+                if row.reasoning and row.reasoning.startswith(thought[i]) and len(row.reasoning) > len(thought[i]):
+                    delta["reasoning_content"] = row.reasoning[len(thought[i]):]
                 if row.tool_calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(_tool_calls(row))]
                 rest = row.content[len(sent[i]):] if row.content.startswith(sent[i]) else ""

@@ -64,6 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body accepted (default 8MiB)")
     p.add_argument("--max-string-length", type=int, default=None,
                    help="bound JSON strings without maxLength in structured outputs (default: unbounded)")
+    p.add_argument("--reasoning", action="store_true",
+                   help="a reasoning model: replies think first (<think>...</think>), then answer; requests may turn it off")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -88,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     config = ServeConfig(served_model_name=name, store=Path(args.store).expanduser(), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
-                         max_string_length=args.max_string_length)
+                         max_string_length=args.max_string_length, reasoning=args.reasoning)
+    from ..errors import ReasoningError
     from .store import StoreLockedError
 
     try:
         app = create_app(model, config)
-    except StoreLockedError as exc:
+    except (StoreLockedError, ReasoningError) as exc:
         print(f"continuum serve: {exc}", file=sys.stderr)
         return 2
     if not args.api_keys:

@@ -31,10 +31,13 @@ import torch
 
 from .. import generate, samplers
 from ..chat import Chat
+from ..chatreasoning import template_kwargs_for
 from ..generate import Generator
+from ..reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
 from ..samplers import Sampler
 from ..state import SequenceState
 from .messages import new_id, template_message, tool_call_schema
+from .reasoning import Splitter
 from .tokens import common_prefix, generated_count, row_tokens, safe_length
 
 logger = logging.getLogger("continuum.serve")
@@ -79,6 +82,9 @@ class Plan:
     strict: bool = False
     tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
     tool_choice: str = "auto"  # "auto" | "required" | a tool's name
+    reasoning: Any = None  # None: as the template does; True: think first, then the above; False: no thought
+    thinking_budget: int | None = None
+    soft_budget: bool = False  # a budget from a reasoning effort: capped to what max_tokens leaves, not refused
 
 
 @dataclass
@@ -92,10 +98,14 @@ class RowReply:
     logprobs: list[float]
     top: list[list[tuple[int, float]]] | None
     chat: Chat  # the conversation after this row's reply (its state included)
+    reasoning: str | None = None  # the thought (None: the reply did not reason)
+    reasoning_tokens: int = 0
 
     def message(self) -> dict:
         """The assistant message as a conversation stores it (OpenAI's shape)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:  # the template decides whether later turns render it (Qwen3 drops it)
+            msg["reasoning_content"] = self.reasoning
         if self.tool_calls:
             msg["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                                  for c in self.tool_calls]
@@ -144,19 +154,26 @@ def _finish(reason: str | None) -> str:
 class Engine:
     """The model, its chat template, and the generators built for requests (cached by their settings)."""
 
-    def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None):
+    def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None,
+                 reasoning: bool = False):
         self.model, self.template, self.max_string_length = model, template, max_string_length
+        self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
+        if reasoning:  # the markers must exist: fail at start, not on every request
+            resolve_markers(model.tokenizer, True)
         self._generators: OrderedDict[tuple, Generator] = OrderedDict()
         self._lock = threading.Lock()
         self._trigger: str | None = None
         self.active = 0  # replies being generated now (GET /health reports it)
 
     # ------------------------------------------------------------------ building
-    def chat(self, messages: list[dict], tools: list[dict] | None = None, state: SequenceState | None = None) -> Chat:
-        """The conversation as a ``Chat`` (template messages), on ``state`` when one continues it."""
+    def chat(self, messages: list[dict], tools: list[dict] | None = None, state: SequenceState | None = None,
+             template_kwargs: dict | None = None, reasoning: Any = None) -> Chat:
+        """The conversation as a ``Chat`` (template messages), on ``state`` when one continues it;
+        ``reasoning`` (a request's) sets the template's thinking switch unless ``template_kwargs`` does."""
         spec = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}}
                 for t in tools] if tools else None
-        c = Chat(self.model, template=self.template, tools=spec)
+        kwargs = template_kwargs_for(self.template, self.model.tokenizer.hf, template_kwargs or {}, reasoning)
+        c = Chat(self.model, template=self.template, tools=spec, template_kwargs=kwargs)
         for m in messages:
             tm = template_message(m)
             role, content = tm.pop("role"), tm.pop("content")
@@ -217,10 +234,12 @@ class Engine:
 
     # ------------------------------------------------------------------ replying
     def reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta: Callable[[int, str], None] | None = None,
-              cancelled: Callable[[], bool] = lambda: False) -> Reply:
-        """Generate the assistant turn of ``chat``; ``on_delta(row, text)`` receives streamed text."""
+              cancelled: Callable[[], bool] = lambda: False,
+              on_reasoning: Callable[[int, str], None] | None = None) -> Reply:
+        """Generate the assistant turn of ``chat``; ``on_delta(row, text)`` receives streamed text,
+        ``on_reasoning(row, text)`` the streamed thought."""
         with self.busy():
-            return self._reply(chat, plan, sampling, on_delta, cancelled)
+            return self._reply(chat, plan, sampling, on_delta, cancelled, on_reasoning)
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -233,7 +252,7 @@ class Engine:
             with self._lock:
                 self.active -= 1
 
-    def _reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta, cancelled) -> Reply:
+    def _reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta, cancelled, on_reasoning=None) -> Reply:
         prev = chat.state
         rng = sampling.rng()
         record = sampling.top_logprobs is not None
@@ -252,13 +271,19 @@ class Engine:
             if plan.mode == "tools":  # auto: text until the template's tool-call marker
                 trigger = self.tool_trigger()
                 stops.append(trigger)
-        first = self._run(chat, gen, sampling.max_tokens, stops, rng, on_delta, cancelled)
+        if plan.reasoning:  # think first; the format, the schema or the tool call applies after the thought
+            budget = plan.thinking_budget
+            if plan.soft_budget and budget is not None and sampling.max_tokens is not None:
+                budget = min(budget, max(0, sampling.max_tokens - gen.with_reasoning(True).markers.overhead - MIN_ANSWER_TOKENS))
+            gen = gen.with_reasoning(True, budget)
+        first = self._run(chat, gen, sampling.max_tokens, stops, rng, on_delta, cancelled, on_reasoning)
         assert first.state is not None
         prompt_tokens, cached = self._usage(prev, first.state)
         rows = []
         for r in range(first.rows):
             c = first[r]
             state, last, reason = _reply_of(c)  # a row's chat holds that row alone
+            thought = (state.reasoning, reasoning_tokens(state)[0]) if plan.reasoning else (None, 0)
             ids, lps = row_tokens(state, 0)
             content = last["content"]
             calls: list[dict] = []
@@ -266,7 +291,7 @@ class Engine:
             cut = next((x for x in sampling.stop if reason == "stop" and content.endswith(x)), None)
             if cut is not None:  # OpenAI's replies end before the stop sequence (the state keeps it)
                 content = content[: -len(cut)]
-            if plan.mode == "json" and reason in ("pattern", "eos"):
+            if plan.mode == "json" and reason in ("pattern", "eos", "thinking_budget"):
                 _ = c.value  # parsed and validated against the schema (an approximated one can fail: SchemaViolationError)
             if plan.mode == "tools" and plan.tool_choice != "auto":
                 calls, content, finish = self._calls(c, content, reason)
@@ -283,10 +308,10 @@ class Engine:
             gen_n = generated_count(lps)
             toks, tlps = ids[len(ids) - gen_n:], lps[len(lps) - gen_n:]
             top = self._top(rec, r, first.rows, gen_n) if rec is not None else None
-            rows.append(RowReply(content, calls, finish, toks, tlps, top, c))
+            rows.append(RowReply(content, calls, finish, toks, tlps, top, c, *thought))
         return Reply(rows, prompt_tokens, cached)
 
-    def _run(self, chat: Chat, gen, max_tokens, stops, rng, on_delta, cancelled) -> Chat:
+    def _run(self, chat: Chat, gen, max_tokens, stops, rng, on_delta, cancelled, on_reasoning=None) -> Chat:
         if on_delta is None:
             if cancelled():
                 raise Cancelled()
@@ -294,14 +319,23 @@ class Engine:
         stream = chat.stream_reply(gen, max_tokens=max_tokens, stop_at=stops or None, rng=rng)
         texts: list[str] = []
         sent: list[int] = []
+        guide = stream.reasoning  # with reasoning: each row's thought, then its answer (serve.reasoning)
+        split: dict[int, Splitter] = {}
         for chunk in stream:
             if cancelled():
                 del stream  # the decoding loop is left here: its generator is closed and its rows freed
                 raise Cancelled()
+            phases = guide.phases() if guide is not None else []
             for r, text in enumerate([chunk] if isinstance(chunk, str) else chunk):
                 while len(texts) <= r:
                     texts.append("")
                     sent.append(0)
+                if guide is not None:
+                    thought, texts[r] = split.setdefault(r, Splitter(guide, self.model.tokenizer)).feed(
+                        text, phases[r] if r < len(phases) else None)
+                    if thought and on_reasoning is not None:
+                        on_reasoning(r, thought)
+                    text = ""
                 texts[r] += text
                 safe = safe_length(texts[r], stops)  # a stop sequence is never streamed, nor its start
                 if safe > sent[r]:
@@ -312,7 +346,7 @@ class Engine:
     def _calls(self, c: Chat, text: str, reason) -> tuple[list[dict], str, str]:
         """The tool call a constrained reply wrote, or (none, the text, "length") when it was cut short."""
         reason = reason if isinstance(reason, str) else reason[0]
-        if reason not in ("pattern", "eos", "stop"):
+        if reason not in ("pattern", "eos", "stop", "thinking_budget"):  # (a thought cut by its budget, then the call)
             return [], text, _finish(reason)
         value = c.value  # parsed and validated against the schema by the library
         value = value[0] if isinstance(value, list) else value

@@ -21,6 +21,7 @@ from .chat_completions import STREAM_HEADERS, check_plan
 from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception, not_found
 from .messages import new_id, text_of
+from .reasoning import plan_reasoning
 from .schemas import ResponsesRequest
 from .sse import ThreadStream, sse
 
@@ -87,7 +88,8 @@ def _input_messages(req: ResponsesRequest, previous: list[dict]) -> list[dict]:
 def _usage(reply: Reply) -> dict:
     out = reply.completion_tokens
     return {"input_tokens": reply.prompt_tokens, "input_tokens_details": {"cached_tokens": reply.cached_tokens},
-            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": reply.prompt_tokens + out}
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": reply.rows[0].reasoning_tokens},
+            "total_tokens": reply.prompt_tokens + out}
 
 
 def _message_item(mid: str, text: str, status: str) -> dict:
@@ -98,6 +100,9 @@ def _message_item(mid: str, text: str, status: str) -> dict:
 def _output(reply: Reply, mid: str) -> list[dict]:
     row = reply.rows[0]
     items = []
+    if row.reasoning is not None:  # the thought first, its text as a summary part
+        items.append({"type": "reasoning", "id": new_id("rs"), "status": "completed",
+                      "summary": [{"type": "summary_text", "text": row.reasoning}]})
     if row.content or not row.tool_calls:
         items.append(_message_item(mid, row.content, "completed" if row.finish_reason != "length" else "incomplete"))
     for c in row.tool_calls:
@@ -114,7 +119,8 @@ def _skeleton(ctx, req: ResponsesRequest, rid: str, created: int) -> dict:
     return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "error": None,
             "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "model": ctx.config.served_model_name, "output": [], "parallel_tool_calls": False,
-            "previous_response_id": req.previous_response_id, "reasoning": None, "store": req.store,
+            "previous_response_id": req.previous_response_id, "store": req.store,
+            "reasoning": {"effort": req.reasoning.effort, "summary": None} if req.reasoning is not None else None,
             "temperature": req.temperature if req.temperature is not None else 1.0,
             "top_p": req.top_p if req.top_p is not None else 1.0, "text": {"format": fmt}, "tool_choice": choice,
             "tools": tools, "truncation": "disabled", "usage": None, "metadata": req.metadata or {}}
@@ -134,6 +140,10 @@ def register(app: FastAPI, ctx) -> None:
         owner = ctx.owner(request)
         ctx.check_model(req.model)
         plan = _plan(req)
+        plan.reasoning, plan.thinking_budget = plan_reasoning(ctx.engine.reasoning, None,
+                                                              req.reasoning.effort if req.reasoning else None,
+                                                              req.thinking_budget)
+        plan.soft_budget = req.thinking_budget is None
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed, max_tokens=req.max_output_tokens)
         rid, mid, created = new_id("resp"), new_id("msg"), int(time.time())
         skeleton = _skeleton(ctx, req, rid, created)
@@ -148,7 +158,7 @@ def register(app: FastAPI, ctx) -> None:
                 previous, state = record.messages, ctx.store.state(record)
             conversation = previous + _input_messages(req, previous)
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            return ctx.engine.chat(system + conversation, plan.tools or None, state), conversation
+            return ctx.engine.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning), conversation
 
         def keep(reply: Reply, conversation: list) -> dict:
             body = _final(skeleton, reply, mid)
@@ -161,8 +171,9 @@ def register(app: FastAPI, ctx) -> None:
         if not req.stream:
             return await ctx.run(lambda: keep(ctx.engine.reply(chat, plan, sampling), conversation))
 
-        def work(emit, cancelled):
-            reply = ctx.engine.reply(chat, plan, sampling, on_delta=lambda r, t: emit(t), cancelled=cancelled)
+        def work(emit, cancelled):  # (with reasoning, the items are sent whole at the end: the thought comes first)
+            live = None if plan.reasoning else (lambda r, t: emit(t))
+            reply = ctx.engine.reply(chat, plan, sampling, on_delta=live, cancelled=cancelled)
             return keep(reply, conversation)
 
         stream = ThreadStream(work)
@@ -198,7 +209,7 @@ async def _events(skeleton: dict, mid: str, stream: ThreadStream, first, plan: P
 
     yield event("response.created", response=skeleton)
     yield event("response.in_progress", response=skeleton)
-    text_item = plan.mode != "tools"  # text and JSON replies stream into one message item
+    text_item = plan.mode != "tools" and not plan.reasoning  # text and JSON replies stream into one message item
     sent = ""
     if text_item:
         yield event("response.output_item.added", output_index=0, item={**_message_item(mid, "", "in_progress"), "content": []})
@@ -236,6 +247,17 @@ async def _events(skeleton: dict, mid: str, stream: ThreadStream, first, plan: P
                         logprobs=[])
             yield event("response.content_part.done", item_id=out["id"], output_index=index, content_index=0,
                         part=out["content"][0])
+        elif out["type"] == "reasoning":
+            text = out["summary"][0]["text"]
+            yield event("response.output_item.added", output_index=index, item={**out, "summary": [], "status": "in_progress"})
+            yield event("response.reasoning_summary_part.added", item_id=out["id"], output_index=index, summary_index=0,
+                        part={"type": "summary_text", "text": ""})
+            yield event("response.reasoning_summary_text.delta", item_id=out["id"], output_index=index, summary_index=0,
+                        delta=text)
+            yield event("response.reasoning_summary_text.done", item_id=out["id"], output_index=index, summary_index=0,
+                        text=text)
+            yield event("response.reasoning_summary_part.done", item_id=out["id"], output_index=index, summary_index=0,
+                        part=out["summary"][0])
         else:
             yield event("response.output_item.added", output_index=index, item={**out, "arguments": "", "status": "in_progress"})
             yield event("response.function_call_arguments.delta", item_id=out["id"], output_index=index, delta=out["arguments"])

@@ -99,6 +99,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # reasoning (docs/reasoning.md): the template's switches, a thought budget (extension), OpenAI's effort
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_budget: int | None = Field(default=None, ge=0)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -146,6 +150,10 @@ class TextConfig(_Body):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Body):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(_Sampling):
     input: str | list[InputItem]
     instructions: str | None = None
@@ -156,3 +164,5 @@ class ResponsesRequest(_Sampling):
     tools: list[ResponsesTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | ResponsesToolChoice | None = None
     metadata: dict[str, str] | None = None
+    reasoning: ReasoningConfig | None = None
+    thinking_budget: int | None = Field(default=None, ge=0)

@@ -236,6 +236,14 @@ class SequenceState:
         return torch.tensor([f == "context" for f in finish], dtype=torch.bool).reshape(self.batch, self.samples)
 
     @property
+    def reasoning(self):
+        """The thought of the last step (a generator with ``reasoning=``), shaped like :attr:`value`;
+        ``""`` where the row did not think (docs/reasoning.md)."""
+        last, texts = self._last_step(), self.texts
+        spans = last.thoughts or ((0, 0, 0, 0),) * self.rows  # (continuum.reasoning.annotate writes them)
+        return self._shape_output([t[min(a, len(t)):min(b, len(t))].strip("\n") for t, (_, a, b, _n) in zip(texts, spans)])
+
+    @property
     def value(self):
         """The last step's value: its text (text/regex), the option (choice) or the parsed JSON.
 

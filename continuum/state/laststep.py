@@ -32,13 +32,17 @@ class LastStep:
     # (fast-forward, :mod:`continuum.loop.fastforward`) or ``"healed"`` (token healing: the first token,
     # which starts before the step, :mod:`continuum.healing`). Read by :mod:`continuum.display`.
     marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
+    # Reasoning (continuum.reasoning): per row ``(step start, thought start, thought end, thought tokens)``,
+    # characters and the tokens spent thinking; ``starts`` is then where the answer begins.
+    thoughts: tuple[tuple[int, int, int, int], ...] | None = None
 
     def select(self, rows: Sequence[int]) -> LastStep:
         def pick(t: Any) -> Any:  # any per-row tuple field, or None
             return tuple(t[r] for r in rows) if t is not None else None
 
         return replace(self, starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
-                       guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks))
+                       guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks),
+                       thoughts=pick(self.thoughts))
 
     def edited(self, **changes) -> LastStep:
         """The same step after the text was edited: resumable guide states are dropped."""

@@ -57,7 +57,7 @@ def save(state: SequenceState, path) -> None:
         last = {"kind": state._last.kind, "starts": state._last.starts, "ends": state._last.ends,
                 "complete": state._last.complete, "max_tokens": state._last.max_tokens,
                 "guide_key": state._last.guide_key, "guide_states": _value_states(state._last.guide_states),
-                "finish": state._last.finish, "marks": state._last.marks}
+                "finish": state._last.finish, "marks": state._last.marks, "thoughts": state._last.thoughts}
     meta = {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
             "model": state._model.fingerprint.as_dict(), "layers": len(state._kv or ()), "last": last}
@@ -106,7 +106,8 @@ def load(path, model) -> SequenceState:
                             max_tokens=last["max_tokens"], guide_key=_guide_key(last),
                             guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None,
                             finish=tuple(last["finish"]) if last.get("finish") else None,
-                            marks=tuple(tuple(tuple(m) for m in row) for row in last["marks"]) if last.get("marks") else None)
+                            marks=tuple(tuple(tuple(m) for m in row) for row in last["marks"]) if last.get("marks") else None,
+                            thoughts=tuple(tuple(t) for t in last["thoughts"]) if last.get("thoughts") else None)
         state = SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
                               weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
         return uncached(state, model) if foreign else state
