@@ -20,7 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 
 from .engine import Engine
-from .errors import APIError, install_handlers
+from .errors import APIError, Guard, install_handlers
 from .store import Store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
@@ -139,4 +139,5 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     responses.register(app, ctx)
     completions.register(app, ctx)
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(Guard)  # outermost of ours: an internal error anywhere is a 500 that keeps the connection
     return app
