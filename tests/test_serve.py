@@ -181,6 +181,32 @@ def test_tool_calls_parse_validate_and_continue(client, tool_choice):
     assert follow.choices[0].finish_reason in ("stop", "length") and not follow.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("max_tokens", [1, 4, 9])
+def test_tool_call_cut_by_max_tokens_never_leaks_the_envelope(client, max_tokens):
+    """Issue 31: a call cut by ``max_tokens`` is no call and empty content with ``finish_reason: length``
+    (chat completions, streaming or not) and an incomplete response with no function_call (Responses,
+    streaming or not); the internal ``{"name": ...`` envelope is never text."""
+    r = chat(client, "Weather in Rome?", max_tokens=max_tokens, tools=TOOLS, tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+    assert r.usage.completion_tokens == max_tokens  # it was generated, then withheld
+    chunks = [c for c in chat(client, "Weather in Rome?", max_tokens=max_tokens, tools=TOOLS, tool_choice="required",
+                              stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert not any(c.choices[0].delta.tool_calls for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = client.responses.create(model=MODEL, input="Weather in Rome?", tools=tools, tool_choice="required",
+                                   max_output_tokens=max_tokens, temperature=0, store=False)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output_text == "" and not [o for o in resp.output if o.type == "function_call"]
+    with client.responses.stream(model=MODEL, input="Weather in Rome?", tools=tools, tool_choice="required",
+                                 max_output_tokens=max_tokens, temperature=0, store=False) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.output_text == ""
+    assert not [e for e in events if e.type.startswith("response.function_call") or e.type == "response.output_text.delta"]
+
+
 def test_tool_choice_auto_is_text_or_a_valid_call(client):
     r = chat(client, "Weather in Oslo?", max_tokens=60, tools=TOOLS)
     m = r.choices[0].message
@@ -207,6 +233,9 @@ def test_tool_choice_auto_continues_into_a_call_at_the_marker(lib):
     assert row.finish_reason == "tool_calls" and row.content == free[:at] and len(row.tool_calls) == 1
     call = row.tool_calls[0]
     jsonschema.validate(json.loads(call["arguments"]), {"get_weather": WEATHER, "get_time": CLOCK}[call["name"]])
+    # cut inside the call: the text before the marker only (no marker, no envelope), and no call
+    cut = engine.reply(chat_, plan, Sampling(temperature=0, max_tokens=len(row.tokens) - 1)).rows[0]
+    assert cut.finish_reason == "length" and cut.content == free[:at] and cut.tool_calls == []
 
 
 def test_chat_with_state_continues_a_saved_state(lib, tmp_path):

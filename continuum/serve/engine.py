@@ -277,8 +277,8 @@ class Engine:
                 c = self._run(c, cg, left, [], rng, None, cancelled)
                 state, last, reason = _reply_of(c)
                 head = content[: -len(trigger)]
-                calls, rest, finish = self._calls(c, last["content"].removeprefix(content), reason)
-                content = head if calls else head + trigger + rest
+                calls, _, finish = self._calls(c, last["content"].removeprefix(content), reason)
+                content = head  # the marker and the call's JSON are never content, even when cut
                 ids, lps = row_tokens(state, 0)
             gen_n = generated_count(lps)
             toks, tlps = ids[len(ids) - gen_n:], lps[len(lps) - gen_n:]
@@ -310,10 +310,12 @@ class Engine:
         return stream.chat
 
     def _calls(self, c: Chat, text: str, reason) -> tuple[list[dict], str, str]:
-        """The tool call a constrained reply wrote, or (none, the text, "length") when it was cut short."""
+        """The tool call a constrained reply wrote, or (no call, empty content, "length") when ``max_tokens``
+        cut it: the envelope ``{"name": ..., "arguments": ...`` is internal and never returned as content,
+        and a call whose arguments would not parse is not returned either (docs/serve.md)."""
         reason = reason if isinstance(reason, str) else reason[0]
         if reason not in ("pattern", "eos", "stop"):
-            return [], text, _finish(reason)
+            return [], "", _finish(reason)
         value = c.value  # parsed and validated against the schema by the library
         value = value[0] if isinstance(value, list) else value
         call = {"id": new_id("call"), "name": value["name"], "arguments": _json.dumps(value["arguments"])}
