@@ -37,6 +37,7 @@ class ServeConfig:
     state_memory_bytes: int = 1 << 30
     retention_age: float | None = 30 * 86400.0
     retention_bytes: int | None = 10 << 30
+    store_kv: bool = True  # False: stored parts hold tokens only, the cache is recomputed on load
     max_body_bytes: int = 8 << 20
     max_string_length: int | None = None
     worker_threads: int = 64
@@ -49,7 +50,7 @@ class Context:
         self.model, self.config = model, config
         self.engine = Engine(model, config.template, max_string_length=config.max_string_length)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
-                           max_bytes=config.retention_bytes)
+                           max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
         self.created = int(time.time())
 
