@@ -207,6 +207,45 @@ def test_tool_call_cut_by_max_tokens_never_leaks_the_envelope(client, max_tokens
     assert not [e for e in events if e.type.startswith("response.function_call") or e.type == "response.output_text.delta"]
 
 
+def test_tool_call_that_fits_max_tokens_is_never_cut(client, lib):
+    """Issue 31, the better behaviour: a ``max_tokens`` that fits the shortest valid call is never cut (the
+    call is steered to close: ``serve/closing.py``); one token less than the automaton's shortest cannot
+    fit and is cut as before. The budget is counted independently: the tokens of the shortest valid call's
+    text. (Schemas outlines-core enforces exactly; ``get_time``'s enum is one.)"""
+    from continuum.serve.closing import _distances
+    from continuum.serve.engine import Engine, Plan, Sampling
+    from continuum.serve.messages import tool_call_schema
+
+    tools = [dict(TOOLS[1]["function"])]
+    shortest_text = '{"name":"get_time","arguments":{"tz":"UTC"}}'
+    fits = len(lib.tokenizer.hf(shortest_text, add_special_tokens=False)["input_ids"])
+    engine = Engine(lib)
+    gen, _ = engine.call_generator(tool_call_schema(tools, None), Sampling(temperature=0), False, fits)
+    _, dist = _distances(gen.guide.inner)
+    least = dist[gen.guide.inner.initial_state]
+    assert least <= fits
+    chat_ = engine.chat([{"role": "user", "content": "What time is it?"}], tools)
+    plan = Plan("tools", tools=tools, tool_choice="get_time")
+    for budget in (least, fits, fits + 2):
+        row = engine.reply(chat_, plan, Sampling(temperature=0, max_tokens=budget)).rows[0]
+        assert row.finish_reason == "tool_calls" and len(row.tokens) <= budget, budget
+        jsonschema.validate(json.loads(row.tool_calls[0]["arguments"]), CLOCK)
+    cut = engine.reply(chat_, plan, Sampling(temperature=0, max_tokens=least - 1)).rows[0]
+    assert cut.finish_reason == "length" and cut.tool_calls == [] and cut.content == ""
+    # through the server, streaming or not, chat completions and Responses
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    r = chat(client, "What time is it?", max_tokens=fits, tools=TOOLS[1:], tool_choice=choice)
+    assert r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), CLOCK)
+    chunks = [c for c in chat(client, "What time is it?", max_tokens=fits, tools=TOOLS[1:], tool_choice=choice, stream=True)
+              if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    resp = client.responses.create(model=MODEL, input="What time is it?", tools=[{"type": "function", **TOOLS[1]["function"]}],
+                                   tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=fits,
+                                   temperature=0, store=False)
+    assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"]
+
+
 def test_tool_choice_auto_is_text_or_a_valid_call(client):
     r = chat(client, "Weather in Oslo?", max_tokens=60, tools=TOOLS)
     m = r.choices[0].message

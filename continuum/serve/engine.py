@@ -31,9 +31,11 @@ import torch
 
 from .. import generate, samplers
 from ..chat import Chat
+from ..errors import ContinuumError
 from ..generate import Generator
 from ..samplers import Sampler
 from ..state import SequenceState
+from .closing import closing
 from .messages import new_id, template_message, tool_call_schema
 from .tokens import common_prefix, generated_count, row_tokens, safe_length
 
@@ -164,13 +166,13 @@ class Engine:
         return c.with_state(state)
 
     def generator(self, kind: str, schema: dict | None, strict: bool, sampling: Sampling, record: bool,
-                  compact: bool = False):
+                  compact: bool = False, backend: str = "auto"):
         """A ``generate.text``/``generate.json`` generator for these settings, and the log-prob recorder
         when ``record`` (then a fresh generator: the recorder belongs to one request). ``compact``: JSON
         without whitespace (tool calls: keys and punctuation are then forced tokens, computed in one pass)."""
         sampler = sampling.sampler()
         recorder = _Recording(sampler, sampling.top_logprobs or 0) if record else None
-        key = (kind, _json.dumps(schema, sort_keys=True) if schema is not None else None, strict, repr(sampler), compact)
+        key = (kind, _json.dumps(schema, sort_keys=True) if schema is not None else None, strict, repr(sampler), compact, backend)
         if recorder is None:
             with self._lock:
                 hit = self._generators.get(key)
@@ -184,13 +186,25 @@ class Engine:
             gen = generate.json(self.model, schema, use, on_unsupported="raise" if strict else "approximate",
                                 additional_properties=schema == {"type": "object"}, max_string_length=self.max_string_length,
                                 whitespace_pattern="" if compact else r"[ ]?",
-                                fast_forward=recorder is None)
+                                fast_forward=recorder is None, backend=backend)
         if recorder is None:
             with self._lock:
                 self._generators[key] = gen
                 while len(self._generators) > 64:
                     self._generators.popitem(last=False)
         return gen, recorder
+
+    def call_generator(self, schema: dict, sampling: Sampling, record: bool, budget: int | None):
+        """The generator of a tool call under ``schema``. With a ``budget``, an outlines-core automaton when
+        the schema compiles to one exactly, steered to close within the budget (``closing.py``); else llguidance's."""
+        if budget is not None:
+            try:
+                gen, rec = self.generator("json", schema, True, sampling, record, compact=True, backend="outlines")
+                if getattr(gen, "exact", False):
+                    return closing(gen, budget), rec
+            except ContinuumError as exc:  # not expressible as an automaton (or too large to compile)
+                logger.debug("tool call schema not compiled by outlines-core (%s): not steered to close", exc)
+        return self.generator("json", schema, True, sampling, record, compact=True)
 
     def check_schema(self, schema: dict, strict: bool) -> None:
         """Compile a schema now (refused schemas are 400s before anything streams)."""
@@ -245,7 +259,7 @@ class Engine:
             gen, rec = self.generator("json", plan.schema, plan.strict, sampling, record)
         elif plan.mode == "tools" and plan.tool_choice != "auto":
             only = None if plan.tool_choice == "required" else plan.tool_choice
-            gen, rec = self.generator("json", tool_call_schema(plan.tools, only), True, sampling, record, compact=True)
+            gen, rec = self.call_generator(tool_call_schema(plan.tools, only), sampling, record, sampling.max_tokens)
         else:
             gen, rec = self.generator("text", None, False, sampling, record)
             stops = list(sampling.stop)
@@ -273,7 +287,7 @@ class Engine:
             elif trigger is not None and reason == "stop" and content.endswith(trigger):
                 used = generated_count(lps)
                 left = None if sampling.max_tokens is None else max(sampling.max_tokens - used, 0)
-                cg, _ = self.generator("json", tool_call_schema(plan.tools, None), True, sampling, False, compact=True)
+                cg, _ = self.call_generator(tool_call_schema(plan.tools, None), sampling, False, left)
                 c = self._run(c, cg, left, [], rng, None, cancelled)
                 state, last, reason = _reply_of(c)
                 head = content[: -len(trigger)]
