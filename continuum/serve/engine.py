@@ -151,6 +151,7 @@ class Engine:
         self._generators: OrderedDict[tuple, Generator] = OrderedDict()
         self._lock = threading.Lock()
         self._trigger: str | None = None
+        self._no_automaton: set[str] = set()  # tool-call schemas outlines-core does not compile exactly
         self.active = 0  # replies being generated now (GET /health reports it)
 
     # ------------------------------------------------------------------ building
@@ -197,13 +198,16 @@ class Engine:
     def call_generator(self, schema: dict, sampling: Sampling, record: bool, budget: int | None):
         """The generator of a tool call under ``schema``. With a ``budget``, an outlines-core automaton when
         the schema compiles to one exactly, steered to close within the budget (``closing.py``); else llguidance's."""
-        if budget is not None:
+        key = _json.dumps(schema, sort_keys=True)
+        if budget is not None and key not in self._no_automaton:
             try:
                 gen, rec = self.generator("json", schema, True, sampling, record, compact=True, backend="outlines")
                 if getattr(gen, "exact", False):
                     return closing(gen, budget), rec
-            except ContinuumError as exc:  # not expressible as an automaton (or too large to compile)
+                self._no_automaton.add(key)
+            except ContinuumError as exc:  # not expressible as an automaton (or too large to compile): not retried
                 logger.debug("tool call schema not compiled by outlines-core (%s): not steered to close", exc)
+                self._no_automaton.add(key)
         return self.generator("json", schema, True, sampling, record, compact=True)
 
     def check_schema(self, schema: dict, strict: bool) -> None:
