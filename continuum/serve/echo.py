@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ContextLengthError
 from ..state import SequenceState
 
 __all__ = ["prompt_logprobs", "prompt_state"]
@@ -30,6 +31,9 @@ def prompt_state(model, prompts: list) -> SequenceState:
 def prompt_logprobs(model, ids: list[int], k: int) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
     """Per prompt token: its log-prob given the tokens before it (None for the first), and the ``k`` best
     alternatives there (None for the first)."""
+    limit = model.context_length
+    if limit is not None and len(ids) > limit:
+        raise ContextLengthError(f"the prompt has {len(ids)} tokens but the model's context is {limit}: shorten it")
     if len(ids) < 2:
         return [None] * len(ids), [None] * len(ids)
     x = torch.tensor([ids], device=model.device)
