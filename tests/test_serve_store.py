@@ -236,6 +236,9 @@ def test_store_retention_and_delete(tmp_path, llama_model):
     rec = reopened.get("resp_x", "owner")
     assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
     assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []
+    reopened.max_bytes = 1  # smaller than any state: the response just stored is kept all the same
+    reopened.put("resp_y", "owner", {"id": "resp_y", "created_at": 2000}, [], state)
+    assert reopened.get("resp_y", "owner") is not None and reopened.state(reopened.get("resp_y", "owner")) is not None
 
 
 def test_chat_template_option_in_process(tmp_path):

@@ -157,7 +157,7 @@ class Store:
         if state is not None and state_file is not None:
             self._remember(state_file, state)
         if self.max_bytes is not None or self.max_age is not None:
-            self.enforce_retention()
+            self.enforce_retention(keep=rid)  # never the response about to be returned ("returned means stored")
 
     def _write_part(self, rid: str, state: SequenceState, start: int) -> int:
         final = self.states_dir / f"{rid}.safetensors"
@@ -243,9 +243,9 @@ class Store:
         self._unlink(doomed)
         return True
 
-    def enforce_retention(self) -> None:
-        """Delete rows past ``max_age``, then the oldest rows while the parts exceed ``max_bytes``; then
-        the parts no live response needs."""
+    def enforce_retention(self, keep: str | None = None) -> None:
+        """Delete rows past ``max_age``, then the oldest rows while the parts exceed ``max_bytes`` (``keep``
+        excepted); then the parts no live response needs."""
         doomed: list[str] = []
         with self._lock:
             if self.max_age is not None:
@@ -256,7 +256,8 @@ class Store:
             if self.max_bytes is not None:
                 oldest = None
                 while self._total() > self.max_bytes:
-                    oldest = self._db.execute("SELECT id FROM responses ORDER BY created LIMIT 1").fetchone()
+                    oldest = self._db.execute("SELECT id FROM responses WHERE id IS NOT ? ORDER BY created LIMIT 1",
+                                              (keep,)).fetchone()
                     if oldest is None:
                         break
                     self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
