@@ -97,8 +97,17 @@ def _stateful(client, users: list[str], new: int) -> list[dict]:
                 final = ev.response
         prev = final.id
         turns.append({"ttft": ttft, "text": final.output_text, "tokens": final.usage.output_tokens,
-                      "cached": final.usage.input_tokens_details.cached_tokens})
+                      "cached": final.usage.input_tokens_details.cached_tokens, "id": final.id})
     return turns
+
+
+def _part_bytes(store: str, runs: list[list[dict]]) -> list[list[int]]:
+    """Bytes of state each stored response wrote (its part), per client and turn, read from the store."""
+    import sqlite3
+
+    with sqlite3.connect(os.path.join(store, "responses.sqlite3")) as db:
+        size = dict(db.execute("SELECT id, state_bytes FROM responses").fetchall())
+    return [[size.get(t["id"], 0) for t in run] for run in runs]
 
 
 def _stateless(client, users: list[str], new: int) -> list[dict]:
@@ -173,6 +182,7 @@ def b21(bench: Bench, cfg) -> list[Row]:
             _stateful(client, ["warm-up"], 2)
             _stateless(client, ["warm-up"], 2)
             stateful, t_stateful = _in_threads(clients, lambda i: _stateful(client, convos[i], new))
+            written = _part_bytes(os.path.join(tmp, "store"), stateful)
             stateless, t_stateless = _in_threads(clients, lambda i: _stateless(client, convos[i], new))
         finally:
             proc.terminate()
@@ -194,6 +204,10 @@ def b21(bench: Bench, cfg) -> list[Row]:
     notes = [(f"turn-4 TTFT median: stateless {ttft_sl * 1e3:.0f} ms, stateful {ttft_sf * 1e3:.0f} ms; per-client ratios "
               f"{', '.join(f'{x:.1f}' for x in ratios)}"),
              f"turn-4 cached_tokens (stateful): {min(cached)}-{max(cached)}",
+             ("state bytes written per turn (median over clients, MB): "
+              + ", ".join(f"t{t + 1} {statistics.median(w[t] for w in written) / 1e6:.2f}" for t in range(TURNS))
+              + "; the whole state at each turn (its chain: what a store without parts wrote) "
+              + ", ".join(f"t{t + 1} {statistics.median(sum(w[:t + 1]) for w in written) / 1e6:.2f}" for t in range(TURNS))),
              f"replies equal across stateful / stateless / in-process: {same}/{clients * TURNS} (greedy)",
              (f"wall: stateful {t_stateful:.1f} s, stateless {t_stateless:.1f} s, in-process {t_inproc:.1f} s; "
               f"tokens/s {tps['stateful']:.1f} / {tps['stateless']:.1f} / {tps['in-process']:.1f}")]

@@ -181,6 +181,71 @@ def test_tool_calls_parse_validate_and_continue(client, tool_choice):
     assert follow.choices[0].finish_reason in ("stop", "length") and not follow.choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("max_tokens", [1, 4, 9])
+def test_tool_call_cut_by_max_tokens_never_leaks_the_envelope(client, max_tokens):
+    """Issue 31: a call cut by ``max_tokens`` is no call and empty content with ``finish_reason: length``
+    (chat completions, streaming or not) and an incomplete response with no function_call (Responses,
+    streaming or not); the internal ``{"name": ...`` envelope is never text."""
+    r = chat(client, "Weather in Rome?", max_tokens=max_tokens, tools=TOOLS, tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+    assert r.usage.completion_tokens == max_tokens  # it was generated, then withheld
+    chunks = [c for c in chat(client, "Weather in Rome?", max_tokens=max_tokens, tools=TOOLS, tool_choice="required",
+                              stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert not any(c.choices[0].delta.tool_calls for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = client.responses.create(model=MODEL, input="Weather in Rome?", tools=tools, tool_choice="required",
+                                   max_output_tokens=max_tokens, temperature=0, store=False)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.output_text == "" and not [o for o in resp.output if o.type == "function_call"]
+    with client.responses.stream(model=MODEL, input="Weather in Rome?", tools=tools, tool_choice="required",
+                                 max_output_tokens=max_tokens, temperature=0, store=False) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.output_text == ""
+    assert not [e for e in events if e.type.startswith("response.function_call") or e.type == "response.output_text.delta"]
+
+
+def test_tool_call_that_fits_max_tokens_is_never_cut(client, lib):
+    """Issue 31, the better behaviour: a ``max_tokens`` that fits the shortest valid call is never cut (the
+    call is steered to close: ``serve/closing.py``); one token less than the automaton's shortest cannot
+    fit and is cut as before. The budget is counted independently: the tokens of the shortest valid call's
+    text. (Schemas outlines-core enforces exactly; ``get_time``'s enum is one.)"""
+    from continuum.serve.closing import _distances
+    from continuum.serve.engine import Engine, Plan, Sampling
+    from continuum.serve.messages import tool_call_schema
+
+    tools = [dict(TOOLS[1]["function"])]
+    shortest_text = '{"name":"get_time","arguments":{"tz":"UTC"}}'
+    fits = len(lib.tokenizer.hf(shortest_text, add_special_tokens=False)["input_ids"])
+    engine = Engine(lib)
+    gen, _ = engine.call_generator(tool_call_schema(tools, None), Sampling(temperature=0), False, fits)
+    _, dist = _distances(gen.guide.inner)
+    least = dist[gen.guide.inner.initial_state]
+    assert least <= fits
+    chat_ = engine.chat([{"role": "user", "content": "What time is it?"}], tools)
+    plan = Plan("tools", tools=tools, tool_choice="get_time")
+    for budget in (least, fits, fits + 2):
+        row = engine.reply(chat_, plan, Sampling(temperature=0, max_tokens=budget)).rows[0]
+        assert row.finish_reason == "tool_calls" and len(row.tokens) <= budget, budget
+        jsonschema.validate(json.loads(row.tool_calls[0]["arguments"]), CLOCK)
+    cut = engine.reply(chat_, plan, Sampling(temperature=0, max_tokens=least - 1)).rows[0]
+    assert cut.finish_reason == "length" and cut.tool_calls == [] and cut.content == ""
+    # through the server, streaming or not, chat completions and Responses
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    r = chat(client, "What time is it?", max_tokens=fits, tools=TOOLS[1:], tool_choice=choice)
+    assert r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), CLOCK)
+    chunks = [c for c in chat(client, "What time is it?", max_tokens=fits, tools=TOOLS[1:], tool_choice=choice, stream=True)
+              if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    resp = client.responses.create(model=MODEL, input="What time is it?", tools=[{"type": "function", **TOOLS[1]["function"]}],
+                                   tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=fits,
+                                   temperature=0, store=False)
+    assert resp.status == "completed" and [o.type for o in resp.output] == ["function_call"]
+
+
 def test_tool_choice_auto_is_text_or_a_valid_call(client):
     r = chat(client, "Weather in Oslo?", max_tokens=60, tools=TOOLS)
     m = r.choices[0].message
@@ -207,6 +272,9 @@ def test_tool_choice_auto_continues_into_a_call_at_the_marker(lib):
     assert row.finish_reason == "tool_calls" and row.content == free[:at] and len(row.tool_calls) == 1
     call = row.tool_calls[0]
     jsonschema.validate(json.loads(call["arguments"]), {"get_weather": WEATHER, "get_time": CLOCK}[call["name"]])
+    # cut inside the call: the text before the marker only (no marker, no envelope), and no call
+    cut = engine.reply(chat_, plan, Sampling(temperature=0, max_tokens=len(row.tokens) - 1)).rows[0]
+    assert cut.finish_reason == "length" and cut.content == free[:at] and cut.tool_calls == []
 
 
 def test_chat_with_state_continues_a_saved_state(lib, tmp_path):
@@ -246,8 +314,11 @@ def test_completions(client, lib):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2, echo=True)
     assert r.choices[0].text == "Once upon a time" + ref
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
-    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.total_tokens  # echo: the prompt too
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2)
+    assert plain.choices[0].logprobs.token_logprobs == lp.token_logprobs[r.usage.prompt_tokens:]
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True))
     assert streamed == ref

@@ -80,6 +80,30 @@ def test_disconnect_mid_stream_stops_generation(server):
         server.client(KEYS[0]).responses.retrieve(rid)
 
 
+def test_responses_write_their_new_tokens_only(server, model_dir, tmp_path):
+    """Issue 31: through the server, each continued response's part names its parent's part and holds its
+    new columns only; on a ``--store-kv none`` server (tokens only, the cache recomputed on load) the same
+    conversation gives the same replies from smaller parts."""
+    from serve_support import Server
+
+    turns = ["Hello there " * 20, "Tell me more", "And then?"]
+    full = _chain(server.client(KEYS[0]), turns)
+    with sqlite3.connect(server.store / "responses.sqlite3") as db:
+        rows = [db.execute("SELECT p.file, p.parent, p.bytes FROM responses r JOIN parts p ON p.file = r.state_file "
+                           "WHERE r.id = ?", (r.id,)).fetchone() for r in full]
+    assert rows[0][1] is None and rows[1][1] == rows[0][0] and rows[2][1] == rows[1][0]
+    assert rows[1][2] < rows[0][2] / 2 and rows[2][2] < rows[0][2] / 2
+    light = Server(model_dir, tmp_path / "store", "--store-kv", "none", "--state-memory", "0")
+    try:
+        again = _chain(light.client(), turns)
+        assert [r.output_text for r in again] == [r.output_text for r in full]
+        with sqlite3.connect(light.store / "responses.sqlite3") as db:
+            light_bytes = [db.execute("SELECT state_bytes FROM responses WHERE id = ?", (r.id,)).fetchone()[0] for r in again]
+        assert all(a < b / 4 for a, b in zip(light_bytes, (r[2] for r in rows)))
+    finally:
+        light.stop()
+
+
 @pytest.mark.slow
 def test_kill9_and_restart_loses_nothing(server, model_dir, tmp_path):
     import httpx
@@ -105,14 +129,82 @@ def test_kill9_and_restart_loses_nothing(server, model_dir, tmp_path):
         assert alice.responses.retrieve(r.id).output_text == r.output_text
     with pytest.raises(openai.NotFoundError):
         alice.responses.retrieve(inflight)
-    # every state file belongs to a stored response and every stored response has its file (no orphan, no temp file)
-    with sqlite3.connect(server.store / "responses.sqlite3") as db:
-        files = {row[0] for row in db.execute("SELECT state_file FROM responses")}
-    assert files == {p.name for p in (server.store / "states").iterdir()}
+    # every part on disk is a live response's or in a live response's chain, and each has its file (no orphan,
+    # no temp file); the store's bytes are the sum of those parts
+    assert _needed_parts(server.store) == {p.name for p in (server.store / "states").iterdir()}
     again = alice.responses.create(model=MODEL, input=turns[2], previous_response_id=done[1].id, max_output_tokens=6,
                                    temperature=0)
     assert again.output_text == full[2].output_text  # continuing after the restart equals the uninterrupted run
     assert again.usage.input_tokens_details.cached_tokens == full[2].usage.input_tokens_details.cached_tokens > 0
+
+
+def _needed_parts(store: Path) -> set[str]:
+    """The parts the live responses need (theirs and their chains'), checked against the parts table and the bytes."""
+    with sqlite3.connect(store / "responses.sqlite3") as db:
+        parent = dict(db.execute("SELECT file, parent FROM parts").fetchall())
+        sizes = dict(db.execute("SELECT file, bytes FROM parts").fetchall())
+        needed = set()
+        for (file,) in db.execute("SELECT state_file FROM responses WHERE state_file IS NOT NULL"):
+            while file is not None and file not in needed:
+                needed.add(file)
+                file = parent[file]
+    assert needed == set(parent)  # no part that nobody needs
+    assert sum(sizes.values()) == sum((store / "states" / f).stat().st_size for f in needed)
+    return needed
+
+
+def _equal_states(a, b, kv: bool = True) -> None:
+    import torch
+
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.attention_masks, b.attention_masks)
+    assert torch.equal(a.token_logprobs.nan_to_num(7.0), b.token_logprobs.nan_to_num(7.0))
+    assert torch.equal(a.weights, b.weights) and a._last == b._last
+    if kv:
+        assert len(a._kv) == len(b._kv) and all(torch.equal(x, y) for la, lb in zip(a._kv, b._kv) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("kv", [True, False])
+def test_store_chains_of_parts(tmp_path, llama_model, kv):
+    """Issue 31: a continued state writes only its new columns (its parent's part referenced, a branch sharing
+    it); a restart reads the chain back bit for bit (with ``kv=False``: the tokens, the cache recomputed) and
+    continuing it equals continuing the original; a part goes only when no live response needs it."""
+    from continuum import generate, samplers
+    from continuum.generate import continuous
+    from continuum.serve.store import Store
+
+    gen = continuous(generate.text(llama_model, samplers.greedy()))
+    s1 = gen("Once upon a time " * 8, max_tokens=6)
+    s2 = gen(s1 + " and then", max_tokens=6)
+    s3 = gen(s1 + " but", max_tokens=6)  # a branch of s1
+    store = Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None, kv=kv)
+    store.put("r1", "o", {"created_at": 1}, [], s1)
+    store.put("r2", "o", {"created_at": 2}, [], s2, parent="r1", base=s1)
+    store.put("r3", "o", {"created_at": 3}, [], s3, parent="r1", base=s1)
+    whole = tmp_path / "whole.safetensors"
+    s2.save(whole)
+    sizes = {f.name: f.stat().st_size for f in (tmp_path / "states").iterdir()}
+    assert sizes["r2.safetensors"] < sizes["r1.safetensors"] < whole.stat().st_size  # the new columns only
+    if kv:
+        assert sizes["r2.safetensors"] < whole.stat().st_size / 2
+    assert store.total_bytes() == sum(sizes.values())
+    store.close()
+    whole.unlink()
+    store = Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None, kv=kv)  # a restart
+    for rid, ref in (("r1", s1), ("r2", s2), ("r3", s3)):
+        loaded = store.state(store.get(rid, "o"))
+        _equal_states(loaded, ref, kv)
+        assert int(loaded.cached_tokens.max()) == (int(ref.cached_tokens.max()) if kv else 0)
+    more = gen(store.state(store.get("r2", "o")) + " more", max_tokens=6)
+    assert more.token_ids.tolist() == gen(s2 + " more", max_tokens=6).token_ids.tolist()
+    assert store.delete("r1", "o") and store.get("r1", "o") is None
+    assert (tmp_path / "states" / "r1.safetensors").exists()  # still needed by r2 and r3
+    _equal_states(store.state(store.get("r3", "o")), s3, kv)
+    assert _needed_parts(tmp_path) == {"r1.safetensors", "r2.safetensors", "r3.safetensors"}
+    store.delete("r2", "o")
+    assert _needed_parts(tmp_path) == {"r1.safetensors", "r3.safetensors"}
+    store.delete("r3", "o")
+    assert list((tmp_path / "states").iterdir()) == [] and store.total_bytes() == 0
+    store.close()
 
 
 def test_store_retention_and_delete(tmp_path, llama_model):
@@ -144,6 +236,9 @@ def test_store_retention_and_delete(tmp_path, llama_model):
     rec = reopened.get("resp_x", "owner")
     assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
     assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []
+    reopened.max_bytes = 1  # smaller than any state: the response just stored is kept all the same
+    reopened.put("resp_y", "owner", {"id": "resp_y", "created_at": 2000}, [], state)
+    assert reopened.get("resp_y", "owner") is not None and reopened.state(reopened.get("resp_y", "owner")) is not None
 
 
 def test_chat_template_option_in_process(tmp_path):

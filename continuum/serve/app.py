@@ -20,7 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 
 from .engine import Engine
-from .errors import APIError, install_handlers
+from .errors import APIError, Guard, install_handlers
 from .store import Store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
@@ -37,6 +37,7 @@ class ServeConfig:
     state_memory_bytes: int = 1 << 30
     retention_age: float | None = 30 * 86400.0
     retention_bytes: int | None = 10 << 30
+    store_kv: bool = True  # False: stored parts hold tokens only, the cache is recomputed on load
     max_body_bytes: int = 8 << 20
     max_string_length: int | None = None
     worker_threads: int = 64
@@ -50,7 +51,7 @@ class Context:
         self.model, self.config = model, config
         self.engine = Engine(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
-                           max_bytes=config.retention_bytes)
+                           max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
         self.created = int(time.time())
 
@@ -140,4 +141,5 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     responses.register(app, ctx)
     completions.register(app, ctx)
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(Guard)  # outermost of ours: an internal error anywhere is a 500 that keeps the connection
     return app

@@ -58,6 +58,10 @@ def parser() -> argparse.ArgumentParser:
                    help="delete stored responses older than this (default 30d; 'none': keep)")
     p.add_argument("--retention-bytes", type=_size, default=10 << 30,
                    help="delete the oldest responses while state files exceed this (default 10GiB; 'none': no limit)")
+    p.add_argument("--store-kv", choices=("full", "none"), default="full",
+                   help="what a stored response keeps of its new tokens: 'full' their KV cache (continuing reads it), "
+                        "'none' the tokens only (continuing recomputes the cache: on a GPU a prefill beats reading "
+                        "gigabytes); default full")
     p.add_argument("--dtype", default=None, help="weights' dtype (float32, bfloat16...; default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cpu)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (for models without one)")
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServeConfig(served_model_name=name, store=Path(args.store).expanduser(), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
-                         max_string_length=args.max_string_length, reasoning=args.reasoning)
+                         max_string_length=args.max_string_length, reasoning=args.reasoning,
+                         store_kv=args.store_kv == "full")
     from ..errors import ReasoningError
     from .store import StoreLockedError
 

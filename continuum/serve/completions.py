@@ -1,4 +1,7 @@
-"""``POST /v1/completions`` (legacy): free text after a prompt (or a list of prompts, one batch)."""
+"""``POST /v1/completions`` (legacy): free text after a prompt (or a list of prompts, one batch).
+
+A prompt is text or token ids (as lm-eval sends). With ``echo`` and ``logprobs``, the log-probs cover
+the prompt's tokens too (the first one null), as OpenAI's do: see ``echo.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ from fastapi.responses import StreamingResponse
 
 from ..generate import continuous
 from .chat_completions import STREAM_HEADERS, stops
+from .echo import prompt_logprobs, prompt_state
 from .engine import Cancelled, Sampling
-from .errors import from_exception
+from .errors import APIError, from_exception
 from .messages import new_id
 from .schemas import CompletionRequest
 from .sse import DONE, ThreadStream, sse
@@ -20,19 +24,20 @@ from .tokens import generated_count, row_tokens, safe_length
 __all__ = ["register"]
 
 
-def _run(ctx, prompts: list[str], sampling: Sampling, emit=None, cancelled=lambda: False) -> dict:
+def _run(ctx, prompts: list, sampling: Sampling, emit=None, cancelled=lambda: False) -> dict:
     """Generate; returns per row (batch-major): text, finish reason, tokens, log-probs, top log-probs; and usage."""
     with ctx.engine.busy():
         return _generate(ctx, prompts, sampling, emit, cancelled)
 
 
-def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> dict:
+def _generate(ctx, prompts: list, sampling: Sampling, emit, cancelled) -> dict:
     gen, rec = ctx.engine.generator("text", None, False, sampling, sampling.top_logprobs is not None)
     cgen, rng = continuous(gen), sampling.rng()
+    inputs: Any = prompts if all(isinstance(p, str) for p in prompts) else prompt_state(ctx.model, prompts)
     if emit is None:
-        state = cgen(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
+        state = cgen(inputs, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
     else:
-        stream = cgen.stream(prompts, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
+        stream = cgen.stream(inputs, max_tokens=sampling.max_tokens, stop_at=sampling.stop or None, rng=rng)
         acc: dict[int, str] = {}
         sent: dict[int, int] = {}
         for chunk in stream:
@@ -73,14 +78,57 @@ def _generate(ctx, prompts: list[str], sampling: Sampling, emit, cancelled) -> d
                                     "total_tokens": prompt_tokens + completion}}
 
 
-def _logprobs(ctx, row: dict, offset: int) -> dict:
-    tokens = [ctx.engine.token_text(t) for t in row["tokens"]]
-    offsets, at = [], offset
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    top = [{ctx.engine.token_text(t): v for t, v in step} for step in row["top"]] if row["top"] is not None else None
-    return {"tokens": tokens, "token_logprobs": row["logprobs"], "top_logprobs": top, "text_offset": offsets}
+def _echoed(ctx, prompts: list, k: int) -> list[dict]:
+    """Per prompt, its tokens (as generation tokenizes it), their log-probs and top ``k`` (the first: null)."""
+    state = prompt_state(ctx.model, prompts)
+    out = []
+    for r in range(state.rows):
+        ids, _ = row_tokens(state, r)
+        lps, top = prompt_logprobs(ctx.model, ids, k)
+        out.append({"tokens": ids, "logprobs": lps, "top": top, "special": True})
+    return out
+
+
+def _logprobs(ctx, rows: list[dict], offset: int) -> dict:
+    """OpenAI's legacy ``logprobs`` of ``rows`` (the echoed prompt's then the generated tokens', or one of them).
+    A prompt's special tokens (BOS) are shown as empty text: they are not in the echoed text."""
+    hf = ctx.model.tokenizer.hf
+    tokens, lps, tops, offsets, at = [], [], [], [], offset
+    for row in rows:
+        texts = [hf.decode([t], skip_special_tokens=True) if row.get("special") else ctx.engine.token_text(t)
+                 for t in row["tokens"]]
+        for i, t in enumerate(texts):
+            offsets.append(at)
+            at += len(t)
+            step = row["top"][i] if row["top"] is not None else None
+            tops.append(_top(ctx, step) if step is not None else None)
+        tokens += texts
+        lps += row["logprobs"]
+    has_top = any(row["top"] is not None for row in rows)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if has_top else None, "text_offset": offsets}
+
+
+def _top(ctx, step: list[tuple[int, float]]) -> dict[str, float]:
+    """Alternatives keyed by text (OpenAI's shape): of two tokens that decode alike, the likelier one."""
+    out: dict[str, float] = {}
+    for t, v in sorted(step, key=lambda tv: -tv[1]):
+        out.setdefault(ctx.engine.token_text(t), v)
+    return out
+
+
+def _prompts(prompt, vocab: int) -> list:
+    """The request's prompts: texts, or token-id lists (each id below ``vocab``)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise APIError(400, "prompt is empty: give a non-empty string, list of strings, or list of token ids", param="prompt")
+    bad = next((t for p in prompt if not isinstance(p, str) for t in p if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"prompt holds the token id {bad}, outside this model's vocabulary (0 to {vocab - 1})",
+                       param="prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompt]
 
 
 def register(app: FastAPI, ctx) -> None:
@@ -88,22 +136,30 @@ def register(app: FastAPI, ctx) -> None:
     async def completions(req: CompletionRequest, request: Request):
         ctx.owner(request)
         ctx.check_model(req.model)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        prompts = _prompts(req.prompt, len(ctx.model.tokenizer.hf))
+        texts = [p if isinstance(p, str) else ctx.model.tokenizer.hf.decode(p, skip_special_tokens=True) for p in prompts]
+        k = req.logprobs
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed, n=req.n, max_tokens=req.max_tokens,
                             stop=stops(req.stop), top_logprobs=req.logprobs)
         cid, created = new_id("cmpl"), int(time.time())
 
-        def body(result: dict) -> dict:
+        def body(result: dict, echoed: list[dict] | None) -> dict:
             choices = []
             for i, row in enumerate(result["rows"]):
-                prefix = prompts[i // req.n] if req.echo else ""
-                lps = _logprobs(ctx, row, len(prefix)) if req.logprobs is not None else None
+                prefix = texts[i // req.n] if req.echo else ""
+                lps = None
+                if k is not None:
+                    lps = _logprobs(ctx, [echoed[i // req.n], row], 0) if echoed is not None else _logprobs(ctx, [row], 0)
                 choices.append({"index": i, "text": prefix + row["text"], "logprobs": lps, "finish_reason": row["finish"]})
             return {"id": cid, "object": "text_completion", "created": created, "model": ctx.config.served_model_name,
                     "choices": choices, "usage": result["usage"], "system_fingerprint": None}
 
+        def echo() -> list[dict] | None:
+            return _echoed(ctx, prompts, k) if req.echo and k is not None else None
+
         if not req.stream:
-            return body(await ctx.run(lambda: _run(ctx, prompts, sampling)))
+            return body(*await ctx.run(lambda: (_run(ctx, prompts, sampling), echo())))
+        echoed = await ctx.run(echo)
         stream = ThreadStream(lambda emit, cancelled: _run(ctx, prompts, sampling, emit, cancelled))
         first = await stream.get()
         if first[0] == "error":
@@ -120,7 +176,8 @@ def register(app: FastAPI, ctx) -> None:
             sent = [""] * (len(prompts) * req.n)
             if req.echo:
                 for i in range(len(sent)):
-                    yield chunk([{"index": i, "text": prompts[i // req.n], "logprobs": None, "finish_reason": None}])
+                    lps = _logprobs(ctx, [echoed[i // req.n]], 0) if echoed is not None else None
+                    yield chunk([{"index": i, "text": texts[i // req.n], "logprobs": lps, "finish_reason": None}])
             async for kind, item in stream.items(first):
                 if kind == "event":
                     r, text = item
@@ -133,7 +190,7 @@ def register(app: FastAPI, ctx) -> None:
                 else:
                     for i, row in enumerate(item["rows"]):
                         rest = row["text"][len(sent[i]):] if row["text"].startswith(sent[i]) else ""
-                        lps = _logprobs(ctx, row, 0) if req.logprobs is not None else None
+                        lps = _logprobs(ctx, [row], 0) if req.logprobs is not None else None
                         yield chunk([{"index": i, "text": rest, "logprobs": lps, "finish_reason": row["finish"]}])
                     if req.stream_options and req.stream_options.include_usage:
                         yield chunk([], item["usage"])

@@ -32,10 +32,12 @@ import torch
 from .. import generate, samplers
 from ..chat import Chat
 from ..chatreasoning import template_kwargs_for
+from ..errors import ContinuumError
 from ..generate import Generator
 from ..reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
 from ..samplers import Sampler
 from ..state import SequenceState
+from .closing import closing
 from .messages import new_id, template_message, tool_call_schema
 from .reasoning import Splitter
 from .tokens import common_prefix, generated_count, row_tokens, safe_length
@@ -163,6 +165,7 @@ class Engine:
         self._generators: OrderedDict[tuple, Generator] = OrderedDict()
         self._lock = threading.Lock()
         self._trigger: str | None = None
+        self._no_automaton: set[str] = set()  # tool-call schemas outlines-core does not compile exactly
         self.active = 0  # replies being generated now (GET /health reports it)
 
     # ------------------------------------------------------------------ building
@@ -181,13 +184,13 @@ class Engine:
         return c.with_state(state)
 
     def generator(self, kind: str, schema: dict | None, strict: bool, sampling: Sampling, record: bool,
-                  compact: bool = False):
+                  compact: bool = False, backend: str = "auto"):
         """A ``generate.text``/``generate.json`` generator for these settings, and the log-prob recorder
         when ``record`` (then a fresh generator: the recorder belongs to one request). ``compact``: JSON
         without whitespace (tool calls: keys and punctuation are then forced tokens, computed in one pass)."""
         sampler = sampling.sampler()
         recorder = _Recording(sampler, sampling.top_logprobs or 0) if record else None
-        key = (kind, _json.dumps(schema, sort_keys=True) if schema is not None else None, strict, repr(sampler), compact)
+        key = (kind, _json.dumps(schema, sort_keys=True) if schema is not None else None, strict, repr(sampler), compact, backend)
         if recorder is None:
             with self._lock:
                 hit = self._generators.get(key)
@@ -201,13 +204,28 @@ class Engine:
             gen = generate.json(self.model, schema, use, on_unsupported="raise" if strict else "approximate",
                                 additional_properties=schema == {"type": "object"}, max_string_length=self.max_string_length,
                                 whitespace_pattern="" if compact else r"[ ]?",
-                                fast_forward=recorder is None)
+                                fast_forward=recorder is None, backend=backend)
         if recorder is None:
             with self._lock:
                 self._generators[key] = gen
                 while len(self._generators) > 64:
                     self._generators.popitem(last=False)
         return gen, recorder
+
+    def call_generator(self, schema: dict, sampling: Sampling, record: bool, budget: int | None):
+        """The generator of a tool call under ``schema``. With a ``budget``, an outlines-core automaton when
+        the schema compiles to one exactly, steered to close within the budget (``closing.py``); else llguidance's."""
+        key = _json.dumps(schema, sort_keys=True)
+        if budget is not None and key not in self._no_automaton:
+            try:
+                gen, rec = self.generator("json", schema, True, sampling, record, compact=True, backend="outlines")
+                if getattr(gen, "exact", False):
+                    return closing(gen, budget), rec
+                self._no_automaton.add(key)
+            except ContinuumError as exc:  # not expressible as an automaton (or too large to compile): not retried
+                logger.debug("tool call schema not compiled by outlines-core (%s): not steered to close", exc)
+                self._no_automaton.add(key)
+        return self.generator("json", schema, True, sampling, record, compact=True)
 
     def check_schema(self, schema: dict, strict: bool) -> None:
         """Compile a schema now (refused schemas are 400s before anything streams)."""
@@ -264,7 +282,7 @@ class Engine:
             gen, rec = self.generator("json", plan.schema, plan.strict, sampling, record)
         elif plan.mode == "tools" and plan.tool_choice != "auto":
             only = None if plan.tool_choice == "required" else plan.tool_choice
-            gen, rec = self.generator("json", tool_call_schema(plan.tools, only), True, sampling, record, compact=True)
+            gen, rec = self.call_generator(tool_call_schema(plan.tools, only), sampling, record, sampling.max_tokens)
         else:
             gen, rec = self.generator("text", None, False, sampling, record)
             stops = list(sampling.stop)
@@ -298,12 +316,12 @@ class Engine:
             elif trigger is not None and reason == "stop" and content.endswith(trigger):
                 used = generated_count(lps)
                 left = None if sampling.max_tokens is None else max(sampling.max_tokens - used, 0)
-                cg, _ = self.generator("json", tool_call_schema(plan.tools, None), True, sampling, False, compact=True)
+                cg, _ = self.call_generator(tool_call_schema(plan.tools, None), sampling, False, left)
                 c = self._run(c, cg, left, [], rng, None, cancelled)
                 state, last, reason = _reply_of(c)
                 head = content[: -len(trigger)]
-                calls, rest, finish = self._calls(c, last["content"].removeprefix(content), reason)
-                content = head if calls else head + trigger + rest
+                calls, _, finish = self._calls(c, last["content"].removeprefix(content), reason)
+                content = head  # the marker and the call's JSON are never content, even when cut
                 ids, lps = row_tokens(state, 0)
             gen_n = generated_count(lps)
             toks, tlps = ids[len(ids) - gen_n:], lps[len(lps) - gen_n:]
@@ -344,10 +362,12 @@ class Engine:
         return stream.chat
 
     def _calls(self, c: Chat, text: str, reason) -> tuple[list[dict], str, str]:
-        """The tool call a constrained reply wrote, or (none, the text, "length") when it was cut short."""
+        """The tool call a constrained reply wrote, or (no call, empty content, "length") when ``max_tokens``
+        cut it: the envelope ``{"name": ..., "arguments": ...`` is internal and never returned as content,
+        and a call whose arguments would not parse is not returned either (docs/serve.md)."""
         reason = reason if isinstance(reason, str) else reason[0]
         if reason not in ("pattern", "eos", "stop", "thinking_budget"):  # (a thought cut by its budget, then the call)
-            return [], text, _finish(reason)
+            return [], "", _finish(reason)
         value = c.value  # parsed and validated against the schema by the library
         value = value[0] if isinstance(value, list) else value
         call = {"id": new_id("call"), "name": value["name"], "arguments": _json.dumps(value["arguments"])}

@@ -3,10 +3,18 @@
 Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, as the
 ``openai`` client expects (it raises ``BadRequestError``, ``AuthenticationError``, ``NotFoundError``...).
 continuum's own errors carry messages that say what to do, so they are passed through as 400s.
+
+Refusals are answered by handlers for their own classes (Starlette's ``ExceptionMiddleware``), which
+never re-raise: the connection stays open for the client's next request and the log gets one line.
+A handler for ``Exception`` would run in Starlette's ``ServerErrorMiddleware``, which re-raises after
+answering, and uvicorn then closes the connection (the ``openai`` client's next request on its pooled
+connection fails). So real internal errors are caught by :class:`Guard`, an ASGI middleware that logs
+the traceback and answers a 500 without re-raising.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -17,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextLengthError, ContinuumError
 
-__all__ = ["APIError", "error_body", "from_exception", "install_handlers"]
+__all__ = ["APIError", "Guard", "error_body", "from_exception", "install_handlers"]
 
 logger = logging.getLogger("continuum.serve")
 
@@ -73,24 +81,61 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid request{where}: {first.get('msg')}{more}", param
 
 
+def _refused(request: Request, error: APIError) -> JSONResponse:
+    """The refusal's response, and its one log line (no traceback: it is an answer, not a failure)."""
+    logger.info("refused %s %s: %d %s", request.method, request.url.path, error.status, error.message)
+    return error.response()
+
+
 def install_handlers(app: FastAPI) -> None:
-    """Route every error to OpenAI's body: validation (400), HTTP errors, API errors, anything else (500)."""
+    """Route every refusal to OpenAI's body with a handler that keeps the connection: API errors,
+    continuum's errors (400), validation (400), HTTP errors. Anything else reaches :class:`Guard` (500)."""
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
-        return exc.response()
+        return _refused(request, exc)
+
+    @app.exception_handler(ContinuumError)
+    async def _continuum(request: Request, exc: ContinuumError):
+        return _refused(request, from_exception(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return APIError(400, message, param=param, code="invalid_value").response()
+        return _refused(request, APIError(400, message, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail) if exc.status_code != 404 else f"Unknown route {request.method} {request.url.path}."
-        return APIError(exc.status_code, message, type=kind).response()
+        return _refused(request, APIError(exc.status_code, message, type=kind))
 
-    @app.exception_handler(Exception)
-    async def _other(request: Request, exc: Exception):
-        return from_exception(exc).response()
+
+class Guard:
+    """ASGI middleware: an exception no handler answered is a real internal error. It is logged with its
+    traceback and answered with a 500 in OpenAI's body, and not re-raised, so uvicorn keeps the
+    connection. Once a response has started (a stream) nothing can be answered: it is re-raised then,
+    and the connection closes, which is how a client learns that a body was cut."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            body = json.dumps(from_exception(exc).body()).encode()  # from_exception logs the traceback
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})

@@ -158,23 +158,24 @@ def register(app: FastAPI, ctx) -> None:
                 previous, state = record.messages, ctx.store.state(record)
             conversation = previous + _input_messages(req, previous)
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            return ctx.engine.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning), conversation
+            return ctx.engine.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning), conversation, state
 
-        def keep(reply: Reply, conversation: list) -> dict:
+        def keep(reply: Reply, conversation: list, base) -> dict:
             body = _final(skeleton, reply, mid)
-            if req.store:  # durable before anyone sees the response
+            if req.store:  # durable before anyone sees the response; only what ``base`` lacks is written
                 row = reply.rows[0]
-                ctx.store.put(rid, owner, body, conversation + [row.message()], row.chat.state)
+                ctx.store.put(rid, owner, body, conversation + [row.message()], row.chat.state,
+                              parent=req.previous_response_id, base=base)
             return body
 
-        chat, conversation = await ctx.run(build)
+        chat, conversation, base = await ctx.run(build)
         if not req.stream:
-            return await ctx.run(lambda: keep(ctx.engine.reply(chat, plan, sampling), conversation))
+            return await ctx.run(lambda: keep(ctx.engine.reply(chat, plan, sampling), conversation, base))
 
         def work(emit, cancelled):  # (with reasoning, the items are sent whole at the end: the thought comes first)
             live = None if plan.reasoning else (lambda r, t: emit(t))
             reply = ctx.engine.reply(chat, plan, sampling, on_delta=live, cancelled=cancelled)
-            return keep(reply, conversation)
+            return keep(reply, conversation, base)
 
         stream = ThreadStream(work)
         first = await stream.get()

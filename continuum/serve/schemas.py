@@ -106,7 +106,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # texts, or token ids (what lm-eval sends)
     max_tokens: int | None = Field(default=16, ge=0)
     n: int = Field(default=1, ge=1, le=16)
     echo: bool = False

@@ -1,17 +1,24 @@
-"""Where responses live: SQLite (WAL) for their JSON and conversations, a state file beside each.
+"""Where responses live: SQLite (WAL) for their JSON and conversations, a state part beside each.
 
-Order of writes for one response: the state file (written under a temporary name, then renamed:
-a reader never sees half a file), then ONE SQLite transaction with the row. Both happen before
-the response is returned, so after a ``kill -9`` at any moment every returned response is there,
-and a response that was in flight is absent (an orphan state file without a row is removed at
-the next start). SQLite runs in WAL mode with ``synchronous=NORMAL``: a committed transaction
-survives the process being killed (it is in the OS's page cache; only a power loss could lose it).
+A stored state is a chain of parts (``continuum.state.parts``): a response that continues another
+writes only the columns its parent's state does not have (the turn's new tokens and their KV), and
+its part names the parent's part, which is referenced, never copied; two branches share their
+parent's part. So a turn writes bytes in proportion to its new tokens, not to the conversation.
+A part is deleted when no live response's chain needs it (``DELETE``, retention), not before.
+
+Order of writes for one response: the part file (written under a temporary name, then renamed: a
+reader never sees half a file), then ONE SQLite transaction with the part's row and the response's
+row. Both happen before the response is returned, so after a ``kill -9`` at any moment every returned
+response is there with its whole chain, and a response that was in flight is absent (an orphan part
+file without a row is removed at the next start). SQLite runs in WAL mode with ``synchronous=NORMAL``:
+a committed transaction survives the process being killed (only a power loss could lose it).
 
 States are also kept in memory, least recently used first out, under a byte budget; a state that
-is not in memory is loaded from its file with continuum's fingerprinted ``load`` (its KV cache
-included, so continuing it computes only the new tokens). Retention: rows older than ``max_age``
-seconds, and the oldest rows past ``max_bytes`` of state files, are deleted with their files;
-an expired id then answers 404 like an unknown one.
+is not in memory is loaded from its chain (root first) with continuum's fingerprinted reader, its
+KV cache included, so continuing it computes only the new tokens; with ``kv=False`` parts hold
+tokens only and the cache is recomputed on load. Retention: rows older than ``max_age`` seconds,
+and the oldest rows while the parts exceed ``max_bytes``, are deleted; an expired id then answers
+404 like an unknown one.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from ..state import SequenceState
+from ..state.parts import load_part, save_part, shared_columns
 
-__all__ = ["Record", "Store"]
+__all__ = ["Record", "Store", "StoreLockedError"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -41,6 +49,21 @@ CREATE TABLE IF NOT EXISTS responses (
     state_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+CREATE TABLE IF NOT EXISTS parts (
+    file TEXT PRIMARY KEY,
+    parent TEXT,
+    bytes INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO parts (file, parent, bytes)
+    SELECT state_file, NULL, state_bytes FROM responses WHERE state_file IS NOT NULL;
+"""
+# (the INSERT adopts the whole-state files of stores written before parts: each is a root)
+
+# the parts some live response needs: its own, and its parent's, recursively
+_NEEDED = """
+WITH RECURSIVE needed(file) AS (
+    SELECT state_file FROM responses WHERE state_file IS NOT NULL
+    UNION SELECT parts.parent FROM parts JOIN needed ON parts.file = needed.file WHERE parts.parent IS NOT NULL)
 """
 
 
@@ -66,7 +89,7 @@ def _lock_store(root: Path):
 
 @dataclass(frozen=True)
 class Record:
-    """A stored response: its JSON body, the conversation it ends (messages, reply included), its state file."""
+    """A stored response: its JSON body, the conversation it ends (messages, reply included), its state part."""
 
     id: str
     owner: str
@@ -76,14 +99,22 @@ class Record:
     state_file: str | None
 
 
+def _nbytes(state: SequenceState) -> int:
+    """Bytes a state holds in memory (its cache and token tensors)."""
+    tensors = [state._ids, state._mask, state._logprobs, *(t for kv in state._kv or () for t in kv)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class Store:
-    """Responses in ``root``/responses.sqlite3, states in ``root``/states/, states in memory under ``memory_bytes``.
+    """Responses in ``root``/responses.sqlite3, state parts in ``root``/states/, states in memory under
+    ``memory_bytes``; ``kv=False``: parts hold tokens only (``--store-kv none``).
 
     Thread-safe: one SQLite connection behind a lock (writes are short; generation happens outside).
     """
 
-    def __init__(self, root: Path, model: Any, *, memory_bytes: int, max_age: float | None, max_bytes: int | None):
-        self.root, self.model = Path(root), model
+    def __init__(self, root: Path, model: Any, *, memory_bytes: int, max_age: float | None, max_bytes: int | None,
+                 kv: bool = True):
+        self.root, self.model, self.kv = Path(root), model, kv
         self.states_dir = self.root / "states"
         self.states_dir.mkdir(parents=True, exist_ok=True)
         self.memory_bytes, self.max_age, self.max_bytes = memory_bytes, max_age, max_bytes
@@ -93,37 +124,66 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        self._memory: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()
+        self._memory: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()  # by part file
         self._memory_used = 0
+        self.bytes_written = 0  # part bytes written since start (figures: bytes per turn)
         self._remove_orphans()
         self.enforce_retention()
 
     # ------------------------------------------------------------------ writing
-    def put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None) -> None:
-        """Write the state file (atomically), then the row (one transaction). Returns once both are durable."""
+    def put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
+            parent: str | None = None, base: SequenceState | None = None) -> None:
+        """Write the state's part (atomically), then its row and the response's row (one transaction).
+        ``parent``: the response ``state`` continues, whose loaded state is ``base``: only the columns
+        ``state`` does not share with it are written. Returns once both are durable."""
         state_file, size = None, 0
+        parent_file = self._part_of(parent) if state is not None and parent is not None else None
+        start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
         if state is not None:
             state_file = f"{rid}.safetensors"
-            final = self.states_dir / state_file
-            tmp = self.states_dir / f"{rid}.tmp-{os.getpid()}-{threading.get_ident()}"
-            state.save(tmp)
-            os.replace(tmp, final)  # atomic: the file is whole or absent
-            size = final.stat().st_size
+            size = self._write_part(rid, state, start)
         row = (rid, owner, float(body.get("created_at", body.get("created", time.time()))), json.dumps(body),
                json.dumps(messages), state_file, size)
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("INSERT INTO responses (id, owner, created, body, messages, state_file, state_bytes) "
-                                 "VALUES (?, ?, ?, ?, ?, ?, ?)", row)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        if state is not None:
-            self._remember(rid, state, size)
+            if start and self._db.execute("SELECT 1 FROM parts WHERE file = ?", (parent_file,)).fetchone() is None:
+                start = -1  # the parent's part was deleted meanwhile (no live response needed it): write a root
+            else:
+                self._insert(row, parent_file if start else None)
+        if start == -1:
+            assert state is not None
+            size = self._write_part(rid, state, 0)
+            with self._lock:
+                self._insert(row[:-1] + (size,), None)
+        if state is not None and state_file is not None:
+            self._remember(state_file, state)
         if self.max_bytes is not None or self.max_age is not None:
-            self.enforce_retention()
+            self.enforce_retention(keep=rid)  # never the response about to be returned ("returned means stored")
+
+    def _write_part(self, rid: str, state: SequenceState, start: int) -> int:
+        final = self.states_dir / f"{rid}.safetensors"
+        tmp = self.states_dir / f"{rid}.tmp-{os.getpid()}-{threading.get_ident()}"
+        save_part(state, tmp, start, self.kv)
+        os.replace(tmp, final)  # atomic: the file is whole or absent
+        size = final.stat().st_size
+        self.bytes_written += size
+        return size
+
+    def _insert(self, row: tuple, parent_file: str | None) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            if row[5] is not None:
+                self._db.execute("INSERT INTO parts (file, parent, bytes) VALUES (?, ?, ?)", (row[5], parent_file, row[6]))
+            self._db.execute("INSERT INTO responses (id, owner, created, body, messages, state_file, state_bytes) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def _part_of(self, rid: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT state_file FROM responses WHERE id = ?", (rid,)).fetchone()
+        return row[0] if row is not None else None
 
     # ------------------------------------------------------------------ reading
     def get(self, rid: str, owner: str) -> Record | None:
@@ -139,64 +199,75 @@ class Store:
         return Record(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), row[5])
 
     def state(self, record: Record) -> SequenceState | None:
-        """The record's state: from memory, or loaded from its file (KV cache included)."""
+        """The record's state: from memory, or loaded from its chain of parts (root first; from the
+        nearest ancestor still in memory)."""
         if record.state_file is None:
             return None
+        chain: list[str] = []
+        base = None
         with self._lock:
-            hit = self._memory.get(record.id)
-            if hit is not None:
-                self._memory.move_to_end(record.id)
-                return hit[0]
-        path = self.states_dir / record.state_file
+            file: str | None = record.state_file
+            while file is not None:
+                hit = self._memory.get(file)
+                if hit is not None:
+                    self._memory.move_to_end(file)
+                    base = hit[0]
+                    break
+                chain.append(file)
+                row = self._db.execute("SELECT parent FROM parts WHERE file = ?", (file,)).fetchone()
+                file = row[0] if row is not None else None
+        if not chain:
+            return base
         try:
-            state = SequenceState.load(path, self.model)
+            for file in reversed(chain):
+                base = load_part(self.states_dir / file, self.model, base)
         except FileNotFoundError:
             return None  # deleted meanwhile: the conversation is re-rendered from its messages instead
-        self._remember(record.id, state, path.stat().st_size if path.exists() else 0)
-        return state
+        assert base is not None
+        self._remember(record.state_file, base)
+        return base
 
     def in_memory(self, rid: str) -> bool:
         with self._lock:
-            return rid in self._memory
+            return f"{rid}.safetensors" in self._memory
 
     # ------------------------------------------------------------------ deleting
     def delete(self, rid: str, owner: str) -> bool:
-        """Delete ``owner``'s response ``rid`` and its state file; False when there is none."""
+        """Delete ``owner``'s response ``rid``, and its part unless a live response continues it; False when there is none."""
         with self._lock:
             row = self._db.execute("SELECT state_file FROM responses WHERE id = ? AND owner = ?", (rid, owner)).fetchone()
             if row is None:
                 return False
             self._db.execute("DELETE FROM responses WHERE id = ?", (rid,))
-            self._forget(rid)
-        self._unlink(row[0])
+            doomed = self._collect()
+        self._unlink(doomed)
         return True
 
-    def enforce_retention(self) -> None:
-        """Delete rows past ``max_age``, then the oldest rows while the state files exceed ``max_bytes``."""
-        doomed: list[tuple[str, str | None]] = []
+    def enforce_retention(self, keep: str | None = None) -> None:
+        """Delete rows past ``max_age``, then the oldest rows while the parts exceed ``max_bytes`` (``keep``
+        excepted); then the parts no live response needs."""
+        doomed: list[str] = []
         with self._lock:
             if self.max_age is not None:
                 cutoff = time.time() - self.max_age
-                doomed += self._db.execute("SELECT id, state_file FROM responses WHERE created < ?", (cutoff,)).fetchall()
-                self._db.execute("DELETE FROM responses WHERE created < ?", (cutoff,))
+                if self._db.execute("SELECT 1 FROM responses WHERE created < ? LIMIT 1", (cutoff,)).fetchone():
+                    self._db.execute("DELETE FROM responses WHERE created < ?", (cutoff,))
+                    doomed += self._collect()
             if self.max_bytes is not None:
-                total = self._db.execute("SELECT COALESCE(SUM(state_bytes), 0) FROM responses").fetchone()[0]
-                if total > self.max_bytes:
-                    for rid, sf, size in self._db.execute(
-                            "SELECT id, state_file, state_bytes FROM responses ORDER BY created").fetchall():
-                        if total <= self.max_bytes:
-                            break
-                        self._db.execute("DELETE FROM responses WHERE id = ?", (rid,))
-                        doomed.append((rid, sf))
-                        total -= size
-            for rid, _ in doomed:
-                self._forget(rid)
-        for _, sf in doomed:
-            self._unlink(sf)
+                oldest = None
+                while self._total() > self.max_bytes:
+                    oldest = self._db.execute("SELECT id FROM responses WHERE id IS NOT ? ORDER BY created LIMIT 1",
+                                              (keep,)).fetchone()
+                    if oldest is None:
+                        break
+                    self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
+                    doomed += self._collect()
+        self._unlink(doomed)
 
     def total_bytes(self) -> int:
+        """Bytes of all parts on disk (each written once, however many responses share it)."""
         with self._lock:
-            return int(self._db.execute("SELECT COALESCE(SUM(state_bytes), 0) FROM responses").fetchone()[0])
+            return self._total()
 
     def close(self) -> None:
         with self._lock:
@@ -204,33 +275,44 @@ class Store:
             self._lockfile.close()  # releases the store's lock
 
     # ------------------------------------------------------------------ internals
-    def _remember(self, rid: str, state: SequenceState, size: int) -> None:
+    def _total(self) -> int:
+        return int(self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()[0])
+
+    def _collect(self) -> list[str]:
+        """Drop the rows of parts no live response needs (under the lock); returns their files to unlink."""
+        doomed = [r[0] for r in self._db.execute(_NEEDED + "SELECT file FROM parts WHERE file NOT IN needed").fetchall()]
+        for file in doomed:
+            self._db.execute("DELETE FROM parts WHERE file = ?", (file,))
+            old = self._memory.pop(file, None)
+            if old is not None:
+                self._memory_used -= old[1]
+        return doomed
+
+    def _remember(self, file: str, state: SequenceState) -> None:
+        size = _nbytes(state)
         if size > self.memory_bytes:
             return
         with self._lock:
-            self._forget(rid)
-            self._memory[rid] = (state, size)
+            old = self._memory.pop(file, None)
+            if old is not None:
+                self._memory_used -= old[1]
+            self._memory[file] = (state, size)
             self._memory_used += size
             while self._memory_used > self.memory_bytes and self._memory:
                 _, (_, freed) = self._memory.popitem(last=False)
                 self._memory_used -= freed
 
-    def _forget(self, rid: str) -> None:
-        old = self._memory.pop(rid, None)
-        if old is not None:
-            self._memory_used -= old[1]
-
-    def _unlink(self, state_file: str | None) -> None:
-        if state_file:
-            try:
-                (self.states_dir / state_file).unlink()
-            except FileNotFoundError:
-                pass
+    def _unlink(self, files: list[str]) -> None:
+        for file in files:
+            (self.states_dir / file).unlink(missing_ok=True)
 
     def _remove_orphans(self) -> None:
-        """State files without a row (a response that was in flight when the process died) and temporary files."""
+        """Parts no live response needs, files without a part row (a response in flight when the process
+        died) and temporary files."""
         with self._lock:
-            known = {r[0] for r in self._db.execute("SELECT state_file FROM responses WHERE state_file IS NOT NULL")}
+            doomed = self._collect()
+            known = {r[0] for r in self._db.execute("SELECT file FROM parts")}
+        self._unlink(doomed)
         for path in self.states_dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)

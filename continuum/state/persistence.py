@@ -22,7 +22,7 @@ from ..models.identity import ModelFingerprint
 from .convert import uncached
 from .core import LastStep, SequenceState
 
-__all__ = ["save", "load"]
+__all__ = ["foreign", "last_step", "load", "metadata", "read", "save", "write"]
 
 logger = logging.getLogger("continuum")
 
@@ -44,31 +44,38 @@ def _guide_key(last: dict):
     return "outlines:" + last["regex"] if last.get("regex") is not None else None  # files saved before guide keys
 
 
-def save(state: SequenceState, path) -> None:
-    """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata,
-    including the identity of the model that computed the cache (``model.fingerprint``)."""
-    from safetensors.torch import save_file
-
-    tensors = {"ids": state._ids, "mask": state._mask, "logprobs": state._logprobs, "weights": state._weights}
-    for i, (k, v) in enumerate(state._kv or ()):
-        tensors[f"k{i}"], tensors[f"v{i}"] = k, v
+def metadata(state: SequenceState) -> dict:
+    """The JSON metadata of a state file: shape, tokenizer, model identity, last step."""
     last = None
     if state._last is not None:
         last = {"kind": state._last.kind, "starts": state._last.starts, "ends": state._last.ends,
                 "complete": state._last.complete, "max_tokens": state._last.max_tokens,
                 "guide_key": state._last.guide_key, "guide_states": _value_states(state._last.guide_states),
                 "finish": state._last.finish, "marks": state._last.marks, "thoughts": state._last.thoughts}
-    meta = {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
+    return {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
             "model": state._model.fingerprint.as_dict(), "layers": len(state._kv or ()), "last": last}
+
+
+def write(path, tensors: dict, meta: dict) -> None:
+    """``tensors`` (CPU, contiguous) and ``meta`` (under the ``"continuum"`` key) to a safetensors file."""
+    from safetensors.torch import save_file
+
     save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
 
-def load(path, model) -> SequenceState:
-    """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer).
 
-    Saved from another model (or by format 1, which recorded no model), the state keeps its tokens,
-    weights, log-probs and last step but drops the KV cache, with a warning on the ``"continuum"`` logger.
-    """
+def save(state: SequenceState, path) -> None:
+    """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata,
+    including the identity of the model that computed the cache (``model.fingerprint``)."""
+    tensors = {"ids": state._ids, "mask": state._mask, "logprobs": state._logprobs, "weights": state._weights}
+    for i, (k, v) in enumerate(state._kv or ()):
+        tensors[f"k{i}"], tensors[f"v{i}"] = k, v
+    write(path, tensors, metadata(state))
+
+
+def read(path, model) -> tuple[dict, dict]:
+    """A state file's metadata and tensors (on ``model``'s device), checked: readable, a known format,
+    ``model``'s tokenizer. Raises ``FileNotFoundError`` or :class:`StateFileError`."""
     from safetensors import safe_open
 
     try:
@@ -85,31 +92,52 @@ def load(path, model) -> SequenceState:
     if meta["tokenizer"] != model.tokenizer.fingerprint:
         raise StateFileError(f"{path} was saved with tokenizer {meta['tokenizer_name']!r} "
                              f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
+    return meta, tensors
+
+
+def foreign(meta: dict, model, path) -> bool:
+    """Whether the file's cache was computed by another model than ``model`` (then it is dropped, with a warning)."""
+    saved = meta.get("model")
+    saved = ModelFingerprint.from_dict(saved) if isinstance(saved, dict) else None
+    if saved == model.fingerprint:
+        return False
+    origin = (f"model {saved.architecture} (config {saved.config}, weights {saved.weights}, {saved.layout})"
+              if saved is not None else "an unknown model (a file without a model identity)")
+    logger.warning("%s was saved from %s, not this model (%s): its KV cache is dropped; tokens, weights, "
+                   "log-probs and the last step are kept, and the next generator recomputes the cache in one "
+                   "pass.", path, origin, model.fingerprint)
+    return True
+
+
+def last_step(last: dict | None) -> LastStep | None:
+    """The :class:`LastStep` of a file's metadata."""
+    if last is None:
+        return None
+    kind = last["kind"]
+    return LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
+                    complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
+                    max_tokens=last["max_tokens"], guide_key=_guide_key(last),
+                    guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None,
+                    finish=tuple(last["finish"]) if last.get("finish") else None,
+                    marks=tuple(tuple(tuple(m) for m in row) for row in last["marks"]) if last.get("marks") else None,
+                    thoughts=tuple(tuple(t) for t in last["thoughts"]) if last.get("thoughts") else None)
+
+
+def load(path, model) -> SequenceState:
+    """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer).
+
+    Saved from another model (or by format 1, which recorded no model), the state keeps its tokens,
+    weights, log-probs and last step but drops the KV cache, with a warning on the ``"continuum"`` logger.
+    """
+    meta, tensors = read(path, model)
     try:
         kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
         if kv is not None and len(kv) == len(model.layer_devices):  # device_map: each layer where its layer runs
             kv = kvcache.to_devices(kv, model.layer_devices)
-        saved = meta.get("model")
-        saved = ModelFingerprint.from_dict(saved) if isinstance(saved, dict) else None
-        foreign = kv is not None and saved != model.fingerprint
-        if foreign:
-            origin = (f"model {saved.architecture} (config {saved.config}, weights {saved.weights}, {saved.layout})"
-                      if saved is not None else "an unknown model (a file without a model identity)")
-            logger.warning("%s was saved from %s, not this model (%s): its KV cache is dropped; tokens, weights, "
-                           "log-probs and the last step are kept, and the next generator recomputes the cache in one "
-                           "pass.", path, origin, model.fingerprint)
-        last = meta["last"]
-        if last is not None:
-            kind = last["kind"]
-            last = LastStep(kind=kind, starts=tuple(last["starts"]), ends=tuple(last["ends"]),
-                            complete=tuple(last["complete"]), parse=json.loads if kind == "json" else None,
-                            max_tokens=last["max_tokens"], guide_key=_guide_key(last),
-                            guide_states=tuple(last["guide_states"]) if last.get("guide_states") else None,
-                            finish=tuple(last["finish"]) if last.get("finish") else None,
-                            marks=tuple(tuple(tuple(m) for m in row) for row in last["marks"]) if last.get("marks") else None,
-                            thoughts=tuple(tuple(t) for t in last["thoughts"]) if last.get("thoughts") else None)
+        dropped = kv is not None and foreign(meta, model, path)
         state = SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
-                              weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"], last=last)
-        return uncached(state, model) if foreign else state
+                              weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"],
+                              last=last_step(meta["last"]))
+        return uncached(state, model) if dropped else state
     except (KeyError, ValueError, TypeError) as exc:
         raise StateFileError(f"{path} is corrupt ({exc}): save the state again") from exc
