@@ -158,7 +158,8 @@ def register(app: FastAPI, ctx) -> None:
                 previous, state = record.messages, ctx.store.state(record)
             conversation = previous + _input_messages(req, previous)
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            return ctx.engine.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning), conversation, state
+            chat = ctx.engine.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning)
+            return chat, conversation, state
 
         def keep(reply: Reply, conversation: list, base) -> dict:
             body = _final(skeleton, reply, mid)
