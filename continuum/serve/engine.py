@@ -10,8 +10,8 @@ templates render, e.g. Qwen's ``<tool_call>`` blocks), under a schema that allow
 offered tools and each tool's parameters: ``required`` and a named function generate it at once;
 ``auto`` generates text that stops at the template's tool-call marker (read from the template, as
 the end-of-turn marker is) and, when the model writes it, continues with the constrained call.
-Calls run in the caller's thread: concurrent requests run in worker threads, where the library's
-scheduler merges their forwards.
+Calls run in the caller's thread: concurrent requests run in worker threads, and the model's engine
+runs all their calls in one step (docs/scheduler.md).
 """
 
 from __future__ import annotations

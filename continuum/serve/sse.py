@@ -1,7 +1,7 @@
 """Server-sent events, and the bridge from a worker thread (where a reply is generated) to the event loop.
 
-A streamed reply runs in ONE thread from start to end (the decoding loop belongs to one thread; the
-library's scheduler merges the forwards of concurrent threads). The thread puts events on an
+A streamed reply runs in ONE thread from start to end (its call is one of the model's engine, which
+runs the calls of all threads in one step). The thread puts events on an
 asyncio queue; when the client disconnects, the response's body iterator is closed, which sets the
 cancel flag: the thread stops at its next token, leaving the decoding loop (its rows freed).
 """
