@@ -34,7 +34,7 @@ from .chattemplate import Renderer
 from .errors import ChatTemplateError, ContinuumTypeError
 from .generate.continuous import ContinuousGenerator
 from .generate.generator import Generator
-from .loop.decoding import _stop_list
+from .loop.checks import stop_list as _stop_list
 from .models.tokenizer import check_encodable
 from .state import SequenceState
 from .state.core import _NAN

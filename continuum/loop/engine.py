@@ -51,7 +51,7 @@ import torch
 from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
-from . import merge
+from .forwards import run_requests
 from .merge import Request
 from .ranks import Ranks, next_key
 
@@ -335,9 +335,11 @@ class Engine:
             r.event.set()
         for c in live:
             self._resume(c)
+        took = time.perf_counter() - t0
         if len(live) > 1 and len(self._steps) < 100_000:
-            self._steps.append(time.perf_counter() - t0)
+            self._steps.append(took)
         self._stats["steps"] += 1
+        self._stats["busy_s"] += took
 
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""
@@ -369,57 +371,13 @@ class Engine:
         self._stats["wakeups"] += 1
 
     def _run_requests(self, batch: list[Request]) -> None:
-        """Run every request of the step: merged forwards by group, the rest alone; errors to their owners."""
-        model = self._model
-        alone = [r for r in batch if not r.mergeable]
-        merged = [r for r in batch if r.mergeable]
-        for group in merge.groups(merged):
-            if len(group) == 1 and merge.slot_of(group[0].kv) is None:
-                alone.append(group[0])
-                continue
-            try:
-                p = merge.plan(group, len(group[0].kv) if group[0].kv is not None else model._layers)
-                results = merge.run_group(model, p)
-            except Exception:  # noqa: BLE001  (the merged forward failed: run each alone, so an error reaches only its owner)
-                self._stats["fallbacks"] += 1
-                alone.extend(group)
-                continue
-            self._note(p)
-            for r, (lg, kv) in zip(group, results):  # a one-off request's owner gets plain views (a loop: lazy ones)
-                r.result, r.error = (lg, kv if r.event is None else tuple(kv)), None
-            self._stats["peak_kv_bytes"] = max(self._stats["peak_kv_bytes"], p.slab.nbytes())
-            with model._count_lock:
-                model.tokens_computed += sum(r.rows * r.new for r in group)
-            self._stats["merged_forwards"] += 1
-            self._stats["requests_merged"] += len(group)
-        for r in alone:
-            self._stats["alone"] += 1
-            try:
-                r.materialize()
-                lg, kv = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
-                                              allowed=r.allowed)
-                if r.normalize and r.logits == "last":
-                    lp, best, top = merge.normalized(lg)
-                    r.logprobs, r.top, lg = (lp, 0), (top, best), None
-                r.result, r.error = (lg, kv), None
-            except Exception as exc:  # noqa: BLE001  (handed to the request's owner, raised there)
-                r.error = exc
-
-    def _note(self, p: merge.Plan) -> None:
-        """Statistics of a planned merged forward: rows, padding (cells / real tokens), KV bytes."""
-        s = self._stats
-        s["new_slabs"] += p.fresh
-        s["joins_copied"] += sum(r.kv is not None for r in p.joiners) if not p.fresh else 0
-        cells = p.forward_rows * (p.cached + p.new)
-        s["peak_rows"] = max(s["peak_rows"], p.forward_rows)
-        if cells >= s["_peak_cells"] and p.slab.mask is not None:
-            real = int(p.slab.mask[p.rows_index, :p.cached + p.new].sum())  # the live rows' real tokens
-            s["_peak_cells"] = cells
-            s["peak_padding"] = cells / max(real, 1)
+        run_requests(self._model, batch, self._stats)
 
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters: ``steps``, ``merged_forwards``, ``requests_merged``, ``alone``, ``fallbacks``,
+        """Counters: ``steps``, ``busy_s`` (time in steps), ``forward_s`` (in the model's forwards: the
+        merged forwards' log-softmax included), ``outside_forward_share`` (the engine's own share of a step),
+        ``merged_forwards``, ``requests_merged``, ``alone``, ``fallbacks``,
         ``wakeups`` (callers woken: one per call); at the largest merged step ``peak_rows`` and
         ``peak_padding`` (KV cells of the merged cache, holes and dead rows included, over real tokens);
         ``peak_kv_bytes``: the largest slab's storage; ``p99_step_s``: the 99th percentile of a step's
@@ -429,14 +387,15 @@ class Engine:
             steps = sorted(self._steps)
             out["running_calls"], out["running_rows"] = len(self._running), self._rows
         out["p99_step_s"] = steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else 0.0
+        out["outside_forward_share"] = 1.0 - out["forward_s"] / out["busy_s"] if out["busy_s"] else 0.0
         out["p99_step_wait_s"] = out["p99_step_s"]  # (the name of earlier releases)
         out["max_rows"] = self.max_rows
         return out
 
     def reset_stats(self) -> None:
         with self._cond:
-            self._stats = {"steps": 0, "merged_forwards": 0, "requests_merged": 0, "alone": 0, "fallbacks": 0,
-                           "new_slabs": 0, "joins_copied": 0, "wakeups": 0, "peak_rows": 0, "peak_padding": 1.0,
-                           "peak_kv_bytes": 0, "_peak_cells": 0}
+            self._stats = {"steps": 0, "busy_s": 0.0, "forward_s": 0.0, "merged_forwards": 0, "requests_merged": 0,
+                           "alone": 0, "fallbacks": 0, "new_slabs": 0, "joins_copied": 0, "wakeups": 0, "peak_rows": 0,
+                           "peak_padding": 1.0, "peak_kv_bytes": 0, "_peak_cells": 0}
             self._steps.clear()
 
