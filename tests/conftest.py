@@ -281,3 +281,8 @@ def think_model():
 def think_char_model():
     """One token per character: a random model's replies re-render to the same tokens (chat reuse is exact)."""
     return think_llama(merges=False, max_positions=4096)
+
+
+# the server tests' shared module-scoped fixtures (model_dir, server, client, lib): one definition for every
+# test_serve*.py module (a module that needs another server defines its own, which takes precedence)
+from serve_fixtures import client, lib, model_dir, server  # noqa: E402, F401

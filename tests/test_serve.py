@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_support import KEYS, ROOT, shared_model_dir, shared_server
+from serve_support import KEYS, ROOT
 
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
@@ -34,26 +34,7 @@ CARD = {"type": "object", "properties": {"mood": {"type": "string", "enum": ["ha
         "required": ["mood", "ok", "n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return shared_model_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    return shared_server(tmp_path_factory, model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def lib(model_dir):
-    from continuum import models
-
-    return models.transformers(model_dir)
+# model_dir, server, client, lib: the shared module-scoped fixtures of tests/serve_fixtures.py (via conftest)
 
 
 def lib_turns(lib, turns, max_tokens, history=None):

@@ -9,31 +9,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from serve_support import shared_model_dir, shared_server
 
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return shared_model_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    return shared_server(tmp_path_factory, model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def lib(model_dir):
-    from continuum import models
-
-    return models.transformers(model_dir)
+# model_dir, server, client, lib: the shared module-scoped fixtures of tests/serve_fixtures.py (via conftest)
 
 
 def hf_prompt_logprobs(model_dir, text):

@@ -14,31 +14,12 @@ openai = pytest.importorskip("openai")
 
 from test_serve import BAD_CHAT, chat
 
-from serve_support import KEYS, shared_model_dir, shared_server
+from serve_support import KEYS
 
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return shared_model_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    return shared_server(tmp_path_factory, model_dir)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
-def lib(model_dir):
-    from continuum import models
-
-    return models.transformers(model_dir)
+# model_dir, server, client, lib: the shared module-scoped fixtures of tests/serve_fixtures.py (via conftest)
 
 
 REFUSALS = [  # (path, body changes) over a good request of that path; every one is a 4xx

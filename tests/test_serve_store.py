@@ -15,19 +15,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from serve_support import KEYS, shared_model_dir, shared_server
+from serve_support import KEYS
 
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return shared_model_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    return shared_server(tmp_path_factory, model_dir)  # states are loaded from the store at every continuation
+# model_dir, server: the shared fixtures of tests/serve_fixtures.py (states are loaded from the store at every continuation)
 
 
 def test_api_keys_and_ownership(server):
