@@ -133,14 +133,7 @@ class Engine:
             if drive:
                 self._driver = me
         try:
-            if drive:
-                try:
-                    while not call.done:
-                        self._step()
-                finally:
-                    self._release()
-            else:
-                call.event.wait()
+            self._until_done(call, drive)
         except BaseException:  # Ctrl-C in the caller's thread: the loop leaves at the next step
             self.close(call)
             raise
@@ -188,19 +181,23 @@ class Engine:
                 self._cond.notify_all()
         if alone:
             return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
-        if drive:
-            try:
-                while not req.done:
-                    self._step()
-            finally:
-                self._release()
-        else:
-            req.event.wait()
+        self._until_done(req, drive)
         if req.error is not None:
             raise req.error
         return req.result
 
     # -- driving -------------------------------------------------------------------------
+    def _until_done(self, item: Call | Request, drive: bool) -> None:
+        """Run steps until ``item`` is done (this thread drives), or sleep on its event until it is."""
+        if not drive:
+            item.event.wait()
+            return
+        try:
+            while not item.done:
+                self._step()
+        finally:
+            self._release()
+
     def _has_work(self) -> bool:
         return bool(self._running or self._inbox)
 
