@@ -103,6 +103,7 @@ class Engine:
         self._driver: int | None = None  # the thread running steps
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._ended: list[Call] = []  # calls done in this step, woken when it ends
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
         self._stats: dict[str, Any] = {}
         self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
@@ -330,8 +331,13 @@ class Engine:
         for r in oneoff:
             r.done = True
             r.event.set()
-        for c in live:
-            self._resume(c)
+        try:
+            for c in live:
+                self._resume(c)
+        finally:
+            ended, self._ended = self._ended, []
+            for c in ended:
+                self._wake_caller(c)
         took = time.perf_counter() - t0
         if len(live) > 1 and len(self._steps) < 100_000:
             self._steps.append(took)
@@ -350,18 +356,26 @@ class Engine:
                 item = call.gen.send(None)
             call.pending = item
         except StopIteration as stop:
-            self._end(call, stop.value, None)
+            self._end(call, stop.value, None, wake=False)
         except BaseException as exc:  # noqa: BLE001  (the call's own error, Cancelled included: to its caller)
-            self._end(call, None, exc)
+            self._end(call, None, exc, wake=False)
         finally:
             cancel._local.token = saved
 
-    def _end(self, call: Call, result: Any, error: BaseException | None) -> None:
+    def _end(self, call: Call, result: Any, error: BaseException | None, wake: bool = True) -> None:
+        """``call`` is done; its caller is woken now, or (``wake=False``, inside a step) when the step ends, so
+        that callers taking up their results do not compete with the rest of the step for the GIL."""
         with self._cond:
             if call in self._running:
                 self._running.remove(call)
                 self._rows -= call.rows
             call.result, call.error, call.done = result, error, True
+        if wake:
+            self._wake_caller(call)
+        else:
+            self._ended.append(call)
+
+    def _wake_caller(self, call: Call) -> None:
         if call.queue is not None:
             call.queue.put(END)
         call.event.set()  # the one wake-up of its caller
