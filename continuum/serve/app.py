@@ -40,6 +40,7 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20
     max_string_length: int | None = None
     worker_threads: int = 64
+    json_bounds: str | None = "default"  # generate.json's bounds= ("default", "small", None)
 
 
 class Context:
@@ -47,7 +48,8 @@ class Context:
 
     def __init__(self, model: Any, config: ServeConfig):
         self.model, self.config = model, config
-        self.engine = Engine(model, config.template, max_string_length=config.max_string_length)
+        self.engine = Engine(model, config.template, max_string_length=config.max_string_length,
+                             bounds=config.json_bounds)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
                            max_bytes=config.retention_bytes)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)

@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body accepted (default 8MiB)")
     p.add_argument("--max-string-length", type=int, default=None,
                    help="bound JSON strings without maxLength in structured outputs (default: unbounded)")
+    p.add_argument("--json-bounds", default="default", choices=["default", "small", "none"],
+                   help="bounds on structured outputs where the schema sets none (default: numbers within int64; "
+                        "small: also strings, arrays and objects, for small models)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServeConfig(served_model_name=name, store=Path(args.store).expanduser(), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
-                         max_string_length=args.max_string_length)
+                         max_string_length=args.max_string_length, json_bounds=args.json_bounds)
     from .store import StoreLockedError
 
     try:

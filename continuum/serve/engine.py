@@ -144,8 +144,10 @@ def _finish(reason: str | None) -> str:
 class Engine:
     """The model, its chat template, and the generators built for requests (cached by their settings)."""
 
-    def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None):
+    def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None,
+                 bounds: Any = "default"):
         self.model, self.template, self.max_string_length = model, template, max_string_length
+        self.bounds = bounds  # generate.json's bounds= for every structured output (numbers within int64...)
         self._generators: OrderedDict[tuple, Generator] = OrderedDict()
         self._lock = threading.Lock()
         self._trigger: str | None = None
@@ -183,6 +185,7 @@ class Engine:
         else:  # one token per step when log-probs are recorded, so steps and tokens align
             gen = generate.json(self.model, schema, use, on_unsupported="raise" if strict else "approximate",
                                 additional_properties=schema == {"type": "object"}, max_string_length=self.max_string_length,
+                                bounds=self.bounds,
                                 whitespace_pattern="" if compact else r"[ ]?",
                                 fast_forward=recorder is None)
         if recorder is None:
