@@ -316,8 +316,10 @@ def main(argv=None) -> int:
     ap.add_argument("--schema-timeout", type=float, default=30.0, help="--model: seconds allowed per schema")
     ap.add_argument("--max-tokens", type=int, default=512, help="--model: max_tokens (capped by the context)")
     ap.add_argument("--compile-only", action="store_true", help="--model: only create the generators")
-    ap.add_argument("--max-string-length", type=int, default=32, help="--model: max_string_length (0: None)")
-    ap.add_argument("--max-items", type=int, default=8, help="--model: max_items (0: None)")
+    ap.add_argument("--bounds", default="small", choices=["default", "small", "none"],
+                    help="--model: generate.json's bounds= (default: small, the recommended bounds for small models)")
+    ap.add_argument("--max-string-length", type=int, default=None, help="--model: max_string_length (overrides --bounds)")
+    ap.add_argument("--max-items", type=int, default=None, help="--model: max_items (overrides --bounds)")
     args = ap.parse_args(argv)
     if args.model:
         from benchmarks.jsonschema_e2e import run

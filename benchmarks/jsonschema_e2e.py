@@ -2,10 +2,11 @@
 
 For each category (fixture file) a stratified sample (``--per-category N`` schemas spread over the
 file; all with ``--per-category 0``), ``generate.json`` with the library defaults (closed objects,
-``on_unsupported="approximate"``), greedy, ``max_string_length`` (``--max-string-length``, default 32) and
-``max_items`` (``--max-items``, default 8), prompt ``"Once upon a time,
-JSON: "`` and ``max_tokens`` up to the model's context. Each schema runs in a worker process killed
-after ``--schema-timeout`` seconds. Outcomes:
+``on_unsupported="approximate"``), greedy, ``bounds`` (``--bounds``, default ``"small"``: the recommended
+bounds for small models; ``--max-string-length``/``--max-items`` override its), prompt ``"Once upon a time,
+JSON: "`` and ``max_tokens`` up to the model's context. ``python -m benchmarks.jsonschema_e2e [options]``
+runs it on ``../shared/fixtures/models/stories260K`` unless ``--model`` says otherwise. Each schema runs in a
+worker process killed after ``--schema-timeout`` seconds. Outcomes:
 
 * ``valid``: returned, and valid under the ORIGINAL schema (checked again here with ``jsonschema``);
 * ``flagged``: ``SchemaViolationError`` (an approximated keyword was violated: never returned);
@@ -29,8 +30,8 @@ from pathlib import Path
 PROMPT = "Once upon a time, JSON: "
 
 
-def _worker(conn, model_path: str, compile_only: bool, max_tokens: int, max_string_length: int | None = 32,
-            max_items: int | None = 8) -> None:
+def _worker(conn, model_path: str, compile_only: bool, max_tokens: int, max_string_length: int | None = None,
+            max_items: int | None = None, bounds: str = "small") -> None:
     import torch
 
     from continuum import generate, models, samplers
@@ -53,7 +54,7 @@ def _worker(conn, model_path: str, compile_only: bool, max_tokens: int, max_stri
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 gen = generate.json(model, schema, samplers.greedy(), max_string_length=max_string_length,
-                                    max_items=max_items)
+                                    max_items=max_items, bounds=None if bounds == "none" else bounds)
             out["compile_s"], out["exact"] = time.perf_counter() - t0, gen.exact
             out["not_enforced"] = list(gen.not_enforced)[:5]
             if compile_only:
@@ -139,7 +140,7 @@ def run(args) -> int:
     if not files or not Path(args.model).exists():
         print(f"no schemas in {args.schemas} or no model at {args.model}: nothing to measure")
         return 0
-    bounds = (args.max_string_length or None, args.max_items or None)
+    bounds = (args.max_string_length or None, args.max_items or None, args.bounds)
     worker, records, t0 = _Worker(args.model, args.compile_only, args.max_tokens, *bounds), [], time.time()
     for path in files:
         for rec in _sample(path, args.per_category):
@@ -148,7 +149,7 @@ def run(args) -> int:
             records.append(out)
         print(f"{path.stem}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     worker.proc.kill()
-    print(f"max_string_length={bounds[0]}, max_items={bounds[1]}")
+    print(f"bounds={bounds[2]!r}, max_string_length={bounds[0]}, max_items={bounds[1]}")
     print(_table(records, args.compile_only))
     failing = [r for r in records if r["outcome"] not in ("valid", "compiled")]
     print("\nNot valid, with reasons:")
@@ -158,3 +159,12 @@ def run(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(records))
     return 1 if any(r["outcome"] == "SILENT-INVALID" for r in records) else 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.jsonschema_e2e: the --model mode on stories260K by default
+    from benchmarks.jsonschema_bench import FIXTURES, main
+
+    argv = sys.argv[1:]
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        argv = ["--model", str(FIXTURES / "models" / "stories260K"), *argv]
+    sys.exit(main(argv))

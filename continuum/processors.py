@@ -199,13 +199,15 @@ class JSONLogitsProcessor(GuideLogitsProcessor):
     that nothing validates, so a schema that cannot be enforced exactly raises
     ``UnsupportedSchemaError`` here. ``on_unsupported="approximate"`` generates under a wider
     schema and warns (``SchemaCoverageWarning``) that every output must be checked with
-    :meth:`parse`; :attr:`exact` says whether it is needed. ``max_string_length`` and ``max_items``
-    bound the strings and arrays that have no bound of their own (as in ``generate.json``).
+    :meth:`parse`; :attr:`exact` says whether it is needed. ``bounds`` (``"default"``: numbers within
+    int64 and fractions of 10 digits; ``"small"`` for small models; a ``JsonBounds``; None), and
+    ``max_string_length`` and ``max_items``, bound the values that have no bound of their own (as in
+    ``generate.json``).
     """
 
     def __init__(self, schema: Any, tokenizer, *, whitespace_pattern: str | None = r"[ ]?", backend: str = "auto",
                  max_string_length: int | None = None, additional_properties: bool = False,
-                 on_unsupported: str = "raise", max_items: int | None = None):
+                 on_unsupported: str = "raise", max_items: int | None = None, bounds: Any = "default"):
         import warnings
 
         from .guides.compile import json_for
@@ -216,7 +218,7 @@ class JSONLogitsProcessor(GuideLogitsProcessor):
             warnings.simplefilter("always")
             guide, prepared = json_for(adapter, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                        max_string_length=max_string_length, additional_properties=additional_properties,
-                                       on_unsupported=on_unsupported, max_items=max_items)
+                                       on_unsupported=on_unsupported, max_items=max_items, bounds=bounds)
         for w in caught:
             message = str(w.message)
             if issubclass(w.category, SchemaCoverageWarning) and not prepared.exact:

@@ -165,7 +165,8 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
 
 def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_pattern: str | None = r"[ ]?",
          backend: str = "auto", max_string_length: int | None = None, additional_properties: bool = False,
-         on_unsupported: str = "approximate", max_items: int | None = None, fast_forward: bool = True,
+         on_unsupported: str = "approximate", max_items: int | None = None, bounds: Any = "default",
+         fast_forward: bool = True,
          token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
          thinking_budget: int | None = None) -> Generator:
@@ -200,12 +201,19 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
         max_string_length: bounds every string without ``maxLength`` (and without format, pattern or
             enum) to this many characters, and every generated property name that has no bound of
             its own (extra keys; each repetition of a ``patternProperties`` pattern), so small models
-            terminate; None (default) leaves them unbounded.
+            terminate (a string with a ``format``: max(N, 64)); None (default) leaves them unbounded.
         max_items: bounds every array without ``maxItems`` to this many items (an explicit
             ``maxItems`` is never tightened; a ``minItems`` above it raises
             ``UnsupportedSchemaError``), so a small model cannot fill its context inside an array
-            it never closes; None (default) leaves them unbounded. ``max_items=8`` with
-            ``max_string_length=32`` suits small models (docs/generators.md).
+            it never closes; None (default) leaves them unbounded.
+        bounds: how long the values the schema leaves unbounded may be, in one argument: ``"default"``
+            (numbers only: integer parts of at most 18 digits, so integers fit an int64, fractions of
+            at most 10 digits, no exponent; a strict-mode user does not notice them), ``"small"``
+            (the recommended bounds for small models: strings 32 characters, arrays 8 items, integer
+            parts 9 digits, fractions 4), a :class:`~continuum.guides.bounds.JsonBounds`, or None
+            (nothing bounded). A bound the schema sets itself is never tightened; ``max_string_length``
+            and ``max_items`` override the preset's. Non-default number bounds are named in the
+            ``SchemaCoverageWarning``; every output is validated against the original schema as always.
 
     Example:
         >>> class User(BaseModel):
@@ -220,7 +228,7 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
     _check_model(model)
     guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                max_string_length=max_string_length, additional_properties=additional_properties,
-                               on_unsupported=on_unsupported, max_items=max_items)
+                               on_unsupported=on_unsupported, max_items=max_items, bounds=bounds)
     gen = Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                     fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,

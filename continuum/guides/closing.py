@@ -66,7 +66,7 @@ def excluding_pattern(names: list[str], max_len: int) -> str:
         return "(?:" + "|".join(alts) + ")" + ("?" if stop_ok else "")
 
     root = walk(trie, 0)
-    assert root is not None  # max_len >= 1 (check_bound): the root always has a one-character rest
+    assert root is not None  # max_len >= 1 (bounds.resolve_bounds): the root always has a one-character rest
     return "^" + root + "$"
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import GeneratorArgumentError, InvalidGrammarError, InvalidRegexError, UnsupportedSchemaError
 from ..models.tokenizer import check_encodable
 from .base import Guide, check_backend
+from .bounds import resolve_bounds
 from .closing import close_objects
 from .limits import compile_limits
 from .llguidance import GrammarCompileError, json_grammar, lark_grammar, llguidance_guide, regex_grammar
@@ -74,15 +75,20 @@ _LIMIT_WORDS = ("limit", "fuel", "too large", "too big", "too many", "exceeded")
 
 def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?", backend: str = "auto",
              max_string_length: int | None = None, additional_properties: bool = False,
-             on_unsupported: str = "approximate", max_items: int | None = None) -> tuple[Guide, PreparedSchema]:
+             on_unsupported: str = "approximate", max_items: int | None = None,
+             bounds: Any = "default") -> tuple[Guide, PreparedSchema]:
     """(guide, prepared schema) of a pydantic model class or JSON schema (raises ``UnsupportedSchemaError``).
+
+    ``bounds`` (default ``"default"``: numbers within int64, fractions of 10 digits) bounds what the
+    schema leaves unbounded (:mod:`continuum.guides.bounds`); ``max_string_length``/``max_items`` override it.
 
     Emits ONE :class:`SchemaCoverageWarning` listing what is not enforced exactly (normaliser and
     engine together); ``prepared.exact`` says whether every keyword is enforced.
     """
     check_backend(backend)
-    prepared = prepare_json_schema(schema, max_string_length=max_string_length, warn=False, max_items=max_items,
-                                   additional_properties=additional_properties, on_unsupported=on_unsupported)
+    limits = resolve_bounds(bounds, max_string_length, max_items)
+    prepared = prepare_json_schema(schema, bounds=limits, warn=False, additional_properties=additional_properties,
+                                   on_unsupported=on_unsupported)
     approximate = on_unsupported == "approximate"
     if backend == "outlines":
         try:
@@ -92,8 +98,8 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?"
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
         return guide, _done_prepared(prepared, ignored)
     return _llguidance_json(tokenizer, schema, prepared, whitespace_pattern, approximate,
-                            dict(max_string_length=max_string_length, max_items=max_items, warn=False,
-                                 additional_properties=additional_properties, on_unsupported=on_unsupported))
+                            dict(bounds=limits, warn=False, additional_properties=additional_properties,
+                                 on_unsupported=on_unsupported))
 
 
 def _forms(prepared: PreparedSchema, additional_properties: bool, widened: list | None = None,

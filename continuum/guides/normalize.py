@@ -17,7 +17,8 @@
   keyword and its JSON path;
 * ``max_string_length`` bounds strings that have no ``maxLength`` (no ``format``/``pattern``/``enum``);
   ``max_items`` bounds arrays that have no ``maxItems`` (an explicit bound is never tightened; a
-  ``minItems`` above ``max_items`` is refused, as no array could satisfy both).
+  ``minItems`` above ``max_items`` is refused, as no array could satisfy both); ``bounds`` also
+  bounds numbers, format strings and open objects (:mod:`continuum.guides.bounds`).
 
 Example:
     >>> normalize_schema({"type": "object", "properties": {"t": {"$ref": "#/$defs/tag"}},
@@ -34,6 +35,7 @@ from urllib.parse import unquote
 
 from ..errors import UnsupportedSchemaError
 from . import rewrites as rw
+from .bounds import JsonBounds, bound_numbers, bounds_note, resolve_bounds
 from .limits import check_schema_bounds
 from .metaschemas import metaschema as _metaschema
 
@@ -382,14 +384,9 @@ def _arrayish(node: dict) -> bool:
     return t == "array" or (isinstance(t, list) and "array" in t)
 
 
-def check_bound(name: str, value: Any) -> None:
-    """``max_string_length``/``max_items``: a positive int or None (``UnsupportedSchemaError`` otherwise)."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise UnsupportedSchemaError(f"{name} must be a positive int or None, got {value!r}")
-
-
 def normalize_schema(schema: Any, *, max_string_length: int | None = None, approximate: bool = False,
-                     max_items: int | None = None, relax: bool = False, inline: bool = True) -> NormalizedSchema:
+                     max_items: int | None = None, relax: bool = False, inline: bool = True,
+                     bounds: JsonBounds | None = None) -> NormalizedSchema:
     """Normalise ``schema`` (a dict or bool) for the engines; see the module docstring.
 
     Raises :class:`~continuum.errors.UnsupportedSchemaError` (with ``.keyword`` and ``.path``) for a
@@ -399,10 +396,11 @@ def normalize_schema(schema: Any, *, max_string_length: int | None = None, appro
     ``relax=True`` (with ``approximate``) widens where it would narrow (``oneOf`` -> ``anyOf``,
     ``uniqueItems`` and ``contains`` dropped...), so the result accepts every valid value: the
     fallback when a narrowing left nothing. ``inline=False`` keeps every reference a ``$ref`` into
-    ``$defs`` (a smaller schema for the engines' size limits).
+    ``$defs`` (a smaller schema for the engines' size limits). ``bounds`` (None: none) bounds strings,
+    arrays and numbers without bounds of their own; ``max_string_length``/``max_items`` override its.
     """
-    check_bound("max_string_length", max_string_length)
-    check_bound("max_items", max_items)
+    limits = resolve_bounds(bounds, max_string_length, max_items)  # also checks max_string_length, max_items
+    max_string_length, max_items = limits.max_string_length, limits.max_items
     check_schema_bounds(schema)  # depth, size, enum: before any recursive walk
     dialect = dialect_of(schema)
     for inline_refs in (True, False)[0 if inline else 1:]:
@@ -415,4 +413,7 @@ def normalize_schema(schema: Any, *, max_string_length: int | None = None, appro
     if n.names:
         defs = {n.names[r]: n.done[r] for r in list(n.names)}
         out = {"allOf": [out], "$defs": defs} if not isinstance(out, dict) or "$defs" in out else {**out, "$defs": defs}
-    return NormalizedSchema(out, tuple(n.narrowed), dialect, tuple(n.approximated))
+    out, bounded = bound_numbers(out, limits)  # after every rewrite: only positive positions remain
+    note = bounds_note(limits, bounded)
+    narrowed = n.narrowed + ([Narrowing("", "bounds", note)] if note else [])
+    return NormalizedSchema(out, tuple(narrowed), dialect, tuple(n.approximated))

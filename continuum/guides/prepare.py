@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SchemaViolationError, UnsupportedSchemaError
+from .bounds import resolve_bounds
 from .limits import check_schema_bounds
 from .normalize import NormalizedSchema, dialect_of, normalize_schema
 from .schema import SchemaCoverageWarning, outlines_regex
@@ -141,10 +142,14 @@ def check_options(additional_properties: Any, on_unsupported: Any) -> None:
 
 def prepare_json_schema(schema: Any, *, max_string_length: int | None = None, additional_properties: bool = False,
                         on_unsupported: str = "approximate", warn: bool = True,
-                        max_items: int | None = None, relax: bool = False, inline: bool = True) -> PreparedSchema:
+                        max_items: int | None = None, relax: bool = False, inline: bool = True,
+                        bounds: Any = None) -> PreparedSchema:
     """Normalise ``schema`` (a pydantic model class, a JSON schema dict or string) and build its output check.
 
     Args:
+        bounds: how long the values the schema leaves unbounded may be (a
+            :class:`~continuum.guides.bounds.JsonBounds`, a preset name ``"default"``/``"small"``/``"none"``,
+            or None: nothing bounded; see :mod:`continuum.guides.bounds`).
         max_string_length: bounds every string value and every generated property name that has no
             bound of its own.
         max_items: bounds every array that has no ``maxItems`` (never tightens an explicit bound;
@@ -168,6 +173,8 @@ def prepare_json_schema(schema: Any, *, max_string_length: int | None = None, ad
 
     check_options(additional_properties, on_unsupported)
     approximate = on_unsupported == "approximate"
+    limits = resolve_bounds(bounds, max_string_length, max_items)
+    max_string_length = limits.max_string_length
 
     def engine_schema(normalized: NormalizedSchema) -> Any:
         return close_objects(normalized.schema, additional_properties=additional_properties,
@@ -178,8 +185,7 @@ def prepare_json_schema(schema: Any, *, max_string_length: int | None = None, ad
             model_schema = schema.model_json_schema()
         except Exception as exc:  # BaseModel itself, a field type pydantic cannot express in JSON Schema...
             raise UnsupportedSchemaError(f"pydantic cannot give the JSON schema of {schema.__name__}: {exc}") from exc
-        normalized = normalize_schema(model_schema, max_string_length=max_string_length, approximate=approximate,
-                                      max_items=max_items, relax=relax, inline=inline)
+        normalized = normalize_schema(model_schema, approximate=approximate, relax=relax, inline=inline, bounds=limits)
 
         def validate_model(value: Any) -> None:
             schema.model_validate(value)
@@ -199,8 +205,7 @@ def prepare_json_schema(schema: Any, *, max_string_length: int | None = None, ad
                                          f"string, not {type(schema).__name__}")
         check_schema_bounds(schema)  # before anything walks it recursively
         validator = original_validator(schema, dialect_of(schema))  # the metaschema refuses malformed keywords first
-        normalized = normalize_schema(schema, max_string_length=max_string_length, approximate=approximate,
-                                      max_items=max_items, relax=relax, inline=inline)
+        normalized = normalize_schema(schema, approximate=approximate, relax=relax, inline=inline, bounds=limits)
         validate = _checker(validator)
 
         def parse(text: str) -> Any:

@@ -11,6 +11,7 @@ import warnings
 from typing import Any
 
 from ..errors import UnsupportedSchemaError
+from .bounds import MARKER
 
 __all__ = ["outlines_regex", "outlines_regex_ignored", "SchemaCoverageWarning"]
 
@@ -95,6 +96,8 @@ def _for_outlines(node: Any) -> Any:
         return [_for_outlines(v) for v in node]
     if not isinstance(node, dict):
         return node
+    if MARKER in node:
+        node = _outlines_digits(node)
     if ("enum" in node or "const" in node) and len(node) > 1 and "$ref" not in _json.dumps(node):
         # outlines-core reads enum/const OR the other keywords: keep the values the others allow (exact)
         import jsonschema
@@ -112,6 +115,25 @@ def _for_outlines(node: Any) -> Any:
             out[key] = value
         else:
             out[key] = _for_outlines(value)
+    return out
+
+
+def _outlines_digits(node: dict) -> dict:
+    """A node :func:`~continuum.guides.bounds.bound_numbers` bounded, spelled for outlines-core, which
+    ignores ranges and ``multipleOf``: an integer's added range becomes ``maxDigits`` (exact for
+    -/+ 10**k; as many as the schema's own bound on the other side needs, as digits bound both). Its
+    number digit keywords are wrong in 0.2.14 (``maxDigitsInteger`` forbids one-digit integer parts,
+    an empty exponent is allowed), so numbers stay unbounded there: a bound is a narrowing, dropping
+    it only widens back to the schema."""
+    added = node[MARKER]
+    out = {k: v for k, v in node.items() if k != MARKER and k not in added}
+    t = node.get("type")
+    if "number" not in (t if isinstance(t, list) else [t]):
+        digits = [len(str(abs(int(node[k])))) - (k in added) for k in ("exclusiveMinimum", "exclusiveMaximum",
+                                                                      "minimum", "maximum") if k in node]
+        if digits and all(isinstance(node[k], (int, float)) for k in ("exclusiveMinimum", "exclusiveMaximum",
+                                                                       "minimum", "maximum") if k in node):
+            out["maxDigits"] = max(digits)
     return out
 
 

@@ -42,6 +42,7 @@ class ServeConfig:
     max_string_length: int | None = None
     worker_threads: int = 64
     reasoning: bool = False  # --reasoning: requests think first unless they say otherwise (docs/reasoning.md)
+    json_bounds: str | None = "default"  # generate.json's bounds= ("default", "small", None)
 
 
 class Context:
@@ -49,7 +50,8 @@ class Context:
 
     def __init__(self, model: Any, config: ServeConfig):
         self.model, self.config = model, config
-        self.engine = Engine(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning)
+        self.engine = Engine(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning,
+                             bounds=config.json_bounds)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
                            max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="bound JSON strings without maxLength in structured outputs (default: unbounded)")
     p.add_argument("--reasoning", action="store_true",
                    help="a reasoning model: replies think first (<think>...</think>), then answer; requests may turn it off")
+    p.add_argument("--json-bounds", default="default", choices=["default", "small", "none"],
+                   help="bounds on structured outputs where the schema sets none (default: numbers within int64; "
+                        "small: also strings, arrays and objects, for small models)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
                          max_string_length=args.max_string_length, reasoning=args.reasoning,
-                         store_kv=args.store_kv == "full")
+                         store_kv=args.store_kv == "full", json_bounds=args.json_bounds)
     from ..errors import ReasoningError
     from .store import StoreLockedError
 

@@ -157,8 +157,9 @@ class Engine:
     """The model, its chat template, and the generators built for requests (cached by their settings)."""
 
     def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None,
-                 reasoning: bool = False):
+                 reasoning: bool = False, bounds: Any = "default"):
         self.model, self.template, self.max_string_length = model, template, max_string_length
+        self.bounds = bounds  # generate.json's bounds= for every structured output (numbers within int64...)
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
         if reasoning:  # the markers must exist: fail at start, not on every request
             resolve_markers(model.tokenizer, True)
@@ -203,6 +204,7 @@ class Engine:
         else:  # one token per step when log-probs are recorded, so steps and tokens align
             gen = generate.json(self.model, schema, use, on_unsupported="raise" if strict else "approximate",
                                 additional_properties=schema == {"type": "object"}, max_string_length=self.max_string_length,
+                                bounds=self.bounds,
                                 whitespace_pattern="" if compact else r"[ ]?",
                                 fast_forward=recorder is None, backend=backend)
         if recorder is None:

@@ -1,0 +1,201 @@
+"""JSON that ends: numbers the schema leaves unbounded are bounded (``bounds=``), and only those.
+
+* termination, against a brute-force reference: an adversarial walk that always writes another
+  digit when the guide allows one ends under the default bounds, and does not end without them;
+  ``generate.json`` on the random tiny models and on stories260K returns a value that ``jsonschema``
+  accepts, within the context;
+* soundness: every value the bounded schema accepts, the original accepts (``jsonschema`` on a grid
+  of values around the bounds), and a bound the schema sets is kept: a value above the default digit
+  limit but inside the schema's ``maximum`` walks through the compiled guide;
+* bad ``bounds`` values are a ``GeneratorArgumentError`` at creation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import jsonschema
+import pytest
+import torch
+
+from continuum import generate, samplers
+from continuum.errors import GeneratorArgumentError, UnsupportedSchemaError
+from continuum.guides import JsonBounds, SchemaCoverageWarning
+from continuum.guides.compile import json_for
+from continuum.guides.normalize import normalize_schema
+
+NUMBERS = {"type": "object", "properties": {
+    "count": {"type": "integer"},
+    "ratio": {"type": "number"},
+    "reading": {"type": "number", "minimum": 0},
+    "readings": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
+    "required": ["count", "ratio", "reading", "readings"]}
+
+
+def _walk(guide, tokenizer, text: str) -> bool:
+    state = guide.new_state()
+    for t in tokenizer.encode_continuation(text):
+        state = guide.advance(state, t)
+        if state is None:
+            return False
+    return guide.is_final(state)
+
+
+def _digit_hungry_walk(guide, tokenizer, limit: int) -> tuple[str, bool]:
+    """(text, ended): always take the allowed token with the most digits (then one with ``.``, ``e``
+    or ``-``, which open more digits), else the lowest allowed id; ends when only EOS is left."""
+    size = len(tokenizer.hf)
+    pieces = [tokenizer.hf.decode([i]) for i in range(size)]
+    eos = tokenizer.eos_token_ids
+    state, text = guide.new_state(), ""
+    for _ in range(limit):
+        allowed = torch.isfinite(guide.apply_mask(torch.zeros(1, size), [state])[0]).nonzero().flatten().tolist()
+        allowed = [t for t in allowed if t not in eos]
+        if not allowed:
+            return text, True
+        digits = sorted(allowed, key=lambda t: (-sum(c.isdigit() for c in pieces[t]), t))
+        opening = [t for t in allowed if any(c in pieces[t] for c in ".eE-")]
+        pick = digits[0] if any(c.isdigit() for c in pieces[digits[0]]) else (opening or allowed)[0]
+        state = guide.advance(state, pick)
+        assert state is not None
+        text += pieces[pick]
+    return text, False
+
+
+# --- termination ------------------------------------------------------------------------------
+
+def test_default_bounds_end_a_digit_hungry_walk_and_no_bounds_do_not(gpt2_model):
+    tok = gpt2_model.tokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bounded, _ = json_for(tok, NUMBERS)
+        free, _ = json_for(tok, NUMBERS, bounds=None)
+    text, ended = _digit_hungry_walk(bounded, tok, 400)
+    assert ended, text[-200:]
+    value = json.loads(text)
+    jsonschema.validate(value, NUMBERS)
+    # every number within the default bounds: integer parts of 18 digits (llguidance reads the range
+    # through a float, so 10**18 itself may be written), fractions of <= 10 digits, no exponent
+    numbers = re.findall(r"-?([0-9]+)(?:\.([0-9]+))?([eE][-+]?[0-9]+)?", text)
+    assert len(numbers) == 3 + len(value["readings"]), text
+    for whole, fraction, exponent in numbers:
+        assert int(whole) <= 10 ** 18 and len(fraction) <= 10 and not exponent, text
+    text, ended = _digit_hungry_walk(free, tok, 400)
+    assert not ended, "without bounds the walk should still be writing digits"
+
+
+NUMBER_HEAVY_PROMPT = "Measurements as JSON: "
+
+
+@pytest.mark.parametrize("bounds", ["default", "small"])
+def test_number_heavy_schema_ends_on_the_random_models(model, bounds):
+    gen = generate.json(model, NUMBERS, samplers.multinomial(), bounds=bounds)
+    room = 200  # the tiny models have 256 positions
+    for seed in range(3):
+        value = gen(NUMBER_HEAVY_PROMPT, max_tokens=room, rng=torch.Generator().manual_seed(seed))
+        jsonschema.validate(value, NUMBERS)
+
+
+def test_number_heavy_schema_ends_on_stories260k(stories):
+    room = stories.context_length - len(stories.tokenizer.encode_continuation(NUMBER_HEAVY_PROMPT)) - 1
+    for bounds in ("default", "small"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SchemaCoverageWarning)
+            gen = generate.json(stories, NUMBERS, samplers.greedy(), bounds=bounds)
+        jsonschema.validate(gen(NUMBER_HEAVY_PROMPT, max_tokens=room), NUMBERS)
+
+
+# --- soundness, and the schema's own bounds ---------------------------------------------------
+
+GRID = [0, 1, -1, 7.5, -0.25, 10 ** 9 - 1, 10 ** 9, -(10 ** 9), 10 ** 17, 10 ** 18 - 1, 10 ** 18, -(10 ** 18),
+        5 * 10 ** 18, 10 ** 25, 1e30, 2e30, 0.1234, 0.12345, 1.5e-11, 3.0, None, "x"]
+
+
+@pytest.mark.parametrize("bounds", [JsonBounds(), JsonBounds(integer_digits=9, fraction_digits=4)])
+@pytest.mark.parametrize("schema", [
+    {"type": "integer"}, {"type": "number"}, {"type": ["number", "null"]}, {"type": "integer", "minimum": 0},
+    {"type": "integer", "maximum": 1e30}, {"type": "number", "minimum": 2e30}, {"type": "number", "multipleOf": 0.5},
+    {"type": "integer", "allOf": [{"maximum": 5 * 10 ** 18}]}, {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+    {"type": "array", "items": {"type": "number", "exclusiveMaximum": 10 ** 25}},
+])
+def test_bounded_schema_accepts_only_valid_values_and_keeps_the_schemas_bounds(schema, bounds):
+    original = jsonschema.Draft202012Validator(schema)
+    bounded = jsonschema.Draft202012Validator(normalize_schema(schema, bounds=bounds).schema)
+    for value in GRID + [[v] for v in GRID]:
+        if bounded.is_valid(value):
+            assert original.is_valid(value), (schema, value)
+    for key in ("minimum", "maximum", "multipleOf", "exclusiveMaximum"):  # never tightened, never dropped
+        if key in schema:
+            assert normalize_schema(schema, bounds=bounds).schema[key] == schema[key]
+    # the schema's own large bound still admits what lies beyond the default digit limit
+    if schema.get("maximum") == 1e30:
+        assert bounded.is_valid(10 ** 25)
+    if schema.get("minimum") == 2e30:
+        assert bounded.is_valid(3e30)
+
+
+def test_a_schemas_own_large_bound_is_producible(gpt2_model):
+    """A value above the default digit limit (18) but inside the schema's ``maximum`` walks through
+    the compiled guide (llguidance and outlines-core), and the other side is still bounded."""
+    tok = gpt2_model.tokenizer
+    schema = {"type": "object", "properties": {"big": {"type": "integer", "maximum": 9 * 10 ** 18},
+                                               "far": {"type": "number", "maximum": 9e18}},
+              "required": ["big", "far"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        guide, prepared = json_for(tok, schema)
+        outlines, _ = json_for(tok, {"type": "integer", "maximum": 1e30}, backend="outlines")
+    assert prepared.schema["properties"]["big"]["maximum"] == 9 * 10 ** 18
+    assert _walk(guide, tok, '{"big":5000000000000000000,"far":5000000000000000000.5}')
+    assert not _walk(guide, tok, '{"big":-5000000000000000000,"far":1}')  # below the default lower bound
+    assert _walk(outlines, tok, str(10 ** 25))  # 26 digits under a maximum of 1e30 (31 digits)
+    assert not _walk(outlines, tok, "-" + str(10 ** 40))
+    small, _ = json_for(tok, {"type": "integer", "minimum": -(10 ** 12)}, bounds="small")
+    assert _walk(small, tok, str(-(10 ** 12))) and _walk(small, tok, "999999999")
+    assert not _walk(small, tok, "1000000000")
+
+
+def test_non_default_bounds_are_named_in_the_coverage_warning(gpt2_model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate.json(gpt2_model, NUMBERS)
+    assert not [w for w in caught if issubclass(w.category, SchemaCoverageWarning)]
+    with pytest.warns(SchemaCoverageWarning, match=r"integer part <= 9 digits.*fraction <= 4 digits"):
+        gen = generate.json(gpt2_model, NUMBERS, bounds="small")
+    assert gen.exact  # a bound narrows: nothing goes unenforced
+
+
+# --- bad values ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [dict(integer_digits=-1), dict(integer_digits=0), dict(integer_digits=2.5),
+                                 dict(integer_digits=True), dict(integer_digits=19), dict(fraction_digits=-1),
+                                 dict(fraction_digits=11), dict(fraction_digits="4"), dict(max_items=0),
+                                 dict(max_properties=-3), dict(max_string_length=1.5)])
+def test_bad_bound_values_raise(bad):
+    with pytest.raises(GeneratorArgumentError, match=next(iter(bad))):
+        JsonBounds(**bad)
+
+
+def test_bad_bounds_arguments_raise_at_creation(gpt2_model):
+    from continuum.processors import JSONLogitsProcessor
+
+    for bad in ("tiny", 5, {"integer_digits": 3}, ["small"]):
+        with pytest.raises(GeneratorArgumentError, match="bounds must be one of"):
+            generate.json(gpt2_model, NUMBERS, bounds=bad)
+        with pytest.raises(GeneratorArgumentError, match="bounds must be one of"):
+            JSONLogitsProcessor(NUMBERS, gpt2_model.tokenizer.hf, bounds=bad)
+    with pytest.raises(UnsupportedSchemaError, match="max_items"):
+        generate.json(gpt2_model, NUMBERS, max_items=-1, bounds="small")
+
+
+def test_processor_takes_bounds(gpt2_model):
+    from continuum.processors import JSONLogitsProcessor
+
+    tok = gpt2_model.tokenizer
+    text = '{"count":1234567890,"ratio":1,"reading":1,"readings":[]}'  # 10 integer digits
+    assert _walk(JSONLogitsProcessor(NUMBERS, tok.hf).guide, tok, text)
+    with pytest.warns(SchemaCoverageWarning):
+        small = JSONLogitsProcessor(NUMBERS, tok.hf, bounds="small")
+    assert not _walk(small.guide, tok, text)
