@@ -120,10 +120,11 @@ class Engine:
         key = next_key() if self._ranks is not None else None
         call = Call(gen, first, rows, stream, key)
         with self._cond:
-            self._inbox.append(call)
-            self._cond.notify_all()
+            self._inbox.append(call)  # (a driver admits it at its next step, or the caller drives in wait())
+            if self._ranks is not None:
+                self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if stream:
-            self._wake()
+            self._wake()  # streams are driven by the engine's thread
         return call
 
     def wait(self, call: Call) -> Any:
@@ -179,7 +180,8 @@ class Engine:
                 drive = self._driver is None
                 if drive:
                     self._driver = me
-                self._cond.notify_all()
+                elif self._ranks is not None:
+                    self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if alone:
             return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
         self._until_done(req, drive)
