@@ -8,9 +8,11 @@
            forward the new column ◀── append, advance guides ◀── sampler: ids, ancestors, scores
                                       check EOS / stop strings     reorder ALL per-row state (Rows.reorder)
 
-The loop is a Python generator: it yields a :class:`Step` after every forward pass (streaming reads
-them) and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one,
-the whole run is appended and computed in the same next forward pass (:mod:`continuum.loop.fastforward`).
+The loop (:func:`_decode`) is a Python generator run by the model's engine (:mod:`continuum.loop.engine`):
+it yields a :class:`~continuum.loop.merge.Request` wherever it needs the model (the engine resumes it
+with the result, merged with every running call's), a :class:`Step` after each step when it is streamed,
+and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one, the whole
+run is appended and computed in the same next forward pass (:mod:`continuum.loop.fastforward`).
 """
 
 from __future__ import annotations
