@@ -19,6 +19,7 @@ import warnings
 import jsonschema
 import pytest
 import torch
+from test_strict_json import _walk  # (guide, text, tokenizer): does the guide accept the text, token by token
 
 from continuum import generate, samplers
 from continuum.errors import GeneratorArgumentError, UnsupportedSchemaError
@@ -32,15 +33,6 @@ NUMBERS = {"type": "object", "properties": {
     "reading": {"type": "number", "minimum": 0},
     "readings": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
     "required": ["count", "ratio", "reading", "readings"]}
-
-
-def _walk(guide, tokenizer, text: str) -> bool:
-    state = guide.new_state()
-    for t in tokenizer.encode_continuation(text):
-        state = guide.advance(state, t)
-        if state is None:
-            return False
-    return guide.is_final(state)
 
 
 def _digit_hungry_walk(guide, tokenizer, limit: int) -> tuple[str, bool]:
@@ -148,13 +140,13 @@ def test_a_schemas_own_large_bound_is_producible(gpt2_model):
         guide, prepared = json_for(tok, schema)
         outlines, _ = json_for(tok, {"type": "integer", "maximum": 1e30}, backend="outlines")
     assert prepared.schema["properties"]["big"]["maximum"] == 9 * 10 ** 18
-    assert _walk(guide, tok, '{"big":5000000000000000000,"far":5000000000000000000.5}')
-    assert not _walk(guide, tok, '{"big":-5000000000000000000,"far":1}')  # below the default lower bound
-    assert _walk(outlines, tok, str(10 ** 25))  # 26 digits under a maximum of 1e30 (31 digits)
-    assert not _walk(outlines, tok, "-" + str(10 ** 40))
+    assert _walk(guide, '{"big":5000000000000000000,"far":5000000000000000000.5}', tok)
+    assert not _walk(guide, '{"big":-5000000000000000000,"far":1}', tok)  # below the default lower bound
+    assert _walk(outlines, str(10 ** 25), tok)  # 26 digits under a maximum of 1e30 (31 digits)
+    assert not _walk(outlines, "-" + str(10 ** 40), tok)
     small, _ = json_for(tok, {"type": "integer", "minimum": -(10 ** 12)}, bounds="small")
-    assert _walk(small, tok, str(-(10 ** 12))) and _walk(small, tok, "999999999")
-    assert not _walk(small, tok, "1000000000")
+    assert _walk(small, str(-(10 ** 12)), tok) and _walk(small, "999999999", tok)
+    assert not _walk(small, "1000000000", tok)
 
 
 def test_non_default_bounds_are_named_in_the_coverage_warning(gpt2_model):
@@ -195,7 +187,7 @@ def test_processor_takes_bounds(gpt2_model):
 
     tok = gpt2_model.tokenizer
     text = '{"count":1234567890,"ratio":1,"reading":1,"readings":[]}'  # 10 integer digits
-    assert _walk(JSONLogitsProcessor(NUMBERS, tok.hf).guide, tok, text)
+    assert _walk(JSONLogitsProcessor(NUMBERS, tok.hf).guide, text, tok)
     with pytest.warns(SchemaCoverageWarning):
         small = JSONLogitsProcessor(NUMBERS, tok.hf, bounds="small")
-    assert not _walk(small.guide, tok, text)
+    assert not _walk(small.guide, text, tok)
