@@ -212,12 +212,9 @@ def _decode(
             for r, t in enumerate(id_list):
                 rows.accept(r, t)  # (no guide: always kept; a stop string may end the row after it)
             rows.queue_column(id_list, lp_list)
-            for r, g in enumerate(rows.generated):
-                if not rows.finished[r] and (g >= steps or rows.room[r] <= 0):
-                    rows.end(r, exhausted if g >= steps else "context")
+            rows.end_exhausted(steps, exhausted)
             if track_text:  # (a stream's chunk)
-                yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None
-                           else None, False)
+                yield Step(rows.step_texts(), False)
             if all(rows.finished):
                 break
             if reals is None:
@@ -282,12 +279,9 @@ def _decode(
             rows.width = col + 1
         else:
             rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
-        for r, g in enumerate(rows.generated):
-            if not rows.finished[r] and (g >= steps or rows.room[r] <= 0):  # max_tokens, or this row's context is full
-                rows.end(r, exhausted if g >= steps else "context")
+        rows.end_exhausted(steps, exhausted)
         if track_text:  # (a stream's chunk)
-            yield Step([d.stable_text()[h:] for d, h in zip(rows.detoks, rows.heal_chars)] if rows.detoks is not None
-                       else None, reordered)
+            yield Step(rows.step_texts(), reordered)
         if all(rows.finished):
             if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
                 out, rows.kv = yield from forward(col, col + width - 1, logits="all")

@@ -93,6 +93,18 @@ class Rows:
         done = gs is not None and self.guide is not None and self.guide.is_done(gs)  # guide states come with a guide
         self.finished[r], self.reason[r] = True, "pattern" if done else reason
 
+    def end_exhausted(self, steps: int, exhausted: str) -> None:
+        """End the rows that reached ``max_tokens`` (``steps``: for ``exhausted``) or their own context."""
+        for r, g in enumerate(self.generated):
+            if not self.finished[r] and (g >= steps or self.room[r] <= 0):
+                self.end(r, exhausted if g >= steps else "context")
+
+    def step_texts(self) -> list[str] | None:
+        """Every row's generated text so far (held back where a character is incomplete), when tracked."""
+        if self.detoks is None:
+            return None
+        return [d.stable_text()[h:] for d, h in zip(self.detoks, self.heal_chars)]
+
     def reorder(self, ancestors: torch.Tensor) -> None:
         self.flush()
         idx = ancestors.tolist()
