@@ -323,6 +323,7 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
         for chain in hits.values():
             cache.release(chain)
         cache.settle()  # a waiting call holds no prefix others could wait for (no cycle)
+        state._model.engine.arrivals.arrived()  # (nor does the engine's next step wait for its setup)
         wait.done.wait(_WAIT_S)  # (not yet submitted to the engine: nobody waits for this call meanwhile)
     else:
         hits = {}

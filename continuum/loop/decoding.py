@@ -84,9 +84,11 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
     come through a queue; closing this generator takes the loop out at the engine's next step.
     """
     model = state._model
+    engine = model.engine
     loop = _decode(state, sampler, **options)
     try:
         stream = bool(options.get("track_text"))
+        engine.arrivals.arrive()  # (the next step waits a little for this setup: calls started together prefill together)
         try:
             first = next(loop)  # the setup, up to the loop's first forward request
             while not isinstance(first, Request):  # guidance: the branch's forwards are one-off requests,
@@ -94,9 +96,12 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
                     yield first
                 first = next(loop)
         except StopIteration as done:  # nothing left to compute (max_tokens=0, or the loop ran here)
+            engine.arrivals.arrived()
             return done.value
+        except BaseException:
+            engine.arrivals.arrived()
+            raise
         rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
-        engine = model.engine
         call = engine.submit(loop, first, rows, stream=stream)
         try:
             if call.queue is None:

@@ -51,6 +51,7 @@ import torch
 from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
+from .arrivals import Arrivals
 from .forwards import run_requests
 from .merge import Request
 from .ranks import Ranks, next_key
@@ -104,6 +105,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ended: list[Call] = []  # calls done in this step, woken when it ends
+        self.arrivals = Arrivals()  # calls being set up in their callers' threads: the next step waits for them
+        self._step_s = 0.0  # the last step's duration: how long the next step may wait for them
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
         self._stats: dict[str, Any] = {}
         self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
@@ -123,6 +126,7 @@ class Engine:
             self._inbox.append(call)  # (a driver admits it at its next step, or the caller drives in wait())
             if self._ranks is not None:
                 self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
+        self.arrivals.arrived()  # (in the inbox: a step waiting for its setup may run now)
         if stream:
             self._wake()  # streams are driven by the engine's thread
         return call
@@ -170,6 +174,7 @@ class Engine:
         runs that step when nobody else drives: a lone one costs one forward); at once when the driver
         itself makes it, inside a step."""
         me = threading.get_ident()
+        self.arrivals.arrived()  # (a call's setup making a one-off request: the step must not wait for it)
         with self._cond:
             alone = self._driver == me
             if not alone:
@@ -276,7 +281,7 @@ class Engine:
         rest: list[Call | Request] = []
         with self._cond:
             if self._ranks is not None:
-                chosen = self._coordinated_admission()
+                chosen = self._ranks.admit(self._cond, self._inbox)
             else:
                 rows = self._rows
                 for item in self._inbox:
@@ -292,35 +297,11 @@ class Engine:
             self._rows += sum(c.rows for c in calls)
         return calls, [r for r in chosen if isinstance(r, Request)]
 
-    def _coordinated_admission(self) -> list[Call | Request]:
-        """Under tensor parallelism (lock held): rank 0 admits its whole inbox and broadcasts the keys;
-        the other ranks wait until those are in their inbox and admit exactly them, in that order."""
-        assert self._ranks is not None
-        if self._ranks.leader:
-            chosen = sorted(self._inbox, key=lambda x: repr(x.key))
-            self._inbox = []
-            self._cond.release()
-            try:
-                self._ranks.share([x.key for x in chosen])
-            finally:
-                self._cond.acquire()
-            return chosen
-        self._cond.release()
-        try:
-            keys = self._ranks.share([])
-        finally:
-            self._cond.acquire()
-        wanted = set(keys)
-        while not wanted.issubset(x.key for x in self._inbox):
-            self._cond.wait()
-        by_key = {x.key: x for x in self._inbox}
-        self._inbox = [x for x in self._inbox if x.key not in wanted]
-        return [by_key[k] for k in keys]
-
     @torch.inference_mode()  # (the loops' tensors and the merged forwards: no autograd, as in model.forward)
     def _step(self) -> None:
         """One step of every running call: admit, one merged forward, every loop to its next request."""
-        time.sleep(0)  # hand the GIL to callers between steps: threads setting up a call join this step, not a later one
+        # calls being set up join this step, not a later one (under torchrun rank 0 decides the admissions: no wait)
+        self.arrivals.gather(self._step_s if self._ranks is None else 0.0)
         t0 = time.perf_counter()
         _, oneoff = self._admit()
         running = list(self._running)
@@ -345,6 +326,7 @@ class Engine:
             self._steps.append(took)
         self._stats["steps"] += 1
         self._stats["busy_s"] += took
+        self._step_s = took
 
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""

@@ -69,3 +69,28 @@ class Ranks:
         box = [keys if self.leader else None]
         self._dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
+
+    def admit(self, cond: threading.Condition, inbox: list) -> list:
+        """One step's admissions (``cond`` held; ``inbox``: items with a ``key``, taken out in place, as other
+        threads append to it while the lock is released): rank 0 admits its whole inbox and broadcasts the
+        keys; the other ranks wait until those are in their inbox and admit exactly them, in that order."""
+        if self.leader:
+            chosen = sorted(inbox, key=lambda x: repr(x.key))
+            inbox.clear()
+            cond.release()
+            try:
+                self.share([x.key for x in chosen])
+            finally:
+                cond.acquire()
+            return chosen
+        cond.release()
+        try:
+            keys = self.share([])
+        finally:
+            cond.acquire()
+        wanted = set(keys)
+        while not wanted.issubset(x.key for x in inbox):
+            cond.wait()
+        by_key = {x.key: x for x in inbox}
+        inbox[:] = [x for x in inbox if x.key not in wanted]
+        return [by_key[k] for k in keys]
