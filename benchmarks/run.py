@@ -30,6 +30,8 @@ def _parse(argv):
                         "loaded machine from stalling 2-thread runs; it applies to both sides)")
     p.add_argument("--reps", type=int, default=None, help="override the repetitions of every scenario")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clients", type=int, default=None,
+                   help="B21: concurrent clients (default 16; --quick 4); the issue's figures are taken at 16 and 64")
     p.add_argument("--json", default=None, help="write all figures and notes to this JSON file")
     p.add_argument("--markdown", default=None, help="write the table as Markdown to this file")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")

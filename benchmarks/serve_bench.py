@@ -156,12 +156,31 @@ def _in_process(model, template: str, users: list[str], new: int) -> list[dict]:
     return turns
 
 
+def _engine_stats(url: str) -> dict:
+    """The server's engine counters (``GET /health``)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
+        return json.loads(r.read()).get("engine", {})
+
+
+def _step_share(before: dict, after: dict) -> str:
+    """Where the server's merged steps spent their time during the stateful phase (the engine's counters)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "busy_s", "forward_s", "merged_forwards")}
+    if not d["busy_s"]:
+        return "engine: no step counted"
+    return (f"engine (stateful phase): {d['steps']:.0f} steps, {d['merged_forwards']:.0f} merged forwards, busy "
+            f"{d['busy_s']:.1f} s of which forwards {d['forward_s']:.1f} s: outside the forward "
+            f"{1 - d['forward_s'] / d['busy_s']:.1%} of a step (target <= 15%); peak rows {after.get('peak_rows', 0)}")
+
+
 def b21(bench: Bench, cfg) -> list[Row]:
     import openai
     import torch
 
     bench = chat_bench_model(bench)
-    clients = 4 if cfg.quick else 16
+    clients = getattr(cfg, "clients", None) or (4 if cfg.quick else 16)
     new = 8 if cfg.quick else 16
     doc = 250 if cfg.quick else 500
     tpl, tok, hf = smollm2_template(), bench.tok, bench.hf
@@ -181,7 +200,9 @@ def b21(bench: Bench, cfg) -> list[Row]:
             client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
             _stateful(client, ["warm-up"], 2)
             _stateless(client, ["warm-up"], 2)
+            before = _engine_stats(url)
             stateful, t_stateful = _in_threads(clients, lambda i: _stateful(client, convos[i], new))
+            step = _step_share(before, _engine_stats(url))
             written = _part_bytes(os.path.join(tmp, "store"), stateful)
             stateless, t_stateless = _in_threads(clients, lambda i: _stateless(client, convos[i], new))
         finally:
@@ -209,6 +230,7 @@ def b21(bench: Bench, cfg) -> list[Row]:
               + "; the whole state at each turn (its chain: what a store without parts wrote) "
               + ", ".join(f"t{t + 1} {statistics.median(sum(w[:t + 1]) for w in written) / 1e6:.2f}" for t in range(TURNS))),
              f"replies equal across stateful / stateless / in-process: {same}/{clients * TURNS} (greedy)",
+             step,
              (f"wall: stateful {t_stateful:.1f} s, stateless {t_stateless:.1f} s, in-process {t_inproc:.1f} s; "
               f"tokens/s {tps['stateful']:.1f} / {tps['stateless']:.1f} / {tps['in-process']:.1f}")]
     per_token_server, per_token_lib = t_stateful / max(tokens(stateful), 1), t_inproc / max(tokens(inproc), 1)

@@ -82,6 +82,11 @@ def test_cli_arguments():
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert server.health()["status"] == "ok"
+    before = server.health()["engine"]
+    chat(client, "Hello there", max_tokens=4)
+    after = server.health()["engine"]  # the engine's counters: a reply ran steps, their forwards inside them
+    assert after["steps"] > before["steps"] and 0 < after["forward_s"] <= after["busy_s"]
+    assert 0.0 <= after["outside_forward_share"] < 1.0
 
 
 def test_chat_completion_equals_library_and_stream(client, lib):

@@ -131,7 +131,9 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "generating": ctx.engine.active}
+        # the model's engine counters (steps, time in forwards, the engine's own share of a step): for operators
+        engine = {k: v for k, v in model.engine.stats().items() if isinstance(v, (int, float))}
+        return {"status": "ok", "generating": ctx.engine.active, "engine": engine}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
