@@ -57,8 +57,8 @@ def test_completions_echo_logprobs_cover_the_prompt(client, model_dir, max_token
 
 def test_completions_echo_scores_equal_exact_choice_scoring(client, lib):
     """lm-eval's loglikelihood over the server (the continuation's echoed log-probs summed) equals the
-    library's exact choice scoring of each option, and picks the same option. (lm-eval itself is not
-    installed here: it pulls datasets, pandas, pyarrow, scikit-learn; this is its computation.)"""
+    library's exact choice scoring of each option, and picks the same option. (lm-eval's computation,
+    without lm-eval: tests/test_serve_lmeval.py runs lm-eval itself when it is installed.)"""
     from continuum import generate, samplers
     from continuum.generate import continuous
 
