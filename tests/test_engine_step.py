@@ -213,3 +213,61 @@ def test_concurrent_choices_share_their_token_tree_forward(model):
         del model._run
     assert together == solo
     assert sum(trees) >= len(states) and len(trees) < len(states)  # some trees shared a forward
+
+
+def test_a_step_waits_for_calls_being_set_up_and_for_nobody_else(gpt2_model):
+    """continuum/loop/arrivals.py: while another thread sets up a call, the step about to run waits for it
+    (at most the last step's time), and goes on as soon as that setup is over; with nobody arriving it
+    does not wait; every kind of call, failing ones and closed streams included, leaves nobody counted
+    (a count left behind would make every later step wait)."""
+    arrivals = gpt2_model.engine.arrivals
+    assert arrivals.count == 0
+    t0 = time.perf_counter()
+    arrivals.gather(last_step_s=0.5)
+    assert time.perf_counter() - t0 < 0.05  # nobody arriving: no wait
+
+    started, release = threading.Event(), threading.Event()
+
+    def setting_up():
+        arrivals.arrive()
+        started.set()
+        release.wait(5)
+        arrivals.arrived()
+
+    th = threading.Thread(target=setting_up)
+    th.start()
+    started.wait(5)
+    t0 = time.perf_counter()
+    arrivals.gather(last_step_s=0.01)  # bounded by the last step's time
+    waited = time.perf_counter() - t0
+    assert 0.008 <= waited < 0.5, waited
+    threading.Timer(0.005, release.set).start()
+    t0 = time.perf_counter()
+    arrivals.gather(last_step_s=0.015)  # the setup ends after ~5 ms: the wait ends with it (or at its deadline)
+    assert time.perf_counter() - t0 < 0.5
+    th.join(5)
+    assert arrivals.count == 0
+
+    gen = generate.text(gpt2_model, samplers.greedy())
+    gen(PROMPTS[0], max_tokens=0)
+    generate.choice(gpt2_model, ["yes", "no"], samplers.greedy())(PROMPTS[:2])
+    generate.text(gpt2_model, samplers.greedy(), guidance_scale=2.0, negative_prompt="bad")(PROMPTS[0], max_tokens=3)
+    stream = gen.stream(PROMPTS[0], max_tokens=8)
+    next(stream)
+    del stream
+    with pytest.raises(continuum.ContinuumError):
+        gen(PROMPTS[0], max_tokens=3, rng="not a generator")  # (raised inside the call's setup)
+    continuum.run_batch(lambda p: gen(p, max_tokens=4), PROMPTS, concurrency=8)
+    assert arrivals.count == 0
+
+
+def test_calls_started_together_prefill_together(model):
+    """32 one-call programs started at once by run_batch reach the engine in a few steps (their setups are
+    waited for), not one cohort per step: the steps stay close to the tokens of one call."""
+    gen = generate.text(model, samplers.greedy())
+    prompts = _prompts(32)
+    gen(prompts[0], max_tokens=2)
+    model.engine.reset_stats()
+    continuum.run_batch(lambda p: gen(p, max_tokens=12), prompts, concurrency=32)
+    stats = model.engine.stats()
+    assert stats["steps"] <= 12 + 6, stats
