@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,11 +51,16 @@ def runs(tmp_path_factory, llama_dir):
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(ROOT / "tests" / "distributed_script.py"), "--model", str(model_dir), "--out", str(out)]
+    # its own process group: a hang kills the ranks too (subprocess.run's timeout kills only torchrun itself)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110, cwd=ROOT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun did not finish in 110 s:\n{(exc.stderr or b'')[-4000:]!s}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+        stdout, stderr = proc.communicate(timeout=110)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 110 s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}"
     ranks = [json.loads((out / f"results-tp{WORLD}-rank{r}.json").read_text()) for r in range(WORLD)]
     return single, ranks, out, model_dir
 
