@@ -230,19 +230,49 @@ def _slab_layer() -> type:
                 shape = (slab.rows_cap, key_states.shape[1], slab.cols_cap, key_states.shape[3])
                 slab.keys[i], slab.values[i] = key_states.new_empty(shape), value_states.new_empty(shape)
             K, V = slab.keys[i], slab.values[i]
-            for kv, row, rows in p.copies:  # newcomers: their cache right-aligned at C, zeros before (masked, never NaN)
-                n = 0 if kv is None else kv[i][0].shape[2]
-                K[row:row + rows, :, :C - n] = 0
-                V[row:row + rows, :, :C - n] = 0
-                if n:
-                    K[row:row + rows, :, C - n:C] = kv[i][0].to(K.device)
-                    V[row:row + rows, :, C - n:C] = kv[i][1].to(V.device)
+            if p.copies:  # newcomers: their cache right-aligned at C, zeros before (masked, never NaN)
+                spans = [(row, row + rows) for _, row, rows in p.copies]
+                if all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:])):  # (plan() gives them one range of rows)
+                    spans = [(spans[0][0], spans[-1][1])]
+                for a, b in spans:
+                    K[a:b, :, :C] = 0
+                    V[a:b, :, :C] = 0
+                for kv, row, rows, src in _copy_runs(p.copies):
+                    n = 0 if kv is None else kv[i][0].shape[2]
+                    if src is not None:  # consecutive rows of one slab: one copy for the run
+                        (S, srow, srows, start), n = src
+                        K[row:row + rows, :, C - n:C] = S.keys[i][srow:srow + srows, :, start:start + n].to(K.device)
+                        V[row:row + rows, :, C - n:C] = S.values[i][srow:srow + srows, :, start:start + n].to(V.device)
+                    elif n:
+                        K[row:row + rows, :, C - n:C] = kv[i][0].to(K.device)
+                        V[row:row + rows, :, C - n:C] = kv[i][1].to(V.device)
             K[:R, :, C:C + N] = key_states
             V[:R, :, C:C + N] = value_states
             self.keys, self.values = K[:R, :, :C + N], V[:R, :, :C + N]
             return self.keys, self.values
 
     return SlabLayer
+
+
+def _copy_runs(copies: list[tuple[kvcache.KV | None, int, int]]) -> list[tuple[Any, int, int, Any]]:
+    """Newcomers' copies ``(cache, first row, rows)`` with consecutive views of one slab (same columns, rows
+    following each other there and here: a cohort re-laid out, or joining together) merged into runs
+    ``(None, first row, rows, ((slab, first row there, rows, first column), width))``; the others as they are,
+    with ``None``."""
+    out: list[tuple[Any, int, int, Any]] = []
+    for kv, row, rows in copies:
+        if isinstance(kv, SlabView):
+            slab, srow, srows, start = kv.slot
+            if out and out[-1][3] is not None:
+                (S, prow, prows, pstart), width = out[-1][3]
+                if S is slab and pstart == start and width == kv.width and prow + prows == srow \
+                        and out[-1][1] + out[-1][2] == row:
+                    out[-1] = (None, out[-1][1], out[-1][2] + rows, ((S, prow, prows + srows, start), width))
+                    continue
+            out.append((None, row, rows, ((slab, srow, srows, start), kv.width)))
+        else:
+            out.append((kv, row, rows, None))
+    return out
 
 
 def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
