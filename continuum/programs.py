@@ -26,6 +26,7 @@ from typing import Any
 
 from .cancel import Cancelled, CancelToken, bound, check_cancelled, current
 from .errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
+from .loop.arrivals import ARRIVALS
 from .loop.ranks import call_key, current_key
 
 __all__ = ["run_batch", "check_cancelled"]
@@ -95,6 +96,7 @@ class _Run:
         token = CancelToken(parent=self.token)
         self.tokens.append(token)
         self.alive += 1
+        ARRIVALS.expect()  # (on its way to the engine from now: the worker claims the count when it starts)
         threading.Thread(target=self._work, args=(token,), name=f"continuum-run_batch-{len(self.tokens) - 1}",
                          daemon=True).start()  # daemon: a program stuck outside continuum never blocks the exit
 
@@ -116,12 +118,15 @@ class _Run:
             return next(self.count), x
 
     def _work(self, token: CancelToken) -> None:
+        ARRIVALS.claim()
         try:
             with bound(token):
                 while (item := self._next()) is not None:
                     i, x = item
                     try:
-                        with call_key((self.parent, i)):  # names this instance's forwards alike on every rank
+                        # names this instance's forwards alike on every rank; counts it as arriving (the engine's
+                        # next step waits a little for it) whenever it runs outside the engine
+                        with call_key((self.parent, i)), ARRIVALS.program():
                             self.results[i] = self.program(x)
                     except Cancelled:
                         break
@@ -130,6 +135,7 @@ class _Run:
                     with self.lock:
                         self.done += 1
         finally:
+            ARRIVALS.arrived()  # (no more inputs: no more calls from this worker)
             self._left()
 
     def _left(self) -> None:
@@ -145,9 +151,10 @@ class _Run:
         try:
             with self.lock:
                 self._spawn()
-            while not self.finished.wait(_POLL):  # a timeout: a pending Ctrl-C is delivered between two waits
-                if bar is not None:
-                    _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
+            with ARRIVALS.away():  # (a nested run_batch: its caller's program waits for workers, not the engine)
+                while not self.finished.wait(_POLL):  # a timeout: a pending Ctrl-C is delivered between two waits
+                    if bar is not None:
+                        _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
         except BaseException:  # KeyboardInterrupt (or anything raised in this thread): stop every instance
             self.token.cancel()
             with self.lock:

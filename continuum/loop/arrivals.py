@@ -1,11 +1,14 @@
-"""Calls being set up in their callers' threads: the engine's next step waits a little for them.
+"""Calls on their way to the engine: its next step waits a little for them.
 
 A call's setup (argument checks, prefix reuse, its rows: :func:`continuum.loop.decoding.decode`) runs in
 its caller's thread before the call is submitted. Calls started together (``run_batch``, threads,
 ``asyncio.gather``, a chain's next call in every program at once) would otherwise reach the engine over
-several steps, each late cohort a prefill forward, a KV slab and a join copy of its own. While any
-setup is under way, the step about to run waits for it: at most as long as the last step took
-(bounded to 1-20 ms), not at all when nobody is arriving (a lone call, a steady cohort).
+several steps, each late cohort a prefill forward, a KV slab and a join copy of its own. So a thread
+counts as *arriving* while it sets up a call, and a ``run_batch`` worker (:meth:`Arrivals.program`)
+whenever it runs its program outside the engine (between two calls, before the first): the step about
+to run waits while anyone is arriving, at most as long as the last step took (bounded to 1-20 ms), and
+not at all when nobody is (a lone call, a steady cohort). One count for the process (every model's
+engine): a program's next call may go to another model.
 
 Example:
     >>> arrivals = Arrivals()
@@ -20,10 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["Arrivals", "GATHER_MIN_S", "GATHER_CAP_S"]
+__all__ = ["Arrivals", "ARRIVALS", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S", "GATHER_MAX_S"]
 
-GATHER_MIN_S, GATHER_CAP_S = 0.001, 0.02  # the bounds of a step's wait for calls being set up
+GATHER_MIN_S, GATHER_CAP_S = 0.001, 0.02  # the bounds of a step's wait for calls on their way
+GATHER_NEXT_S = 0.005  # after an arrival, how long the next one is waited for (a thread's start and setup)
+GATHER_MAX_S = 0.1  # the longest a step waits while arrivals keep coming
 
 
 class Arrivals:
@@ -33,6 +40,7 @@ class Arrivals:
         self._cond = threading.Condition(threading.Lock())
         self._local = threading.local()  # whether this thread's setup is counted
         self.count = 0
+        self._done = 0  # arrivals so far (a gathering step waits on while this moves)
 
     def arrive(self) -> None:
         """This thread is setting up a call."""
@@ -48,16 +56,64 @@ class Arrivals:
             self._local.counted = False
             with self._cond:
                 self.count -= 1
-                if not self.count:
-                    self._cond.notify_all()
+                self._done += 1
+                self._cond.notify_all()  # (a gathering step extends its wait while arrivals keep coming)
+
+    def expect(self) -> None:
+        """A thread about to start will arrive (a ``run_batch`` worker being spawned): counted from now; the
+        thread takes the count over with :meth:`claim`."""
+        with self._cond:
+            self.count += 1
+
+    def claim(self) -> None:
+        """In the thread :meth:`expect` announced: the count it added is this thread's."""
+        if getattr(self._local, "counted", False):
+            self.arrived()
+        self._local.counted = True
+
+    @contextmanager
+    def program(self) -> Iterator[None]:
+        """A ``run_batch`` worker runs one program: it is arriving whenever it is not waiting on the engine
+        (:meth:`resumed` counts it again after each wait)."""
+        self._local.program = getattr(self._local, "program", 0) + 1
+        self.arrive()
+        try:
+            yield
+        finally:
+            self._local.program -= 1
+            self.arrived()
+
+    def resumed(self) -> None:
+        """This thread woke from a wait on the engine: inside a program, it is on its way to its next call."""
+        if getattr(self._local, "program", 0):
+            self.arrive()
+
+    @contextmanager
+    def away(self) -> Iterator[None]:
+        """This thread waits on something other than the engine (a nested ``run_batch``'s workers): not arriving."""
+        counted = getattr(self._local, "counted", False)
+        self.arrived()
+        try:
+            yield
+        finally:
+            if counted:
+                self.arrive()
 
     def gather(self, last_step_s: float) -> None:
-        """Wait while calls are being set up, at most ``last_step_s`` (within the bounds; 0: no wait); hand
-        the GIL to other threads once otherwise."""
+        """Wait while calls are arriving: at most ``last_step_s`` (within ``GATHER_MIN_S``-``GATHER_CAP_S``; 0: no
+        wait), extended to ``GATHER_NEXT_S`` after each arrival while they keep coming (a cohort being set up:
+        ``run_batch``'s workers one after another), never past ``GATHER_MAX_S``. Returns at once when nobody
+        is arriving (a lone call's steps never yield: ``sleep(0)`` costs a time slice on a loaded machine)."""
         if not self.count or last_step_s <= 0:
-            time.sleep(0)  # threads setting up a call join this step, not a later one
             return
-        deadline = time.perf_counter() + min(max(last_step_s, GATHER_MIN_S), GATHER_CAP_S)
+        start = time.perf_counter()
+        deadline = start + min(max(last_step_s, GATHER_MIN_S), GATHER_CAP_S)
         with self._cond:
-            while self.count and (left := deadline - time.perf_counter()) > 0:
+            seen = self._done
+            while self.count and (left := deadline - (now := time.perf_counter())) > 0:
                 self._cond.wait(left)
+                if self._done != seen:  # someone arrived: the others may be right behind
+                    seen = self._done
+                    deadline = min(max(deadline, now + GATHER_NEXT_S), start + GATHER_MAX_S)
+
+ARRIVALS = Arrivals()  # the process's (every engine waits for the same callers)

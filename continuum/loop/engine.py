@@ -51,7 +51,7 @@ import torch
 from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
-from .arrivals import Arrivals
+from .arrivals import ARRIVALS
 from .forwards import run_requests
 from .merge import Request
 from .ranks import Ranks, next_key
@@ -105,7 +105,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ended: list[Call] = []  # calls done in this step, woken when it ends
-        self.arrivals = Arrivals()  # calls being set up in their callers' threads: the next step waits for them
+        self.arrivals = ARRIVALS  # calls on their way (set up in their callers' threads): the next step waits for them
         self._step_s = 0.0  # the last step's duration: how long the next step may wait for them
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
         self._stats: dict[str, Any] = {}
@@ -143,6 +143,8 @@ class Engine:
         except BaseException:  # Ctrl-C in the caller's thread: the loop leaves at the next step
             self.close(call)
             raise
+        finally:
+            self.arrivals.resumed()  # (a run_batch program goes on to its next call)
         if call.error is not None:
             raise call.error
         return call.result
@@ -189,7 +191,10 @@ class Engine:
                     self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if alone:
             return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
-        self._until_done(req, drive)
+        try:
+            self._until_done(req, drive)
+        finally:
+            self.arrivals.resumed()
         if req.error is not None:
             raise req.error
         return req.result
