@@ -271,3 +271,48 @@ def test_calls_started_together_prefill_together(model):
     continuum.run_batch(lambda p: gen(p, max_tokens=12), prompts, concurrency=32)
     stats = model.engine.stats()
     assert stats["steps"] <= 12 + 6, stats
+
+
+def test_a_long_prompt_arriving_while_others_run_is_prefilled_in_chunks(model):
+    """A call whose uncached suffix is longer than ``engine.prefill_chunk`` and that arrives while another
+    call runs is prefilled a chunk per step (no forward of the step holds more new columns than the chunk),
+    computes each of its prompt's positions once, and both results equal their solo runs; alone, the same
+    call prefills in one forward."""
+    gen = generate.text(model, samplers.greedy())
+    long_prompt = " ".join(f"{WORDS[i % len(WORDS)]} {i}" for i in range(12))
+    n = len(model.tokenizer.encode_prompts([long_prompt])[0])
+    assert n > 3 * 16
+    solo_long, solo_short = gen(long_prompt, max_tokens=6), gen(PROMPTS[0], max_tokens=24)
+    engine = model.engine
+    widths: list[int] = []
+    run = model._run
+
+    def recording(ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return run(ids, *args, **kwargs)
+
+    saved = engine.prefill_chunk
+    try:
+        engine.prefill_chunk = 16
+        model._run = recording
+        stream = gen.stream(PROMPTS[0], max_tokens=24)  # driven by the engine's thread: running meanwhile
+        first = next(stream)
+        before = model.tokens_computed
+        widths.clear()
+        got_long = gen(long_prompt, max_tokens=6)
+        computed = model.tokens_computed - before
+        got_short = first + "".join(stream)
+    finally:
+        engine.prefill_chunk = saved
+        del model._run
+    assert got_long == solo_long and got_short == solo_short
+    assert max(widths) <= 16, widths  # no step held the whole prompt
+    assert widths.count(16) >= (n - 1) // 16  # the prompt went through in chunks
+    assert computed >= n  # each prompt position computed (once; the other call's steps add their own)
+    widths.clear()
+    model._run = recording
+    try:
+        gen(long_prompt, max_tokens=1)  # alone: one forward for the prompt
+    finally:
+        del model._run
+    assert widths[0] == n, widths

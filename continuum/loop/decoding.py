@@ -205,7 +205,12 @@ def _decode(
             rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
 
-    logits, rows.kv = yield from forward(C, W)
+    start = C  # a long prompt arriving while others run: chunks of it, one per step, so their next tokens do not wait
+    chunk = model.engine.chunk_for(W - C) if rows.branch is None else None
+    while chunk and W - start > chunk:
+        _, rows.kv = yield from forward(start, start + chunk, logits="none")
+        start += chunk
+    logits, rows.kv = yield from forward(start, W)
     prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)  # what this prefill computed, for later calls
     fed = col = W
     while True:

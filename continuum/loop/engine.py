@@ -52,13 +52,14 @@ from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
 from .arrivals import ARRIVALS
-from .forwards import run_requests
+from .forwards import new_counters, report, run_requests
 from .merge import Request
 from .ranks import Ranks, next_key
 
 __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
 DEFAULT_MAX_ROWS = 256
+DEFAULT_PREFILL_CHUNK = 512  # columns of a long prefill per step while other calls run (see Engine.prefill_chunk)
 END = object()  # the last item a stream's queue receives
 
 
@@ -92,11 +93,15 @@ class Engine:
         model: the ``Transformers`` adapter (runs ``_forward_alone`` and ``_run``).
         max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
             than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
+        prefill_chunk: a call that arrives while others run prefills an uncached suffix longer than this
+            in steps of this many columns (default 512; None: never chunked), so the running calls'
+            next tokens do not wait for a whole long prompt; a call alone prefills in one forward.
     """
 
-    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         self._model = model
         self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Call | Request] = []
         self._running: list[Call] = []
@@ -111,6 +116,14 @@ class Engine:
         self._stats: dict[str, Any] = {}
         self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
         self.reset_stats()
+
+    def chunk_for(self, width: int) -> int | None:
+        """Columns per step for a prefill of ``width`` new columns set up now: ``prefill_chunk`` while other calls
+        run (not under torchrun, where ranks see different instants), else None (one forward)."""
+        chunk = self.prefill_chunk
+        if not chunk or width <= chunk or self._ranks is not None or not self._running:
+            return None
+        return chunk
 
     @property
     def coordinated(self) -> bool:
@@ -383,19 +396,12 @@ class Engine:
         ``peak_kv_bytes``: the largest slab's storage; ``p99_step_s``: the 99th percentile of a step's
         time while several calls ran (the wait between two tokens of one call)."""
         with self._cond:
-            out = {k: v for k, v in self._stats.items() if not k.startswith("_")}
-            steps = sorted(self._steps)
+            out = report(self._stats, self._steps)
             out["running_calls"], out["running_rows"] = len(self._running), self._rows
-        out["p99_step_s"] = steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else 0.0
-        out["outside_forward_share"] = 1.0 - out["forward_s"] / out["busy_s"] if out["busy_s"] else 0.0
-        out["p99_step_wait_s"] = out["p99_step_s"]  # (the name of earlier releases)
         out["max_rows"] = self.max_rows
         return out
 
     def reset_stats(self) -> None:
         with self._cond:
-            self._stats = {"steps": 0, "busy_s": 0.0, "forward_s": 0.0, "merged_forwards": 0, "requests_merged": 0,
-                           "alone": 0, "fallbacks": 0, "new_slabs": 0, "joins_copied": 0, "wakeups": 0, "peak_rows": 0,
-                           "peak_padding": 1.0, "peak_kv_bytes": 0, "_peak_cells": 0}
+            self._stats = new_counters()
             self._steps.clear()
-

@@ -9,7 +9,7 @@ import time
 from . import merge
 from .merge import Request
 
-__all__ = ["run_requests"]
+__all__ = ["run_requests", "new_counters", "report"]
 
 
 def run_requests(model, batch: list[Request], stats: dict) -> None:
@@ -64,3 +64,21 @@ def _note(p: merge.Plan, stats: dict) -> None:
         s["_peak_cells"] = cells
         s["peak_padding"] = cells / max(real, 1)
 
+
+
+def new_counters() -> dict:
+    """The engine's counters, zeroed (``Engine.stats()`` names them)."""
+    return {"steps": 0, "busy_s": 0.0, "forward_s": 0.0, "merged_forwards": 0, "requests_merged": 0, "alone": 0,
+            "fallbacks": 0, "new_slabs": 0, "joins_copied": 0, "wakeups": 0, "peak_rows": 0, "peak_padding": 1.0,
+            "peak_kv_bytes": 0, "_peak_cells": 0}
+
+
+def report(stats: dict, step_times: list[float]) -> dict:
+    """The counters as ``Engine.stats()`` reports them, with the derived figures: the 99th percentile of a
+    step's time (``p99_step_s``) and the share of the steps' time outside the model's forwards."""
+    out = {k: v for k, v in stats.items() if not k.startswith("_")}
+    steps = sorted(step_times)
+    out["p99_step_s"] = steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else 0.0
+    out["outside_forward_share"] = 1.0 - out["forward_s"] / out["busy_s"] if out["busy_s"] else 0.0
+    out["p99_step_wait_s"] = out["p99_step_s"]  # (the name of earlier releases)
+    return out
