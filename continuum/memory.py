@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import GeneratorArgumentError
 
-__all__ = ["check_rows_fit", "available_bytes", "row_bytes"]
+__all__ = ["check_rows_fit", "available_bytes", "row_bytes", "kv_bytes"]
 
 # logits, log-probs, masked and sorted copies, the sampler's working tensors (measured peak: ~3x a 4-copy estimate)
 _LOGIT_COPIES = 8
@@ -39,9 +39,14 @@ def available_bytes(device) -> int | None:
 
 def row_bytes(model, tokens: int) -> int:
     """Bytes one row needs over ``tokens`` positions: its log-prob copies plus its KV cache."""
-    cfg: Any = getattr(getattr(model, "model", None), "config", None)  # None: AttributeError below, caught
+    cfg: Any = getattr(getattr(model, "model", None), "config", None)
     vocab = getattr(cfg, "vocab_size", None) or len(model.tokenizer.hf)
-    total = vocab * 4 * _LOGIT_COPIES
+    return vocab * 4 * _LOGIT_COPIES + kv_bytes(model, tokens)
+
+
+def kv_bytes(model, tokens: int) -> int:
+    """Bytes of one row's KV cache over ``tokens`` positions, from the model's config (0 when it cannot tell)."""
+    cfg: Any = getattr(getattr(model, "model", None), "config", None)  # None: AttributeError below, caught
     try:
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         layers = cfg.num_hidden_layers
@@ -49,10 +54,9 @@ def row_bytes(model, tokens: int) -> int:
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         itemsize = getattr(getattr(model, "dtype", None), "itemsize", 4)
-        total += tokens * 2 * layers * kv_heads * head_dim * itemsize
+        return tokens * 2 * layers * kv_heads * head_dim * itemsize
     except (AttributeError, TypeError, ZeroDivisionError):
-        pass  # an unusual config: count the logits only
-    return total
+        return 0  # an unusual config
 
 
 def check_rows_fit(model, batch: int, samples: int, tokens: int, device) -> None:

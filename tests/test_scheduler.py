@@ -167,6 +167,29 @@ def test_admission_bound_makes_calls_wait_not_fail(gpt2_model):
         sched.max_rows = old
 
 
+def test_kv_budget_makes_calls_wait_not_fail(gpt2_model):
+    """``engine.max_kv_bytes``: calls whose KV (at their longest) would exceed the budget wait for room; a call
+    larger than the budget runs alone; results equal solo runs; nothing is left counted."""
+    from continuum.memory import kv_bytes
+
+    engine = gpt2_model.engine
+    gen = generate.text(gpt2_model, samplers.greedy())
+    one = kv_bytes(gpt2_model, len(gpt2_model.tokenizer.encode_prompts([PROMPTS[0]])[0]) + 4)
+    saved = engine.max_kv_bytes
+    try:
+        engine.max_kv_bytes = int(2.5 * one)  # about two of these calls at once
+        engine.reset_stats()
+        jobs = [lambda p=p: gen(p, max_tokens=4) for p in PROMPTS]
+        solo, together, _ = solo_and_concurrent(gpt2_model, jobs)
+        assert together == solo
+        assert engine.stats()["peak_rows"] <= 3
+        engine.max_kv_bytes = one // 2  # smaller than any call: each runs alone
+        assert gen(PROMPTS[1], max_tokens=4) == solo[1]
+        assert engine.stats()["running_kv_bytes"] == 0
+    finally:
+        engine.max_kv_bytes = saved
+
+
 def test_an_error_in_one_request_reaches_only_its_owner(gpt2_model):
     """A bad forward merged with good ones: the merged forward fails, each request is rerun alone."""
     gen = generate.text(gpt2_model, samplers.greedy())

@@ -6,7 +6,8 @@
 - :mod:`~continuum.loop.rows`: its per-row state; ``Rows.reorder`` is the one place rows follow ancestors.
 - :mod:`~continuum.loop.fastforward`: tokens a constraint forces, computed in the next forward.
 - :mod:`~continuum.loop.engine`: one engine per model runs every running call's loop in one step (``model.engine``);
-  :mod:`~continuum.loop.arrivals`: calls being set up, which the next step waits for.
+  :mod:`~continuum.loop.arrivals`: calls being set up, which the next step waits for; :mod:`~continuum.loop.call`:
+  a call's handle (what its caller waits on).
 - :mod:`~continuum.loop.forwards`: how a step's requests run (merged groups, the rest alone, the counters).
 - :mod:`~continuum.loop.merge`: how a step's requests are laid out in one batch (the group's log-softmax);
   :mod:`~continuum.loop.slab`: the shared KV storage they are laid out in.

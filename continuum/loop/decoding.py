@@ -31,6 +31,7 @@ from ..cancel import check_cancelled
 from ..guidance import Guidance, UnconditionalBranch
 from ..guides import Guide
 from ..healing import apply_heal_masks, heal
+from ..memory import kv_bytes
 from ..parallel import check_seeded
 from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState
@@ -102,7 +103,7 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             engine.arrivals.arrived()
             raise
         rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
-        call = engine.submit(loop, first, rows, stream=stream)
+        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=rows * kv_bytes(model, _longest(state, options)))
         try:
             if call.queue is None:
                 return engine.wait(call)
@@ -111,6 +112,13 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             engine.close(call)  # (a no-op once the call is done)
     finally:
         prefix_cache.settle(model)  # prefixes registered as being computed and not inserted (an error)
+
+
+def _longest(state: SequenceState, options: dict) -> int:
+    """The most columns a call on ``state`` may reach: its input plus ``max_tokens``, within the context."""
+    ctx, new = state._model.context_length, options.get("max_tokens")
+    longest = state._ids.shape[1] + (new if new is not None else (ctx or 0))
+    return min(longest, ctx) if ctx else longest
 
 
 def _decode(

@@ -6,7 +6,8 @@ Where things happen::
          │  the loop (a Python generator) yields its first forward request
          ▼
     Engine.submit ──▶ inbox ──(next step boundary)──▶ running calls ──▶ Engine._step, once for all of them:
-                                                        1. admit: new calls join (rows within max_rows)
+                                                        1. admit: new calls join (within max_rows,
+                                                           max_kv_bytes; arrivals.py: setups waited for)
                                                         2. ONE merged forward per group (merge.py), every
                                                            call's request, log-softmax over the whole group
                                                         3. each call's loop resumes with its result and
@@ -27,19 +28,15 @@ loop (a prefill for ``max_tokens=0``, choice scoring's token tree, classifier-fr
 prefill) are *one-off requests*: merged into the next step when the engine runs, run at once when it
 is idle (or when the driver itself makes them, inside a step).
 
-Errors: a merged forward that raises is re-run per request, so the error reaches only its owner; a
-call whose loop raises (a guide failure, a bad state) ends with that error, the others go on.
-Cancellation (``run_batch``'s Ctrl-C, a cancelled task, a closed stream) is checked by each call's
-loop at every step (its own cancel token is bound while it runs), so it leaves at the next step.
-
-Tensor parallelism (torchrun): rank 0 decides which calls join at each step and broadcasts their
-keys; the other ranks admit exactly those, in that order, so every rank runs the same steps.
+Errors: a merged forward that raises is re-run per request (the error reaches only its owner); a call
+whose loop raises ends with that error, the others go on. Cancellation (Ctrl-C, a cancelled task, a
+closed stream) is checked by each call's loop at every step. Under torchrun rank 0 decides which calls
+join at each step (``Ranks.admit``), so every rank runs the same steps.
 """
 
 from __future__ import annotations
 
 import atexit
-import queue
 import threading
 import time
 import weakref
@@ -52,6 +49,7 @@ from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
 from .arrivals import ARRIVALS
+from .call import END, Call
 from .forwards import new_counters, report, run_requests
 from .merge import Request
 from .ranks import Ranks, next_key
@@ -60,7 +58,6 @@ __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
 DEFAULT_MAX_ROWS = 256
 DEFAULT_PREFILL_CHUNK = 512  # columns of a long prefill per step while other calls run (see Engine.prefill_chunk)
-END = object()  # the last item a stream's queue receives
 
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
@@ -71,21 +68,6 @@ def _stop_all() -> None:
         engine._stop()
 
 
-class Call:
-    """One decoding loop submitted to the engine (a handle for its caller)."""
-
-    __slots__ = ("closed", "done", "error", "event", "gen", "key", "pending", "queue", "result", "rows", "token")
-
-    def __init__(self, gen: Generator, first: Request, rows: int, stream: bool, key: Any):
-        self.gen, self.pending, self.rows, self.key = gen, first, rows, key
-        self.token = cancel.current()  # bound while the engine runs this loop: its own Ctrl-C / progress
-        self.queue: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
-        self.event = threading.Event()
-        self.done = self.closed = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
 class Engine:
     """The decode loop of every running call on one model (see the module docstring).
 
@@ -93,19 +75,23 @@ class Engine:
         model: the ``Transformers`` adapter (runs ``_forward_alone`` and ``_run``).
         max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
             than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
+        max_kv_bytes: the most KV bytes the running calls may reach (each call counted at its longest: its
+            rows over its input plus ``max_tokens``, or the context), or None (default: rows only). Like
+            ``max_rows``, a call that does not fit waits; one larger than the budget runs when it is alone.
         prefill_chunk: a call that arrives while others run prefills an uncached suffix longer than this
             in steps of this many columns (default 512; None: never chunked), so the running calls'
             next tokens do not wait for a whole long prompt; a call alone prefills in one forward.
     """
 
-    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS, max_kv_bytes: int | None = None,
+                 prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         self._model = model
-        self.max_rows = max_rows
+        self.max_rows, self.max_kv_bytes = max_rows, max_kv_bytes
         self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Call | Request] = []
         self._running: list[Call] = []
-        self._rows = 0
+        self._rows = self._kv = 0  # the running calls' rows and KV bytes (at their longest)
         self._driver: int | None = None  # the thread running steps
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -131,10 +117,11 @@ class Engine:
         return self._ranks is not None
 
     # -- calls ---------------------------------------------------------------------------
-    def submit(self, gen: Generator, first: Request, rows: int, stream: bool = False) -> Call:
-        """Hand a decoding loop (suspended at its first forward request ``first``) to the engine."""
+    def submit(self, gen: Generator, first: Request, rows: int, stream: bool = False, kv_bytes: int = 0) -> Call:
+        """Hand a decoding loop (suspended at its first forward request ``first``) to the engine; ``kv_bytes``:
+        the KV it may reach (for ``max_kv_bytes``)."""
         key = next_key() if self._ranks is not None else None
-        call = Call(gen, first, rows, stream, key)
+        call = Call(gen, first, rows, stream, key, kv_bytes)
         with self._cond:
             self._inbox.append(call)  # (a driver admits it at its next step, or the caller drives in wait())
             if self._ranks is not None:
@@ -283,7 +270,7 @@ class Engine:
         with self._cond:
             calls, self._running = self._running, []
             pending, self._inbox = self._inbox, []
-            self._rows = 0
+            self._rows = self._kv = 0
         for c in calls + [c for c in pending if isinstance(c, Call)]:
             c.gen.close()
             self._end(c, None, ContinuumError(f"the engine failed while running this call: {exc!r}"))
@@ -294,25 +281,26 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------
     def _admit(self) -> tuple[list[Call], list[Request]]:
-        """Take the inbox's calls that fit (``max_rows``) and every one-off request."""
+        """Take the inbox's calls that fit (``max_rows``, ``max_kv_bytes``) and every one-off request."""
         chosen: list[Call | Request] = []
         rest: list[Call | Request] = []
         with self._cond:
             if self._ranks is not None:
                 chosen = self._ranks.admit(self._cond, self._inbox)
             else:
-                rows = self._rows
+                rows, kv, budget = self._rows, self._kv, self.max_kv_bytes
                 for item in self._inbox:
-                    if isinstance(item, Call) and rows and rows + item.rows > self.max_rows:
-                        rest.append(item)
-                        continue
                     if isinstance(item, Call):
-                        rows += item.rows
+                        if rows and (rows + item.rows > self.max_rows or (budget is not None and kv + item.kv > budget)):
+                            rest.append(item)  # (waits for room; runs alone at the latest)
+                            continue
+                        rows, kv = rows + item.rows, kv + item.kv
                     chosen.append(item)
                 self._inbox = rest
             calls = [c for c in chosen if isinstance(c, Call)]
             self._running.extend(calls)
             self._rows += sum(c.rows for c in calls)
+            self._kv += sum(c.kv for c in calls)
         return calls, [r for r in chosen if isinstance(r, Request)]
 
     @torch.inference_mode()  # (the loops' tensors and the merged forwards: no autograd, as in model.forward)
@@ -371,6 +359,7 @@ class Engine:
             if call in self._running:
                 self._running.remove(call)
                 self._rows -= call.rows
+                self._kv -= call.kv
             call.result, call.error, call.done = result, error, True
         if wake:
             self._wake_caller(call)
@@ -397,8 +386,8 @@ class Engine:
         time while several calls ran (the wait between two tokens of one call)."""
         with self._cond:
             out = report(self._stats, self._steps)
-            out["running_calls"], out["running_rows"] = len(self._running), self._rows
-        out["max_rows"] = self.max_rows
+            out["running_calls"], out["running_rows"], out["running_kv_bytes"] = len(self._running), self._rows, self._kv
+        out["max_rows"], out["max_kv_bytes"] = self.max_rows, self.max_kv_bytes
         return out
 
     def reset_stats(self) -> None:

@@ -134,7 +134,8 @@ class Transformers:
         """The engine that runs the decode loop of every concurrent call on this model, one step for all
         (created on first use; ``model.scheduler`` is the same object).
 
-        ``model.engine.max_rows`` bounds the rows of calls decoding at once (default 256);
+        ``model.engine.max_rows`` bounds the rows of calls decoding at once (default 256), ``max_kv_bytes``
+        their KV cache (default None), ``prefill_chunk`` a newcomer's prefill per step (default 512 columns);
         ``model.engine.stats()`` counts steps and merged forwards and reports padding and step times.
         See ``docs/scheduler.md``.
         """

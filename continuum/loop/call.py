@@ -1,0 +1,30 @@
+"""A call submitted to the engine: the handle its caller waits on (one event; a stream's queue)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Generator
+from typing import Any
+
+from .. import cancel
+from .merge import Request
+
+__all__ = ["Call", "END"]
+
+END = object()  # the last item a stream's queue receives
+
+
+class Call:
+    """One decoding loop submitted to the engine (a handle for its caller)."""
+
+    __slots__ = ("closed", "done", "error", "event", "gen", "key", "kv", "pending", "queue", "result", "rows", "token")
+
+    def __init__(self, gen: Generator, first: Request, rows: int, stream: bool, key: Any, kv: int = 0):
+        self.gen, self.pending, self.rows, self.key, self.kv = gen, first, rows, key, kv
+        self.token = cancel.current()  # bound while the engine runs this loop: its own Ctrl-C / progress
+        self.queue: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self.event = threading.Event()
+        self.done = self.closed = False
+        self.result: Any = None
+        self.error: BaseException | None = None
