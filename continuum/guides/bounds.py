@@ -33,11 +33,22 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GeneratorArgumentError, UnsupportedSchemaError
+from .closing import bounded_key_pattern
+
+if sys.version_info >= (3, 11):  # Python's regex parser (see regex_size.py)
+    from re import _constants as _c  # type: ignore[attr-defined]
+    from re import _parser  # type: ignore[attr-defined]
+else:
+    import sre_constants as _c
+    import sre_parse as _parser
+_MAXREPEAT = int(_c.MAXREPEAT)
 
 __all__ = ["JsonBounds", "BOUNDS", "resolve_bounds", "bound_numbers", "MARKER", "bounds_note"]
 
@@ -61,6 +72,10 @@ class JsonBounds:
         max_properties: properties of an object that allows extra keys (``additionalProperties`` other
             than false, or ``patternProperties``) and has no ``maxProperties``; only where every declared
             property is required (llguidance counts keys only then).
+        whole_value: bound the value as a whole, not only each leaf (see :func:`bound_numbers`):
+            bounds shrink inside arrays, untyped values and strings with an unanchored ``pattern`` are
+            bounded, and an object with extra keys and optional declared properties gets its declared
+            properties only.
     """
 
     max_string_length: int | None = None
@@ -68,6 +83,7 @@ class JsonBounds:
     integer_digits: int | None = 18
     fraction_digits: int | None = 10
     max_properties: int | None = None
+    whole_value: bool = False
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_string_length", 1, None), ("max_items", 1, None), ("max_properties", 1, None),
@@ -80,6 +96,8 @@ class JsonBounds:
                 why = {"integer_digits": " (llguidance writes number ranges within int64)",
                        "fraction_digits": " (llguidance writes decimal multipleOf down to 1e-10)"}.get(name, "")
                 raise GeneratorArgumentError(f"JsonBounds.{name} must be {span} or None, got {value!r}{why}")
+        if not isinstance(self.whole_value, bool):
+            raise GeneratorArgumentError(f"JsonBounds.whole_value must be True or False, got {self.whole_value!r}")
 
     @property
     def numbers(self) -> bool:
@@ -89,13 +107,23 @@ class JsonBounds:
     @property
     def any(self) -> bool:
         """Whether :func:`bound_numbers` has anything to do."""
-        return self.numbers or self.max_properties is not None or self.max_string_length is not None
+        return self.numbers or self.max_properties is not None or self.max_string_length is not None \
+            or self.max_items is not None
 
 
 #: The presets ``bounds=`` may name.
-BOUNDS = {"default": JsonBounds(), "small": JsonBounds(32, 8, 9, 4, 8), "none": JsonBounds(None, None, None, None)}
+BOUNDS = {"default": JsonBounds(), "small": JsonBounds(32, 8, 9, 4, 8, whole_value=True),
+          "none": JsonBounds(None, None, None, None)}
 #: Characters a string with a ``format`` gets at least (a uuid has 36, a date-time ~20 before its fraction).
 FORMAT_LENGTH = 64
+_SCALE = 1 << 12  # the product of enclosing item counts stops growing here (every division is at its floor)
+#: ``whole_value``: the fewest characters a string inside arrays is cut to (the fewest items: 1).
+NESTED_LENGTH = 8
+#: ``whole_value``: what a node without ``type`` may be (each keyword a bound adds constrains only its type).
+_ANY = frozenset({"integer", "number", "string", "array", "object"})
+#: ``whole_value``: what a schema that allows any value at all (``{}``) is generated as.
+_SCALAR = ("null", "boolean", "integer", "number", "string")
+_EMPTY: dict = {}  # the items of an array without ``items`` (never mutated: the walk copies)
 
 
 def resolve_bounds(bounds: Any, max_string_length: int | None = None, max_items: int | None = None) -> JsonBounds:
@@ -116,7 +144,8 @@ def resolve_bounds(bounds: Any, max_string_length: int | None = None, max_items:
     else:
         raise GeneratorArgumentError(f"bounds must be one of {', '.join(map(repr, BOUNDS))}, a JsonBounds or None, "
                                      f"got {bounds!r:.80}")
-    changes = {k: v for k, v in (("max_string_length", max_string_length), ("max_items", max_items)) if v is not None}
+    changes: dict[str, Any] = {k: v for k, v in (("max_string_length", max_string_length), ("max_items", max_items))
+                               if v is not None}
     return dataclasses.replace(base, **changes) if changes else base
 
 
@@ -146,13 +175,21 @@ def _side(nodes: list[dict], inclusive: str, exclusive: str) -> float | int | No
     return (max(numbers) if inclusive == "minimum" else min(numbers)) if numbers else bool(found)
 
 
-def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds) -> str | None:
-    """Bound one node in place (``seen``: it and the ``allOf`` members read with it); what it is."""
+def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scale: int) -> list[str]:
+    """Bound one node in place (``seen``: it and the ``allOf`` members read with it; ``ours``: the
+    ``maxLength``/``maxItems`` the normaliser's bounds added to it; ``scale``: the items of the arrays
+    around it, with ``whole_value``); the kinds of bounds added."""
     t = node.get("type")
     types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
     if "enum" in node or "const" in node:
-        return None
-    added = []
+        return []
+    added: list[str] = []
+    kinds: list[str] = []
+    untyped = not types and bounds.whole_value and len(seen) == 1 and not {"$ref", "anyOf", "oneOf", "allOf"} & set(node)
+    if untyped and not node:  # any value at all: a scalar
+        node["type"] = list(_SCALAR)
+        kinds.append("any")
+    types = set(node.get("type", _ANY)) if untyped else types
     if types & {"integer", "number"} and bounds.integer_digits is not None:
         low, high = _side(seen, "minimum", "exclusiveMinimum"), _side(seen, "maximum", "exclusiveMaximum")
         if high is False:
@@ -164,18 +201,53 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds) -> str | None:
     if "number" in types and bounds.fraction_digits is not None and not any("multipleOf" in n for n in seen):
         node["multipleOf"] = float(f"1e-{bounds.fraction_digits}") if bounds.fraction_digits else 1
         added.append("multipleOf")
-    if "string" in types and bounds.max_string_length is not None and "format" in node \
-            and not any("maxLength" in n for n in seen):
-        node["maxLength"] = max(bounds.max_string_length, FORMAT_LENGTH, node.get("minLength", 0))
-        added.append("maxLength")
-    if _open_object(node, types) and bounds.max_properties is not None and not any("maxProperties" in n for n in seen):
-        node["maxProperties"] = max(bounds.max_properties, node.get("minProperties", 0), len(node.get("required", [])))
-        added.append("maxProperties")
+    kinds += ["number"] if added else []  # (an "any" node counts as both)
+    if "string" in types and bounds.max_string_length is not None and not any("maxLength" in n for n in seen):
+        if bounds.whole_value and isinstance(node.get("pattern"), str) and "format" not in node:
+            pattern = _bound_pattern(node["pattern"], bounds.max_string_length)
+            if pattern is not None:
+                node["pattern"] = pattern  # (not in MARKER: outlines-core gets the narrower pattern too)
+                kinds.append("pattern")
+        elif "format" in node or untyped:
+            length = bounds.max_string_length if scale == 1 else max(NESTED_LENGTH, bounds.max_string_length // scale)
+            node["maxLength"] = max(FORMAT_LENGTH if "format" in node else length, node.get("minLength", 0))
+            added.append("maxLength")
+            kinds += ["maxLength"] if "format" in node else [] if "any" in kinds else ["untyped"]
+    if untyped and "array" in types and bounds.max_items is not None and "maxItems" not in node \
+            and node.get("minItems", 0) <= bounds.max_items:
+        node["maxItems"] = max(1, bounds.max_items // scale, node.get("minItems", 0))
+        added.append("maxItems")
+    if scale > 1 and "maxLength" in ours and bounds.max_string_length is not None:
+        node["maxLength"] = max(NESTED_LENGTH, bounds.max_string_length // scale, node.get("minLength", 0))
+        kinds.append("nested")
+    if scale > 1 and "maxItems" in ours and bounds.max_items is not None:
+        node["maxItems"] = max(1, bounds.max_items // scale, node.get("minItems", 0))
+        kinds.append("nested")
+    if bounds.max_properties is not None and not any("maxProperties" in n for n in seen):
+        if _open_object(node, types) or untyped and "object" in types and not node.get("properties"):
+            node["maxProperties"] = max(bounds.max_properties, node.get("minProperties", 0),
+                                        len(node.get("required", [])))
+            added.append("maxProperties")
+            kinds.append("maxProperties")
+        elif bounds.whole_value and len(seen) == 1 and _close(node, types):
+            kinds.append("closed")
     if added:
         node[MARKER] = added
-        return "number" if "exclusiveMaximum" in added or "exclusiveMinimum" in added or "multipleOf" in added \
-            else added[0]
-    return None
+    return kinds
+
+
+def _bound_pattern(pattern: str, length: int) -> str | None:
+    """``whole_value``: a pattern that leaves a string's length open (unanchored, or an unbounded
+    repetition: ``[0-9]+``) spelled bounded, as generated keys are (:func:`~continuum.guides.closing.bounded_key_pattern`:
+    every repetition at most ``length``, at most ``length`` characters around an unanchored match);
+    a narrowing. None when it bounds the length already or cannot be read."""
+    try:
+        low, high = _parser.parse(pattern).getwidth()
+    except (re.error, OverflowError, RecursionError, ValueError, TypeError):
+        return None
+    if pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$") and high < _MAXREPEAT:
+        return None
+    return bounded_key_pattern(pattern, max(length, low))
 
 
 def _open_object(node: dict, types: set) -> bool:
@@ -187,6 +259,32 @@ def _open_object(node: dict, types: set) -> bool:
     return extra and isinstance(required, list) and set(node.get("properties", {})) <= set(required)
 
 
+def _close(node: dict, types: set) -> bool:
+    """``whole_value``: an object schema with extra keys (which llguidance cannot count beside optional
+    properties) given its declared properties only, in place. Only a lone node (no ``$ref``, ``anyOf``,
+    ``oneOf`` or ``allOf`` that could declare more properties), with ``required`` among its declared
+    properties, ``minProperties`` they can meet, and no key pattern that matches a declared property
+    (its schema would apply there too); whether it closed it."""
+    props, required = node.get("properties"), node.get("required", [])
+    if types and "object" not in types or not isinstance(props, dict) or not props or not isinstance(required, list) \
+            or {"$ref", "anyOf", "oneOf", "allOf", "unevaluatedProperties"} & set(node) \
+            or not set(required) <= set(props) or node.get("minProperties", 0) > len(props):
+        return False
+    patterns = node.get("patternProperties") or {}
+    if node.get("additionalProperties", False) is False and not patterns or not isinstance(patterns, dict):
+        return False
+    for pattern in patterns:
+        for name in props:
+            try:
+                if re.search(pattern, name) is not None:
+                    return False  # the declared property gets both schemas: left to the engine
+            except re.error:
+                return False
+    node["additionalProperties"] = False
+    node.pop("patternProperties", None)
+    return True
+
+
 # Where a normalised schema keeps subschemas in positive position (narrowing them narrows the whole).
 # Not `not`, `if`/`then`/`else` or `oneOf`: narrowing under a negation would widen.
 _ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains")
@@ -194,37 +292,59 @@ _MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs")
 _LISTS = ("anyOf", "allOf", "prefixItems")
 
 
-def bound_numbers(schema: Any, bounds: JsonBounds) -> tuple[Any, Counter]:
+def bound_numbers(schema: Any, bounds: JsonBounds, added: dict[int, tuple[dict, set]] | None = None
+                  ) -> tuple[Any, Counter]:
     """(a copy of the NORMALISED ``schema`` with every number it leaves unbounded bounded, and every
     string with a ``format`` and open object under ``bounds``; how many nodes of each kind were).
-    Shared subtrees stay shared; a bound in an ``allOf`` member counts for its siblings."""
+    Shared subtrees stay shared; a bound in an ``allOf`` member counts for its siblings. ``added``:
+    the nodes whose ``maxLength``/``maxItems`` the normaliser added for ``bounds`` (by id).
+
+    With ``bounds.whole_value`` the value as a whole is bounded: inside the items of arrays of up to
+    n items in all (the product of the ``maxItems`` around), the added ``maxItems`` and string
+    ``maxLength`` are divided by n (at least 1 item, :data:`NESTED_LENGTH` characters, and the
+    schema's ``minItems``/``minLength``); a node without ``type`` gets every bound its types would
+    (its number, string, array and object bounds constrain only values of those types); a string
+    whose ``pattern`` leaves its length open gets a ``maxLength``; and an object with extra keys and
+    optional declared properties (llguidance cannot count its keys) gets its declared properties only."""
     count: Counter = Counter()
     if not bounds.any:
         return schema, count
     memo: dict[tuple, Any] = {}
+    added = added or {}
 
-    def walk(node: Any, inherited: tuple = ()) -> Any:
+    def walk(node: Any, inherited: tuple = (), scale: int = 1) -> Any:
         if not isinstance(node, dict):
             return node
-        key = (id(node), tuple(map(id, inherited)))
+        key = (id(node), tuple(map(id, inherited)), scale)
         if key in memo:
             return memo[key]
         members = [m for m in node.get("allOf", []) if isinstance(m, dict)] if isinstance(node.get("allOf"), list) else []
         out: dict[str, Any] = {}
         for k, v in node.items():
-            if k in _ONE:
-                out[k] = walk(v)
+            if k == "items" and bounds.whole_value and _number(node.get("maxItems")):
+                out[k] = walk(v, (), min(_SCALE, scale * max(1, int(node["maxItems"]))))
+            elif k in ("additionalProperties", "patternProperties") and bounds.whole_value:  # a map's values
+                many = _number(node.get("maxProperties")) or bounds.max_properties or 1
+                inner = min(_SCALE, scale * max(1, int(many)))
+                out[k] = {n: walk(sub, (), inner) for n, sub in v.items()} if k == "patternProperties" \
+                    and isinstance(v, dict) else walk(v, (), inner)
+            elif k in _ONE:
+                out[k] = walk(v, (), scale)
             elif k in _MAPS and isinstance(v, dict):
-                out[k] = {name: walk(sub) for name, sub in v.items()}
+                out[k] = {name: walk(sub, (), scale if k != "$defs" else 1) for name, sub in v.items()}
             elif k == "allOf" and isinstance(v, list):
-                out[k] = [walk(sub, (node, *inherited, *(m for m in members if m is not sub))) for sub in v]
+                out[k] = [walk(sub, (node, *inherited, *(m for m in members if m is not sub)), scale) for sub in v]
             elif k in _LISTS and isinstance(v, list):
-                out[k] = [walk(sub) for sub in v]
+                out[k] = [walk(sub, (), scale) for sub in v]
             else:
                 out[k] = v
-        kind = _bound_one(out, [out, *members, *inherited], bounds)
-        if kind:
-            count[kind] += 1
+        t = node.get("type")
+        if bounds.whole_value and "items" not in node and (t == "array" or isinstance(t, list) and "array" in t) \
+                and not members and not inherited and not {"$ref", "anyOf", "oneOf"} & set(node):  # lone: items of its own
+            out["items"] = walk(_EMPTY, (), min(_SCALE, scale * max(1, int(_number(node.get("maxItems")) or 1))))
+        mine = added.get(id(node))
+        count.update(_bound_one(out, [out, *members, *inherited], bounds, mine[1] if mine and mine[0] is node else set(),
+                                scale))
         memo[key] = out
         return out
 
@@ -245,4 +365,17 @@ def bounds_note(bounds: JsonBounds, count: Counter) -> str | None:
         parts.append(f"{count['maxLength']} string schema(s) with a format (<= {length} characters)")
     if count["maxProperties"]:
         parts.append(f"{count['maxProperties']} object schema(s) with extra keys (<= {bounds.max_properties} properties)")
+    if count["pattern"]:
+        parts.append(f"{count['pattern']} string schema(s) whose pattern leaves the length open "
+                     f"(<= {bounds.max_string_length} characters, or what the pattern needs)")
+    if count["any"]:
+        parts.append(f"{count['any']} schema(s) that allow any value (generated as a null, boolean, number or string)")
+    if count["untyped"]:
+        parts.append(f"{count['untyped']} schema(s) without type (its strings, arrays, objects and numbers as above)")
+    if count["nested"]:
+        parts.append(f"{count['nested']} array or string schema(s) inside arrays (bounds divided by the items around "
+                     f"them: >= 1 item, >= {NESTED_LENGTH} characters)")
+    if count["closed"]:
+        parts.append(f"{count['closed']} object schema(s) with extra keys and optional properties (declared "
+                     "properties only: the keys could not be counted)")
     return f"bounded where the schema sets no bound: {'; '.join(parts)} (bounds=None lifts this)" if parts else None

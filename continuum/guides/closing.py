@@ -77,6 +77,11 @@ def bounded_key_pattern(pattern: str, max_len: int) -> str | None:
     """A regex matching only keys that ``pattern`` matches (search semantics), each repetition
     bounded by ``max_len`` (so the key is bounded) and anchored; None when the pattern cannot be
     read safely (it then stays as is)."""
+    try:
+        if re.compile(pattern).fullmatch(""):  # it matches every string (search semantics)
+            return f"^.{{0,{max_len}}}$"
+    except re.error:
+        return None
     body, start, end = pattern, False, False
     if body.startswith("^"):
         body, start = body[1:], True
