@@ -225,10 +225,12 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scal
         kinds.append("nested")
     if bounds.max_properties is not None and not any("maxProperties" in n for n in seen):
         if _open_object(node, types) or untyped and "object" in types and not node.get("properties"):
-            node["maxProperties"] = max(bounds.max_properties, node.get("minProperties", 0),
-                                        len(node.get("required", [])))
+            count = bounds.max_properties if scale == 1 else max(1, bounds.max_properties // scale)
+            node["maxProperties"] = max(count, node.get("minProperties", 0), len(node.get("required", [])))
             added.append("maxProperties")
-            kinds.append("maxProperties")
+            kinds.append("maxProperties" if scale == 1 else "nested")
+            if scale > 1 and _short_keys(node, bounds, scale):
+                kinds.append("nested")
         elif bounds.whole_value and len(seen) == 1 and _close(node, types):
             kinds.append("closed")
     if added:
@@ -248,6 +250,20 @@ def _bound_pattern(pattern: str, length: int) -> str | None:
     if pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$") and high < _MAXREPEAT:
         return None
     return bounded_key_pattern(pattern, max(length, low))
+
+
+def _short_keys(node: dict, bounds: JsonBounds, scale: int) -> bool:
+    """``whole_value``: the keys of a map (extra keys only: no declared properties, no key patterns)
+    inside containers of ``scale`` repeated values in all, as short as a string there (at least
+    :data:`NESTED_LENGTH`): ``additionalProperties`` becomes the value schema of keys of that length
+    (a narrowing); whether it did."""
+    extra = node.get("additionalProperties", False)
+    if bounds.max_string_length is None or extra is False or node.get("properties") or node.get("patternProperties") \
+            or "propertyNames" in node or "unevaluatedProperties" in node:
+        return False
+    length = max(NESTED_LENGTH, bounds.max_string_length // scale)
+    node["patternProperties"], node["additionalProperties"] = {f"^.{{0,{length}}}$": extra}, False
+    return True
 
 
 def _open_object(node: dict, types: set) -> bool:

@@ -156,7 +156,7 @@ class _Closer:
         self.group(node, members)
         objectish = any(_OBJECT_KEYS & set(m) or m.get("type") == "object"
                         or (isinstance(m.get("type"), list) and "object" in m["type"]) for m in members)
-        explicit = any(k in m for m in members for k in _OPENERS)
+        explicit = any(k in m and m[k] is not False for m in members for k in _OPENERS)  # (false closes)
         out = self.member(node)
         if objectish and not explicit and not self.additional:
             names: dict[str, None] = {}
