@@ -1,4 +1,4 @@
-"""Bounds on what JSON generation writes where the schema sets none: numbers, strings, arrays.
+"""Bounds on what JSON generation writes where the schema sets none: numbers, strings, arrays, keys.
 
 A weak model given ``{"type": "integer"}`` may write digits until its context ends (stories260K
 greedy writes ``-3000000000...``); an unbounded string or array does the same. A
@@ -10,7 +10,7 @@ and the server take one as ``bounds=`` (a preset name, an instance, or None for 
 * ``"small"``: for small or weakly trained models: strings of at most 32 characters (64 for a string
   with a ``format``: a date-time's fractional seconds are unbounded otherwise), arrays of at most 8
   items, objects that allow extra keys of at most 8 properties, integer parts of at most 9 digits,
-  fractions of at most 4;
+  fractions of at most 4; and the value as a whole is bounded (``whole_value``, below);
 * ``None`` / ``"none"``: nothing bounded (the JSON Schema as written).
 
 Numbers are bounded in the normalised schema (:func:`bound_numbers`) with standard keywords, so
@@ -22,33 +22,45 @@ leaves open is bounded: a side that has a bound of its own keeps it (a ``maximum
 the schema's other side. A bound is a narrowing: every output is still valid, and is validated
 against the original schema as always.
 
+``whole_value`` (``"small"``) bounds the size of the whole value, not only each leaf, so that it fits
+a small context (a 512-token model filled it in 20% of the sample with per-leaf bounds alone):
+
+* **bounds shrink inside containers**: inside the items of arrays (and the values of maps, objects
+  with extra keys) of n repeated values in all (the product of their ``maxItems``/``maxProperties``),
+  the item count, property count, string length and map key length this module adds are divided
+  by n, down to 1 item (or property) and :data:`~continuum.guides.whole.NESTED_LENGTH` (8)
+  characters: an array of 8 rows of 8 strings of 32 characters becomes 8 rows of 1 string of 8;
+* **open values are bounded too**: a schema without ``type`` gets the bounds of every type it allows
+  (each keyword constrains only its own type), a schema that allows any value at all (``{}``) is
+  generated as a scalar (null, boolean, number or string), an array without ``items`` gets such
+  items, and a string whose ``pattern`` leaves the length open (unanchored, or ``+``/``*``) gets
+  the pattern spelled bounded (as generated keys are);
+* **extra keys that cannot be counted are not generated**: llguidance counts keys (``maxProperties``)
+  only where every declared property is required; an object with extra keys and an optional declared
+  property gets its declared properties only (unless it sets ``maxProperties`` itself, or a key
+  pattern also matches a declared property, or ``anyOf``/``allOf``/``$ref`` may declare more).
+
+A bound the schema sets itself (``maxItems``, ``maxLength``, ``maxProperties``, an anchored pattern of
+bounded length) is never divided nor tightened; ``minItems``/``minLength``/``minProperties`` always
+fit. Each rule is named in the coverage warning.
+
 Example:
     >>> bound_numbers({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
     ...               JsonBounds(integer_digits=3))[0]["properties"]["n"]
     {'type': 'integer', 'minimum': 0, 'exclusiveMaximum': 1000, 'x-continuum-bounds': ['exclusiveMaximum']}
     >>> resolve_bounds("small")
-    JsonBounds(max_string_length=32, max_items=8, integer_digits=9, fraction_digits=4, max_properties=8)
+    JsonBounds(max_string_length=32, max_items=8, integer_digits=9, fraction_digits=4, max_properties=8, whole_value=True)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GeneratorArgumentError, UnsupportedSchemaError
-from .closing import bounded_key_pattern
-
-if sys.version_info >= (3, 11):  # Python's regex parser (see regex_size.py)
-    from re import _constants as _c  # type: ignore[attr-defined]
-    from re import _parser  # type: ignore[attr-defined]
-else:
-    import sre_constants as _c
-    import sre_parse as _parser
-_MAXREPEAT = int(_c.MAXREPEAT)
+from .whole import NESTED_LENGTH, SCALAR, bound_pattern, close_open_object, short_keys
 
 __all__ = ["JsonBounds", "BOUNDS", "resolve_bounds", "bound_numbers", "MARKER", "bounds_note"]
 
@@ -117,12 +129,8 @@ BOUNDS = {"default": JsonBounds(), "small": JsonBounds(32, 8, 9, 4, 8, whole_val
 #: Characters a string with a ``format`` gets at least (a uuid has 36, a date-time ~20 before its fraction).
 FORMAT_LENGTH = 64
 _SCALE = 1 << 12  # the product of enclosing item counts stops growing here (every division is at its floor)
-#: ``whole_value``: the fewest characters a string inside arrays is cut to (the fewest items: 1).
-NESTED_LENGTH = 8
 #: ``whole_value``: what a node without ``type`` may be (each keyword a bound adds constrains only its type).
 _ANY = frozenset({"integer", "number", "string", "array", "object"})
-#: ``whole_value``: what a schema that allows any value at all (``{}``) is generated as.
-_SCALAR = ("null", "boolean", "integer", "number", "string")
 _EMPTY: dict = {}  # the items of an array without ``items`` (never mutated: the walk copies)
 
 
@@ -187,7 +195,7 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scal
     kinds: list[str] = []
     untyped = not types and bounds.whole_value and len(seen) == 1 and not {"$ref", "anyOf", "oneOf", "allOf"} & set(node)
     if untyped and not node:  # any value at all: a scalar
-        node["type"] = list(_SCALAR)
+        node["type"] = list(SCALAR)
         kinds.append("any")
     types = set(node.get("type", _ANY)) if untyped else types
     if types & {"integer", "number"} and bounds.integer_digits is not None:
@@ -204,7 +212,7 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scal
     kinds += ["number"] if added else []  # (an "any" node counts as both)
     if "string" in types and bounds.max_string_length is not None and not any("maxLength" in n for n in seen):
         if bounds.whole_value and isinstance(node.get("pattern"), str) and "format" not in node:
-            pattern = _bound_pattern(node["pattern"], bounds.max_string_length)
+            pattern = bound_pattern(node["pattern"], bounds.max_string_length)
             if pattern is not None:
                 node["pattern"] = pattern  # (not in MARKER: outlines-core gets the narrower pattern too)
                 kinds.append("pattern")
@@ -229,41 +237,13 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scal
             node["maxProperties"] = max(count, node.get("minProperties", 0), len(node.get("required", [])))
             added.append("maxProperties")
             kinds.append("maxProperties" if scale == 1 else "nested")
-            if scale > 1 and _short_keys(node, bounds, scale):
+            if scale > 1 and short_keys(node, bounds.max_string_length, scale):
                 kinds.append("nested")
-        elif bounds.whole_value and len(seen) == 1 and _close(node, types):
+        elif bounds.whole_value and len(seen) == 1 and close_open_object(node, types):
             kinds.append("closed")
     if added:
         node[MARKER] = added
     return kinds
-
-
-def _bound_pattern(pattern: str, length: int) -> str | None:
-    """``whole_value``: a pattern that leaves a string's length open (unanchored, or an unbounded
-    repetition: ``[0-9]+``) spelled bounded, as generated keys are (:func:`~continuum.guides.closing.bounded_key_pattern`:
-    every repetition at most ``length``, at most ``length`` characters around an unanchored match);
-    a narrowing. None when it bounds the length already or cannot be read."""
-    try:
-        low, high = _parser.parse(pattern).getwidth()
-    except (re.error, OverflowError, RecursionError, ValueError, TypeError):
-        return None
-    if pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$") and high < _MAXREPEAT:
-        return None
-    return bounded_key_pattern(pattern, max(length, low))
-
-
-def _short_keys(node: dict, bounds: JsonBounds, scale: int) -> bool:
-    """``whole_value``: the keys of a map (extra keys only: no declared properties, no key patterns)
-    inside containers of ``scale`` repeated values in all, as short as a string there (at least
-    :data:`NESTED_LENGTH`): ``additionalProperties`` becomes the value schema of keys of that length
-    (a narrowing); whether it did."""
-    extra = node.get("additionalProperties", False)
-    if bounds.max_string_length is None or extra is False or node.get("properties") or node.get("patternProperties") \
-            or "propertyNames" in node or "unevaluatedProperties" in node:
-        return False
-    length = max(NESTED_LENGTH, bounds.max_string_length // scale)
-    node["patternProperties"], node["additionalProperties"] = {f"^.{{0,{length}}}$": extra}, False
-    return True
 
 
 def _open_object(node: dict, types: set) -> bool:
@@ -273,32 +253,6 @@ def _open_object(node: dict, types: set) -> bool:
     extra = node.get("additionalProperties", False) is not False or bool(node.get("patternProperties"))
     required = node.get("required", [])
     return extra and isinstance(required, list) and set(node.get("properties", {})) <= set(required)
-
-
-def _close(node: dict, types: set) -> bool:
-    """``whole_value``: an object schema with extra keys (which llguidance cannot count beside optional
-    properties) given its declared properties only, in place. Only a lone node (no ``$ref``, ``anyOf``,
-    ``oneOf`` or ``allOf`` that could declare more properties), with ``required`` among its declared
-    properties, ``minProperties`` they can meet, and no key pattern that matches a declared property
-    (its schema would apply there too); whether it closed it."""
-    props, required = node.get("properties"), node.get("required", [])
-    if types and "object" not in types or not isinstance(props, dict) or not props or not isinstance(required, list) \
-            or {"$ref", "anyOf", "oneOf", "allOf", "unevaluatedProperties"} & set(node) \
-            or not set(required) <= set(props) or node.get("minProperties", 0) > len(props):
-        return False
-    patterns = node.get("patternProperties") or {}
-    if node.get("additionalProperties", False) is False and not patterns or not isinstance(patterns, dict):
-        return False
-    for pattern in patterns:
-        for name in props:
-            try:
-                if re.search(pattern, name) is not None:
-                    return False  # the declared property gets both schemas: left to the engine
-            except re.error:
-                return False
-    node["additionalProperties"] = False
-    node.pop("patternProperties", None)
-    return True
 
 
 # Where a normalised schema keeps subschemas in positive position (narrowing them narrows the whole).
