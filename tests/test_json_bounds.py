@@ -332,3 +332,15 @@ def test_nested_and_open_schemas_end_on_stories260k(stories):
         jsonschema.validate(gen(WHOLE_PROMPT, max_tokens=room), schema)
         with pytest.raises(IncompleteGenerationError):
             per_leaf(WHOLE_PROMPT, max_tokens=room)
+
+
+@pytest.mark.parametrize("pattern, every", [(".*", True), ("^.*$", True), ("(.*)", True), ("", True), ("^", True),
+                                            ("^$", False), ("^a?$", False), ("^.{0,8}$", False), ("a*", False)])
+def test_a_key_pattern_becomes_a_plain_bounded_key_only_when_it_matches_every_key(pattern, every):
+    from continuum.guides.closing import bounded_key_pattern
+
+    bounded = bounded_key_pattern(pattern, 32)
+    assert (bounded == "^.{0,32}$") == every
+    for key in ("", "a", "zzz", "x" * 8, "x" * 9, "abc def"):  # a narrowing: every key it allows, the pattern allows
+        if re.search(bounded, key):
+            assert re.search(pattern, key), (pattern, key)
