@@ -344,3 +344,22 @@ def test_a_key_pattern_becomes_a_plain_bounded_key_only_when_it_matches_every_ke
     for key in ("", "a", "zzz", "x" * 8, "x" * 9, "abc def"):  # a narrowing: every key it allows, the pattern allows
         if re.search(bounded, key):
             assert re.search(pattern, key), (pattern, key)
+
+
+def test_small_bounds_fall_back_to_per_leaf_bounds_when_they_leave_nothing(gpt2_model, monkeypatch):
+    """A map's arrays divided to 1 item, while another allOf member asks the same key for 2 (Handwritten
+    ``pp3``): the whole-value form is unsatisfiable, so the schema compiles with per-leaf bounds."""
+    import continuum.guides.compile as compile_module
+
+    tok = gpt2_model.tokenizer
+    schema = {"type": "object", "required": ["abc"], "allOf": [
+        {"additionalProperties": {"type": "array", "minItems": 2}},
+        {"patternProperties": {"c": {"type": "array", "items": {"type": "integer"}}}}]}
+    tried, ladder = [], compile_module._llguidance_json
+    monkeypatch.setattr(compile_module, "_llguidance_json",
+                        lambda *args: tried.append(args[5]["bounds"].whole_value) or ladder(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SchemaCoverageWarning)
+        guide, prepared = json_for(tok, schema, bounds="small")
+    assert tried == [True, False] and prepared.exact
+    assert _walk(guide, '{"abc":[1,2]}', tok)

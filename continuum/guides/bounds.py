@@ -42,7 +42,9 @@ a small context (a 512-token model filled it in 20% of the sample with per-leaf 
 
 A bound the schema sets itself (``maxItems``, ``maxLength``, ``maxProperties``, an anchored pattern of
 bounded length) is never divided nor tightened; ``minItems``/``minLength``/``minProperties`` always
-fit. Each rule is named in the coverage warning.
+fit. Each rule is named in the coverage warning. Where the whole-value form does not compile (a
+divided bound below a minimum another ``allOf`` member sets, or llguidance's size limits), ``json_for``
+compiles the schema with the per-leaf bounds alone.
 
 Example:
     >>> bound_numbers({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
@@ -232,7 +234,7 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scal
         node["maxItems"] = max(1, bounds.max_items // scale, node.get("minItems", 0))
         kinds.append("nested")
     if bounds.max_properties is not None and not any("maxProperties" in n for n in seen):
-        if _open_object(node, types) or untyped and "object" in types and not node.get("properties"):
+        if _open_object(node, types):
             count = bounds.max_properties if scale == 1 else max(1, bounds.max_properties // scale)
             node["maxProperties"] = max(count, node.get("minProperties", 0), len(node.get("required", [])))
             added.append("maxProperties")

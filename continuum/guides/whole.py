@@ -32,7 +32,9 @@ def bound_pattern(pattern: str, length: int) -> str | None:
     """A pattern that leaves a string's length open (unanchored, or an unbounded
     repetition: ``[0-9]+``) spelled bounded, as generated keys are (:func:`~continuum.guides.closing.bounded_key_pattern`:
     every repetition at most ``length``, at most ``length`` characters around an unanchored match);
-    a narrowing. None when it bounds the length already or cannot be read."""
+    a narrowing. None when it bounds the length already, repeats a group, or cannot be read."""
+    if re.search(r"\)[*+{]", pattern):
+        return None  # a repeated group: bounding each repetition makes a regex llguidance may not compile
     try:
         low, high = _parser.parse(pattern).getwidth()
     except (re.error, OverflowError, RecursionError, ValueError, TypeError):
