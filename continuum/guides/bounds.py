@@ -30,7 +30,7 @@ a small context (a 512-token model filled it in 20% of the sample with per-leaf 
   the item count, property count, string length and map key length this module adds are divided
   by n, down to 1 item (or property) and :data:`~continuum.guides.whole.NESTED_LENGTH` (8)
   characters: an array of 8 rows of 8 strings of 32 characters becomes 8 rows of 1 string of 8;
-* **open values are bounded too**: a schema without ``type`` gets the bounds of every type it allows
+* **open values are bounded too**: a schema without ``type`` gets the number, string and array bounds
   (each keyword constrains only its own type), a schema that allows any value at all (``{}``) is
   generated as a scalar (null, boolean, number or string), an array without ``items`` gets such
   items, and a string whose ``pattern`` leaves the length open (unanchored, or ``+``/``*``) gets
@@ -343,7 +343,7 @@ def bounds_note(bounds: JsonBounds, count: Counter) -> str | None:
     if count["any"]:
         parts.append(f"{count['any']} schema(s) that allow any value (generated as a null, boolean, number or string)")
     if count["untyped"]:
-        parts.append(f"{count['untyped']} schema(s) without type (its strings, arrays, objects and numbers as above)")
+        parts.append(f"{count['untyped']} schema(s) without type (its strings, arrays and numbers as above)")
     if count["nested"]:
         parts.append(f"{count['nested']} array or string schema(s) inside arrays (bounds divided by the items around "
                      f"them: >= 1 item, >= {NESTED_LENGTH} characters)")
