@@ -187,8 +187,8 @@ def _side(nodes: list[dict], inclusive: str, exclusive: str) -> float | int | No
 
 def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scale: int) -> list[str]:
     """Bound one node in place (``seen``: it and the ``allOf`` members read with it; ``ours``: the
-    ``maxLength``/``maxItems`` the normaliser's bounds added to it; ``scale``: the items of the arrays
-    around it, with ``whole_value``); the kinds of bounds added."""
+    ``maxLength``/``maxItems`` the normaliser's bounds added to it; ``scale``: the repeated values of
+    the arrays and maps around it, with ``whole_value``); the kinds of bounds added."""
     t = node.get("type")
     types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
     if "enum" in node or "const" in node:
