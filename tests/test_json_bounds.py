@@ -191,3 +191,175 @@ def test_processor_takes_bounds(gpt2_model):
     with pytest.warns(SchemaCoverageWarning):
         small = JSONLogitsProcessor(NUMBERS, tok.hf, bounds="small")
     assert not _walk(small.guide, text, tok)
+
+
+# --- the value as a whole (bounds="small": JsonBounds.whole_value) -------------------------------
+
+# BFCL_sql's shape: arrays of arrays of strings (8 x 8 x 32 characters under per-leaf bounds)
+TABLE = {"type": "object", "properties": {
+    "table": {"type": "string"},
+    "columns": {"type": "array", "items": {"type": "string"}},
+    "rows": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}},
+    "conditions": {"type": "array", "items": {"type": "array", "items": {"type": "string"}}}},
+    "required": ["table", "columns", "rows", "conditions"], "additionalProperties": False}
+# MCPspec's shape: extra keys beside an optional declared property, an untyped value, an open pattern
+OPEN = {"type": "object", "properties": {
+    "method": {"const": "ping"},
+    "params": {"type": "object", "additionalProperties": {}, "properties": {"_meta": {"type": "object"}}},
+    "extra": {},
+    "version": {"type": "string", "pattern": "[0-9]+\\.[0-9]+"},
+    "labels": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "string"}}}},
+    "required": ["method", "params", "extra", "version", "labels"]}
+WHOLE_PROMPT = "Once upon a time, JSON: "
+
+
+def _normalized(schema, bounds="small"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SchemaCoverageWarning)
+        return normalize_schema(schema, bounds=bounds).schema
+
+
+def test_small_bounds_shrink_inside_arrays_and_maps_and_default_does_not():
+    props = _normalized(TABLE)["properties"]
+    assert props["table"]["maxLength"] == 32 and props["columns"]["maxItems"] == 8
+    assert props["columns"]["items"]["maxLength"] == 8  # 32 // 8 items around it, at least 8 characters
+    assert props["rows"]["maxItems"] == 8 and props["rows"]["items"]["maxItems"] == 1  # 8 // 8
+    assert props["rows"]["items"]["items"]["maxLength"] == 8
+    labels = _normalized(OPEN)["properties"]["labels"]  # a map's values are repeated like items
+    assert labels["maxProperties"] == 8 and labels["additionalProperties"]["maxItems"] == 1
+    nested_map = {"type": "object", "additionalProperties": {"type": "object", "properties": {
+        "config": {"type": "object", "additionalProperties": {"type": "string"}}}, "required": ["config"]}}
+    config = _normalized(nested_map)["additionalProperties"]["properties"]["config"]  # a map inside a map of 8
+    assert config["maxProperties"] == 1 and config["additionalProperties"] is False
+    assert config["patternProperties"] == {"^.{0,8}$": {"type": "string", "maxLength": 8}}  # keys as short as strings
+    # per leaf only without whole_value (the same sizes, not divided); nothing at all by default
+    per_leaf = _normalized(TABLE, JsonBounds(32, 8, 9, 4, 8))["properties"]
+    assert per_leaf["rows"]["items"]["maxItems"] == 8 and per_leaf["rows"]["items"]["items"]["maxLength"] == 32
+    assert _normalized(TABLE, "default")["properties"]["rows"] == TABLE["properties"]["rows"]
+    assert _normalized(OPEN, "default")["properties"]["params"]["additionalProperties"] == {}
+
+
+def test_small_bounds_close_open_objects_with_optional_properties_and_bound_open_values():
+    props = _normalized(OPEN)["properties"]
+    assert props["params"]["additionalProperties"] is False  # its keys could not be counted
+    assert set(props["params"]["properties"]) == {"_meta"}
+    assert props["extra"]["type"] == ["null", "boolean", "integer", "number", "string"]  # any value: a scalar
+    assert props["extra"]["maxLength"] == 32 and props["extra"]["exclusiveMaximum"] == 10 ** 9
+    assert props["version"]["pattern"].startswith("^") and props["version"]["pattern"].endswith("$")
+    assert re.fullmatch(props["version"]["pattern"], "v1.2 (beta)") and not re.fullmatch(props["version"]["pattern"],
+                                                                                         "1" * 100)
+
+
+@pytest.mark.parametrize("schema", [
+    TABLE, OPEN,
+    {"type": "array", "items": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {}, "maxProperties": 3},
+    {"type": "object", "properties": {"a": {}}, "patternProperties": {"^a": {"type": "integer"}}},
+    {"type": "string", "pattern": "^[a-z]{2,3}$"}, {"type": "array"}, {"format": "date-time"},
+])
+def test_small_bounds_narrow_soundly_and_keep_the_schemas_own_bounds(schema):
+    original = jsonschema.Draft202012Validator(schema)
+    bounded_schema = _normalized(schema)
+    bounded = jsonschema.Draft202012Validator(bounded_schema)
+    values = [None, True, 3, 2.5, 10 ** 12, "", "ab", "1.5", "x" * 40, [], ["ab"], [["ab"]], [["x" * 30] * 6] * 2,
+              [1.5, "a", None], {}, {"a": 1}, {"a": 1, "b": 2}, {"b": [1]}, {"aa": "1"},
+              {"table": "t", "columns": ["c"], "rows": [["1"]], "conditions": []},
+              {"method": "ping", "params": {}, "extra": 1, "version": "1.2", "labels": {"k": ["v"]}},
+              {"method": "ping", "params": {"x": 1}, "extra": [1], "version": "1.2", "labels": {}}]
+    for value in values:
+        if bounded.is_valid(value):
+            assert original.is_valid(value), (schema, value)
+    if "maxProperties" in schema:  # a count the schema sets: kept, the object left open
+        assert bounded_schema["maxProperties"] == 3 and bounded_schema["additionalProperties"] != False  # noqa: E712
+    if schema.get("patternProperties"):  # a key pattern that matches a declared property: left open
+        assert "patternProperties" in bounded_schema
+    inner = schema.get("items", {}).get("items", {})
+    if inner.get("maxLength") == 20:  # own bounds inside arrays are never divided
+        assert bounded_schema["items"]["maxItems"] == 5 and bounded_schema["items"]["items"]["maxLength"] == 20
+    if schema.get("pattern") == "^[a-z]{2,3}$":  # a pattern that bounds the length itself: unchanged
+        assert bounded_schema["pattern"] == schema["pattern"]
+
+
+def test_small_bounds_are_enforced_by_the_guide_and_named_in_the_warning(gpt2_model):
+    tok = gpt2_model.tokenizer
+    with pytest.warns(SchemaCoverageWarning, match=r"inside arrays.*optional properties|optional properties"):
+        guide, _ = json_for(tok, OPEN, bounds="small")
+    labels = '"labels":{"k":["v"]}'
+    assert _walk(guide, '{"method":"ping","params":{"_meta":{}},"extra":1,"version":"1.2",' + labels + '}', tok)
+    assert not _walk(guide, '{"method":"ping","params":{"x":1},"extra":1,"version":"1.2",' + labels + '}', tok)
+    assert not _walk(guide, '{"method":"ping","params":{},"extra":[1],"version":"1.2",' + labels + '}', tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        default, _ = json_for(tok, OPEN, bounds="default")
+    assert _walk(default, '{"method":"ping","params":{"x":1},"extra":[1],"version":"1.2",' + labels + '}', tok)
+    # MCPspec's ServerResult: alternatives beside one with extra keys; closed, none of them writes a new key
+    results = {"anyOf": [{"type": "object", "additionalProperties": {}, "properties": {"_meta": {"type": "object"}}},
+                         {"type": "object", "properties": {"tools": {"type": "array"}}, "required": ["tools"]}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        closed, _ = json_for(tok, results, bounds="small")
+        opened, _ = json_for(tok, results, bounds="default")
+    assert _walk(closed, '{"tools":[]}', tok) and not _walk(closed, '{"tools":[],"zzz":1}', tok)
+    assert _walk(opened, '{"tools":[],"zzz":1}', tok)
+    with pytest.warns(SchemaCoverageWarning, match="inside arrays"):
+        table, _ = json_for(tok, TABLE, bounds="small")
+    assert _walk(table, '{"table":"t","columns":["abcdefgh"],"rows":[["x"]],"conditions":[]}', tok)
+    assert not _walk(table, '{"table":"t","columns":["abcdefghi"],"rows":[],"conditions":[]}', tok)
+    assert not _walk(table, '{"table":"t","columns":[],"rows":[["x","y"]],"conditions":[]}', tok)
+
+
+def test_nested_and_open_schemas_end_on_the_random_models(model):
+    for schema in (TABLE, OPEN):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SchemaCoverageWarning)
+            gen = generate.json(model, schema, samplers.multinomial(), bounds="small")
+        room = model.context_length - len(model.tokenizer.encode_continuation(WHOLE_PROMPT)) - 1  # 256 positions
+        for seed in range(2):
+            value = gen(WHOLE_PROMPT, max_tokens=room, rng=torch.Generator().manual_seed(seed))
+            jsonschema.validate(value, schema)
+
+
+def test_nested_and_open_schemas_end_on_stories260k(stories):
+    """Greedy stories260K filled its 512-token context on both shapes with per-leaf bounds (issue 32)."""
+    from continuum.errors import IncompleteGenerationError
+
+    room = stories.context_length - len(stories.tokenizer.encode_continuation(WHOLE_PROMPT)) - 1
+    for schema in (TABLE, OPEN):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SchemaCoverageWarning)
+            gen = generate.json(stories, schema, samplers.greedy(), bounds="small")
+            per_leaf = generate.json(stories, schema, samplers.greedy(), bounds=JsonBounds(32, 8, 9, 4, 8))
+        jsonschema.validate(gen(WHOLE_PROMPT, max_tokens=room), schema)
+        with pytest.raises(IncompleteGenerationError):
+            per_leaf(WHOLE_PROMPT, max_tokens=room)
+
+
+@pytest.mark.parametrize("pattern, every", [(".*", True), ("^.*$", True), ("(.*)", True), ("", True), ("^", True),
+                                            ("^$", False), ("^a?$", False), ("^.{0,8}$", False), ("a*", False)])
+def test_a_key_pattern_becomes_a_plain_bounded_key_only_when_it_matches_every_key(pattern, every):
+    from continuum.guides.closing import bounded_key_pattern
+
+    bounded = bounded_key_pattern(pattern, 32)
+    assert (bounded == "^.{0,32}$") == every
+    for key in ("", "a", "zzz", "x" * 8, "x" * 9, "abc def"):  # a narrowing: every key it allows, the pattern allows
+        if re.search(bounded, key):
+            assert re.search(pattern, key), (pattern, key)
+
+
+def test_small_bounds_fall_back_to_per_leaf_bounds_when_they_leave_nothing(gpt2_model, monkeypatch):
+    """A map's arrays divided to 1 item, while another allOf member asks the same key for 2 (Handwritten
+    ``pp3``): the whole-value form is unsatisfiable, so the schema compiles with per-leaf bounds."""
+    import continuum.guides.compile as compile_module
+
+    tok = gpt2_model.tokenizer
+    schema = {"type": "object", "required": ["abc"], "allOf": [
+        {"additionalProperties": {"type": "array", "minItems": 2}},
+        {"patternProperties": {"c": {"type": "array", "items": {"type": "integer"}}}}]}
+    tried, ladder = [], compile_module._llguidance_json
+    monkeypatch.setattr(compile_module, "_llguidance_json",
+                        lambda *args: tried.append(args[5]["bounds"].whole_value) or ladder(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SchemaCoverageWarning)
+        guide, prepared = json_for(tok, schema, bounds="small")
+    assert tried == [True, False] and prepared.exact
+    assert _walk(guide, '{"abc":[1,2]}', tok)

@@ -1,4 +1,4 @@
-"""Bounds on what JSON generation writes where the schema sets none: numbers, strings, arrays.
+"""Bounds on what JSON generation writes where the schema sets none: numbers, strings, arrays, keys.
 
 A weak model given ``{"type": "integer"}`` may write digits until its context ends (stories260K
 greedy writes ``-3000000000...``); an unbounded string or array does the same. A
@@ -10,7 +10,7 @@ and the server take one as ``bounds=`` (a preset name, an instance, or None for 
 * ``"small"``: for small or weakly trained models: strings of at most 32 characters (64 for a string
   with a ``format``: a date-time's fractional seconds are unbounded otherwise), arrays of at most 8
   items, objects that allow extra keys of at most 8 properties, integer parts of at most 9 digits,
-  fractions of at most 4;
+  fractions of at most 4; and the value as a whole is bounded (``whole_value``, below);
 * ``None`` / ``"none"``: nothing bounded (the JSON Schema as written).
 
 Numbers are bounded in the normalised schema (:func:`bound_numbers`) with standard keywords, so
@@ -22,12 +22,36 @@ leaves open is bounded: a side that has a bound of its own keeps it (a ``maximum
 the schema's other side. A bound is a narrowing: every output is still valid, and is validated
 against the original schema as always.
 
+``whole_value`` (``"small"``) bounds the size of the whole value, not only each leaf, so that it fits
+a small context (a 512-token model filled it in 20% of the sample with per-leaf bounds alone):
+
+* **bounds shrink inside containers**: inside the items of arrays (and the values of maps, objects
+  with extra keys) of n repeated values in all (the product of their ``maxItems``/``maxProperties``),
+  the item count, property count, string length and map key length this module adds are divided
+  by n, down to 1 item (or property) and :data:`~continuum.guides.whole.NESTED_LENGTH` (8)
+  characters: an array of 8 rows of 8 strings of 32 characters becomes 8 rows of 1 string of 8;
+* **open values are bounded too**: a schema without ``type`` gets the number, string and array bounds
+  (each keyword constrains only its own type), a schema that allows any value at all (``{}``) is
+  generated as a scalar (null, boolean, number or string), an array without ``items`` gets such
+  items, and a string whose ``pattern`` leaves the length open (unanchored, or ``+``/``*``) gets
+  the pattern spelled bounded (as generated keys are);
+* **extra keys that cannot be counted are not generated**: llguidance counts keys (``maxProperties``)
+  only where every declared property is required; an object with extra keys and an optional declared
+  property gets its declared properties only (unless it sets ``maxProperties`` itself, or a key
+  pattern also matches a declared property, or ``anyOf``/``allOf``/``$ref`` may declare more).
+
+A bound the schema sets itself (``maxItems``, ``maxLength``, ``maxProperties``, an anchored pattern of
+bounded length) is never divided nor tightened; ``minItems``/``minLength``/``minProperties`` always
+fit. Each rule is named in the coverage warning. Where the whole-value form does not compile (a
+divided bound below a minimum another ``allOf`` member sets, or llguidance's size limits), ``json_for``
+compiles the schema with the per-leaf bounds alone.
+
 Example:
     >>> bound_numbers({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
     ...               JsonBounds(integer_digits=3))[0]["properties"]["n"]
     {'type': 'integer', 'minimum': 0, 'exclusiveMaximum': 1000, 'x-continuum-bounds': ['exclusiveMaximum']}
     >>> resolve_bounds("small")
-    JsonBounds(max_string_length=32, max_items=8, integer_digits=9, fraction_digits=4, max_properties=8)
+    JsonBounds(max_string_length=32, max_items=8, integer_digits=9, fraction_digits=4, max_properties=8, whole_value=True)
 """
 
 from __future__ import annotations
@@ -38,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GeneratorArgumentError, UnsupportedSchemaError
+from .whole import NESTED_LENGTH, SCALAR, bound_pattern, close_open_object, short_keys
 
 __all__ = ["JsonBounds", "BOUNDS", "resolve_bounds", "bound_numbers", "MARKER", "bounds_note"]
 
@@ -61,6 +86,10 @@ class JsonBounds:
         max_properties: properties of an object that allows extra keys (``additionalProperties`` other
             than false, or ``patternProperties``) and has no ``maxProperties``; only where every declared
             property is required (llguidance counts keys only then).
+        whole_value: bound the value as a whole, not only each leaf (see :func:`bound_numbers`):
+            bounds shrink inside arrays, untyped values and strings with an unanchored ``pattern`` are
+            bounded, and an object with extra keys and optional declared properties gets its declared
+            properties only.
     """
 
     max_string_length: int | None = None
@@ -68,6 +97,7 @@ class JsonBounds:
     integer_digits: int | None = 18
     fraction_digits: int | None = 10
     max_properties: int | None = None
+    whole_value: bool = False
 
     def __post_init__(self) -> None:
         for name, low, high in (("max_string_length", 1, None), ("max_items", 1, None), ("max_properties", 1, None),
@@ -80,6 +110,8 @@ class JsonBounds:
                 why = {"integer_digits": " (llguidance writes number ranges within int64)",
                        "fraction_digits": " (llguidance writes decimal multipleOf down to 1e-10)"}.get(name, "")
                 raise GeneratorArgumentError(f"JsonBounds.{name} must be {span} or None, got {value!r}{why}")
+        if not isinstance(self.whole_value, bool):
+            raise GeneratorArgumentError(f"JsonBounds.whole_value must be True or False, got {self.whole_value!r}")
 
     @property
     def numbers(self) -> bool:
@@ -89,13 +121,19 @@ class JsonBounds:
     @property
     def any(self) -> bool:
         """Whether :func:`bound_numbers` has anything to do."""
-        return self.numbers or self.max_properties is not None or self.max_string_length is not None
+        return self.numbers or self.max_properties is not None or self.max_string_length is not None \
+            or self.max_items is not None
 
 
 #: The presets ``bounds=`` may name.
-BOUNDS = {"default": JsonBounds(), "small": JsonBounds(32, 8, 9, 4, 8), "none": JsonBounds(None, None, None, None)}
+BOUNDS = {"default": JsonBounds(), "small": JsonBounds(32, 8, 9, 4, 8, whole_value=True),
+          "none": JsonBounds(None, None, None, None)}
 #: Characters a string with a ``format`` gets at least (a uuid has 36, a date-time ~20 before its fraction).
 FORMAT_LENGTH = 64
+_SCALE = 1 << 12  # the product of enclosing item counts stops growing here (every division is at its floor)
+#: ``whole_value``: what a node without ``type`` may be (each keyword a bound adds constrains only its type).
+_ANY = frozenset({"integer", "number", "string", "array", "object"})
+_EMPTY: dict = {}  # the items of an array without ``items`` (never mutated: the walk copies)
 
 
 def resolve_bounds(bounds: Any, max_string_length: int | None = None, max_items: int | None = None) -> JsonBounds:
@@ -116,7 +154,8 @@ def resolve_bounds(bounds: Any, max_string_length: int | None = None, max_items:
     else:
         raise GeneratorArgumentError(f"bounds must be one of {', '.join(map(repr, BOUNDS))}, a JsonBounds or None, "
                                      f"got {bounds!r:.80}")
-    changes = {k: v for k, v in (("max_string_length", max_string_length), ("max_items", max_items)) if v is not None}
+    changes: dict[str, Any] = {k: v for k, v in (("max_string_length", max_string_length), ("max_items", max_items))
+                               if v is not None}
     return dataclasses.replace(base, **changes) if changes else base
 
 
@@ -146,13 +185,21 @@ def _side(nodes: list[dict], inclusive: str, exclusive: str) -> float | int | No
     return (max(numbers) if inclusive == "minimum" else min(numbers)) if numbers else bool(found)
 
 
-def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds) -> str | None:
-    """Bound one node in place (``seen``: it and the ``allOf`` members read with it); what it is."""
+def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds, ours: set, scale: int) -> list[str]:
+    """Bound one node in place (``seen``: it and the ``allOf`` members read with it; ``ours``: the
+    ``maxLength``/``maxItems`` the normaliser's bounds added to it; ``scale``: the repeated values of
+    the arrays and maps around it, with ``whole_value``); the kinds of bounds added."""
     t = node.get("type")
     types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
     if "enum" in node or "const" in node:
-        return None
-    added = []
+        return []
+    added: list[str] = []
+    kinds: list[str] = []
+    untyped = not types and bounds.whole_value and len(seen) == 1 and not {"$ref", "anyOf", "oneOf", "allOf"} & set(node)
+    if untyped and not node:  # any value at all: a scalar
+        node["type"] = list(SCALAR)
+        kinds.append("any")
+    types = set(node.get("type", _ANY)) if untyped else types
     if types & {"integer", "number"} and bounds.integer_digits is not None:
         low, high = _side(seen, "minimum", "exclusiveMinimum"), _side(seen, "maximum", "exclusiveMaximum")
         if high is False:
@@ -164,18 +211,41 @@ def _bound_one(node: dict, seen: list[dict], bounds: JsonBounds) -> str | None:
     if "number" in types and bounds.fraction_digits is not None and not any("multipleOf" in n for n in seen):
         node["multipleOf"] = float(f"1e-{bounds.fraction_digits}") if bounds.fraction_digits else 1
         added.append("multipleOf")
-    if "string" in types and bounds.max_string_length is not None and "format" in node \
-            and not any("maxLength" in n for n in seen):
-        node["maxLength"] = max(bounds.max_string_length, FORMAT_LENGTH, node.get("minLength", 0))
-        added.append("maxLength")
-    if _open_object(node, types) and bounds.max_properties is not None and not any("maxProperties" in n for n in seen):
-        node["maxProperties"] = max(bounds.max_properties, node.get("minProperties", 0), len(node.get("required", [])))
-        added.append("maxProperties")
+    kinds += ["number"] if added else []  # (an "any" node counts as both)
+    if "string" in types and bounds.max_string_length is not None and not any("maxLength" in n for n in seen):
+        if bounds.whole_value and isinstance(node.get("pattern"), str) and "format" not in node:
+            pattern = bound_pattern(node["pattern"], bounds.max_string_length)
+            if pattern is not None:
+                node["pattern"] = pattern  # (not in MARKER: outlines-core gets the narrower pattern too)
+                kinds.append("pattern")
+        elif "format" in node or untyped:
+            length = bounds.max_string_length if scale == 1 else max(NESTED_LENGTH, bounds.max_string_length // scale)
+            node["maxLength"] = max(FORMAT_LENGTH if "format" in node else length, node.get("minLength", 0))
+            added.append("maxLength")
+            kinds += ["maxLength"] if "format" in node else [] if "any" in kinds else ["untyped"]
+    if untyped and "array" in types and bounds.max_items is not None and "maxItems" not in node \
+            and node.get("minItems", 0) <= bounds.max_items:
+        node["maxItems"] = max(1, bounds.max_items // scale, node.get("minItems", 0))
+        added.append("maxItems")
+    if scale > 1 and "maxLength" in ours and bounds.max_string_length is not None:
+        node["maxLength"] = max(NESTED_LENGTH, bounds.max_string_length // scale, node.get("minLength", 0))
+        kinds.append("nested")
+    if scale > 1 and "maxItems" in ours and bounds.max_items is not None:
+        node["maxItems"] = max(1, bounds.max_items // scale, node.get("minItems", 0))
+        kinds.append("nested")
+    if bounds.max_properties is not None and not any("maxProperties" in n for n in seen):
+        if _open_object(node, types):
+            count = bounds.max_properties if scale == 1 else max(1, bounds.max_properties // scale)
+            node["maxProperties"] = max(count, node.get("minProperties", 0), len(node.get("required", [])))
+            added.append("maxProperties")
+            kinds.append("maxProperties" if scale == 1 else "nested")
+            if scale > 1 and short_keys(node, bounds.max_string_length, scale):
+                kinds.append("nested")
+        elif bounds.whole_value and len(seen) == 1 and close_open_object(node, types):
+            kinds.append("closed")
     if added:
         node[MARKER] = added
-        return "number" if "exclusiveMaximum" in added or "exclusiveMinimum" in added or "multipleOf" in added \
-            else added[0]
-    return None
+    return kinds
 
 
 def _open_object(node: dict, types: set) -> bool:
@@ -194,37 +264,59 @@ _MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs")
 _LISTS = ("anyOf", "allOf", "prefixItems")
 
 
-def bound_numbers(schema: Any, bounds: JsonBounds) -> tuple[Any, Counter]:
+def bound_numbers(schema: Any, bounds: JsonBounds, added: dict[int, tuple[dict, set]] | None = None
+                  ) -> tuple[Any, Counter]:
     """(a copy of the NORMALISED ``schema`` with every number it leaves unbounded bounded, and every
     string with a ``format`` and open object under ``bounds``; how many nodes of each kind were).
-    Shared subtrees stay shared; a bound in an ``allOf`` member counts for its siblings."""
+    Shared subtrees stay shared; a bound in an ``allOf`` member counts for its siblings. ``added``:
+    the nodes whose ``maxLength``/``maxItems`` the normaliser added for ``bounds`` (by id).
+
+    With ``bounds.whole_value`` the value as a whole is bounded: inside the items of arrays of up to
+    n items in all (the product of the ``maxItems`` around), the added ``maxItems`` and string
+    ``maxLength`` are divided by n (at least 1 item, :data:`NESTED_LENGTH` characters, and the
+    schema's ``minItems``/``minLength``); a node without ``type`` gets every bound its types would
+    (its number, string, array and object bounds constrain only values of those types); a string
+    whose ``pattern`` leaves its length open gets a ``maxLength``; and an object with extra keys and
+    optional declared properties (llguidance cannot count its keys) gets its declared properties only."""
     count: Counter = Counter()
     if not bounds.any:
         return schema, count
     memo: dict[tuple, Any] = {}
+    added = added or {}
 
-    def walk(node: Any, inherited: tuple = ()) -> Any:
+    def walk(node: Any, inherited: tuple = (), scale: int = 1) -> Any:
         if not isinstance(node, dict):
             return node
-        key = (id(node), tuple(map(id, inherited)))
+        key = (id(node), tuple(map(id, inherited)), scale)
         if key in memo:
             return memo[key]
         members = [m for m in node.get("allOf", []) if isinstance(m, dict)] if isinstance(node.get("allOf"), list) else []
         out: dict[str, Any] = {}
         for k, v in node.items():
-            if k in _ONE:
-                out[k] = walk(v)
+            if k == "items" and bounds.whole_value and _number(node.get("maxItems")):
+                out[k] = walk(v, (), min(_SCALE, scale * max(1, int(node["maxItems"]))))
+            elif k in ("additionalProperties", "patternProperties") and bounds.whole_value:  # a map's values
+                many = _number(node.get("maxProperties")) or bounds.max_properties or 1
+                inner = min(_SCALE, scale * max(1, int(many)))
+                out[k] = {n: walk(sub, (), inner) for n, sub in v.items()} if k == "patternProperties" \
+                    and isinstance(v, dict) else walk(v, (), inner)
+            elif k in _ONE:
+                out[k] = walk(v, (), scale)
             elif k in _MAPS and isinstance(v, dict):
-                out[k] = {name: walk(sub) for name, sub in v.items()}
+                out[k] = {name: walk(sub, (), scale if k != "$defs" else 1) for name, sub in v.items()}
             elif k == "allOf" and isinstance(v, list):
-                out[k] = [walk(sub, (node, *inherited, *(m for m in members if m is not sub))) for sub in v]
+                out[k] = [walk(sub, (node, *inherited, *(m for m in members if m is not sub)), scale) for sub in v]
             elif k in _LISTS and isinstance(v, list):
-                out[k] = [walk(sub) for sub in v]
+                out[k] = [walk(sub, (), scale) for sub in v]
             else:
                 out[k] = v
-        kind = _bound_one(out, [out, *members, *inherited], bounds)
-        if kind:
-            count[kind] += 1
+        t = node.get("type")
+        if bounds.whole_value and "items" not in node and (t == "array" or isinstance(t, list) and "array" in t) \
+                and not members and not inherited and not {"$ref", "anyOf", "oneOf"} & set(node):  # lone: items of its own
+            out["items"] = walk(_EMPTY, (), min(_SCALE, scale * max(1, int(_number(node.get("maxItems")) or 1))))
+        mine = added.get(id(node))
+        count.update(_bound_one(out, [out, *members, *inherited], bounds, mine[1] if mine and mine[0] is node else set(),
+                                scale))
         memo[key] = out
         return out
 
@@ -245,4 +337,17 @@ def bounds_note(bounds: JsonBounds, count: Counter) -> str | None:
         parts.append(f"{count['maxLength']} string schema(s) with a format (<= {length} characters)")
     if count["maxProperties"]:
         parts.append(f"{count['maxProperties']} object schema(s) with extra keys (<= {bounds.max_properties} properties)")
+    if count["pattern"]:
+        parts.append(f"{count['pattern']} string schema(s) whose pattern leaves the length open "
+                     f"(<= {bounds.max_string_length} characters, or what the pattern needs)")
+    if count["any"]:
+        parts.append(f"{count['any']} schema(s) that allow any value (generated as a null, boolean, number or string)")
+    if count["untyped"]:
+        parts.append(f"{count['untyped']} schema(s) without type (its strings, arrays and numbers as above)")
+    if count["nested"]:
+        parts.append(f"{count['nested']} array or string schema(s) inside arrays (bounds divided by the items around "
+                     f"them: >= 1 item, >= {NESTED_LENGTH} characters)")
+    if count["closed"]:
+        parts.append(f"{count['closed']} object schema(s) with extra keys and optional properties (declared "
+                     "properties only: the keys could not be counted)")
     return f"bounded where the schema sets no bound: {'; '.join(parts)} (bounds=None lifts this)" if parts else None

@@ -73,10 +73,26 @@ def excluding_pattern(names: list[str], max_len: int) -> str:
 _QUANT = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|\{(\d+),\}|[*+]")
 
 
+def _matches_every_key(pattern: str) -> bool:
+    """Whether ``pattern`` (search semantics) matches every key without a line break: ``.*``, ``^.*$``,
+    ``(.*)``, ``^``, ``$``, ``""``... (an explicit spelling; any other pattern is bounded as written)."""
+    body = pattern
+    start = body.startswith("^")
+    body = body[1:] if start else body
+    end = body.endswith("$") and not body.endswith("\\$")
+    body = body[:-1] if end else body
+    for opener in ("(?:", "("):
+        if body.startswith(opener) and body.endswith(")") and "(" not in body[len(opener):] and ")" not in body[:-1]:
+            body = body[len(opener):-1]
+    return body in (".*", ".*?") or (body == "" and not (start and end))
+
+
 def bounded_key_pattern(pattern: str, max_len: int) -> str | None:
     """A regex matching only keys that ``pattern`` matches (search semantics), each repetition
     bounded by ``max_len`` (so the key is bounded) and anchored; None when the pattern cannot be
     read safely (it then stays as is)."""
+    if _matches_every_key(pattern):
+        return f"^.{{0,{max_len}}}$"
     body, start, end = pattern, False, False
     if body.startswith("^"):
         body, start = body[1:], True
@@ -151,7 +167,7 @@ class _Closer:
         self.group(node, members)
         objectish = any(_OBJECT_KEYS & set(m) or m.get("type") == "object"
                         or (isinstance(m.get("type"), list) and "object" in m["type"]) for m in members)
-        explicit = any(k in m for m in members for k in _OPENERS)
+        explicit = any(k in m and m[k] is not False for m in members for k in _OPENERS)  # (false closes)
         out = self.member(node)
         if objectish and not explicit and not self.additional:
             names: dict[str, None] = {}

@@ -97,9 +97,18 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?"
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
         return guide, _done_prepared(prepared, ignored)
-    return _llguidance_json(tokenizer, schema, prepared, whitespace_pattern, approximate,
-                            dict(bounds=limits, warn=False, additional_properties=additional_properties,
-                                 on_unsupported=on_unsupported))
+    try:
+        return _llguidance_json(tokenizer, schema, prepared, whitespace_pattern, approximate,
+                                dict(bounds=limits, warn=False, additional_properties=additional_properties,
+                                     on_unsupported=on_unsupported))
+    except UnsupportedSchemaError:
+        if not limits.whole_value:
+            raise
+    # the value-as-a-whole bounds left nothing (a divided bound below a minimum another allOf member sets)
+    # or grew the schema past llguidance's limits (a subtree copied per division): per-leaf bounds instead
+    return json_for(tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
+                    additional_properties=additional_properties, on_unsupported=on_unsupported,
+                    bounds=replace(limits, whole_value=False))
 
 
 def _forms(prepared: PreparedSchema, additional_properties: bool, widened: list | None = None,
@@ -169,6 +178,8 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
             forms = [_drop_counts(f, "", widened) for f in forms]
         if widened and (found := attempt(p, forms, notes=sorted(set(widened)))):
             return found
+    if unsatisfiable and options["bounds"].whole_value:  # json_for tries per-leaf bounds before relaxing
+        _refuse(prepared, errors, True, approximate)
     if unsatisfiable:  # 2. a narrowing may have left nothing: no narrowing, open objects
         relaxed = prepare_json_schema(schema, relax=True, **{**options, "additional_properties": True})
         if relaxed.schema is False:

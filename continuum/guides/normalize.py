@@ -132,6 +132,7 @@ class _Normalizer:
                  approximate: bool = False, max_items: int | None = None, relax: bool = False):
         self.root, self.dialect, self.max_len, self.inline = root, dialect, max_string_length, inline
         self.max_items, self.relax = max_items, relax
+        self.bounded: dict[int, tuple[dict, set]] = {}  # id -> (node, the maxLength/maxItems the bounds added)
         self.approximate = approximate
         self.narrowed: list[Narrowing] = []
         self.approximated: list[Narrowing] = []
@@ -345,6 +346,7 @@ class _Normalizer:
             t = out.get("type")
             if t == "string" or (isinstance(t, list) and "string" in t):
                 out["maxLength"] = max(self.max_len, out.get("minLength", 0))
+                self.bounded.setdefault(id(out), (out, set()))[1].add("maxLength")
         for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             value = out.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 1e300:
@@ -362,6 +364,7 @@ class _Normalizer:
                     f"arrays without maxItems): pass max_items={int(low)} or more, or None", keyword="minItems",
                     path=f"{path}/minItems")
             out["maxItems"] = self.max_items
+            self.bounded.setdefault(id(out), (out, set()))[1].add("maxItems")
 
     def expanded_size(self, node: Any) -> int:
         """Nodes of ``node`` once written out (shared subtrees counted at each use)."""
@@ -413,7 +416,7 @@ def normalize_schema(schema: Any, *, max_string_length: int | None = None, appro
     if n.names:
         defs = {n.names[r]: n.done[r] for r in list(n.names)}
         out = {"allOf": [out], "$defs": defs} if not isinstance(out, dict) or "$defs" in out else {**out, "$defs": defs}
-    out, bounded = bound_numbers(out, limits)  # after every rewrite: only positive positions remain
+    out, bounded = bound_numbers(out, limits, n.bounded)  # after every rewrite: only positive positions remain
     note = bounds_note(limits, bounded)
     narrowed = n.narrowed + ([Narrowing("", "bounds", note)] if note else [])
     return NormalizedSchema(out, tuple(narrowed), dialect, tuple(n.approximated))
