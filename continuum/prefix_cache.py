@@ -38,6 +38,7 @@ import torch
 
 from . import cache as kvcache
 from .errors import ContinuumTypeError, PrefixCacheArgumentError
+from .loop.arrivals import GATE
 
 if TYPE_CHECKING:  # at run time state is imported where a state is built: continuum.models (which holds the
     from .state import SequenceState  # prefix cache) is imported by state's own modules
@@ -324,7 +325,8 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
             cache.release(chain)
         cache.settle()  # a waiting call holds no prefix others could wait for (no cycle)
         state._model.engine.arrivals.arrived()  # (nor does the engine's next step wait for its setup)
-        wait.done.wait(_WAIT_S)  # (not yet submitted to the engine: nobody waits for this call meanwhile)
+        with GATE.waiting():
+            wait.done.wait(_WAIT_S)  # (not yet submitted to the engine: nobody waits for this call meanwhile)
     else:
         hits = {}
     if not hits:

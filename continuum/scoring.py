@@ -39,6 +39,7 @@ from .cache import positions
 from .cancel import check_cancelled
 from .errors import ContextLengthError
 from .guidance import Guidance, guided_logprobs
+from .loop.arrivals import GATE
 from .loop.decoding import Step, check_continuable, prefill
 from .parallel import check_seeded
 from .samplers import Sampler
@@ -51,6 +52,14 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
            rng: torch.Generator | None = None, guidance: Guidance | None = None,
            token_healing: bool = False) -> Generator[Step, None, SequenceState]:
     """Pick one option per output row; yields one :class:`Step`, returns the new state."""
+    with GATE.held():  # (few callers' bookkeeping at once: the engine's steps are not starved of the GIL)
+        result, step = _choose(state, options, sampler, method, rng, guidance, token_healing)
+    yield step
+    return result
+
+
+def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, method: str, rng: torch.Generator | None,
+            guidance: Guidance | None, token_healing: bool) -> tuple[SequenceState, Step]:
     check_cancelled(state.rows)  # Ctrl-C / a closed stream: stop before the scoring forward
     check_continuable(state, sampler, None)
     check_seeded(state._model, sampler, rng)  # under torchrun: every rank must draw the same option
@@ -110,8 +119,7 @@ def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, me
                     complete=(True,) * out.rows, finish=("pattern",) * out.rows)
     result = SequenceState(model=model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=weights,
                            kv=out._kv, batch=state.batch, samples=sampler.samples, last=last)
-    yield Step([t[s:] for t, s in zip(texts, last.starts)], True)
-    return result
+    return result, Step([t[s:] for t, s in zip(texts, last.starts)], True)
 
 
 def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.KV, rows: list[int], picks: list[int],

@@ -316,3 +316,46 @@ def test_a_long_prompt_arriving_while_others_run_is_prefilled_in_chunks(model):
     finally:
         del model._run
     assert widths[0] == n, widths
+
+
+def test_the_gate_lets_few_callers_run_their_own_python_and_frees_itself_while_they_wait():
+    """continuum/loop/arrivals.py ``Gate``: at most ``width`` threads inside ``held()`` at once (reentrant);
+    a holder waiting (``waiting()``) lets another in; every thread gets through."""
+    from continuum.loop.arrivals import Gate
+
+    gate = Gate(width=2)
+    inside, peak, lock = [0], [0], threading.Lock()
+    release = threading.Event()
+
+    def worker(wait_inside: bool):
+        with gate.held(), gate.held():  # (reentrant: one slot)
+            with lock:
+                inside[0] += 1
+                peak[0] = max(peak[0], inside[0])
+            if wait_inside:
+                with lock:
+                    inside[0] -= 1
+                with gate.waiting():  # off the gate while waiting
+                    release.wait(5)
+                with lock:
+                    inside[0] += 1
+                    peak[0] = max(peak[0], inside[0])
+            time.sleep(0.005)
+            with lock:
+                inside[0] -= 1
+
+    waiters = [threading.Thread(target=worker, args=(True,)) for _ in range(2)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)  # both wait inside, off the gate: the others still get in
+    others = [threading.Thread(target=worker, args=(False,)) for _ in range(6)]
+    for t in others:
+        t.start()
+    for t in others:
+        t.join(5)
+    assert not any(t.is_alive() for t in others)
+    release.set()
+    for t in waiters:
+        t.join(5)
+    assert not any(t.is_alive() for t in waiters)
+    assert inside[0] == 0 and peak[0] == 2  # never more than 2 running inside the gate (and 2 did at once)

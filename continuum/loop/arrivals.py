@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["Arrivals", "ARRIVALS", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S", "GATHER_MAX_S"]
+__all__ = ["Arrivals", "ARRIVALS", "Gate", "GATE", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S", "GATHER_MAX_S"]
 
 GATHER_MIN_S, GATHER_CAP_S = 0.001, 0.02  # the bounds of a step's wait for calls on their way
 GATHER_NEXT_S = 0.005  # after an arrival, how long the next one is waited for (a thread's start and setup)
@@ -116,4 +116,49 @@ class Arrivals:
                     seen = self._done
                     deadline = min(max(deadline, now + GATHER_NEXT_S), start + GATHER_MAX_S)
 
+
+class Gate:
+    """At most ``width`` threads run a call's own Python outside the engine at once (its setup, choice
+    scoring's bookkeeping); the others wait on a semaphore, off the GIL.
+
+    The engine's steps release the GIL at every torch operation; each time, any runnable thread may
+    take it for up to the interpreter's switch interval (5 ms). With 128 callers setting up calls at
+    once, a step waited for most of them at each operation (steps of 0.5-1 s measured in B22b); with
+    the gate it competes with ``width`` of them. Reentrant; released around every wait on the engine
+    (:meth:`waiting`), so a holder never blocks a step or another call it needs.
+    """
+
+    def __init__(self, width: int = 2) -> None:
+        self._sem = threading.Semaphore(width)
+        self._local = threading.local()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        if not depth:
+            self._sem.acquire()
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            if not self._local.depth:
+                self._sem.release()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a wait on the engine (or on another call): the gate is free meanwhile."""
+        depth = getattr(self._local, "depth", 0)
+        if depth:
+            self._local.depth = 0
+            self._sem.release()
+        try:
+            yield
+        finally:
+            if depth:
+                self._sem.acquire()
+                self._local.depth = depth
+
+
 ARRIVALS = Arrivals()  # the process's (every engine waits for the same callers)
+GATE = Gate()

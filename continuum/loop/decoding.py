@@ -35,6 +35,7 @@ from ..memory import kv_bytes
 from ..parallel import check_seeded
 from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState
+from .arrivals import GATE
 from .checks import check_continuable, check_max_tokens, check_rng, stop_list
 from .fastforward import forced_runs, run_logprobs, step_marks
 from .merge import Request, slot_of
@@ -91,11 +92,13 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
         stream = bool(options.get("track_text"))
         engine.arrivals.arrive()  # (the next step waits a little for this setup: calls started together prefill together)
         try:
-            first = next(loop)  # the setup, up to the loop's first forward request
+            with GATE.held():  # (few setups at once: the engine's steps are not starved of the GIL)
+                first = next(loop)  # the setup, up to the loop's first forward request
             while not isinstance(first, Request):  # guidance: the branch's forwards are one-off requests,
                 if stream:  # so that loop runs here, in the caller's thread (its forwards still merged)
                     yield first
-                first = next(loop)
+                with GATE.held():
+                    first = next(loop)
         except StopIteration as done:  # nothing left to compute (max_tokens=0, or the loop ran here)
             engine.arrivals.arrived()
             return done.value

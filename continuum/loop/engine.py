@@ -48,7 +48,7 @@ import torch
 from .. import cancel
 from ..errors import ContinuumError
 from ..parallel import world_size
-from .arrivals import ARRIVALS
+from .arrivals import ARRIVALS, GATE
 from .call import END, Call
 from .forwards import new_counters, report, run_requests
 from .merge import Request
@@ -139,7 +139,8 @@ class Engine:
             if drive:
                 self._driver = me
         try:
-            self._until_done(call, drive)
+            with GATE.waiting():
+                self._until_done(call, drive)
         except BaseException:  # Ctrl-C in the caller's thread: the loop leaves at the next step
             self.close(call)
             raise
@@ -192,7 +193,8 @@ class Engine:
         if alone:
             return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
         try:
-            self._until_done(req, drive)
+            with GATE.waiting():
+                self._until_done(req, drive)
         finally:
             self.arrivals.resumed()
         if req.error is not None:
