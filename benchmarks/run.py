@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     cfg = Config.quick_mode() if args.quick else Config()
     if args.reps is not None:
         cfg.reps = cfg.b1_reps = cfg.heavy_reps = cfg.b6_reps = max(1, args.reps)
+    if args.clients is not None:
+        cfg.clients = max(1, args.clients)  # (B21)
     wanted = [s.strip().upper() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
     wanted = list(dict.fromkeys(ALIASES.get(s, s) for s in wanted))
     unknown = [s for s in wanted if s not in SCENARIOS]

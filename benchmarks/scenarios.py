@@ -55,6 +55,7 @@ class Config:
     b11_batch: int = 4
     b11_prompt: int = 128
     b11_new: int = 32
+    clients: int | None = None  # B21's concurrent clients (None: 16; quick 4)
 
     @classmethod
     def quick_mode(cls) -> Config:
