@@ -6,8 +6,9 @@ its caller's thread before the call is submitted. Calls started together (``run_
 several steps, each late cohort a prefill forward, a KV slab and a join copy of its own. So a thread
 counts as *arriving* while it sets up a call, and a ``run_batch`` worker (:meth:`Arrivals.program`)
 whenever it runs its program outside the engine (between two calls, before the first): the step about
-to run waits while anyone is arriving, at most as long as the last step took (bounded to 1-20 ms), and
-not at all when nobody is (a lone call, a steady cohort). One count for the process (every model's
+to run waits while anyone is arriving, at most as long as the last step took (bounded to 1-20 ms),
+5 ms more after each arrival while they keep coming (at most 100 ms), and not at all when nobody is
+(a lone call, a steady cohort). One count for the process (every model's
 engine): a program's next call may go to another model.
 
 Example:

@@ -65,7 +65,6 @@ def _note(p: merge.Plan, stats: dict) -> None:
         s["peak_padding"] = cells / max(real, 1)
 
 
-
 def new_counters() -> dict:
     """The engine's counters, zeroed (``Engine.stats()`` names them)."""
     return {"steps": 0, "busy_s": 0.0, "forward_s": 0.0, "merged_forwards": 0, "requests_merged": 0, "alone": 0,

@@ -109,6 +109,8 @@ class Plan:
     forward_rows: int  # rows [0, forward_rows) of the slab run (dead rows included)
     copies: list[tuple[kvcache.KV | None, int, int]] = field(default_factory=list)  # (newcomer's cache, first row, rows)
     fresh: bool = False  # a new slab (every row copied in, zero-filled where masked)
+    zeroed: list[tuple[int, int]] = field(default_factory=list)  # newcomers' row spans, zeroed before C (run_group)
+    runs: list[tuple[Any, int, int, Any]] = field(default_factory=list)  # the copies as runs (_copy_runs; run_group)
     joiners: list[Request] = field(default_factory=list)  # requests whose cached mask the slab does not hold yet
     rows_index: Any = None  # the slab row of every request row, in request order (set by merged_inputs)
     allowed: Any = None  # token trees: the merged explicit attention (set by merged_inputs)
@@ -230,28 +232,32 @@ def _slab_layer() -> type:
                 shape = (slab.rows_cap, key_states.shape[1], slab.cols_cap, key_states.shape[3])
                 slab.keys[i], slab.values[i] = key_states.new_empty(shape), value_states.new_empty(shape)
             K, V = slab.keys[i], slab.values[i]
-            if p.copies:  # newcomers: their cache right-aligned at C, zeros before (masked, never NaN)
-                spans = [(row, row + rows) for _, row, rows in p.copies]
-                if all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:])):  # (plan() gives them one range of rows)
-                    spans = [(spans[0][0], spans[-1][1])]
-                for a, b in spans:
-                    K[a:b, :, :C] = 0
-                    V[a:b, :, :C] = 0
-                for kv, row, rows, src in _copy_runs(p.copies):
-                    n = 0 if kv is None else kv[i][0].shape[2]
-                    if src is not None:  # consecutive rows of one slab: one copy for the run
-                        (S, srow, srows, start), n = src
-                        K[row:row + rows, :, C - n:C] = S.keys[i][srow:srow + srows, :, start:start + n].to(K.device)
-                        V[row:row + rows, :, C - n:C] = S.values[i][srow:srow + srows, :, start:start + n].to(V.device)
-                    elif n:
-                        K[row:row + rows, :, C - n:C] = kv[i][0].to(K.device)
-                        V[row:row + rows, :, C - n:C] = kv[i][1].to(V.device)
+            for a, b in p.zeroed:  # newcomers: their cache right-aligned at C, zeros before (masked, never NaN)
+                K[a:b, :, :C] = 0
+                V[a:b, :, :C] = 0
+            for kv, row, rows, src in p.runs:
+                if src is not None:  # consecutive rows of one slab: one copy for the run
+                    (S, srow, srows, start), n = src
+                    K[row:row + rows, :, C - n:C] = S.keys[i][srow:srow + srows, :, start:start + n].to(K.device)
+                    V[row:row + rows, :, C - n:C] = S.values[i][srow:srow + srows, :, start:start + n].to(V.device)
+                elif kv is not None and (n := kv[i][0].shape[2]):
+                    K[row:row + rows, :, C - n:C] = kv[i][0].to(K.device)
+                    V[row:row + rows, :, C - n:C] = kv[i][1].to(V.device)
             K[:R, :, C:C + N] = key_states
             V[:R, :, C:C + N] = value_states
             self.keys, self.values = K[:R, :, :C + N], V[:R, :, :C + N]
             return self.keys, self.values
 
     return SlabLayer
+
+
+def _zero_spans(copies: list[tuple[kvcache.KV | None, int, int]]) -> list[tuple[int, int]]:
+    """The newcomers' rows to zero before their copies: one span when they follow each other (plan() gives them
+    one range of rows), else one per newcomer."""
+    spans = [(row, row + rows) for _, row, rows in copies]
+    if spans and all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:])):
+        return [(spans[0][0], spans[-1][1])]
+    return spans
 
 
 def _copy_runs(copies: list[tuple[kvcache.KV | None, int, int]]) -> list[tuple[Any, int, int, Any]]:
@@ -384,6 +390,7 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     layer_cls = _slab_layer()
     cache = DynamicCache()
     cache.layers = [layer_cls(p, i) for i in range(len(p.slab.keys))]
+    p.zeroed, p.runs = _zero_spans(p.copies), _copy_runs(p.copies)  # (once: every layer copies the same way)
     ids, mask, pos = merged_inputs(p, model.device, model.tokenizer.pad_token_id)
     want = "all" if any(r.logits == "all" for r in p.requests) else (
         "none" if all(r.logits == "none" for r in p.requests) else "last")
@@ -391,5 +398,5 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     slab = p.slab
     slab.rows_used = max(slab.rows_used, p.forward_rows)
     slab.end = p.cached + p.new
-    p.copies = []
+    p.copies, p.zeroed, p.runs = [], [], []
     return split_outputs(p, None if want == "none" else logits)
