@@ -8,16 +8,10 @@ schema bounds itself.
 from __future__ import annotations
 
 import re
-import sys
 
 from .closing import bounded_key_pattern
-
-if sys.version_info >= (3, 11):  # Python's regex parser (see regex_size.py)
-    from re import _constants as _c  # type: ignore[attr-defined]
-    from re import _parser  # type: ignore[attr-defined]
-else:
-    import sre_constants as _c
-    import sre_parse as _parser
+from .regex_size import _parser
+from .regex_size import c as _c  # (Python's regex parser, under its name on this version: see regex_size.py)
 
 __all__ = ["NESTED_LENGTH", "SCALAR", "bound_pattern", "short_keys", "close_open_object"]
 
