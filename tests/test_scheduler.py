@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from test_threads import comparable
 
 from continuum import SequenceState, continuous, generate, samplers
 from continuum.cache import positions
+from continuum.errors import GeneratorArgumentError
 
 from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 
@@ -188,6 +190,12 @@ def test_kv_budget_makes_calls_wait_not_fail(gpt2_model):
         assert engine.stats()["running_kv_bytes"] == 0
     finally:
         engine.max_kv_bytes = saved
+    for name, bad in [("max_kv_bytes", -1), ("max_kv_bytes", "1 GiB"), ("max_rows", 0), ("max_rows", None),
+                      ("prefill_chunk", 0), ("prefill_chunk", 2.5)]:
+        before = getattr(engine, name)
+        with pytest.raises(GeneratorArgumentError, match=name):  # at once, not later inside a step
+            setattr(engine, name, bad)
+        assert getattr(engine, name) == before
 
 
 def test_an_error_in_one_request_reaches_only_its_owner(gpt2_model):

@@ -12,7 +12,7 @@ from ..samplers import Sampler
 from ..state import SequenceState
 from ..text import token_char_spans
 
-__all__ = ["check_max_tokens", "check_rng", "check_continuable", "stop_list"]
+__all__ = ["check_max_tokens", "check_rng", "check_continuable", "stop_list", "engine_setting"]
 
 
 def check_max_tokens(max_tokens: int | None) -> None:
@@ -78,3 +78,22 @@ def _too_long(state: SequenceState, ctx: int) -> str:
     worst = max(len(ids) for ids, _ in long)
     return (f"the input has {worst} tokens but the model's context is {ctx}: keep only its end, e.g. "
             f"state[..., -{chars}:] (or prompt[-{chars}:]) keeps about {keep} tokens of every row")
+
+
+def engine_setting(name: str, allow_none: bool) -> property:
+    """A setting of ``model.engine`` (``max_rows``, ``max_kv_bytes``, ``prefill_chunk``) checked when it is set: a
+    positive int (or None where allowed), else a continuum error naming it (never a raw error inside a step)."""
+    attr = "_" + name
+
+    def get(self):
+        return getattr(self, attr)
+
+    def set_(self, value) -> None:
+        ok = value is None if allow_none else False
+        ok = ok or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        if not ok:
+            raise GeneratorArgumentError(f"model.engine.{name} must be a positive int{' or None' if allow_none else ''}, "
+                                         f"got {value!r}")
+        setattr(self, attr, value)
+
+    return property(get, set_, doc=f"``{name}``: see :class:`Engine` (checked when set).")

@@ -50,6 +50,7 @@ from ..errors import ContinuumError
 from ..parallel import world_size
 from .arrivals import ARRIVALS, GATE
 from .call import END, Call
+from .checks import engine_setting
 from .forwards import new_counters, report, run_requests
 from .merge import Request
 from .ranks import Ranks, next_key
@@ -75,13 +76,16 @@ class Engine:
         model: the ``Transformers`` adapter (runs ``_forward_alone`` and ``_run``).
         max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
             than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
-        max_kv_bytes: the most KV bytes the running calls may reach (each call counted at its longest: its
-            rows over its input plus ``max_tokens``, or the context), or None (default: rows only). Like
-            ``max_rows``, a call that does not fit waits; one larger than the budget runs when it is alone.
-        prefill_chunk: a call that arrives while others run prefills an uncached suffix longer than this
-            in steps of this many columns (default 512; None: never chunked), so the running calls'
-            next tokens do not wait for a whole long prompt; a call alone prefills in one forward.
+        max_kv_bytes: the most KV bytes the running calls may reach, each at its longest (input plus
+            ``max_tokens``, or the context), or None (default); admission as for ``max_rows``.
+        prefill_chunk: a call arriving while others run prefills a longer uncached suffix this many columns
+            per step (default 512; None: never), so their next tokens do not wait for a whole long prompt.
+        Each is checked when set (a positive int; a continuum error otherwise).
     """
+
+    max_rows = engine_setting("max_rows", allow_none=False)
+    max_kv_bytes = engine_setting("max_kv_bytes", allow_none=True)
+    prefill_chunk = engine_setting("prefill_chunk", allow_none=True)
 
     def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS, max_kv_bytes: int | None = None,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
