@@ -82,7 +82,7 @@ def b23(bench: Bench, cfg) -> list[Row]:
         return {"generated": 1, "prompt": len(ids)}
 
     def session(keep: bool) -> dict:
-        from continuum.chatreasoning import history_for
+        from continuum.chat.reasoning import history_for
 
         out: dict = {"probe_s": [], "base_s": [], "computed": [], "recomputed": [], "prompt": [], "thought": []}
         chat = Chat(bench.model, template=tpl, reasoning=True, keep_reasoning=keep)

@@ -12,7 +12,7 @@ import torch
 
 from continuum import generate, samplers
 from continuum.chat import Chat
-from continuum.chatreasoning import history_for
+from continuum.chat.reasoning import history_for
 from continuum.errors import ReasoningError
 
 from conftest import count_forward_tokens, fixture_path

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from .. import generate, samplers
-from ..chat import Chat
-from ..chatreasoning import template_kwargs_for
+from ..chat.reasoning import template_kwargs_for
+from ..chat.session import Chat
 from ..errors import ContinuumError
 from ..generate import Generator
 from ..reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers

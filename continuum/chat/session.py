@@ -27,18 +27,18 @@ from typing import Any
 
 import torch
 
-from .aio import AsyncStream, to_thread
-from .chatreasoning import check_chat_reasoning, reply_generator, template_kwargs_for, with_thoughts
-from .chatstream import ChatStream
-from .chattemplate import Renderer
-from .errors import ChatTemplateError, ContinuumTypeError
-from .generate.continuous import ContinuousGenerator
-from .generate.generator import Generator
-from .loop.checks import stop_list as _stop_list
-from .models.tokenizer import check_encodable
-from .state import SequenceState
-from .state.core import _NAN
-from .state.indexing import truncate
+from ..aio import AsyncStream, to_thread
+from ..errors import ChatTemplateError, ContinuumTypeError
+from ..generate.continuous import ContinuousGenerator
+from ..generate.generator import Generator
+from ..loop.checks import stop_list as _stop_list
+from ..models.tokenizer import check_encodable
+from ..state import SequenceState
+from ..state.core import _NAN
+from ..state.indexing import truncate
+from .reasoning import check_chat_reasoning, reply_generator, template_kwargs_for, with_thoughts
+from .stream import ChatStream
+from .template import Renderer
 
 __all__ = ["Chat", "ChatStream"]
 
@@ -252,7 +252,7 @@ class Chat:
     def to_html(self) -> str:
         """The chat as HTML: turns (role, content), the last reply's tokens shaded by probability
         (samples or beams side by side); see :func:`continuum.display.chat_to_html`."""
-        from .display import chat_to_html
+        from ..display import chat_to_html
 
         st, rows = self._state, self._rows
         S = st.samples if st is not None else 1

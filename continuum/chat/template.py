@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ChatTemplateError
+from ..errors import ChatTemplateError
 
 __all__ = ["Renderer"]
 
@@ -26,7 +26,7 @@ class Renderer:
     template: str | None
     tools: list | None
     template_kwargs: dict
-    reasoning: Any = None  # the chat's default for replies (continuum.chatreasoning)
+    reasoning: Any = None  # the chat's default for replies (continuum.chat.reasoning)
     keep_reasoning: bool = False
     thinking_budget: int | None = None
     _end: tuple[frozenset, tuple[str, ...]] | None = field(default=None, repr=False)
@@ -39,8 +39,8 @@ class Renderer:
         """``apply_chat_template`` of ``messages``: a prompt for a reply (``generation=True``:
         generation prompt, or continuing a final assistant message) or the history as it stands."""
         cont = generation and bool(messages) and messages[-1]["role"] == "assistant"
-        if self.keep_reasoning:  # earlier thoughts written into the history (continuum.chatreasoning)
-            from .chatreasoning import history_for
+        if self.keep_reasoning:  # earlier thoughts written into the history (continuum.chat.reasoning)
+            from .reasoning import history_for
 
             r = self.reasoning
             messages = history_for(messages, tuple(r) if isinstance(r, (tuple, list)) else ("<think>", "</think>"))

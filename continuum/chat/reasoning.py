@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ContinuumTypeError, ReasoningError
+from ..errors import ContinuumTypeError, ReasoningError
 
 __all__ = ["template_kwargs_for", "history_for", "reply_generator", "with_thoughts", "check_chat_reasoning"]
 
 
 def check_chat_reasoning(reasoning: Any, keep_reasoning: Any, thinking_budget: Any) -> None:
-    from .reasoning import check_reasoning
+    from ..reasoning import check_reasoning
 
     if reasoning is not None:
         check_reasoning(reasoning, thinking_budget)
@@ -86,7 +86,7 @@ def with_thoughts(rows: tuple, state) -> tuple:
     last = state._last_step()
     if last.thoughts is None:
         return rows
-    from .reasoning import thought_texts
+    from ..reasoning import thought_texts
 
     out = []
     for msgs, thought in zip(rows, thought_texts(state)):
