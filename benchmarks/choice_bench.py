@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from continuum import continuous, generate, models, samplers
-from continuum.cache import nbytes
+from continuum.models.hf.cache import nbytes
 
 from .common import Bench, Row, log, make_text, median, n_tokens, paired, row_from_calls
 

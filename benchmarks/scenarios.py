@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from continuum import continuous, generate, samplers
-from continuum.cache import nbytes
+from continuum.models.hf.cache import nbytes
 
 from .chat_bench import b12
 from .choice_bench import b18b

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from . import cache as kvcache
+from .models.hf import cache as kvcache
 from .models.tokenizer import Tokenizer
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Options are tokenized as ``state + option`` would tokenize them. After the usual prefill (every
 column but each row's last token cached; the prefix cache applies there), all options of a row
-run in ONE row after its context: a token tree (:mod:`continuum.token_tree`) rooted at the row's
+run in ONE row after its context: a token tree (:mod:`continuum.models.hf.token_tree`) rooted at the row's
 last token, options sharing a prefix sharing its nodes, each node attending to the row's context
 and its own ancestors only, at the positions it would have alone. Every row of the batch is in
 the same forward, which holds ``context + tree`` KV columns per row (never ``options x context``).
@@ -13,7 +13,7 @@ mean (``method="mean"``).
 The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
 a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
 (row, option) pairs. Each chosen pair gets a cache of its own, new storage gathered from the row's
-context columns and its option's tree columns (:func:`~continuum.cache.gather_paths`); nothing
+context columns and its option's tree columns (:func:`~continuum.models.hf.cache.gather_paths`); nothing
 another state can see is written.
 
 With classifier-free guidance, each option token's score is the guided log-prob
@@ -33,14 +33,14 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from . import cache as kvcache
-from . import token_tree
-from .cache import positions
 from .cancel import check_cancelled
 from .errors import ContextLengthError
 from .guidance import Guidance, guided_logprobs
 from .loop.arrivals import GATE
 from .loop.decoding import Step, check_continuable, prefill
+from .models.hf import cache as kvcache
+from .models.hf import token_tree
+from .models.hf.cache import positions
 from .parallel import check_seeded
 from .samplers import Sampler
 from .state import LastStep, SequenceState

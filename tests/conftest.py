@@ -173,7 +173,7 @@ def real_tokenizer_model(request):
 
 def next_logits_via_cache(state) -> torch.Tensor:
     """Next-token logits computed the way continuing ``state`` computes them: its uncached suffix on its cache."""
-    from continuum.cache import length, positions
+    from continuum.models.hf.cache import length, positions
 
     C = length(state._kv)
     logits, _ = state.model.forward(state._ids[:, C:], state._mask, positions(state._mask)[:, C:], state._kv)
@@ -182,7 +182,7 @@ def next_logits_via_cache(state) -> torch.Tensor:
 
 def next_logits_fresh(state) -> torch.Tensor:
     """Next-token logits of a fresh forward pass of the HF model over ``state``'s (compact) token ids."""
-    from continuum.cache import positions
+    from continuum.models.hf.cache import positions
 
     ids, mask = state.token_ids, state.attention_masks
     with torch.no_grad():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from continuum import cache as kvcache
-from continuum.cache import positions
+from continuum.models.hf import cache as kvcache
+from continuum.models.hf.cache import positions
 
 
 def _prefill(model, n: int, rows: int = 1, reserve: int = 0):

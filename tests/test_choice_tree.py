@@ -15,8 +15,8 @@ import itertools
 import pytest
 import torch
 
-from continuum import cache as kvcache
 from continuum import continuous, generate, models, samplers
+from continuum.models.hf import cache as kvcache
 
 from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 

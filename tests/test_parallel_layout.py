@@ -114,7 +114,7 @@ def _two_device_kv(rows: int = 3, columns: int = 5):
     """A two-layer cache with layer 0 on the CPU and layer 1 on ``meta``: the only second device a CPU machine
     has. ``meta`` tensors have shapes and devices but no data, so this checks where every operation puts each
     layer (the values are checked on real models below and in test_cache.py)."""
-    from continuum import cache as kvcache
+    from continuum.models.hf import cache as kvcache
 
     k0, v0 = torch.randn(rows, 2, columns, 4), torch.randn(rows, 2, columns, 4)
     k1, v1 = torch.empty(rows, 2, columns, 4, device="meta"), torch.empty(rows, 2, columns, 4, device="meta")
@@ -123,7 +123,7 @@ def _two_device_kv(rows: int = 3, columns: int = 5):
 
 
 def test_cache_operations_keep_each_layer_on_its_device():
-    from continuum import cache as kvcache
+    from continuum.models.hf import cache as kvcache
 
     where = (torch.device("cpu"), torch.device("meta"))
     plain, arena = _two_device_kv()
@@ -198,7 +198,7 @@ def test_device_map_gives_the_single_device_results(llama_dir, tmp_path, offload
 
 
 def kvcache_devices(state):
-    from continuum import cache as kvcache
+    from continuum.models.hf import cache as kvcache
 
     return kvcache.devices(state._kv)
 

@@ -14,7 +14,7 @@ import torch
 
 from continuum import continuous, generate, models, samplers
 from continuum.errors import ContinuumTypeError, PrefixCacheArgumentError
-from continuum.prefix_cache import PrefixCache, parse_budget
+from continuum.models.hf.prefix_cache import PrefixCache, parse_budget
 
 from conftest import CORPUS, assert_reuse_exact, check_unchanged, make_bpe_tokenizer, snapshot, tiny_gpt2
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cache as kvcache
-from .. import prefix_cache
-from ..cache import positions  # (re-exported: it lives with the cache's column layout)
 from ..cancel import check_cancelled
 from ..guidance import Guidance, UnconditionalBranch
 from ..guides import Guide
 from ..healing import apply_heal_masks, heal
-from ..memory import kv_bytes
+from ..models.hf import cache as kvcache
+from ..models.hf import prefix_cache
+from ..models.hf.cache import positions  # (re-exported: it lives with the cache's column layout)
+from ..models.hf.memory import kv_bytes
 from ..parallel import check_seeded
 from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState

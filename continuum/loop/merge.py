@@ -14,7 +14,7 @@ range of rows and every call's columns END at the same column (``slab.end``)::
 A call gets back row-slices of the slab (views: no copy), covering exactly its own columns. At
 the next step its cache is recognised as "in place" (a view of a slab that ends where the view
 ends) and the new columns are written at ``slab.end`` for every row: a stable cohort costs no copy
-per step. Copy-on-write, as in :mod:`continuum.cache`: ``end`` only grows, every view ends at or
+per step. Copy-on-write, as in :mod:`continuum.models.hf.cache`: ``end`` only grows, every view ends at or
 before it, and only never-used rows are filled with a newcomer's cache, so no state ever sees a
 value change. A newcomer (a cache that is not in place: a fork, a beam reorder, a state from
 elsewhere) is copied into spare rows, left-padded to ``end`` (its own KV, once). When that is not
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .. import cache as kvcache
+from ..models.hf import cache as kvcache
 from .slab import Slab, SlabView, slot_of
 
 __all__ = ["Request", "Slab", "plan", "run_group", "slot_of"]

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .. import cache as kvcache
 from ..guidance import UnconditionalBranch
 from ..guides import DEAD, Guide
 from ..healing import Heal
+from ..models.hf import cache as kvcache
 from ..state import SequenceState
 from ..text import Detokenizer
 

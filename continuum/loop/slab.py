@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import cache as kvcache
+from ..models.hf import cache as kvcache
 
 __all__ = ["Slab", "SlabView", "slot_of"]
 

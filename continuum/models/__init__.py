@@ -1,6 +1,6 @@
 """Model and tokenizer adapters."""
 
-from .hf import Transformers, transformers
+from .hf.model import Transformers, transformers
 from .identity import ModelFingerprint
 from .tokenizer import Tokenizer
 

@@ -30,7 +30,7 @@ def parse_age(spec: str) -> float | None:
 
 
 def _size(spec: str) -> int | None:
-    from ..prefix_cache import parse_budget
+    from ..models.hf.prefix_cache import parse_budget
 
     if spec.lower() in ("0", "none", "off"):
         return None

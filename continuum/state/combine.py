@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import cache as kvcache
 from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
+from ..models.hf import cache as kvcache
 from ..models.tokenizer import check_encodable
 from .convert import check_same_model
 from .core import _NAN, SequenceState

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from .. import cache as kvcache
 from ..errors import ModelMismatch, TokenizerMismatch
+from ..models.hf import cache as kvcache
 from .core import SequenceState
 
 __all__ = ["to_model", "check_same_model"]

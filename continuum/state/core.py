@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from .. import cache as kvcache
 from ..completion import Completion
 from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError, SchemaViolationError
+from ..models.hf import cache as kvcache
 from .laststep import LastStep
 
 __all__ = ["SequenceState", "LastStep"]

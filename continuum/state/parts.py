@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import cache as kvcache
 from ..errors import StateFileError
+from ..models.hf import cache as kvcache
 from .convert import uncached
 from .core import SequenceState
 from .persistence import foreign, last_step, metadata, read, write

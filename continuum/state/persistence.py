@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import logging
 
-from .. import cache as kvcache
 from ..errors import StateFileError
+from ..models.hf import cache as kvcache
 from ..models.identity import ModelFingerprint
 from .convert import uncached
 from .core import LastStep, SequenceState

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...errors import ContinuumTypeError, PrefixCacheArgumentError
+from ...loop.arrivals import GATE
 from . import cache as kvcache
-from .errors import ContinuumTypeError, PrefixCacheArgumentError
-from .loop.arrivals import GATE
 
 if TYPE_CHECKING:  # at run time state is imported where a state is built: continuum.models (which holds the
-    from .state import SequenceState  # prefix cache) is imported by state's own modules
+    from ...state import SequenceState  # prefix cache) is imported by state's own modules
 
 __all__ = ["PrefixCache", "parse_budget", "reuse", "remember", "settle"]
 
@@ -281,7 +281,7 @@ def _timing_dependent(model) -> bool:
     """Under torchrun a named concurrent call (``continuum.loop.ranks.call_key``) neither reads nor fills the
     prefix cache: whether another call's blocks are there yet depends on each rank's timing, and ranks must
     run forwards of the same shapes."""
-    from .loop.ranks import current_key
+    from ...loop.ranks import current_key
 
     return current_key() is not None and model.scheduler.coordinated
 
@@ -383,7 +383,7 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
         assert state._kv is not None, "a row with cached columns (h > 0) means the state holds a KV cache"
         parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)])
     kv = kvcache.assemble(parts, width, (total - width) + min(room, kvcache.RESERVE_CAP))
-    from .state import SequenceState
+    from ...state import SequenceState
 
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=state._weights, kv=kv,
                          batch=state.batch, samples=state.samples, last=state._last)

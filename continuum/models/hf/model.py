@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cache import KV, from_dynamic_cache, layer_kinds, to_dynamic_cache
-from ..errors import ModelLoadError
-from ..prefix_cache import PrefixCache, parse_budget
-from .identity import ModelFingerprint, fingerprint_of
-from .tokenizer import Tokenizer
+from ...errors import ModelLoadError
+from ..identity import ModelFingerprint, fingerprint_of
+from ..tokenizer import Tokenizer
+from .cache import KV, from_dynamic_cache, layer_kinds, to_dynamic_cache
+from .prefix_cache import PrefixCache, parse_budget
 
 if TYPE_CHECKING:
-    from ..loop.engine import Engine
+    from ...loop.engine import Engine
 
 __all__ = ["Transformers", "transformers"]
 
@@ -32,7 +32,7 @@ class Transformers:
         model: a loaded ``PreTrainedModel`` with a causal LM head (GPT-2, Llama, Mistral, Qwen...).
         tokenizer: its ``PreTrainedTokenizer``; given no pad token, its EOS token is used.
         prefix_cache: byte budget of the automatic prefix cache (an int, or ``"512MiB"``, ``"2GB"``);
-            ``None``/``0`` (default): off. See :mod:`continuum.prefix_cache` and ``docs/prefix_cache.md``.
+            ``None``/``0`` (default): off. See :mod:`continuum.models.hf.prefix_cache` and ``docs/prefix_cache.md``.
 
     Example:
         >>> from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,7 +144,7 @@ class Transformers:
             with self._count_lock:
                 engine = self.__dict__.get("_engine")
                 if engine is None:
-                    from ..loop.engine import Engine
+                    from ...loop.engine import Engine
 
                     engine = self.__dict__["_engine"] = Engine(self)
         return engine

@@ -1,0 +1,14 @@
+"""The transformers backend: a Hugging Face causal LM and its KV cache as torch tensors.
+
+* ``model``: :class:`Transformers` (``models.transformers(...)``), the forward over rows' uncached columns
+  with explicit masks and positions;
+* ``cache``: the KV cache as plain per-layer tensor tuples and its functional operations (select rows, crop,
+  compact, stack), never writing where another state can look;
+* ``prefix_cache``: the automatic prefix cache (KV blocks keyed by a chain of token ids, LRU under a byte budget);
+* ``memory``: KV bytes of a call, the memory the engine admits calls under;
+* ``token_tree``: the attention mask and positions of a token tree (choice scoring in one forward).
+"""
+
+from .model import Transformers, transformers
+
+__all__ = ["Transformers", "transformers"]
