@@ -5,7 +5,7 @@ pool of :data:`ASYNC_WORKERS`; a worker waiting for the engine holds no CPU), so
 and concurrent ``acall``\\ s (``asyncio.gather``) are calls the model's engine runs in one step. A stream
 runs on a worker too and hands its chunks to the event loop through a queue.
 
-Cancellation is cooperative (:mod:`continuum.cancel`): cancelling the awaiting task, or closing an
+Cancellation is cooperative (:mod:`continuum.loop.cancel`): cancelling the awaiting task, or closing an
 async stream (``break`` out of ``async for``, ``aclose()``), stops the call at its next decoding step.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .cancel import Cancelled, CancelToken, bound, current
+from .loop.cancel import Cancelled, CancelToken, bound, current
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
 

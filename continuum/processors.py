@@ -1,7 +1,7 @@
 """continuum's constraints and classifier-free guidance as ``transformers`` logits processors.
 
 Use them with ``model.generate(..., logits_processor=LogitsProcessorList([...]))``. They are built
-on the same guides (:mod:`continuum.guides`) and the same guidance formula (:mod:`continuum.guidance`) as the
+on the same guides (:mod:`continuum.guides`) and the same guidance formula (:mod:`continuum.loop.cfg`) as the
 generators: there is no second implementation.
 
 Two things make a processor correct inside ``generate()``:
@@ -275,7 +275,7 @@ class GuidanceLogitsProcessor(LogitsProcessor):
 
     def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, guidance_rescale: float = 0.0,
                  negative_attention_mask=None):
-        from .guidance import Guidance
+        from .loop.cfg import Guidance
 
         Guidance.make(None, guidance_scale, None, guidance_rescale)  # the generators' argument checks
         self.guidance_scale, self.guidance_rescale = float(guidance_scale), float(guidance_rescale)
@@ -336,7 +336,7 @@ class GuidanceLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.guidance_scale == 1.0:
             return scores
-        from .guidance import guided_scores
+        from .loop.cfg import guided_scores
 
         ids, _ = _to_torch(input_ids)
         logits, namespace = _to_torch(scores)

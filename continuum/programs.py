@@ -13,7 +13,7 @@ chats) and branches on their outputs. Each instance runs on a worker thread; the
 instances are run by the model's engine, one step for all of them (see ``docs/scheduler.md``), so the
 program is written for one input and runs batched (a waiting instance holds no CPU). Ctrl-C
 (``KeyboardInterrupt`` in the calling thread) cancels every instance at its next decoding step
-(:mod:`continuum.cancel`) and re-raises once they have all left the model. See ``docs/concurrency.md``.
+(:mod:`continuum.loop.cancel`) and re-raises once they have all left the model. See ``docs/concurrency.md``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .cancel import Cancelled, CancelToken, bound, check_cancelled, current
 from .errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
 from .loop.arrivals import ARRIVALS
+from .loop.cancel import Cancelled, CancelToken, bound, check_cancelled, current
 from .loop.ranks import call_key, current_key
 
 __all__ = ["run_batch", "check_cancelled"]

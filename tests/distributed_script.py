@@ -182,7 +182,7 @@ def seeding(ctx: Context) -> dict[str, dict]:
     nothing is drawn, so the ranks stay in step)."""
     import logging
 
-    from continuum import parallel
+    from continuum.loop import parallel
 
     seen: list[str] = []
     handler = logging.Handler()

@@ -70,7 +70,7 @@ def check_by_hand(model, state, row: int, prompt: list[int], negative, scale: fl
 
 
 def test_guided_logprobs_is_the_formula():
-    from continuum.guidance import guided_logprobs, guided_scores
+    from continuum.loop.cfg import guided_logprobs, guided_scores
 
     cond, uncond = torch.randn(3, 7).log_softmax(-1), torch.randn(3, 7).log_softmax(-1)
     torch.testing.assert_close(guided_logprobs(cond, uncond, 2.5, 0.3), by_hand(cond, uncond, 2.5, 0.3))

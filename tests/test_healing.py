@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from continuum import continuous, generate, samplers
-from continuum.healing import candidates
+from continuum.loop.healing import candidates
 
 from conftest import assert_reuse_exact
 

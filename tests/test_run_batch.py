@@ -255,7 +255,7 @@ def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swa
 
 def test_cancelling_a_run_stops_its_loops_at_the_next_step(gpt2_model):
     """The cancel path itself (what the KeyboardInterrupt handler runs), without a signal."""
-    from continuum.cancel import Cancelled, CancelToken, bound
+    from continuum.loop.cancel import Cancelled, CancelToken, bound
 
     gen = continuous(generate.text(gpt2_model, samplers.greedy()))
     token = CancelToken()

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexError
-from ..guidance import Guidance
 from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
+from ..loop.cfg import Guidance
 from ..samplers import Sampler
 from .generator import ChoiceGenerator, Generator
 
@@ -25,7 +25,7 @@ _GUIDANCE_DOC = """
     Every generator also takes:
         token_healing: when the input ends inside what would be one token (``"https:"`` before
             ``"//"``), back up its last token and make the first generated token start with the
-            removed text (see :mod:`continuum.healing`); the output still starts after the input's
+            removed text (see :mod:`continuum.loop.healing`); the output still starts after the input's
             text. Default off.
         fast_forward (constrained generators): tokens the constraint forces (JSON keys and
             punctuation, the tail of a choice) are appended as one run and computed in ONE forward

@@ -12,9 +12,9 @@ import torch
 
 from ..aio import AsyncStream, to_thread
 from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
-from ..guidance import Guidance
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
+from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 from ..samplers import Sampler, multinomial
@@ -247,7 +247,7 @@ class ChoiceGenerator(Generator):
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
         if max_tokens == 0:  # prefill only, like every generator (options end themselves: extra_eos is moot)
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
-        from ..scoring import choose
+        from ..loop.scoring import choose
 
         check_rng(rng)
         if self.markers is not None:  # decode the thought first, then score the options after it

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
-from .. import cancel
+from . import cancel
 from .merge import Request
 
 __all__ = ["Call", "END"]

@@ -24,21 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cancel import check_cancelled
-from ..guidance import Guidance, UnconditionalBranch
 from ..guides import Guide
-from ..healing import apply_heal_masks, heal
 from ..models.hf import cache as kvcache
 from ..models.hf import prefix_cache
 from ..models.hf.cache import positions  # (re-exported: it lives with the cache's column layout)
 from ..models.hf.memory import kv_bytes
-from ..parallel import check_seeded
 from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
+from .cancel import check_cancelled
+from .cfg import Guidance, UnconditionalBranch
 from .checks import check_continuable, check_max_tokens, check_rng, stop_list
 from .fastforward import forced_runs, run_logprobs, step_marks
+from .healing import apply_heal_masks, heal
 from .merge import Request, slot_of
+from .parallel import check_seeded
 from .rows import Rows
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "check_rng", "check_continuable", "positions"]
@@ -146,7 +146,7 @@ def _decode(
     ``fast_forward``: append the tokens the guide forces after a sampled token and compute them in
     the same next forward pass (:mod:`continuum.loop.fastforward`); ``max_tokens`` counts them.
     ``token_healing``: back up each row's last token and constrain the first generated token to
-    re-cover its text (:mod:`continuum.healing`); the output still starts after the input's text.
+    re-cover its text (:mod:`continuum.loop.healing`); the output still starts after the input's text.
     ``extra_eos``: token ids that end a row like the tokenizer's EOS ids (a chat's end-of-turn token).
     With guidance the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
     """

@@ -45,14 +45,14 @@ from typing import Any
 
 import torch
 
-from .. import cancel
 from ..errors import ContinuumError
-from ..parallel import world_size
+from . import cancel
 from .arrivals import ARRIVALS, GATE
 from .call import END, Call
 from .checks import engine_setting
 from .forwards import new_counters, report, run_requests
 from .merge import Request
+from .parallel import world_size
 from .ranks import Ranks, next_key
 
 __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from ..guidance import UnconditionalBranch
 from ..guides import DEAD, Guide
-from ..healing import Heal
 from ..models.hf import cache as kvcache
 from ..state import SequenceState
 from ..text import Detokenizer
+from .cfg import UnconditionalBranch
+from .healing import Heal
 
 __all__ = ["Rows"]
 

@@ -30,7 +30,7 @@ class LastStep:
     # Per row, the tokens of the step that the loop did not sample freely, as ``(start, end, kind)``
     # character spans RELATIVE TO ``starts[r]`` (so prepending text keeps them): kind ``"forced"``
     # (fast-forward, :mod:`continuum.loop.fastforward`) or ``"healed"`` (token healing: the first token,
-    # which starts before the step, :mod:`continuum.healing`). Read by :mod:`continuum.display`.
+    # which starts before the step, :mod:`continuum.loop.healing`). Read by :mod:`continuum.display`.
     marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
     # Reasoning (continuum.reasoning): per row ``(step start, thought start, thought end, thought tokens)``,
     # characters and the tokens spent thinking; ``starts`` is then where the answer begins.

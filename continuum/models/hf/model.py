@@ -172,7 +172,7 @@ class Transformers:
         append after this call (decoding steps to come), so the KV storage is allocated once.
         ``allowed``: a boolean ``(rows, new, cached + new)`` matrix, which columns each new column
         attends to, instead of "every real column up to itself" (a token tree: options scored side
-        by side after one context, see :mod:`continuum.scoring`); ``position_ids`` then say where
+        by side after one context, see :mod:`continuum.loop.scoring`); ``position_ids`` then say where
         each new column sits. The sliding window, when the model has one, still applies by position.
 
         While other calls decode on this model (other threads), the forward is merged with theirs

@@ -17,7 +17,7 @@ context columns and its option's tree columns (:func:`~continuum.models.hf.cache
 another state can see is written.
 
 With classifier-free guidance, each option token's score is the guided log-prob
-(:func:`~continuum.guidance.guided_logprobs` of the conditional log-prob and the log-prob after the
+(:func:`~continuum.loop.cfg.guided_logprobs` of the conditional log-prob and the log-prob after the
 row's unconditional prompt, one more forward over every distinct (unconditional prompt, option)
 pair, the negative prompt once per option: no row context is replicated there, so it keeps that
 path); the sampler ranks by the summed (or mean) guided scores, the weights stay the raw ones.
@@ -33,17 +33,17 @@ from collections.abc import Generator, Sequence
 
 import torch
 
+from ..errors import ContextLengthError
+from ..models.hf import cache as kvcache
+from ..models.hf import token_tree
+from ..models.hf.cache import positions
+from ..samplers import Sampler
+from ..state import LastStep, SequenceState
+from .arrivals import GATE
 from .cancel import check_cancelled
-from .errors import ContextLengthError
-from .guidance import Guidance, guided_logprobs
-from .loop.arrivals import GATE
-from .loop.decoding import Step, check_continuable, prefill
-from .models.hf import cache as kvcache
-from .models.hf import token_tree
-from .models.hf.cache import positions
+from .cfg import Guidance, guided_logprobs
+from .decoding import Step, check_continuable, prefill
 from .parallel import check_seeded
-from .samplers import Sampler
-from .state import LastStep, SequenceState
 
 __all__ = ["choose"]
 

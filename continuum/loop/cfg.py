@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
-from .models.hf import cache as kvcache
+from ..errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
+from ..models.hf import cache as kvcache
 
 __all__ = ["guided_logprobs", "guided_scores", "Guidance", "UnconditionalBranch"]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .guides import DEAD
+from ..guides import DEAD
 
 __all__ = ["Heal", "candidates", "heal", "apply_heal_masks"]
 
