@@ -18,7 +18,7 @@ from .errors import (
     TokenizerMismatch,
 )
 from .generate import continuous
-from .programs import run_batch
+from .programs.batch import run_batch
 from .state import SequenceState
 
 __version__ = "0.1.0"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from continuum import SequenceState, continuous, generate, samplers
-from continuum.aio import to_thread
 from continuum.chat import Chat
+from continuum.programs.aio import to_thread
 
 from conftest import fixture_path
 

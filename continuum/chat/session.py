@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from ..aio import AsyncStream, to_thread
 from ..errors import ChatTemplateError, ContinuumTypeError
 from ..generate.continuous import ContinuousGenerator
 from ..generate.generator import Generator
 from ..loop.checks import stop_list as _stop_list
 from ..models.tokenizer import check_encodable
+from ..programs.aio import AsyncStream, to_thread
 from ..state import SequenceState
 from ..state.core import _NAN
 from ..state.indexing import truncate

@@ -7,9 +7,9 @@ from typing import cast
 
 import torch
 
-from ..aio import AsyncStream, to_thread
 from ..errors import ContinuumTypeError
 from ..loop.decoding import check_max_tokens
+from ..programs.aio import AsyncStream, to_thread
 from ..state import SequenceState
 from .generator import Generator, Stream
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from ..aio import AsyncStream, to_thread
 from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
+from ..programs.aio import AsyncStream, to_thread
 from ..reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
@@ -220,7 +220,7 @@ class Generator:
         return Stream(self._steps(state, max_tokens, stop_at, rng, True), self._shape_for(prompts, self.sampler.samples),
                       self.sampler.is_beam_search, lambda s: self._value(prompts, s))
 
-    # asyncio (continuum.aio): the blocking call on a shared worker thread; concurrent calls share forwards
+    # asyncio (continuum.programs.aio): the blocking call on a shared worker thread; concurrent calls share forwards
     async def acall(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
                     rng: torch.Generator | None = None):
         """``await gen.acall(...)``: the same arguments and result as ``gen(...)``, without blocking the event loop.

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .loop.cancel import Cancelled, CancelToken, bound, current
+from ..loop.cancel import Cancelled, CancelToken, bound, current
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
 

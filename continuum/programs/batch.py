@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
-from .loop.arrivals import ARRIVALS
-from .loop.cancel import Cancelled, CancelToken, bound, check_cancelled, current
-from .loop.ranks import call_key, current_key
+from ..errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
+from ..loop.arrivals import ARRIVALS
+from ..loop.cancel import Cancelled, CancelToken, bound, check_cancelled, current
+from ..loop.ranks import call_key, current_key
 
 __all__ = ["run_batch", "check_cancelled"]
 
