@@ -5,7 +5,6 @@ already seen. See ``docs/`` for the state model and ``README.md`` for a quick st
 """
 
 from . import chat, generate, models, samplers
-from .completion import Completion
 from .errors import (
     BatchMismatch,
     ChatTemplateError,
@@ -20,6 +19,7 @@ from .errors import (
 from .generate import continuous
 from .programs.batch import run_batch
 from .state import SequenceState
+from .state.completion import Completion
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 
 from .errors import BatchMismatch, ContinuumTypeError
-from .text import token_char_spans
+from .state.text import token_char_spans
 
 __all__ = ["state_to_html", "chat_to_html", "HEAD", "TAIL", "MAX_ROWS"]
 

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from continuum import SequenceState, SlicingError, continuous, generate, samplers
 from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.models.hf import cache as kvcache
-from continuum.text import longest_token_prefix
+from continuum.state.text import longest_token_prefix
 
 from conftest import chars_key, check_unchanged, count_forward_tokens, snapshot
 

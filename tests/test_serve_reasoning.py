@@ -146,8 +146,8 @@ def test_reasoning_on_a_tokenizer_without_markers_fails_at_start(bpe_tokenizer):
 
 
 def test_a_text_end_marker_split_across_chunks_never_leaks(bpe_tokenizer):
+    from continuum.generate.reasoning import resolve_markers
     from continuum.guides.reasoning import ANSWER, THINK, ReasoningGuide
-    from continuum.reasoning import resolve_markers
     from continuum.serve.reasoning import Splitter
 
     model = models.Transformers(tiny_llama(len(bpe_tokenizer), bos=0, eos=0), bpe_tokenizer)

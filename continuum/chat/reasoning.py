@@ -29,7 +29,7 @@ __all__ = ["template_kwargs_for", "history_for", "reply_generator", "with_though
 
 
 def check_chat_reasoning(reasoning: Any, keep_reasoning: Any, thinking_budget: Any) -> None:
-    from ..reasoning import check_reasoning
+    from ..generate.reasoning import check_reasoning
 
     if reasoning is not None:
         check_reasoning(reasoning, thinking_budget)
@@ -86,7 +86,7 @@ def with_thoughts(rows: tuple, state) -> tuple:
     last = state._last_step()
     if last.thoughts is None:
         return rows
-    from ..reasoning import thought_texts
+    from ..generate.reasoning import thought_texts
 
     out = []
     for msgs, thought in zip(rows, thought_texts(state)):

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..reasoning import step_texts
+from ..generate.reasoning import step_texts
 
 __all__ = ["ChatStream"]
 

@@ -16,9 +16,9 @@ from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..programs.aio import AsyncStream, to_thread
-from ..reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 from ..samplers import Sampler, multinomial
 from ..state import SequenceState
+from .reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 
 __all__ = ["Generator", "ChoiceGenerator", "Stream"]
 
@@ -111,7 +111,7 @@ class Generator:
 
     exact: bool = True
     not_enforced: tuple = ()
-    markers: Markers | None = None  # reasoning markers (continuum.reasoning), None when off
+    markers: Markers | None = None  # reasoning markers (continuum.generate.reasoning), None when off
 
     def __init__(self, model, sampler: Sampler | None = None, guide: Guide | None = None, *, kind: str = "text",
                  parse: Callable[[str], Any] | None = None, description: str = "", guidance: Guidance | None = None,

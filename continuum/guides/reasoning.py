@@ -70,7 +70,7 @@ class Row:
 class ReasoningGuide:
     """A thought (unconstrained, ``budget`` tokens at most), then ``inner`` (module docstring).
 
-    ``initial``: the phase a new row starts in (the prompt decides: see ``continuum.reasoning``).
+    ``initial``: the phase a new row starts in (the prompt decides: see ``continuum.generate.reasoning``).
     ``stop_after``: end the row when the answer starts (choice by scoring scores the options next).
     """
 

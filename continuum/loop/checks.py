@@ -10,7 +10,7 @@ from ..models.hf.memory import check_rows_fit
 from ..models.tokenizer import check_encodable
 from ..samplers import Sampler
 from ..state import SequenceState
-from ..text import token_char_spans
+from ..state.text import token_char_spans
 
 __all__ = ["check_max_tokens", "check_rng", "check_continuable", "stop_list", "engine_setting"]
 

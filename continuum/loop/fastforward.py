@@ -91,7 +91,7 @@ def step_marks(tokenizer, ids: Sequence[int], text: str, generated: int, kinds: 
     """
     if not kinds or generated <= 0:
         return ()
-    from ..text import token_char_spans
+    from ..state.text import token_char_spans
 
     first = len(ids) - generated
     lo = max(0, first - 8)

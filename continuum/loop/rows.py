@@ -13,7 +13,7 @@ import torch
 from ..guides import DEAD, Guide
 from ..models.hf import cache as kvcache
 from ..state import SequenceState
-from ..text import Detokenizer
+from ..state.text import Detokenizer
 from .cfg import UnconditionalBranch
 from .healing import Heal
 

@@ -34,7 +34,7 @@ from ..chat.reasoning import template_kwargs_for
 from ..chat.session import Chat
 from ..errors import ContinuumError
 from ..generate import Generator
-from ..reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
+from ..generate.reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
 from ..samplers import Sampler
 from ..state import SequenceState
 from .closing import closing

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ..completion import Completion
 from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError, SchemaViolationError
 from ..models.hf import cache as kvcache
+from .completion import Completion
 from .laststep import LastStep
 
 __all__ = ["SequenceState", "LastStep"]
@@ -240,14 +240,14 @@ class SequenceState:
         """The thought of the last step (a generator with ``reasoning=``), shaped like :attr:`value`;
         ``""`` where the row did not think (docs/reasoning.md)."""
         last, texts = self._last_step(), self.texts
-        spans = last.thoughts or ((0, 0, 0, 0),) * self.rows  # (continuum.reasoning.annotate writes them)
+        spans = last.thoughts or ((0, 0, 0, 0),) * self.rows  # (continuum.generate.reasoning.annotate writes them)
         return self._shape_output([t[min(a, len(t)):min(b, len(t))].strip("\n") for t, (_, a, b, _n) in zip(texts, spans)])
 
     @property
     def value(self):
         """The last step's value: its text (text/regex), the option (choice) or the parsed JSON.
 
-        Texts of a text generator are :class:`~continuum.completion.Completion` strings (with
+        Texts of a text generator are :class:`~continuum.state.completion.Completion` strings (with
         ``finish_reason`` and ``truncated``). Raises :class:`~continuum.errors.IncompleteGenerationError`
         when a constrained step was cut by ``max_tokens`` (or the context length) before its pattern matched.
         Raises :class:`~continuum.errors.SchemaViolationError` (naming the row, JSON path and rule)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import SlicingError
-from ..text import longest_token_prefix, token_char_spans
 from .core import _NAN, SequenceState
+from .text import longest_token_prefix, token_char_spans
 
 __all__ = ["getitem", "slice_chars", "truncate", "resegment"]
 

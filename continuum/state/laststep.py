@@ -32,7 +32,7 @@ class LastStep:
     # (fast-forward, :mod:`continuum.loop.fastforward`) or ``"healed"`` (token healing: the first token,
     # which starts before the step, :mod:`continuum.loop.healing`). Read by :mod:`continuum.display`.
     marks: tuple[tuple[tuple[int, int, str], ...], ...] | None = None
-    # Reasoning (continuum.reasoning): per row ``(step start, thought start, thought end, thought tokens)``,
+    # Reasoning (continuum.generate.reasoning): per row ``(step start, thought start, thought end, thought tokens)``,
     # characters and the tokens spent thinking; ``starts`` is then where the answer begins.
     thoughts: tuple[tuple[int, int, int, int], ...] | None = None
 

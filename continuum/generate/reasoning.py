@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import ReasoningError
-from .guides.reasoning import ANSWER, OPEN, SEP, THINK, Markers, ReasoningGuide
+from ..errors import ReasoningError
+from ..guides.reasoning import ANSWER, OPEN, SEP, THINK, Markers, ReasoningGuide
 
 __all__ = ["Markers", "resolve_markers", "check_reasoning", "plan_budget", "reasoning_guide", "annotate",
            "MIN_ANSWER_TOKENS", "thought_texts", "reasoning_tokens", "step_texts", "Steps",
@@ -148,7 +148,7 @@ def annotate(out, markers: Markers, guide: ReasoningGuide, text_kind: bool):
     """``out`` (the loop's state) with its last step split: ``starts`` at the answer, ``thoughts``
     per row ``(step start, thought start, thought end)`` in characters, ``finish`` ``thinking_budget``
     where the budget cut a row that then ended normally."""
-    from .state import LastStep, SequenceState
+    from ..state import LastStep, SequenceState
 
     last: LastStep = out._last_step()
     tok = out._model.tokenizer
@@ -254,8 +254,8 @@ def think_then(gen, state, max_tokens, rng, track_text: bool, extra_eos, answer)
     """Decode the thought alone (the row stops where the answer starts), then ``answer(state, max_tokens
     left)``'s steps after it: choice by scoring, and a ``stop_at`` that must apply to the answer only.
     One state, one last step (the answer's, with the thought's spans)."""
-    from .loop.decoding import Step, decode
-    from .state import LastStep, SequenceState
+    from ..loop.decoding import Step, decode
+    from ..state import LastStep, SequenceState
 
     guide = reasoning_guide(state, None, gen.markers, gen.thinking_budget, max_tokens, extra_eos, stop_after=True)
 
