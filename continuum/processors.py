@@ -313,9 +313,9 @@ class GuidanceLogitsProcessor(LogitsProcessor):
         pos = kvcache.positions(mask)[:, -new.shape[1]:]
         past = kvcache.to_dynamic_cache(self._kv, self.model.config)
         with torch.inference_mode():
-            out = self.model(input_ids=new, attention_mask=mask, position_ids=pos, past_key_values=past,
+            out = self.model(input_ids=new, attention_mask=mask, position_ids=pos, **kvcache.cache_kwargs(self.model, past),
                              use_cache=True, logits_to_keep=1)
-        self._kv, self._mask = kvcache.from_dynamic_cache(out.past_key_values), mask
+        self._kv, self._mask = kvcache.from_dynamic_cache(past), mask  # (forward appends to the Cache passed in)
         return out.logits[:, -1].float()
 
     def _unconditional(self, ids: torch.Tensor) -> torch.Tensor:

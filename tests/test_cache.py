@@ -153,3 +153,22 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
     assert held * 2 < kvcache.nbytes(s._kv), (held, kvcache.nbytes(s._kv))  # was 2.5x before compaction
     late = kept[15:]  # made once the chain was long: each holds exactly its own columns
     assert [kvcache.nbytes(k._kv) for k in late] == [per_column * kvcache.length(k._kv) for k in late]
+
+
+def test_forward_passes_the_cache_under_the_keyword_the_model_takes(gpt2_model, llama_model):
+    """transformers 5.2x deprecates ``past_key_values`` for ``cache`` (removal in 5.40): the adapter uses the keyword the
+    model's forward declares, so continuing a state warns about neither, and the cache is still extended."""
+    import inspect
+    import warnings
+
+    from continuum import continuous, generate, samplers
+
+    for model in (gpt2_model, llama_model):
+        expected = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
+        assert kvcache.cache_kwargs(model.model, None) == {expected: None}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            s = continuous(generate.text(model, samplers.greedy()))("Hello", max_tokens=3)
+            continuous(generate.text(model, samplers.greedy()))(s + " there", max_tokens=2)
+        assert not [w for w in caught if "past_key_values" in str(w.message)]
+        assert kvcache.length(s._kv) > 0

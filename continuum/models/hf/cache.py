@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -149,6 +149,28 @@ def layer_kinds(config) -> tuple[int, bool]:
     sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
     _CHECKED_CONFIGS[id(config)] = (weakref.ref(config), len(layers), sliding)
     return len(layers), sliding
+
+
+_CACHE_ARGUMENT: dict[Any, str] = {}  # model class -> the keyword its forward takes the Cache under
+
+
+def _cache_argument(forward_class: Any) -> str:
+    if forward_class not in _CACHE_ARGUMENT:
+        import inspect
+
+        params = inspect.signature(forward_class.forward).parameters
+        _CACHE_ARGUMENT[forward_class] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_ARGUMENT[forward_class]
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword a model's ``forward`` takes its ``Cache`` under: ``cache`` (transformers >= 5.2x, where
+    ``past_key_values`` is deprecated, to be removed in 5.40) or ``past_key_values`` (older releases).
+
+    Example:
+        >>> model(input_ids=ids, **cache_kwargs(model, to_dynamic_cache(kv, model.config)))   # doctest: +SKIP
+    """
+    return {_cache_argument(type(model)): cache}
 
 
 def to_dynamic_cache(kv: KV | None, config, reserve: int = 0) -> DynamicCache:

@@ -16,7 +16,7 @@ import torch
 from ...errors import ModelLoadError
 from ..identity import ModelFingerprint, fingerprint_of
 from ..tokenizer import Tokenizer
-from .cache import KV, from_dynamic_cache, layer_kinds, to_dynamic_cache
+from .cache import KV, cache_kwargs, from_dynamic_cache, layer_kinds, to_dynamic_cache
 from .prefix_cache import PrefixCache, parse_budget
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ class Transformers:
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=position_ids,
-            past_key_values=past,
+            **cache_kwargs(self.model, past),
             use_cache=True,
             logits_to_keep=0 if logits == "all" else 1,
         )
