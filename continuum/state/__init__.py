@@ -10,10 +10,11 @@ How the package is arranged (imports point one way, except the documented bindin
 * ``indexing`` (``state[batch, sample, chars]``, cutting text), ``combine`` (``+`` and stacking),
   ``convert`` (moving a state to another model, dropping its cache) and ``persistence`` (save and
   load): each imports ``core`` (and ``convert`` where a model must be checked); from outside the
-  package, the state modules import only lower modules (``cache``, ``text``, ``errors``,
-  ``completion``). These imports of ``core`` are the only import circle the library allows
-  (``tests/test_imports.py`` checks that there is no other anywhere).
-
+  package, the state modules import only lower modules (``models``, ``errors``, ``display``). These
+  imports of ``core`` are the only import circle the library allows (``tests/test_imports.py`` checks
+  that there is no other anywhere).
+* ``text`` (a row's token character spans, streaming detokenization) and ``completion`` (the ``str`` a text
+  generator returns) import nothing from the package.
 Everything outside the package imports ``SequenceState``/``LastStep`` from here.
 """
 
