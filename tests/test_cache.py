@@ -172,3 +172,24 @@ def test_forward_passes_the_cache_under_the_keyword_the_model_takes(gpt2_model, 
             continuous(generate.text(model, samplers.greedy()))(s + " there", max_tokens=2)
         assert not [w for w in caught if "past_key_values" in str(w.message)]
         assert kvcache.length(s._kv) > 0
+
+
+def test_the_transformers_adapter_implements_the_backend_protocol(gpt2_model, llama_model):
+    """The loop reaches a model only through ``models.protocol.Backend`` and its KV only through ``models.kv``:
+    the transformers adapter implements both (tensor tuples are its KV), and ``models.kv`` gives the same results
+    as the transformers cache functions it hands them to."""
+    from continuum import continuous, generate, samplers
+    from continuum.models import kv
+    from continuum.models.protocol import Backend
+
+    for model in (gpt2_model, llama_model):
+        assert isinstance(model, Backend)
+        s = continuous(generate.text(model, samplers.multinomial(3)))("Hello there", max_tokens=4, rng=torch.Generator().manual_seed(0))
+        assert not isinstance(s._kv, kv.KVHandle)
+        assert kv.length(s._kv) == kvcache.length(s._kv) > 0
+        assert kv.nbytes(s._kv) == kvcache.nbytes(s._kv)
+        rows = torch.tensor([2, 0])
+        picked, ref = kv.select_rows(s._kv, rows), kvcache.select_rows(s._kv, rows)
+        assert all(torch.equal(a, b) for pa, pb in zip(picked, ref) for a, b in zip(pa, pb))
+        cropped = kv.crop(s._kv, 3)
+        assert kv.length(cropped) == 3 and kv.length(kv.crop(s._kv, 0)) == 0

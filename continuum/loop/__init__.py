@@ -13,7 +13,7 @@
   :mod:`~continuum.loop.arrivals`: calls being set up, which the next step waits for; :mod:`~continuum.loop.call`:
   a call's handle (what its caller waits on).
 - :mod:`~continuum.loop.forwards`: how a step's requests run (merged groups, the rest alone, the counters).
-- :mod:`~continuum.loop.merge`: how a step's requests are laid out in one batch (the group's log-softmax);
-  :mod:`~continuum.loop.slab`: the shared KV storage they are laid out in.
+- :mod:`~continuum.models.hf.merge`: how a step's requests are laid out in one batch (the group's log-softmax);
+  :mod:`~continuum.models.hf.slab`: the shared KV storage they are laid out in.
 - :mod:`~continuum.loop.ranks`: the same steps on every rank under torchrun.
 """

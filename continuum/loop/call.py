@@ -7,8 +7,8 @@ import threading
 from collections.abc import Generator
 from typing import Any
 
+from ..models.request import Request
 from . import cancel
-from .merge import Request
 
 __all__ = ["Call", "END"]
 

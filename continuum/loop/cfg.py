@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 
 __all__ = ["guided_logprobs", "guided_scores", "Guidance", "UnconditionalBranch"]
 

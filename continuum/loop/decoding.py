@@ -9,7 +9,7 @@
                                       check EOS / stop strings     reorder ALL per-row state (Rows.reorder)
 
 The loop (:func:`_decode`) is a Python generator run by the model's engine (:mod:`continuum.loop.engine`):
-it yields a :class:`~continuum.loop.merge.Request` wherever it needs the model (the engine resumes it
+it yields a :class:`~continuum.models.request.Request` wherever it needs the model (the engine resumes it
 with the result, merged with every running call's), a :class:`Step` after each step when it is streamed,
 and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one, the whole
 run is appended and computed in the same next forward pass (:mod:`continuum.loop.fastforward`).
@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from ..guides import Guide
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from ..models.hf import prefix_cache
-from ..models.hf.cache import positions  # (re-exported: it lives with the cache's column layout)
 from ..models.hf.memory import kv_bytes
+from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
+from ..models.request import Request
 from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
@@ -37,7 +38,6 @@ from .cfg import Guidance, UnconditionalBranch
 from .checks import check_continuable, check_max_tokens, check_rng, stop_list
 from .fastforward import forced_runs, run_logprobs, step_marks
 from .healing import apply_heal_masks, heal
-from .merge import Request, slot_of
 from .parallel import check_seeded
 from .rows import Rows
 
@@ -346,9 +346,7 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
     for r in range(R):  # rows still running when the steps ran out
         if rows.reason[r] is None:
             rows.end(r, exhausted)
-    kv = kvcache.crop(tuple(rows.kv) if rows.kv is not None else None, fed)  # (the engine's lazy views made here)
-    # a view of a merged batch's storage keeps its own copy when it holds a small part of it
-    kv = kvcache.compact(kv) if slot_of(rows.kv) is not None else kvcache.shrink(kv)
+    kv = kvcache.finish(rows.kv, fed)  # (a view of merged storage gets its own copy: a small part must not pin it)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
                         logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kv,
                         batch=state.batch, samples=samples)

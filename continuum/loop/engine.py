@@ -20,7 +20,7 @@ driver's own call ends and others remain, the engine's thread (one daemon per mo
 first use) takes over; it sleeps on a condition while no call runs (no polling, no CPU when idle).
 A waiting caller is woken once, when its call is done; a stream's consumer once per chunk.
 
-A call is a *coroutine*: ``decoding._decode`` yields a :class:`~continuum.loop.merge.Request` where
+A call is a *coroutine*: ``decoding._decode`` yields a :class:`~continuum.models.request.Request` where
 it needs the model and a ``Step`` after each step (handed to its stream, if any). Everything a call
 does between two forwards (guides, sampler, stop strings, fast-forward, beam reorders) is its own
 code, unchanged; only the forward and its log-softmax are shared. Forwards a call makes outside its
@@ -46,12 +46,12 @@ from typing import Any
 import torch
 
 from ..errors import ContinuumError
+from ..models.request import Request
 from . import cancel
 from .arrivals import ARRIVALS, GATE
 from .call import END, Call
 from .checks import engine_setting
 from .forwards import new_counters, report, run_requests
-from .merge import Request
 from .parallel import world_size
 from .ranks import Ranks, next_key
 

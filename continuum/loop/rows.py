@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..guides import DEAD, Guide
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.text import Detokenizer
 from .cfg import UnconditionalBranch

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from ..models.tokenizer import check_encodable
 from .convert import check_same_model
 from .core import _NAN, SequenceState

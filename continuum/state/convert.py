@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import ModelMismatch, TokenizerMismatch
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from .core import SequenceState
 
 __all__ = ["to_model", "check_same_model"]

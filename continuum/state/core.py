@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError, SchemaViolationError
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from .completion import Completion
 from .laststep import LastStep
 
@@ -198,11 +198,16 @@ class SequenceState:
 
     @property
     def kv_cache(self):
-        """A transformers ``DynamicCache`` over the cached columns (a fresh object), or ``None``.
+        """A transformers ``DynamicCache`` over the cached columns (a fresh object), or ``None``; on another
+        backend, its own KV handle.
 
         Its columns follow the private layout (see the module docstring), not :attr:`token_ids`.
         """
-        return None if self._kv is None else kvcache.to_dynamic_cache(self._kv, self._model.config)
+        if self._kv is None or isinstance(self._kv, kvcache.KVHandle):
+            return self._kv
+        from ..models.hf.cache import to_dynamic_cache
+
+        return to_dynamic_cache(self._kv, self._model.config)
 
     def _last_step(self) -> LastStep:
         if self._last is None:

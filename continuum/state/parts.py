@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import StateFileError
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from .convert import uncached
 from .core import SequenceState
 from .persistence import foreign, last_step, metadata, read, write

@@ -17,7 +17,7 @@ import json
 import logging
 
 from ..errors import StateFileError
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from ..models.identity import ModelFingerprint
 from .convert import uncached
 from .core import LastStep, SequenceState

@@ -184,6 +184,14 @@ class Transformers:
         return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
                                    allowed=allowed)
 
+    def run_step(self, requests: list, stats: dict) -> None:
+        """Run one engine step's forward requests (:class:`~continuum.models.request.Request`): merged forwards by
+        group in shared slabs, the rest alone; each request gets its result or its own error (the backend protocol,
+        :mod:`continuum.models.protocol`)."""
+        from .step import run_requests
+
+        run_requests(self, requests, stats)
+
     @torch.inference_mode()
     def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""

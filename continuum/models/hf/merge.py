@@ -35,66 +35,15 @@ from typing import Any
 
 import torch
 
-from ..models.hf import cache as kvcache
+from ..request import Request, normalized
+from . import cache as kvcache
 from .slab import Slab, SlabView, slot_of
 
-__all__ = ["Request", "Slab", "plan", "run_group", "slot_of"]
+__all__ = ["Slab", "plan", "run_group", "slot_of", "groups"]
 
 _SPARE_ROWS = 0.5  # a new slab keeps this fraction of its rows (at least 4) free for joiners
 _MAX_DEAD = 0.25  # dead rows allowed in a reused slab, as a fraction of the live rows
 _PREFILL_PAD = 1.5  # fresh prefills of different lengths share a forward while padded cells <= this x real ones
-
-
-@dataclass(eq=False, slots=True)
-class Request:
-    """One call's forward: the arguments of ``Transformers.forward`` and, once run, its result."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    pos: torch.Tensor
-    kv: kvcache.KV | None
-    logits: str = "last"
-    reserve: int = 0
-    thread: int = 0
-    allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
-    key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
-    event: Any = None  # a one-off request's owner waits on it (continuum.loop.engine)
-    normalize: bool = False  # a decoding step: hand back log-probs (log-softmax over the group at once) and `top`
-    column: tuple[list[int], list[int]] | None = None  # a decode step as lists: each row's new token and its position
-    source: Any = None  # with `column`: makes ids, mask, pos as tensors, when a layout needs them (materialize)
-    result: Any = None
-    top: tuple[list[int], list[float]] | None = None  # with normalize: each row's most likely token and its log-prob
-    error: BaseException | None = None
-    done: bool = False
-
-    rows: int = field(init=False)
-    new: int = field(init=False)
-    logprobs: Any = None  # with normalize: (the group's log-probs, first row), sliced on demand (log_probs())
-
-    def __post_init__(self) -> None:
-        self.rows = len(self.column[0]) if self.column is not None else self.ids.shape[0]
-        self.new = 1 if self.column is not None else self.ids.shape[1]
-
-    def log_probs(self) -> torch.Tensor:
-        """The log-probs of each row's last column (a normalized request's result holds no logits)."""
-        lp, row = self.logprobs
-        return lp[row:row + self.rows]
-
-    def materialize(self) -> Request:
-        """Give a list-form decode step (``column``) its tensors, the ones it stands for."""
-        if self.column is not None and self.ids is None:
-            self.ids, self.mask, self.pos = self.source()
-        return self
-
-    @property
-    def cached(self) -> int:
-        return kvcache.length(self.kv)
-
-    @property
-    def mergeable(self) -> bool:
-        """2-D masks (token trees, ``allowed``, merge with token trees of the same width)."""
-        return self.column is not None or (self.mask.dim() == 2 and self.ids.dim() == 2
-                                           and (self.allowed is None or self.allowed.dim() == 3))
 
 
 @dataclass
@@ -119,8 +68,8 @@ class Plan:
 def _in_place(r: Request) -> tuple[Slab, int, int, int] | None:
     """The slot of ``r``'s cache when it is exactly a view a merged forward handed out, ending at its slab's end."""
     if isinstance(r.kv, SlabView):  # handed out as it is: its slot is its layout
-        slab, row, rows, start = slot = r.kv.slot
-        return slot if rows == r.rows and slab.end == start + r.kv.width else None
+        slab, row, rows, start = r.kv.slot
+        return r.kv.slot if rows == r.rows and slab.end == start + r.kv.width else None
     slot = slot_of(r.kv)
     if slot is None or r.kv is None:
         return None
@@ -374,13 +323,6 @@ def split_outputs(p: Plan, logits: torch.Tensor | None) -> list[tuple[torch.Tens
                 r.logprobs = (lp, row)
                 r.top = (top[row:row + r.rows], best[row:row + r.rows])
     return out
-
-
-def normalized(logits: torch.Tensor) -> tuple[torch.Tensor, list[float], list[int]]:
-    """Log-softmax of ``(rows, vocab)`` logits, and each row's best log-prob and token (as lists)."""
-    lp = torch.log_softmax(logits, dim=-1)
-    best, top = lp.max(dim=-1)
-    return lp, best.tolist(), top.tolist()
 
 
 def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:

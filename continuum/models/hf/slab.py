@@ -1,6 +1,6 @@
 """Merged KV storage: a :class:`Slab` (one preallocated key/value tensor per layer, its merged mask) and
 the lazy view of one request's rows in it (:class:`SlabView`); :func:`slot_of` tells where a cache sits.
-The layout itself (who goes where, when a slab is re-laid out) is :mod:`continuum.loop.merge`'s."""
+The layout itself (who goes where, when a slab is re-laid out) is :mod:`continuum.models.hf.merge`'s."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.hf import cache as kvcache
+from . import cache as kvcache
 
 __all__ = ["Slab", "SlabView", "slot_of"]
 

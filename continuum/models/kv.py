@@ -1,0 +1,126 @@
+"""The KV cache as the decoding loop and the state algebra see it, whatever the backend.
+
+A state's KV covers columns ``[0, length)`` of its rows' layout (left padding and holes included: column
+``j`` of the KV is column ``j`` of the state's tokens). What it is depends on the model's backend:
+
+* transformers (:mod:`continuum.models.hf.cache`): a plain tuple ``((keys, values), ...)`` of torch tensors, one
+  pair per layer, or a lazy view of the engine's merged storage (a ``Sequence`` of such pairs);
+* any other backend: an object implementing :class:`KVHandle` (its own storage, e.g. a llama.cpp sequence per row).
+
+The loop, the engine and ``state/`` call only the functions below; each hands a handle its own method and a
+tensor tuple to the transformers code. Every operation returns a new KV and never changes what another state
+sees (invariant 2): a backend whose storage is shared (llama.cpp's cells) copies on write or forks.
+
+Example:
+    >>> from continuum.models import kv
+    >>> kv.length(state._kv), kv.nbytes(state._kv)                  # doctest: +SKIP
+    (12, 24576)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .hf import cache as _hf
+from .hf.cache import RESERVE_CAP, positions
+from .hf.slab import slot_of
+
+__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "finish", "compact", "stack_rows", "nbytes", "devices",
+           "to_devices", "positions", "RESERVE_CAP"]
+
+KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
+
+
+@runtime_checkable
+class KVHandle(Protocol):
+    """The KV of a batch of rows held by a backend's own storage: what a backend other than transformers implements.
+
+    Rows are in the state's order; ``length()`` columns of the layout are covered. Handles are values: no method
+    changes ``self`` or anything another handle sees.
+    """
+
+    def length(self) -> int:
+        """Columns of the rows' layout the KV covers."""
+        ...
+
+    def select_rows(self, rows: torch.Tensor) -> KVHandle:
+        """The rows ``rows`` (a 1-D index, repeats allowed: forks and beams), in that order."""
+        ...
+
+    def crop(self, columns: int) -> KVHandle | None:
+        """The first ``columns`` columns (``None`` when 0)."""
+        ...
+
+    def settle(self) -> KVHandle:
+        """The KV a finished call hands to its result state: storage it no longer needs given back."""
+        ...
+
+    def nbytes(self, seen: set | None = None) -> int:
+        """Bytes of storage held, storage shared with handles already in ``seen`` counted once."""
+        ...
+
+    @classmethod
+    def stack(cls, kvs: list[KVHandle], width: int, reserve: int = 0) -> KVHandle:
+        """The rows of ``kvs`` one after another, each right-aligned to ``width`` columns."""
+        ...
+
+
+def _handle(kv: Any) -> bool:
+    return kv is not None and not isinstance(kv, Sequence)
+
+
+def length(kv: KV) -> int:
+    """Columns covered (0 for ``None``)."""
+    return kv.length() if _handle(kv) else _hf.length(kv)
+
+
+def select_rows(kv: KV, rows: torch.Tensor) -> KV:
+    """Rows ``rows`` of ``kv``, in that order (forks, beams, slicing the batch)."""
+    return kv.select_rows(rows) if _handle(kv) else _hf.select_rows(kv, rows)
+
+
+def crop(kv: KV, columns: int) -> KV:
+    """The first ``columns`` columns of ``kv``."""
+    return kv.crop(columns) if _handle(kv) else _hf.crop(kv, columns)
+
+
+def finish(kv: KV, columns: int) -> KV:
+    """What a finished call hands to its result state: its first ``columns`` columns, in storage of its own when
+    they were a view of the engine's merged storage (a small part of it must not pin the rest), else with the
+    room allocated ahead given back."""
+    if _handle(kv):
+        out = kv.crop(columns)
+        return None if out is None else out.settle()
+    merged = slot_of(kv) is not None
+    out = _hf.crop(tuple(kv) if kv is not None else None, columns)  # (the engine's lazy views are made here)
+    return _hf.compact(out) if merged else _hf.shrink(out)
+
+
+def compact(kv: KV) -> KV:
+    """``kv`` in storage of its own when it is a small part of a bigger one (a slice must not pin the rest)."""
+    return kv.settle() if _handle(kv) else _hf.compact(kv)
+
+
+def stack_rows(kvs: list[KV], width: int, reserve: int = 0) -> KV:
+    """The rows of ``kvs`` one after another, each right-aligned to ``width`` columns."""
+    if any(_handle(k) for k in kvs):
+        return type(next(k for k in kvs if _handle(k))).stack(kvs, width, reserve)
+    return _hf.stack_rows(kvs, width, reserve)
+
+
+def nbytes(kv: KV, seen: set | None = None) -> int:
+    """Bytes of storage ``kv`` holds, shared storage counted once."""
+    return kv.nbytes(seen) if _handle(kv) else _hf.nbytes(kv, seen)
+
+
+def devices(kv: KV) -> tuple[torch.device, ...] | None:
+    """The device of each layer's tensors (``None`` for a handle: its storage is the backend's)."""
+    return None if _handle(kv) else _hf.devices(kv)
+
+
+def to_devices(kv: KV, where: tuple[torch.device, ...] | None) -> KV:
+    """``kv`` with each layer on its device (a handle stays where its backend keeps it)."""
+    return kv if _handle(kv) or where is None else _hf.to_devices(kv, where)

@@ -1,0 +1,80 @@
+"""What the decoding loop, the engine and the state algebra need from a model: the backend protocol.
+
+transformers (:class:`continuum.models.hf.Transformers`) is one implementation; a second backend (llama.cpp,
+``continuum/models/llamacpp/``) implements the same protocol, and nothing above ``models/`` asks which one it has.
+
+A backend provides:
+
+* **a forward over rows' uncached suffixes** (:meth:`Backend.forward`): the new columns of a batch of rows on top of
+  their KV, with explicit attention masks and positions, returning the wanted logits and the new KV; the KV passed
+  in is never changed (states are immutable);
+* **one engine step** (:meth:`Backend.run_step`): every running call's :class:`~continuum.models.request.Request`
+  of the step, run the backend's own way (transformers: merged forwards in slabs; llama.cpp: one ``llama_decode``
+  with a sequence per row), each request getting its result or its own error;
+* **the KV as a value** (:mod:`continuum.models.kv`): a tensor tuple on transformers, a
+  :class:`~continuum.models.kv.KVHandle` elsewhere, with select rows, crop, stack, finish and bytes;
+* **the tokenizer** (:class:`continuum.models.tokenizer.Tokenizer`'s interface: encode, decode by bytes, every
+  token's bytes, the end-of-generation ids, the outlines-core vocabulary and the llguidance tokenizer);
+* **an identity** (``fingerprint``, ``same_model``): a KV computed by another model is never used (invariant 5).
+
+Example:
+    >>> from continuum.models.protocol import Backend
+    >>> isinstance(models.transformers("gpt2"), Backend)             # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from ..loop.engine import Engine
+    from .request import Request
+
+__all__ = ["Backend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model as the library uses it (see the module docstring)."""
+
+    tokenizer: Any  # the Tokenizer interface (continuum.models.tokenizer)
+    context_length: int | None  # positions a row may hold (None: unbounded)
+    tokens_computed: int  # positions computed so far (the benchmarks and tests read it)
+    prefix_cache: Any  # the automatic prefix cache, or None
+
+    @property
+    def fingerprint(self) -> Any:
+        """What identifies the weights: a saved or foreign KV is used only on a model with the same one."""
+        ...
+
+    def same_model(self, other: Any) -> bool:
+        """Whether a KV computed by ``other`` is valid on this model."""
+        ...
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that runs every concurrent call's loop on this model, one step for all."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the loop's id, mask and position tensors go."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output projection (the width of the logits)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any, *,
+                logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+        """The new columns ``input_ids`` on top of ``cache``: the float32 logits of the last column (``"last"``), of
+        every new column (``"all"``) or none (``"none"``), and the KV of every column; ``cache`` is not changed."""
+        ...
+
+    def run_step(self, requests: list[Request], stats: dict) -> None:
+        """Run one engine step's requests; set each one's ``result`` (logits, KV) or ``error``; move ``stats``."""
+        ...
