@@ -184,7 +184,8 @@ def test_the_transformers_adapter_implements_the_backend_protocol(gpt2_model, ll
 
     for model in (gpt2_model, llama_model):
         assert isinstance(model, Backend)
-        s = continuous(generate.text(model, samplers.multinomial(3)))("Hello there", max_tokens=4, rng=torch.Generator().manual_seed(0))
+        gen = continuous(generate.text(model, samplers.multinomial(3)))
+        s = gen("Hello there", max_tokens=4, rng=torch.Generator().manual_seed(0))
         assert not isinstance(s._kv, kv.KVHandle)
         assert kv.length(s._kv) == kvcache.length(s._kv) > 0
         assert kv.nbytes(s._kv) == kvcache.nbytes(s._kv)
