@@ -29,6 +29,7 @@ from typing import Any
 __all__ = ["ByteDecoder", "ByteStream"]
 
 _UTF8 = codecs.getincrementaldecoder("utf-8")
+_CONTINUATION = bytes(range(0x80, 0xC0))  # bytes that continue a UTF-8 character
 
 
 def _decoder_kind(backend: Any) -> tuple[str, bool] | None:
@@ -109,6 +110,23 @@ class ByteDecoder:
         ``len(decode(ids[:k + 1])) == done[k] + pending[k]``, and ``decode(ids)`` starts with the first
         ``done[k]`` characters of ``decode(ids[:k + 1])``.
         """
+        parts = [self.row_bytes((i,)) for i in ids]
+        data = b"".join(parts)
+        drop = int(self.strip_space and data[:1] == b" ")
+        try:
+            data[drop:].decode("utf-8")
+        except UnicodeDecodeError:  # replacement characters: decode token by token
+            return self._char_ends_stream(ids)
+        done, pending, pos, leads, end = [], [], 0, 0, len(data)
+        for p in parts:  # valid UTF-8: characters = bytes that start one (not 0b10xxxxxx)
+            pos += len(p)
+            leads += len(p.translate(None, _CONTINUATION))
+            inside = pos < end and 0x80 <= data[pos] < 0xC0
+            done.append(leads - (drop if pos else 0) - inside)
+            pending.append(inside)
+        return done, pending
+
+    def _char_ends_stream(self, ids: Sequence[int]) -> tuple[list[int], list[bool]]:
         stream = ByteStream(self, ())
         done, pending = [], []
         for i in ids:
