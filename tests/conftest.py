@@ -108,6 +108,42 @@ def make_gemma3_tokenizer():
     return tok
 
 
+def _gpt2_byte_map() -> dict[str, int]:
+    """GPT-2's printable-unicode -> byte map, written out here (not continuum's)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+GPT2_BYTES = _gpt2_byte_map()
+
+
+def reference_row_text(hf_tokenizer, ids: list[int]) -> str:
+    """Independent reference of a row's text: its tokens' bytes (from the token strings; special tokens skipped)
+    decoded as UTF-8 with standard replacement, less the first space where the decoder strips it (Llama-2)."""
+    backend = hf_tokenizer.backend_tokenizer
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    byte_level = "ByteLevel" in repr(backend.decoder)
+    data = b""
+    for i, t in zip(ids, hf_tokenizer.convert_ids_to_tokens(ids)):
+        if i in special or t is None:
+            continue
+        if byte_level:
+            data += bytes(GPT2_BYTES[c] for c in t) if all(c in GPT2_BYTES for c in t) else t.encode()
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            data += bytes([int(t[3:5], 16)])
+        else:
+            data += t.replace("\u2581", " ").encode()
+    if "Strip(" in repr(backend.decoder) and data.startswith(b" "):
+        data = data[1:]
+    return data.decode("utf-8", "replace")
+
+
 def tiny_gpt2(vocab_size: int, seed: int = 0, n_positions: int = 256):
     from transformers import GPT2Config, GPT2LMHeadModel
 

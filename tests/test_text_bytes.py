@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from continuum import SequenceState, continuous, generate, models, samplers
 from continuum.state.text import detokenizer, longest_token_prefix, token_char_spans
 
-from conftest import fixture_path, make_gemma3_tokenizer, tiny_llama
+from conftest import GPT2_BYTES, fixture_path, make_gemma3_tokenizer, reference_row_text, tiny_llama
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, max_examples=30,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -32,21 +32,6 @@ NAMES = ["gpt2", "llama2-sentencepiece", "llama3-bpe", "qwen2-bpe", "stories260K
 STRIPS_FIRST_SPACE = {"llama2-sentencepiece", "stories260K"}  # their decoder ends with Strip(" ", 1, 0)
 ALPHABET = "ab Ét\n.ß東京😀🤗👍🏽Ж\ufffd"
 texts = st.text(alphabet=ALPHABET, max_size=6)
-
-
-def _gpt2_byte_map() -> dict[str, int]:
-    """GPT-2's printable-unicode -> byte map, written out here (not continuum's)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_GPT2 = _gpt2_byte_map()
 
 
 def _load(name: str):
@@ -74,26 +59,14 @@ def is_byte_level(hf) -> bool:
 def byte_token(hf, b: int) -> int:
     """The id of the token standing for the single byte ``b``."""
     if is_byte_level(hf):
-        return hf.convert_tokens_to_ids(next(c for c, v in _GPT2.items() if v == b))
+        return hf.convert_tokens_to_ids(next(c for c, v in GPT2_BYTES.items() if v == b))
     return hf.convert_tokens_to_ids(f"<0x{b:02X}>")
 
 
 def reference_text(name: str, hf, ids: list[int]) -> str:
     """The row's bytes (from the token strings) decoded with standard replacement, specials skipped."""
-    special = {i for i, t in hf.backend_tokenizer.get_added_tokens_decoder().items() if t.special}
-    data = b""
-    for i, t in zip(ids, hf.convert_ids_to_tokens(ids)):
-        if i in special:
-            continue
-        if is_byte_level(hf):
-            data += bytes(_GPT2[c] for c in t) if all(c in _GPT2 for c in t) else t.encode()
-        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
-            data += bytes([int(t[3:5], 16)])
-        else:
-            data += t.replace("\u2581", " ").encode()
-    if name in STRIPS_FIRST_SPACE and data.startswith(b" "):
-        data = data[1:]
-    return data.decode("utf-8", "replace")
+    assert ("Strip(" in repr(hf.backend_tokenizer.decoder)) == (name in STRIPS_FIRST_SPACE)
+    return reference_row_text(hf, ids)
 
 
 def dangling_state(model, text: str, char: str, nbytes: int) -> SequenceState:
@@ -207,3 +180,24 @@ def test_stream_chunks_and_stop_strings_agree_with_the_final_text(tok_model):
             cut = gen(s, max_tokens=24, stop_at=stop)
             want = final[:len(str(s)) + made.find(stop) + len(stop)]
             assert str(cut) == want, (name, nbytes, stop)
+
+
+def test_served_token_texts_join_to_the_row_text(tok_model):
+    """The server's per-token texts: an echoed prompt's tokens share its text exactly (SentencePiece's dropped first
+    space and characters split over byte tokens included); a token's ``bytes`` are its own bytes (a ``<0xF0>``
+    token's byte, not its U+FFFD's), and a later token's text keeps its leading space."""
+    from continuum.serve.completions import _shares
+    from continuum.serve.engine import Engine
+
+    name, model = tok_model
+    tok, engine = model.tokenizer, Engine(model)
+    s = dangling_state(model, "Once upon a time, État 東京", "😀", 2)
+    ids = s._real_rows()[0][0]
+    assert "".join(_shares(tok, ids)) == str(s) == reference_text(name, tok.hf, ids)
+    special = {i for i, t in tok.hf.backend_tokenizer.get_added_tokens_decoder().items() if t.special}
+    data = b"".join(bytes(engine.token_bytes(i)) for i in ids if i not in special)
+    assert data == "Once upon a time, État 東京".encode() + "😀".encode()[:2] or (
+        name in STRIPS_FIRST_SPACE and data == b" " + "Once upon a time, État 東京".encode() + "😀".encode()[:2])
+    assert engine.token_bytes(byte_token(tok.hf, 0xF0)) == [0xF0] and engine.token_text(byte_token(tok.hf, 0xF0)) == "\ufffd"
+    later = tok.encode_continuation(" upon")
+    assert "".join(engine.token_text(i) for i in later) == " upon"

@@ -188,6 +188,11 @@ class Tokenizer:
             return self._backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
         return [self.decode(r) for r in rows]
 
+    def piece_bytes(self, token: int) -> bytes:
+        """The bytes one token adds to a row's text (``b""``: a special token, or a tokenizer decoded by Hugging Face)."""
+        dec = self.bytes_decoder
+        return dec.row_bytes((token,)) if dec is not None else b""
+
     def char_ends(self, ids: Sequence[int]) -> tuple[list[int], list[bool]]:
         """Per token ``k``: the characters of ``decode(ids[:k + 1])`` that no later token changes, and whether
         a U+FFFD for an incomplete character follows them (:meth:`ByteDecoder.char_ends`, one pass)."""
@@ -199,7 +204,9 @@ class Tokenizer:
 
     @cached_property
     def _byte_lengths(self) -> dict[int, int]:
-        return {idx: len(data) if data else 0 for idx, data in enumerate(self.vocab_bytes)}
+        dec = self.bytes_decoder  # the bytes a row's text is decoded from (special tokens: none)
+        table = dec.table if dec is not None else [data or b"" for data in self.vocab_bytes]
+        return {idx: len(data) for idx, data in enumerate(table)}
 
     @cached_property
     def _all_token_bytes(self) -> list[bytes | None]:
@@ -217,7 +224,7 @@ class Tokenizer:
         return [None if idx in special else data or None for idx, data in enumerate(self._all_token_bytes)]
 
     def byte_offsets(self, ids: Sequence[int]) -> list[int]:
-        """Cumulative UTF-8 byte length of the tokens (monotonic, unlike decoded text lengths)."""
+        """Cumulative byte length of the tokens: where each ends in the bytes of the row's text."""
         out, total, lengths = [], 0, self._byte_lengths
         for i in ids:
             total += lengths.get(i, 0)
