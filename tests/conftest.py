@@ -75,6 +75,75 @@ def make_spm_tokenizer(vocab_size: int = 420):
     return _wrap(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+def make_gemma3_tokenizer():
+    """A Gemma-3-style SentencePiece tokenizer (transformers' ``GemmaTokenizer``) over the Llama-2 vocabulary:
+    Gemma 3's pipeline (spaces normalised to ``▁`` with no dummy prefix, split after spaces, a decoder with
+    byte fallback and NO leading-space strip, ``<bos>`` added), its special ids (``<pad>`` 0, ``<eos>`` 1,
+    ``<bos>`` 2, ``<unk>`` 3, ``<mask>`` 4, turn markers special) and a non-special added token (``<h1>``, as
+    Gemma's HTML pieces). The real one (262k pieces) ships only inside a 250 MB model package."""
+    import json as _json
+
+    from tokenizers import Tokenizer
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    data = _json.loads((fixture_path("tokenizers", "llama2-sentencepiece") / "tokenizer.json").read_text())
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for piece, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])[3:]:  # after <unk> <s> </s>
+        vocab[piece] = len(vocab)
+    data["model"].update(vocab=vocab, unk_token="<unk>")
+    data["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True} for i, t in enumerate(specials)]
+    data["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    data["pre_tokenizer"] = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+    data["decoder"] = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                                        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    bos = [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]
+    pair = bos + [{"Sequence": {"id": "B", "type_id": 1}}]
+    data["post_processor"] = {"type": "TemplateProcessing", "single": bos, "pair": pair,
+                              "special_tokens": {"<bos>": {"id": "<bos>", "ids": [2], "tokens": ["<bos>"]}}}
+    tok = GemmaTokenizer(tokenizer_object=Tokenizer.from_str(_json.dumps(data)),
+                         extra_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    tok.add_tokens(["<h1>"])
+    return tok
+
+
+def _gpt2_byte_map() -> dict[str, int]:
+    """GPT-2's printable-unicode -> byte map, written out here (not continuum's)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+GPT2_BYTES = _gpt2_byte_map()
+
+
+def reference_row_text(hf_tokenizer, ids: list[int]) -> str:
+    """Independent reference of a row's text: its tokens' bytes (from the token strings; special tokens skipped)
+    decoded as UTF-8 with standard replacement, less the first space where the decoder strips it (Llama-2)."""
+    backend = hf_tokenizer.backend_tokenizer
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    byte_level = "ByteLevel" in repr(backend.decoder)
+    data = b""
+    for i, t in zip(ids, hf_tokenizer.convert_ids_to_tokens(ids)):
+        if i in special or t is None:
+            continue
+        if byte_level:
+            data += bytes(GPT2_BYTES[c] for c in t) if all(c in GPT2_BYTES for c in t) else t.encode()
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            data += bytes([int(t[3:5], 16)])
+        else:
+            data += t.replace("\u2581", " ").encode()
+    if "Strip(" in repr(backend.decoder) and data.startswith(b" "):
+        data = data[1:]
+    return data.decode("utf-8", "replace")
+
+
 def tiny_gpt2(vocab_size: int, seed: int = 0, n_positions: int = 256):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -17,6 +17,8 @@ from continuum import SequenceState, continuous, generate, samplers
 from continuum.display import HEAD, TAIL, chat_to_html
 from continuum.errors import BatchMismatch, ContinuumTypeError
 
+from conftest import reference_row_text
+
 VOID = {"br", "img", "hr", "meta", "input", "wbr"}
 HOSTILE = '<script>alert(1)</script> & "quoted" <img src=x onerror=alert(2)>'
 
@@ -70,9 +72,9 @@ class View(HTMLParser):
 
 
 def hf_texts(state) -> list[str]:
-    """Independent reference: the HF tokenizer's decoding of each row's real token ids."""
-    tok = state.tokenizer
-    return [tok.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+    """Independent reference: each row's real token ids decoded by their bytes (conftest.reference_row_text; on
+    valid UTF-8 the HF tokenizer's decoding, which reads an invalid run of <0xNN> tokens as one U+FFFD per byte)."""
+    return [reference_row_text(state.tokenizer, ids[mask.bool()].tolist())
             for ids, mask in zip(state.token_ids, state.attention_masks)]
 
 

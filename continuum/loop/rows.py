@@ -13,7 +13,7 @@ import torch
 from ..guides import DEAD, Guide
 from ..models import kv as kvcache
 from ..state import SequenceState
-from ..state.text import Detokenizer
+from ..state.text import detokenizer
 from .cfg import UnconditionalBranch
 from .healing import Heal
 
@@ -64,7 +64,7 @@ class Rows:
                     self.guide_states[r], self.start_chars[r] = guide.copy(gs), last.starts[r]
                     self.resumed[r] = True
         real = state._real_rows() if track_text else None
-        self.detoks = [Detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if real is not None else None
+        self.detoks = [detokenizer(state._model.tokenizer, real[r][0]) for r in range(R)] if real is not None else None
 
     def queue_column(self, ids: list[int], lps: list[float]) -> None:
         """Append a decode column in which every row is real (the engine's common step), as lists: written

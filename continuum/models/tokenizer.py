@@ -2,9 +2,9 @@
 
 Two facts drive this module:
 
-* The text of a row is ``decode(all its tokens)``, never the concatenation of decoded tokens
-  (byte-level BPE splits UTF-8 characters across tokens; SentencePiece drops the leading space
-  of the first token). Everything that needs text decodes whole rows.
+* The text of a row is the text of its tokens' bytes (:mod:`continuum.models.textbytes`), never the
+  concatenation of decoded tokens (byte-level BPE splits UTF-8 characters across tokens; SentencePiece
+  drops the leading space of the first token). Everything that needs text decodes whole rows.
 * Text appended to a row must be tokenized *as a continuation*: a SentencePiece tokenizer
   turns ``"ing"`` into ``"▁ing"`` when it is encoded on its own. :meth:`Tokenizer.encode_continuation`
   encodes the text behind a sentinel character whose tokens never merge with what follows, then
@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import TokenizerError, UnencodableTextError
+from .textbytes import ByteDecoder
 
 logger = logging.getLogger("continuum")
 
@@ -164,39 +165,66 @@ class Tokenizer:
         return out
 
     # -- decoding ---------------------------------------------------------------------------
+    @cached_property
+    def bytes_decoder(self) -> ByteDecoder | None:
+        """The bytes-based decoder of rows (:mod:`continuum.models.textbytes`); ``None`` for a decoder
+        it does not reproduce (neither byte-level BPE nor SentencePiece byte fallback): Hugging Face decodes."""
+        dec = ByteDecoder.of(self.hf, lambda: self._all_token_bytes)
+        if dec is None:
+            logger.info("Tokenizer %r: unknown decoder; row texts are decoded by Hugging Face", self.name)
+        return dec
+
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of a row: its tokens' bytes decoded with standard UTF-8 replacement, special tokens skipped."""
+        dec = self.bytes_decoder
+        if dec is not None:
+            return dec.decode(ids)
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=True)
         return self.hf.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
-        if self._backend is not None:
+        if self.bytes_decoder is None and self._backend is not None:
             return self._backend.decode_batch([list(r) for r in rows], skip_special_tokens=True)
         return [self.decode(r) for r in rows]
 
-    @cached_property
-    def byte_fallback_ids(self) -> frozenset[int]:
-        """Ids of SentencePiece byte-fallback tokens (``<0xNN>``), decoded as a group."""
-        if self.is_byte_level:
-            return frozenset()
-        return frozenset(i for t, i in self.hf.get_vocab().items() if _BYTE_TOKEN.match(t))
+    def piece_bytes(self, token: int) -> bytes:
+        """The bytes one token adds to a row's text (``b""``: a special token, or a tokenizer decoded by Hugging Face)."""
+        dec = self.bytes_decoder
+        return dec.row_bytes((token,)) if dec is not None else b""
+
+    def char_ends(self, ids: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Per token ``k``: the characters of ``decode(ids[:k + 1])`` that no later token changes, and whether
+        a U+FFFD for an incomplete character follows them (:meth:`ByteDecoder.char_ends`, one pass)."""
+        if self.bytes_decoder is not None:
+            return self.bytes_decoder.char_ends(ids)
+        texts = [self.decode(ids[:k + 1]) for k in range(len(ids))]  # Hugging Face decoding: prefix by prefix
+        pending = [t.endswith("\ufffd") for t in texts]
+        return [len(t) - p for t, p in zip(texts, pending)], pending
 
     @cached_property
     def _byte_lengths(self) -> dict[int, int]:
-        return {idx: len(data) if data else 0 for idx, data in enumerate(self.vocab_bytes)}
+        dec = self.bytes_decoder  # the bytes a row's text is decoded from (special tokens: none)
+        table = dec.table if dec is not None else [data or b"" for data in self.vocab_bytes]
+        return {idx: len(data) for idx, data in enumerate(table)}
+
+    @cached_property
+    def _all_token_bytes(self) -> list[bytes | None]:
+        """The bytes of every token id, special tokens included (``None``: an unknown id)."""
+        vocab = self.hf.get_vocab()
+        out: list[bytes | None] = [None] * (max(vocab.values()) + 1)
+        for token, idx in vocab.items():
+            out[idx] = self.token_bytes(token)
+        return out
 
     @cached_property
     def vocab_bytes(self) -> list[bytes | None]:
         """The bytes of every token id (``None`` for special tokens and unknown ids)."""
-        vocab = self.hf.get_vocab()
-        out: list[bytes | None] = [None] * (max(vocab.values()) + 1)
-        for token, idx in vocab.items():
-            if idx not in self.special_ids:
-                out[idx] = self.token_bytes(token) or None
-        return out
+        special = self.special_ids
+        return [None if idx in special else data or None for idx, data in enumerate(self._all_token_bytes)]
 
     def byte_offsets(self, ids: Sequence[int]) -> list[int]:
-        """Cumulative UTF-8 byte length of the tokens (monotonic, unlike decoded text lengths)."""
+        """Cumulative byte length of the tokens: where each ends in the bytes of the row's text."""
         out, total, lengths = [], 0, self._byte_lengths
         for i in ids:
             total += lengths.get(i, 0)

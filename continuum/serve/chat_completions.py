@@ -75,9 +75,9 @@ def logprob_entries(engine, row) -> list[dict]:
     out = []
     for i, (tok, lp) in enumerate(zip(row.tokens, row.logprobs)):
         text = engine.token_text(tok)
-        top = [{"token": engine.token_text(t), "logprob": v, "bytes": list(engine.token_text(t).encode())}
+        top = [{"token": engine.token_text(t), "logprob": v, "bytes": engine.token_bytes(t)}
                for t, v in (row.top[i] if row.top is not None and i < len(row.top) else [])]
-        out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
+        out.append({"token": text, "logprob": lp, "bytes": engine.token_bytes(tok), "top_logprobs": top})
     return out
 
 

@@ -91,12 +91,12 @@ def _echoed(ctx, prompts: list, k: int) -> list[dict]:
 
 def _logprobs(ctx, rows: list[dict], offset: int) -> dict:
     """OpenAI's legacy ``logprobs`` of ``rows`` (the echoed prompt's then the generated tokens', or one of them).
-    A prompt's special tokens (BOS) are shown as empty text: they are not in the echoed text."""
-    hf = ctx.model.tokenizer.hf
-    tokens, lps, tops, offsets, at = [], [], [], [], offset
+    A prompt's tokens show their share of its text (:func:`_shares`; BOS: none), so they join to the echoed text."""
+    tokens: list[str] = []
+    lps, tops, offsets, at = [], [], [], offset
     for row in rows:
-        texts = [hf.decode([t], skip_special_tokens=True) if row.get("special") else ctx.engine.token_text(t)
-                 for t in row["tokens"]]
+        texts = (_shares(ctx.model.tokenizer, row["tokens"]) if row.get("special")
+                 else [ctx.engine.token_text(t) for t in row["tokens"]])
         for i, t in enumerate(texts):
             offsets.append(at)
             at += len(t)
@@ -106,6 +106,17 @@ def _logprobs(ctx, rows: list[dict], offset: int) -> dict:
         lps += row["logprobs"]
     has_top = any(row["top"] is not None for row in rows)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if has_top else None, "text_offset": offsets}
+
+
+def _shares(tok, ids: list[int]) -> list[str]:
+    """Each token's share of the row's text: the characters it completes (a special token, or a byte token
+    inside a character: none). They join to the row's text, SentencePiece's dropped first space included."""
+    text = tok.decode(ids)
+    done, pending = tok.char_ends(ids)
+    cuts = [0] + done
+    if pending and pending[-1]:  # the row ends inside a character: its U+FFFD goes to the last token
+        cuts[-1] += 1
+    return [text[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _top(ctx, step: list[tuple[int, float]]) -> dict[str, float]:
@@ -137,7 +148,7 @@ def register(app: FastAPI, ctx) -> None:
         ctx.owner(request)
         ctx.check_model(req.model)
         prompts = _prompts(req.prompt, len(ctx.model.tokenizer.hf))
-        texts = [p if isinstance(p, str) else ctx.model.tokenizer.hf.decode(p, skip_special_tokens=True) for p in prompts]
+        texts = [p if isinstance(p, str) else ctx.model.tokenizer.decode(p) for p in prompts]
         k = req.logprobs
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed, n=req.n, max_tokens=req.max_tokens,
                             stop=stops(req.stop), top_logprobs=req.logprobs)

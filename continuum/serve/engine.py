@@ -392,4 +392,11 @@ class Engine:
         return out
 
     def token_text(self, token: int) -> str:
-        return self.model.tokenizer.hf.decode([token])
+        """One token's text for log-probs: its bytes with UTF-8 replacement, a SentencePiece leading space kept
+        (the texts of a row's tokens join to its text); a special token's own text (``<|im_end|>``)."""
+        data = self.model.tokenizer.piece_bytes(token)
+        return data.decode("utf-8", "replace") if data else self.model.tokenizer.hf.decode([token])
+
+    def token_bytes(self, token: int) -> list[int]:
+        """One token's bytes (OpenAI's ``bytes``: a byte-fallback token's own byte, not its U+FFFD's)."""
+        return list(self.model.tokenizer.piece_bytes(token) or self.token_text(token).encode())

@@ -1,40 +1,54 @@
 """Aligning tokens and characters.
 
-The text of a row is ``tokenizer.decode(row)``. A token has no text of its own (byte-level BPE
-splits UTF-8 characters across tokens, SentencePiece drops the first leading space), so every
-function here works with decoded *prefixes*: token ``k`` ends at ``len(decode(ids[:k + 1]))``.
+The text of a row is ``tokenizer.decode(row)``: the text of its tokens' bytes (see
+:mod:`continuum.models.textbytes`). A token has no text of its own (byte-level BPE splits UTF-8
+characters across tokens, SentencePiece drops the first leading space), but decoding bytes is
+prefix-stable, so token ``k`` ends at ``len(decode(ids[:k + 1]))`` and one pass over the row's
+bytes (:meth:`~continuum.models.tokenizer.Tokenizer.char_ends`) places every token.
+
+Example:
+    >>> ids = tok.encode_prompts(["café"])[0]          # doctest: +SKIP
+    >>> token_char_spans(tok, ids)                     # doctest: +SKIP
+    [(0, 0), (0, 3), (3, 4)]
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["longest_token_prefix", "token_char_spans", "Detokenizer"]
+from ..models.textbytes import ByteStream
 
-_WINDOW = 8  # tokens of left context enough to decode any single character correctly
+__all__ = ["longest_token_prefix", "token_char_spans", "detokenizer", "Detokenizer"]
+
+_WINDOW = 8  # tokens of left context enough to decode any single character correctly (Hugging Face decoding)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # largest n with a[:n] == b[:n] (startswith runs in C)
+        mid = (lo + hi + 1) // 2
+        if b.startswith(a[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def longest_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int, int]:
     """The largest ``k`` with ``decode(ids[:k])`` a prefix of ``text``, and that prefix's length.
 
-    Decoded lengths are not monotonic (an incomplete character decodes to one U+FFFD per byte
-    with SentencePiece byte fallback), so the search runs on the tokens' *byte* offsets, which
-    are, then checks decoded prefixes around the candidate.
+    ``decode(ids[:k])`` is the row's first ``done[k - 1]`` characters, then a U+FFFD while a character
+    is incomplete (:meth:`~continuum.models.tokenizer.Tokenizer.char_ends`).
     """
-    ends = tokenizer.byte_offsets(ids)
-    budget = len(text.encode("utf-8", "surrogatepass")) + 1  # +1: SentencePiece drops a leading "▁"
-    lo, hi = 0, len(ids)
-    while lo < hi:  # largest k with ends[k - 1] <= budget
-        mid = (lo + hi + 1) // 2
-        if ends[mid - 1] <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    for k in range(min(len(ids), lo + _WINDOW), -1, -1):
-        prefix = tokenizer.decode(ids[:k])
-        if text.startswith(prefix):
-            return k, len(prefix)
-    return 0, 0  # pragma: no cover - decode([]) == "" is a prefix of anything
+    if not ids:
+        return 0, 0
+    done, pending = tokenizer.char_ends(ids)
+    common = _common_prefix(tokenizer.decode(ids), text)
+    for k in range(len(ids), 0, -1):
+        c = done[k - 1]
+        if c <= common and (not pending[k - 1] or text[c:c + 1] == "\ufffd"):
+            return k, c + pending[k - 1]
+    return 0, 0
 
 
 def token_char_spans(tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -43,44 +57,17 @@ def token_char_spans(tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
     Tokens that share a character (UTF-8 split across tokens) all get the whole character's span,
     so "a token lies wholly inside a slice" means all of its bytes' characters do.
     """
-    text = tokenizer.decode(ids)
-    offsets = tokenizer.byte_offsets(ids)
-    data = text.encode("utf-8", "surrogatepass")
-    shift = (offsets[-1] - len(data)) if ids else 0  # SentencePiece drops the first "▁" (1 byte)
-    if "\ufffd" not in text and shift in (0, 1):  # exact: map each token's bytes to characters
-        char_at = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8", "surrogatepass")))]
-        spans, prev = [], 0
-        for end in offsets:
-            b0, b1 = max(prev - shift, 0), max(end - shift, 0)
-            a = char_at[b0] if b0 < len(data) else len(text)
-            spans.append((a, char_at[b1 - 1] + 1 if b1 > b0 else a))
-            prev = end
-        return spans
-    texts = [tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
-    complete = [not t.endswith("\ufffd") for t in texts]
-    cols: list[list[int]] = []  # [start, end] per token, ends fixed below
-    start = 0
-    for k, t in enumerate(texts):
-        cols.append([start, len(t)])
-        if complete[k]:
-            start = len(t)
-    end = len(texts[-1]) if texts else 0
-    for k in range(len(ids) - 1, -1, -1):  # an incomplete token ends where its character ends
-        if complete[k]:
-            end = len(texts[k])
-        cols[k][1] = max(end, cols[k][0])
-    return [(a, b) for a, b in cols]
+    done, pending = tokenizer.char_ends(ids)
+    spans, start = [], 0
+    for c, p in zip(done, pending):
+        spans.append((start, c + p))  # an incomplete character starts at c, and ends one further
+        start = c
+    return spans
 
 
 class Detokenizer:
-    """Incremental text of tokens appended after a context (for streaming and stop strings).
-
-    ``text`` is exactly what the new tokens add to ``decode(context + new)``. It can still
-    change at its end: an incomplete UTF-8 character shows as U+FFFD until the next token
-    completes it, and SentencePiece byte-fallback tokens (``<0xNN>``) are decoded as a group, so
-    a run of them may turn into replacement characters when the run ends invalid.
-    :meth:`stable_text` is the part that can no longer change.
-    """
+    """Incremental text of tokens appended after a context, for a tokenizer decoded by Hugging Face
+    (one whose decoder :mod:`continuum.models.textbytes` does not reproduce): :func:`detokenizer`."""
 
     __slots__ = ("tokenizer", "context", "ids", "_ctx_text", "text", "_stable")
 
@@ -102,9 +89,24 @@ class Detokenizer:
         self.ids.append(token_id)
         full = self.tokenizer.decode(self.context + self.ids)
         self.text = full[len(self._ctx_text):] if full.startswith(self._ctx_text) else full
-        if token_id not in self.tokenizer.byte_fallback_ids:
-            self._stable = self.text.rstrip("\ufffd")
+        self._stable = self.text.rstrip("\ufffd")
         return self.text
 
     def stable_text(self) -> str:
         return self._stable
+
+
+def detokenizer(tokenizer, context: Sequence[int]) -> ByteStream | Detokenizer:
+    """Incremental text of tokens appended after ``context`` (streaming and stop strings).
+
+    ``push(id)`` returns ``text``, exactly what the new tokens add to ``decode(context + new)``; it can
+    still change at its end, where an incomplete UTF-8 character shows as U+FFFD until the next token
+    completes it. ``stable_text()`` is the part that can no longer change.
+
+    Example:
+        >>> d = detokenizer(tok, tok.encode_prompts(["Hi"])[0])   # doctest: +SKIP
+        >>> d.push(tok.encode_continuation(" there")[0])          # doctest: +SKIP
+        ' there'
+    """
+    dec = tokenizer.bytes_decoder
+    return ByteStream(dec, context) if dec is not None else Detokenizer(tokenizer, context)
