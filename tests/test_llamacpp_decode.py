@@ -1,0 +1,124 @@
+"""One llama_decode for many rows (continuum.models.llamacpp.decode) against llama-cpp-python's own evaluation
+(``Llama(logits_all=True).eval`` of the same ids). Tolerances: see tests/llamacpp_support.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from continuum.errors import ContextLengthError, GeneratorArgumentError
+from continuum.models.llamacpp import DecodeRow, decode
+
+from llamacpp_support import DECODE_TOL, load, reference_logits
+
+PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The dog ran to the park and", "Tom had a red ball"]
+
+
+def _ids(tok, text):
+    return tok.encode_prompts([text])[0]
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_prefill_equals_llama_cpp_python(kind, invariant):
+    _, tok, pool = load(kind, batch_invariant=invariant)
+    for text in PROMPTS:
+        ids = _ids(tok, text)
+        out = decode(pool, [DecodeRow(pool.empty(), ids, "all")])
+        assert out.logits.shape == (len(ids), tok.n_vocab) and out.logits.dtype == np.float32
+        np.testing.assert_array_equal(out.logits, reference_logits(kind, ids))
+        assert out.views[0].n_tokens == len(ids)
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_continued_view_equals_a_fresh_evaluation_within_tolerance(kind):
+    """Greedy decoding one token at a time after a prefill vs llama-cpp-python's prefill of the whole path."""
+    _, tok, pool = load(kind, batch_invariant=True)
+    ids = _ids(tok, PROMPTS[0])
+    out = decode(pool, [DecodeRow(pool.empty(), ids)])
+    view, path, steps = out.views[0], list(ids), [out.row(0)[-1]]
+    for _ in range(24):
+        path.append(int(steps[-1].argmax()))
+        out = decode(pool, [DecodeRow(view, [path[-1]])])
+        view = out.views[0]
+        steps.append(out.row(0)[-1])
+    ref = reference_logits(kind, path)[len(ids) - 1:]
+    got = np.stack(steps[:-1])
+    diff = np.abs(got - ref[:len(got)]).max()
+    assert diff <= DECODE_TOL[kind], diff
+    top2 = np.sort(ref[:len(got)], axis=1)[:, -2:]
+    sure = (top2[:, 1] - top2[:, 0]) > DECODE_TOL[kind]
+    assert sure.sum() >= len(got) // 2  # the comparison below is not empty
+    np.testing.assert_array_equal(got.argmax(1)[sure], ref[:len(got)].argmax(1)[sure])
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_chunked_prefill_is_exact_in_invariant_mode(kind):
+    _, tok, pool = load(kind, batch_invariant=True)
+    ids = _ids(tok, PROMPTS[0] + " " + PROMPTS[1])
+    whole = decode(pool, [DecodeRow(pool.empty(), ids, "all")]).logits
+    first = decode(pool, [DecodeRow(pool.empty(), ids[:8], "all")])
+    second = decode(pool, [DecodeRow(first.views[0], ids[8:], "all")])
+    np.testing.assert_array_equal(np.concatenate([first.logits, second.logits]), whole)
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+@pytest.mark.parametrize("invariant", [True, False])
+def test_rows_in_one_decode_equal_each_alone(kind, invariant):
+    """Exact in the batch-invariant mode; on these fixtures in the default mode too (nothing is repacked)."""
+    _, tok, pool = load(kind, batch_invariant=invariant)
+    prompts = [_ids(tok, p) for p in PROMPTS]
+    alone = [decode(pool, [DecodeRow(pool.empty(), ids, "all")]) for ids in prompts]
+    together = decode(pool, [DecodeRow(pool.empty(), ids, "all") for ids in prompts])
+    swapped = decode(pool, [DecodeRow(pool.empty(), ids, "all") for ids in prompts[::-1]])
+    for i, a in enumerate(alone):
+        np.testing.assert_array_equal(together.row(i), a.logits)
+        np.testing.assert_array_equal(swapped.row(len(prompts) - 1 - i), a.logits)
+    # continue every row by a different number of tokens, in one decode and alone
+    more = [[5, 6, 7], [9], [11, 12]]
+    merged = decode(pool, [DecodeRow(v, m, "all") for v, m in zip(together.views, more)])
+    for i, (a, m) in enumerate(zip(alone, more)):
+        np.testing.assert_array_equal(merged.row(i), decode(pool, [DecodeRow(a.views[0], m, "all")]).logits)
+
+
+def test_logits_selection_and_offsets():
+    _, tok, pool = load("f32", batch_invariant=True)
+    ids = _ids(tok, PROMPTS[0])
+    full = decode(pool, [DecodeRow(pool.empty(), ids, "all")]).logits
+    out = decode(pool, [DecodeRow(pool.empty(), ids, [0, 3, -1]), DecodeRow(pool.empty(), ids, "none"),
+                        DecodeRow(pool.empty(), ids), DecodeRow(pool.empty(), [])])
+    assert out.offsets == [0, 3, 3, 4, 4]
+    np.testing.assert_array_equal(out.row(0), full[[0, 3, -1]])
+    np.testing.assert_array_equal(out.row(2), full[-1:])
+    assert out.row(1).shape == (0, tok.n_vocab) and out.views[3].n_tokens == 0
+
+
+def test_chunks_at_n_batch_equal_one_batch():
+    """A decode longer than n_batch runs in chunks: the same logits as a model whose n_batch holds it whole."""
+    small, tok, small_pool = load("f32", batch_invariant=True, n_seq_max=4, n_batch=16, n_ubatch=16)
+    big, _, big_pool = load("f32", batch_invariant=True, n_seq_max=4, n_batch=256, n_ubatch=16)
+    rows = [_ids(tok, PROMPTS[0]), _ids(tok, PROMPTS[1] + " " + PROMPTS[2])]
+    assert sum(map(len, rows)) > 2 * small.n_batch
+    a = decode(small_pool, [DecodeRow(small_pool.empty(), r, "all") for r in rows])
+    b = decode(big_pool, [DecodeRow(big_pool.empty(), r, "all") for r in rows])
+    np.testing.assert_array_equal(a.logits, b.logits)
+    assert a.offsets == b.offsets
+
+
+def test_bad_rows_are_refused_before_decoding():
+    model, tok, pool = load("f32")
+    ids = _ids(tok, "Hi there")
+    view = decode(pool, [DecodeRow(pool.empty(), ids)]).views[0]
+    free = pool.n_free
+    with pytest.raises(GeneratorArgumentError, match="token ids"):
+        decode(pool, [DecodeRow(view, [tok.n_vocab])])
+    with pytest.raises(GeneratorArgumentError, match="token ids"):
+        decode(pool, [DecodeRow(view, [-1])])
+    with pytest.raises(GeneratorArgumentError, match="logits"):
+        decode(pool, [DecodeRow(view, [5], "first")])
+    with pytest.raises(GeneratorArgumentError, match="outside"):
+        decode(pool, [DecodeRow(view, [5], [1])])
+    with pytest.raises(ContextLengthError, match="context"):
+        decode(pool, [DecodeRow(view, [5] * model.context_length)])
+    assert pool.n_free == free and view.n_tokens == len(ids)
+    assert pool.positions(view) == (0, view.n_tokens - 1)
