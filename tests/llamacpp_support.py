@@ -3,13 +3,15 @@ llama-cpp-python's own evaluation of the same ids (``Llama(logits_all=True).eval
 
 Tolerances (max |logit difference|), measured on this machine and stated once here:
 
-* a prefill of ids vs llama-cpp-python's prefill of the same ids: exact (0) in every mode (same kernels: nothing
-  of f32 or q8_0 is repacked on x86);
-* a prefill in chunks, or rows beside other rows in one decode, vs the same ids alone: exact (0) in the
-  batch-invariant mode (``use_extra_bufts=False``, a fixed ``n_ubatch``);
-* a token decoded one at a time after a state vs the same position inside one prefill (a continued state vs a
-  fresh evaluation): different kernels for 1 and >= 2 tokens, so ``DECODE_TOL`` per file; greedy tokens are
-  compared where the reference's top-2 margin exceeds it.
+* a prefill of ids vs llama-cpp-python's prefill of the same ids (same flash-attention setting): exact (0);
+* in the batch-invariant mode (no weight repacking, flash attention, one-row decodes padded to two): exact (0)
+  on these fixtures for rows beside other rows or alone, reordered, beside other sequences' cells, prefills in
+  chunks, and reused views (forked, sliced, spilled, loaded) vs a fresh state built the same way; a token decoded
+  one at a time vs the same position inside one prefill still differs past ~16 tokens (0.003-0.04 on f32);
+* in the default mode: a token decoded one at a time vs the same position inside one prefill (llama.cpp's
+  kernels differ for one row and for several) and a row beside other sequences' cells (without flash attention
+  the attention depends on where cells lie) differ up to ``DECODE_TOL`` per file (measured 0.003-0.04 on f32,
+  growing with the context, 0.26 on q8_0); greedy tokens are compared where the reference's top-2 margin exceeds it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePoo
 from conftest import FIXTURES
 
 GGUF_DIR = FIXTURES / "models" / "stories260K-gguf"
-DECODE_TOL = {"f32": 2e-2, "q8_0": 0.5}
+DECODE_TOL = {"f32": 5e-2, "q8_0": 0.5}
 THREADS = 2
 
 
@@ -54,20 +56,21 @@ def load(kind: str = "f32", **options) -> tuple[LlamaCppModel, LlamaTokenizer, S
     path = gemma_path() if kind == "gemma" else gguf(kind)
     options.setdefault("n_threads", THREADS)
     model = LlamaCppModel(path, **options)
-    return model, LlamaTokenizer(model), SequencePool(model)
+    return model, LlamaTokenizer(model), SequencePool.of(model)
 
 
 @cache
-def reference(kind: str = "f32"):
+def reference(kind: str = "f32", flash_attn: bool = False):
     """llama-cpp-python's ``Llama`` on the same file, every position's logits kept."""
     path = gemma_path() if kind == "gemma" else gguf(kind)
     return llama_cpp.Llama(model_path=str(path), n_ctx=2048 if kind == "gemma" else 512, n_batch=512, n_ubatch=512,
-                           n_threads=THREADS, n_threads_batch=THREADS, logits_all=True, flash_attn=False, verbose=False)
+                           n_threads=THREADS, n_threads_batch=THREADS, logits_all=True, flash_attn=flash_attn, verbose=False)
 
 
-def reference_logits(kind: str, ids: list[int]) -> np.ndarray:
-    """llama-cpp-python's logits at every position of ``ids`` (one prefill, chunked at its n_batch)."""
-    llm = reference(kind)
+def reference_logits(kind: str, ids: list[int], flash_attn: bool = False) -> np.ndarray:
+    """llama-cpp-python's logits at every position of ``ids`` (one prefill, chunked at its n_batch); pass
+    ``flash_attn=True`` to compare with the batch-invariant mode (which runs flash attention)."""
+    llm = reference(kind, flash_attn)
     llm.reset()
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)], dtype=np.float32)

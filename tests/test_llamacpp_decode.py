@@ -21,35 +21,51 @@ def _ids(tok, text):
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_prefill_equals_llama_cpp_python(kind, invariant):
-    _, tok, pool = load(kind, batch_invariant=invariant)
+    model, tok, pool = load(kind, batch_invariant=invariant)
+    assert model.flash_attn == invariant
     for text in PROMPTS:
         ids = _ids(tok, text)
         out = decode(pool, [DecodeRow(pool.empty(), ids, "all")])
         assert out.logits.shape == (len(ids), tok.n_vocab) and out.logits.dtype == np.float32
-        np.testing.assert_array_equal(out.logits, reference_logits(kind, ids))
+        np.testing.assert_array_equal(out.logits, reference_logits(kind, ids, flash_attn=invariant))
         assert out.views[0].n_tokens == len(ids)
 
 
-@pytest.mark.parametrize("kind", ["f32", "q8_0"])
-def test_continued_view_equals_a_fresh_evaluation_within_tolerance(kind):
-    """Greedy decoding one token at a time after a prefill vs llama-cpp-python's prefill of the whole path."""
-    _, tok, pool = load(kind, batch_invariant=True)
-    ids = _ids(tok, PROMPTS[0])
+def _greedy_steps(pool, ids, n):
+    """Greedy decoding one token at a time after a prefill: the path and each step's logits."""
     out = decode(pool, [DecodeRow(pool.empty(), ids)])
     view, path, steps = out.views[0], list(ids), [out.row(0)[-1]]
-    for _ in range(24):
+    for _ in range(n):
         path.append(int(steps[-1].argmax()))
         out = decode(pool, [DecodeRow(view, [path[-1]])])
         view = out.views[0]
         steps.append(out.row(0)[-1])
-    ref = reference_logits(kind, path)[len(ids) - 1:]
-    got = np.stack(steps[:-1])
-    diff = np.abs(got - ref[:len(got)]).max()
-    assert diff <= DECODE_TOL[kind], diff
-    top2 = np.sort(ref[:len(got)], axis=1)[:, -2:]
+    return path, np.stack(steps[:-1])
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_continued_view_equals_a_fresh_evaluation_in_invariant_mode(kind):
+    """A state continued token by token equals llama-cpp-python's one prefill of the same ids, exactly."""
+    _, tok, pool = load(kind, batch_invariant=True)
+    ids = _ids(tok, PROMPTS[0])
+    path, got = _greedy_steps(pool, ids, 24)
+    np.testing.assert_array_equal(got, reference_logits(kind, path, flash_attn=True)[len(ids) - 1:-1])
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_continued_view_equals_a_fresh_evaluation_within_tolerance(kind):
+    """The default mode: one-row decodes take other kernels than a prefill; within DECODE_TOL, same greedy tokens
+    where the reference's top-2 margin exceeds it."""
+    _, tok, pool = load(kind)
+    ids = _ids(tok, PROMPTS[0])
+    path, got = _greedy_steps(pool, ids, 24)
+    ref = reference_logits(kind, path)[len(ids) - 1:-1]
+    diff = np.abs(got - ref).max()
+    assert diff <= DECODE_TOL[kind], diff  # f32: 0.003-0.009; q8_0: 0 here
+    top2 = np.sort(ref, axis=1)[:, -2:]
     sure = (top2[:, 1] - top2[:, 0]) > DECODE_TOL[kind]
     assert sure.sum() >= len(got) // 2  # the comparison below is not empty
-    np.testing.assert_array_equal(got.argmax(1)[sure], ref[:len(got)].argmax(1)[sure])
+    np.testing.assert_array_equal(got.argmax(1)[sure], ref.argmax(1)[sure])
 
 
 @pytest.mark.parametrize("kind", ["f32", "q8_0"])
@@ -60,25 +76,40 @@ def test_chunked_prefill_is_exact_in_invariant_mode(kind):
     first = decode(pool, [DecodeRow(pool.empty(), ids[:8], "all")])
     second = decode(pool, [DecodeRow(first.views[0], ids[8:], "all")])
     np.testing.assert_array_equal(np.concatenate([first.logits, second.logits]), whole)
+    last = decode(pool, [DecodeRow(first.views[0], ids[8:])])  # one output row: padded like a merged step
+    np.testing.assert_array_equal(last.row(0), whole[-1:])
 
 
-@pytest.mark.parametrize("kind", ["f32", "q8_0"])
-@pytest.mark.parametrize("invariant", [True, False])
-def test_rows_in_one_decode_equal_each_alone(kind, invariant):
-    """Exact in the batch-invariant mode; on these fixtures in the default mode too (nothing is repacked)."""
-    _, tok, pool = load(kind, batch_invariant=invariant)
+def _merged_vs_alone(pool, tok):
+    """The largest |difference| between rows decoded together (in both orders) and each alone, prefills then
+    continuations of different widths on live states."""
     prompts = [_ids(tok, p) for p in PROMPTS]
     alone = [decode(pool, [DecodeRow(pool.empty(), ids, "all")]) for ids in prompts]
     together = decode(pool, [DecodeRow(pool.empty(), ids, "all") for ids in prompts])
     swapped = decode(pool, [DecodeRow(pool.empty(), ids, "all") for ids in prompts[::-1]])
+    diffs = []
     for i, a in enumerate(alone):
-        np.testing.assert_array_equal(together.row(i), a.logits)
-        np.testing.assert_array_equal(swapped.row(len(prompts) - 1 - i), a.logits)
-    # continue every row by a different number of tokens, in one decode and alone
+        diffs += [np.abs(together.row(i) - a.logits).max(), np.abs(swapped.row(len(prompts) - 1 - i) - a.logits).max()]
     more = [[5, 6, 7], [9], [11, 12]]
     merged = decode(pool, [DecodeRow(v, m, "all") for v, m in zip(together.views, more)])
     for i, (a, m) in enumerate(zip(alone, more)):
-        np.testing.assert_array_equal(merged.row(i), decode(pool, [DecodeRow(a.views[0], m, "all")]).logits)
+        diffs.append(np.abs(merged.row(i) - decode(pool, [DecodeRow(a.views[0], m, "all")]).logits).max())
+    steps = decode(pool, [DecodeRow(v, [3]) for v in merged.views])  # one token per row, as in a decoding step
+    for i, v in enumerate(merged.views):
+        diffs.append(np.abs(steps.row(i) - decode(pool, [DecodeRow(v, [3])]).row(0)).max())
+    return float(max(diffs))
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_rows_in_one_decode_equal_each_alone_in_invariant_mode(kind):
+    _, tok, pool = load(kind, batch_invariant=True)
+    assert _merged_vs_alone(pool, tok) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_rows_in_one_decode_are_close_to_alone_in_default_mode(kind):
+    _, tok, pool = load(kind)
+    assert _merged_vs_alone(pool, tok) <= DECODE_TOL[kind]
 
 
 def test_logits_selection_and_offsets():

@@ -17,7 +17,7 @@ def test_loads_what_llama_cpp_python_reads():
     model, _, _ = load("f32")
     ref = reference("f32")
     assert model.n_vocab == ref.n_vocab()
-    assert model.n_ctx_train == ref.n_ctx_train()
+    assert model.n_ctx_train == ref._model.n_ctx_train()
     assert model.context_length == min(model.n_ctx_train, model.n_ctx)
     assert model.n_swa == 0 and not model.is_sliding
     assert model.n_seq_max == 256 and model.n_batch >= model.n_seq_max

@@ -12,7 +12,7 @@ import pytest
 from continuum.errors import ForeignStateError, KVCacheFullError, SlicingError, StaleWindowError, StateFileError
 from continuum.models.llamacpp import DecodeRow, LlamaCppModel, LlamaTokenizer, SequencePool, decode, pack, unpack
 
-from llamacpp_support import gguf, load, reference_logits
+from llamacpp_support import DECODE_TOL, gguf, load, reference_logits
 
 TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day she "
         "saw a big red ball. She ran to get it and laughed. ") * 3
@@ -20,6 +20,16 @@ TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play
 
 def _prefill(pool, ids):
     return decode(pool, [DecodeRow(pool.empty(), ids)])
+
+
+def _chain(pool, *chunks):
+    """The last logits of a fresh state built chunk by chunk (each chunk one decode): what a reused view built
+    the same way must equal exactly in the batch-invariant mode."""
+    view = pool.empty()
+    for chunk in chunks:
+        out = decode(pool, [DecodeRow(view, list(chunk))])
+        view = out.views[0]
+    return out.row(0)[-1]
 
 
 def _next(pool, view, token):
@@ -31,7 +41,7 @@ def _next(pool, view, token):
 def test_forks_share_cells_not_copies():
     """A pool of 256 cells: 7 views of one 200-token prefix fit (cells shared); 2 separate copies do not."""
     model = LlamaCppModel(gguf("f32"), n_ctx=256, n_seq_max=8, n_threads=2, batch_invariant=True)
-    tok, pool = LlamaTokenizer(model), SequencePool(model)
+    tok, pool = LlamaTokenizer(model), SequencePool.of(model)
     ids = (tok.encode_prompts([TEXT * 2])[0])[:200]
     base = _prefill(pool, ids)
     view = base.views[0]
@@ -40,16 +50,25 @@ def test_forks_share_cells_not_copies():
     out = decode(pool, [DecodeRow(v, [42]) for v in [view, *forks]])
     for i in range(1, 7):
         np.testing.assert_array_equal(out.row(i), out.row(0))
-    np.testing.assert_array_equal(out.row(0)[-1], reference_logits("f32", ids + [42])[-1])
+    np.testing.assert_array_equal(out.row(0)[-1], _chain(pool, ids, [42]))
+    ref = reference_logits("f32", ids + [42], flash_attn=True)[-1]  # a fresh prefill: within the decode tolerance
+    assert np.abs(out.row(0)[-1] - ref).max() <= DECODE_TOL["f32"] and out.row(0)[-1].argmax() == ref.argmax()
     del out, forks, view, base
     gc.collect()
-    assert pool.n_free == model.n_seq_max  # every sequence released
-    one = _prefill(pool, ids)
+    assert pool.n_free == pool.n_ids  # every sequence released
     with pytest.raises(KVCacheFullError, match="n_ctx"):
-        _prefill(pool, ids)  # a second copy of 200 cells does not fit in 256
-    assert pool.positions(one.views[0]) == (0, 199)  # the failed decode left the other state whole
-    one.views[0].release()
-    assert pool.n_free == model.n_seq_max
+        decode(pool, [DecodeRow(pool.empty(), ids), DecodeRow(pool.empty(), ids)])  # 400 separate cells > 256
+    assert pool.n_free == pool.n_ids  # the failed decode left nothing behind
+    one = _prefill(pool, ids).views[0]
+    want = _next(pool, one, 42)[0]
+    spills = pool.spills
+    two = _prefill(pool, ids).views[0]  # no room beside `one`: it is spilled to bytes to make room
+    assert pool.spills == spills + 1 and one.seq_id is None and two.seq_id is not None
+    two.release()
+    got = _next(pool, one, 42)[0]  # restored from its bytes
+    np.testing.assert_array_equal(got, want)
+    one.release()
+    assert pool.n_free == pool.n_ids
     _prefill(pool, ids)  # released cells are free again
 
 
@@ -57,12 +76,13 @@ def test_appends_never_change_another_view():
     _, tok, pool = load("f32", batch_invariant=True)
     ids = tok.encode_prompts([TEXT])[0][:40]
     view = _prefill(pool, ids).views[0]
-    before, _ = _next(pool, view, 7)
+    before, grown = _next(pool, view, 7)
+    del grown  # a longer view of the same sequence, dropped: the append below may reuse the sequence
     short = view.slice(20)
     assert short.seq_id == view.seq_id and short.n_tokens == 20  # a slice is the same sequence
     s_logits, s_view = _next(pool, short, 99)  # view is longer: this forks
     assert s_view.seq_id != view.seq_id
-    np.testing.assert_array_equal(s_logits, reference_logits("f32", ids[:20] + [99])[-1])
+    np.testing.assert_array_equal(s_logits, _chain(pool, ids[:20], [99]))
     after, v2 = _next(pool, view, 7)  # the original still sees its own 40 cells
     np.testing.assert_array_equal(after, before)
     # appending to the longest view decodes in place (its sequence, no new id)
@@ -80,7 +100,7 @@ def test_in_place_append_after_the_longer_view_is_gone():
     long_view.release()
     logits, grown = _next(pool, short, 5)  # the dead tail is cut, the append reuses the sequence
     assert grown.seq_id == seq and pool.positions(grown) == (0, 10)
-    np.testing.assert_array_equal(logits, reference_logits("f32", ids[:10] + [5])[-1])
+    np.testing.assert_array_equal(logits, _chain(pool, ids[:10], [5]))
 
 
 def test_two_rows_on_one_sequence_in_one_decode():
@@ -90,21 +110,21 @@ def test_two_rows_on_one_sequence_in_one_decode():
     out = decode(pool, [DecodeRow(view, [3]), DecodeRow(view, [4, 5]), DecodeRow(view.slice(12), [6])])
     assert len({v.seq_id for v in out.views}) == 3
     for row, extra in enumerate(([3], [4, 5], None)):
-        want = reference_logits("f32", ids + extra)[-1] if extra else reference_logits("f32", ids[:12] + [6])[-1]
+        want = _chain(pool, ids, extra) if extra else _chain(pool, ids[:12], [6])
         np.testing.assert_array_equal(out.row(row)[-1], want)
 
 
 def test_spilling_when_ids_run_out():
     """4 sequence ids, 6 live states: the least recently used spill to bytes and come back exact."""
     model = LlamaCppModel(gguf("f32"), n_seq_max=4, n_threads=2, batch_invariant=True)
-    tok, pool = LlamaTokenizer(model), SequencePool(model)
+    tok, pool = LlamaTokenizer(model), SequencePool.of(model)
     ids = tok.encode_prompts([TEXT])[0][:30]
     base = _prefill(pool, ids).views[0]
     views = [decode(pool, [DecodeRow(base.fork(), [10 + i])]).views[0] for i in range(6)]
     assert pool.spills > 0 and pool.n_resident <= 4
     for i, v in enumerate(views):
         logits, _ = _next(pool, v, 50)
-        np.testing.assert_array_equal(logits, reference_logits("f32", ids + [10 + i, 50])[-1])
+        np.testing.assert_array_equal(logits, _chain(pool, ids, [10 + i], [50]))
     assert pool.restores > 0
 
 
@@ -119,8 +139,9 @@ def test_bytes_round_trip_and_fingerprint():
         loaded = pool.from_bytes(blob, n)
         assert loaded.n_tokens == v.n_tokens and loaded.seq_id != view.seq_id
         got, _ = _next(pool, loaded, 21)
-        np.testing.assert_array_equal(got, reference_logits("f32", ids[:v.n_tokens] + [21])[-1])
-    np.testing.assert_array_equal(got if v is view else want, want)
+        np.testing.assert_array_equal(got, _chain(pool, ids[:v.n_tokens], [21]))
+        if v is view:
+            np.testing.assert_array_equal(got, want)
 
 
 def test_foreign_and_corrupt_blobs_are_refused():
@@ -137,7 +158,7 @@ def test_foreign_and_corrupt_blobs_are_refused():
     with pytest.raises(StateFileError, match="magic"):
         unpack(model, b"junk" + data)
     with pytest.raises(StateFileError, match="corrupt"):
-        unpack(model, data[:12] + b"{" + data[13:])
+        unpack(model, data[:13] + b"#" + data[14:])
     free = other_pool.n_free
     with pytest.raises(Exception, match="refused|positions"):
         other_pool.from_bytes(pool.to_bytes(view)[:-100], view.n_tokens)  # truncated raw bytes: llama.cpp refuses
@@ -161,9 +182,12 @@ def test_gemma3_window_check():
     with pytest.raises(StaleWindowError) as err:
         decode(pool, [DecodeRow(view, [9]), DecodeRow(restored.slice(300), [9])])
     assert err.value.rows == [1]
+    # Gemma's logits depend on where cells lie in the cache by up to ~2 even in the batch-invariant mode (measured;
+    # see the report), so the restored and sliced states are compared loosely here: a decode against missing
+    # window cells is off by 23-36 (the research note's measure), far beyond this bound.
     a, _ = _next(pool, restored, 9)
     b, _ = _next(pool, view, 9)
-    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - b).max() < 4
     c, _ = _next(pool, view.slice(300), 9)  # behind the window on the live state: cells are there (swa_full)
-    fresh, _ = _next(pool, _prefill(pool, ids[:300]).views[0], 9)  # the same kernels on a fresh prefill
-    np.testing.assert_array_equal(c, fresh)
+    fresh, _ = _next(pool, _prefill(pool, ids[:300]).views[0], 9)
+    assert np.abs(c - fresh).max() < 4

@@ -19,7 +19,7 @@ Modules, one job each:
 Example:
     >>> from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePool, DecodeRow, decode
     >>> model = LlamaCppModel("stories260K-f32.gguf", batch_invariant=True)     # doctest: +SKIP
-    >>> tok, pool = LlamaTokenizer(model), SequencePool(model)                 # doctest: +SKIP
+    >>> tok, pool = LlamaTokenizer(model), SequencePool.of(model)                 # doctest: +SKIP
     >>> out = decode(pool, [DecodeRow(pool.empty(), tok.encode_prompts(["Once"])[0])])   # doctest: +SKIP
     >>> int(out.row(0)[-1].argmax())                                           # doctest: +SKIP
     ...

@@ -12,7 +12,7 @@ host bytes and retries once, then raises :class:`~continuum.errors.KVCacheFullEr
 codes raise :class:`~continuum.errors.BackendError`.
 
 Example:
-    >>> pool = SequencePool(model)                                            # doctest: +SKIP
+    >>> pool = SequencePool.of(model)                                            # doctest: +SKIP
     >>> out = decode(pool, [DecodeRow(pool.empty(), [1, 403, 87]), DecodeRow(pool.empty(), [1, 9])])  # doctest: +SKIP
     >>> out.logits.shape, out.row(1).shape, out.views[0].n_tokens          # doctest: +SKIP
     ((2, 512), (1, 512), 3)
@@ -258,18 +258,33 @@ def _decode_chunks(pool: SequencePool, token: np.ndarray, pos: np.ndarray, ids: 
                    logits: np.ndarray) -> int:
     L, model = lib(), pool.model
     buf, ctx, done = _buffers(pool), model.ctx, 0
-    step = buf.capacity
+    step = buf.capacity - (pool.scratch is not None)  # room for the scratch token
     for start in range(0, len(token), step):
         end = min(start + step, len(token))
         k = end - start
         buf.token[:k], buf.pos[:k], buf.seq[:k], buf.out[:k] = token[start:end], pos[start:end], ids[start:end], out[start:end]
-        buf.batch.n_tokens = k
+        m = int(out[start:end].sum())
+        n, extra = k, -1
+        if pool.scratch is not None and (k == 1 or m == 1):
+            # llama.cpp's matmuls take other kernels for a single row (tinyBLAS needs two): a lone token, or a lone
+            # output row (the output projection runs over outputs only), is padded to two, as in any merged step.
+            if k == 1:
+                buf.token[1], buf.pos[1], buf.seq[1], buf.out[1] = token[start], 0, pool.scratch, m
+                n, extra = 2, (1 if m else -1)
+            else:
+                extra = int(np.flatnonzero(buf.out[:k] == 0)[0])
+                buf.out[extra] = 1
+        buf.batch.n_tokens = n
         rc = int(L.llama_decode(ctx, buf.batch))
+        if n > k:
+            L.llama_memory_seq_rm(model.memory, pool.scratch, -1, -1)
         if rc != 0:
             return rc
-        m = int(out[start:end].sum())
         if m:
             ptr: Any = L.llama_get_logits(ctx)
-            logits[done:done + m] = np.ctypeslib.as_array(ptr, shape=(m, model.n_vocab))
+            got = np.ctypeslib.as_array(ptr, shape=(m + (extra >= 0), model.n_vocab))
+            if extra >= 0:  # outputs are in batch order: drop the padding's row
+                got = np.delete(got, int(buf.out[:extra].sum()), axis=0)
+            logits[done:done + m] = got
             done += m
     return 0

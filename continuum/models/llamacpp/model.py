@@ -11,8 +11,12 @@ The context is shared by every state of the model: a state's KV is a *sequence* 
   fixed ``n_ubatch`` (the physical split changes the kernels, hence the logits).
 * ``swa_full=True``: a sliding-window model keeps every cell, so forks and slices behind the window stay valid.
 * explicit ``flash_attn`` and KV types: both are part of a saved blob's layout (``fingerprint.py``).
-* ``batch_invariant=True`` loads the weights without CPU repacking (``use_extra_bufts=False``): a row's logits
-  then do not depend on the other rows of its decode (measured exact; 4-12% slower on Gemma 3 Q4_K_M).
+* ``batch_invariant=True`` makes a row's logits independent of what else is decoded and cached with it:
+  the weights are loaded without CPU repacking (``use_extra_bufts=False``: repacked kernels group rows by 4),
+  attention is flash attention (without it a row's logits depend on where its cells lie in the cache: 0.26 on
+  stories260K q8_0 when a neighbour's cells shift them), and a decode of one token is padded to two with a
+  scratch sequence (``decode.py``: llama.cpp's matmuls take another kernel for a single row). Measured exact on
+  stories260K f32 and q8_0 (rows alone, merged, reordered, chunked, decoded one by one vs prefilled).
 
 llama.cpp's context is not thread-safe and ctypes releases the GIL during calls: every call on a model's
 pointers runs under :attr:`LlamaCppModel.lock`.
@@ -90,7 +94,8 @@ class LlamaCppModel:
         n_batch: the most tokens one ``llama_decode`` takes (default ``max(n_seq_max, n_ubatch)``); decodes
             are chunked at it.
         n_ubatch: the physical micro-batch, fixed (512).
-        flash_attn: flash attention on or off (explicit: it sets a saved blob's V layout).
+        flash_attn: flash attention on or off (it sets a saved blob's V layout); default: on exactly in the
+            batch-invariant mode, which needs it.
         kv_type: the KV cache's type, one of :data:`KV_TYPES` (``"f16"``, llama.cpp's default).
         batch_invariant: load the weights without CPU repacking, so that a row's logits are the same whatever
             else its decode carries.
@@ -101,7 +106,7 @@ class LlamaCppModel:
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int | None = None, n_threads: int | None = None,
-                 n_seq_max: int = 256, n_batch: int | None = None, n_ubatch: int = 512, flash_attn: bool = False,
+                 n_seq_max: int = 256, n_batch: int | None = None, n_ubatch: int = 512, flash_attn: bool | None = None,
                  kv_type: str = "f16", batch_invariant: bool = False):
         L = lib()
         self.path = check_gguf(path)
@@ -116,6 +121,8 @@ class LlamaCppModel:
             _check_int("n_batch", n_batch, max(n_seq_max, 1), 1 << 20)
         if kv_type not in KV_TYPES:
             raise ModelLoadError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        if flash_attn is None:
+            flash_attn = bool(batch_invariant)
         if kv_type not in ("f16", "f32", "bf16") and not flash_attn:
             raise ModelLoadError(f"a quantized KV cache (kv_type={kv_type!r}) needs flash_attn=True in llama.cpp")
         self.lock = threading.RLock()
@@ -161,7 +168,12 @@ class LlamaCppModel:
         self._ctx = ctx
         self._finalizer = weakref.finalize(self, _free, L, model, ctx)
         self.n_ctx = int(L.llama_n_ctx(ctx))
-        self.n_batch, self.n_ubatch, self.n_seq_max = n_batch, min(n_ubatch, n_batch), n_seq_max
+        # llama.cpp clamps n_batch to n_ctx: read back what it runs (a decode over n_batch aborts the process)
+        self.n_batch, self.n_ubatch, self.n_seq_max = int(L.llama_n_batch(ctx)), int(L.llama_n_ubatch(ctx)), n_seq_max
+        if self.n_batch < n_seq_max:
+            self.close()
+            raise ModelLoadError(f"n_ctx={self.n_ctx} cells is below n_seq_max={n_seq_max}: llama.cpp needs a batch of "
+                                 "n_seq_max tokens; raise n_ctx or lower n_seq_max")
         self.vocab_ptr = L.llama_model_get_vocab(model)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab_ptr))
         self.memory = L.llama_get_memory(ctx)

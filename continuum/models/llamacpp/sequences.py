@@ -20,7 +20,7 @@ one unified KV cache.
   raises :class:`~continuum.errors.StaleWindowError` instead (recompute the state's tokens).
 
 Example:
-    >>> pool = SequencePool(model)                          # doctest: +SKIP
+    >>> pool = SequencePool.of(model)                          # doctest: +SKIP
     >>> view = decode(pool, [DecodeRow(pool.empty(), ids)]).views[0]   # doctest: +SKIP
     >>> a, b = pool.fork(view), view.slice(3)              # doctest: +SKIP
 """
@@ -110,15 +110,32 @@ class SequencePool:
     """The sequence ids of one model's context, the views on them, and spilling when ids run out."""
 
     def __init__(self, model: LlamaCppModel):
+        owner = getattr(model, "_pool", None)
+        if owner is not None and owner() is not None:
+            raise BackendError("a llama.cpp model has one SequencePool (its sequence ids and cells): use model's own, "
+                               "SequencePool.of(model)")
+        model._pool = weakref.ref(self)  # type: ignore[attr-defined]
         self.model = model
-        self._free: list[int] = list(range(model.n_seq_max - 1, -1, -1))  # pop() hands out 0 first
+        # the batch-invariant mode keeps the last id for the scratch row that pads a one-token decode (decode.py)
+        self.scratch: int | None = model.n_seq_max - 1 if model.batch_invariant else None
+        self.n_ids = model.n_seq_max - (self.scratch is not None)
+        if self.n_ids < 1:
+            raise BackendError("the batch-invariant mode needs n_seq_max >= 2 (one id pads one-token decodes)")
+        self._free: list[int] = list(range(self.n_ids - 1, -1, -1))  # pop() hands out 0 first
         self._resident: dict[int, _Seq] = {}
-        self._spilled: weakref.WeakSet[_Seq] = weakref.WeakSet()
         self._dropped: deque[tuple[_Seq, int]] = deque()  # filled by view finalizers, applied under the lock
         self._clock = itertools.count(1)
         self.spills = self.restores = 0  # counters, for tests and benchmarks
         with model.lock:
             lib().llama_memory_clear(model.memory, True)
+
+    @classmethod
+    def of(cls, model: LlamaCppModel) -> SequencePool:
+        """The model's pool (made on first use)."""
+        with model.lock:
+            owner = getattr(model, "_pool", None)
+            pool = owner() if owner is not None else None
+            return pool if pool is not None else cls(model)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _collect(self) -> None:
@@ -161,7 +178,7 @@ class SequencePool:
             idle = [s for s in self._resident.values() if id(s) not in keep]
             if not idle:
                 raise SequencesExhaustedError(
-                    f"all {self.model.n_seq_max} llama.cpp sequence ids are in use by the rows of this step: run fewer "
+                    f"all {self.n_ids} llama.cpp sequence ids are in use by the rows of this step: run fewer "
                     "rows at once (max_rows), or load the model with a larger n_seq_max (at most 256)")
             self._spill(min(idle, key=lambda s: s.last_use))
         seq_id = self._free.pop()
@@ -182,7 +199,6 @@ class SequencePool:
         del self._resident[seq.id]
         self._free.append(seq.id)
         seq.id = None
-        self._spilled.add(seq)
         self.spills += 1
 
     def _ensure_resident(self, seq: _Seq, pinned: Iterable[_Seq] = ()) -> int:
@@ -192,7 +208,6 @@ class SequencePool:
             self._set_bytes(seq_id, seq.blob)
             seq.id, seq.blob = seq_id, None
             self._resident[seq_id] = seq
-            self._spilled.discard(seq)
             self.restores += 1
         self._touch(seq)
         return seq.id
