@@ -5,9 +5,10 @@ Tolerances (max |logit difference|), measured on this machine and stated once he
 
 * a prefill of ids vs llama-cpp-python's prefill of the same ids (same flash-attention setting): exact (0);
 * in the batch-invariant mode (no weight repacking, flash attention, one-row decodes padded to two): exact (0)
-  on these fixtures for rows beside other rows or alone, reordered, beside other sequences' cells, prefills in
-  chunks, and reused views (forked, sliced, spilled, loaded) vs a fresh state built the same way; a token decoded
-  one at a time vs the same position inside one prefill still differs past ~16 tokens (0.003-0.04 on f32);
+  on these fixtures for rows beside other rows or alone, reordered, prefills in chunks, and reused views (forked,
+  sliced, spilled, loaded) vs a fresh state built the same way; still different: a token decoded one at a time
+  vs the same position inside one prefill past ~16 tokens (0.003-0.04 on f32), and a sequence whose cells land
+  among other live sequences' cells (holes, interleaving; 0.27 on q8_0 with six threads);
 * in the default mode: a token decoded one at a time vs the same position inside one prefill (llama.cpp's
   kernels differ for one row and for several) and a row beside other sequences' cells (without flash attention
   the attention depends on where cells lie) differ up to ``DECODE_TOL`` per file (measured 0.003-0.04 on f32,

@@ -16,7 +16,10 @@ The context is shared by every state of the model: a state's KV is a *sequence* 
   attention is flash attention (without it a row's logits depend on where its cells lie in the cache: 0.26 on
   stories260K q8_0 when a neighbour's cells shift them), and a decode of one token is padded to two with a
   scratch sequence (``decode.py``: llama.cpp's matmuls take another kernel for a single row). Measured exact on
-  stories260K f32 and q8_0 (rows alone, merged, reordered, chunked, decoded one by one vs prefilled).
+  stories260K f32 and q8_0: rows alone, merged, reordered, prefills in chunks, reused views vs fresh ones.
+  Not made equal: a token decoded alone vs the same position inside a prefill past ~16 tokens (0.003-0.04 on
+  f32), and where a sequence's cells land among other live sequences' cells (holes, interleaving: 0.27 on
+  q8_0 with six threads; up to ~1.8 on Gemma 3 Q4_K_M, measured).
 
 llama.cpp's context is not thread-safe and ctypes releases the GIL during calls: every call on a model's
 pointers runs under :attr:`LlamaCppModel.lock`.
@@ -95,7 +98,7 @@ class LlamaCppModel:
             are chunked at it.
         n_ubatch: the physical micro-batch, fixed (512).
         flash_attn: flash attention on or off (it sets a saved blob's V layout); default: on exactly in the
-            batch-invariant mode, which needs it.
+            batch-invariant mode (without it a row's logits depend on where its cells lie in the cache).
         kv_type: the KV cache's type, one of :data:`KV_TYPES` (``"f16"``, llama.cpp's default).
         batch_invariant: load the weights without CPU repacking, so that a row's logits are the same whatever
             else its decode carries.
