@@ -165,22 +165,28 @@ def test_threads_share_one_model():
     _, tok, pool = load("q8_0", batch_invariant=True)
     prompts = [_ids(tok, p) for p in PROMPTS]
 
-    def run(ids):
+    paths = [_greedy_steps(pool, ids, 8)[0] for ids in prompts]
+
+    def run(k):  # teacher-forced along prompt k's greedy path, one decode per token
+        ids, path = prompts[k], paths[k]
         out = decode(pool, [DecodeRow(pool.empty(), ids)])
         view, logits = out.views[0], [out.row(0)[-1]]
-        for _ in range(8):
-            out = decode(pool, [DecodeRow(view, [int(logits[-1].argmax())])])
+        for token in path[len(ids):]:
+            out = decode(pool, [DecodeRow(view, [token])])
             view = out.views[0]
             logits.append(out.row(0)[-1])
         return np.stack(logits)
 
-    alone = [run(ids) for ids in prompts]
+    alone = [run(k) for k in range(3)]
     results: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(prompts[i % 3]))) for i in range(6)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(i % 3))) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for i in range(6):
-        assert np.abs(results[i] - alone[i % 3]).max() <= DECODE_TOL["q8_0"]
-        np.testing.assert_array_equal(results[i].argmax(1), alone[i % 3].argmax(1))
+        ref = alone[i % 3]
+        assert np.abs(results[i] - ref).max() <= DECODE_TOL["q8_0"]
+        top2 = np.sort(ref, axis=1)[:, -2:]
+        sure = (top2[:, 1] - top2[:, 0]) > DECODE_TOL["q8_0"]
+        np.testing.assert_array_equal(results[i].argmax(1)[sure], ref.argmax(1)[sure])

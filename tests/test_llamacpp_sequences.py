@@ -9,7 +9,14 @@ import gc
 import numpy as np
 import pytest
 
-from continuum.errors import ForeignStateError, KVCacheFullError, SlicingError, StaleWindowError, StateFileError
+from continuum.errors import (
+    ForeignStateError,
+    KVCacheFullError,
+    SequencesExhaustedError,
+    SlicingError,
+    StaleWindowError,
+    StateFileError,
+)
 from continuum.models.llamacpp import DecodeRow, LlamaCppModel, LlamaTokenizer, SequencePool, decode, pack, unpack
 
 from llamacpp_support import DECODE_TOL, gguf, load, reference_logits
@@ -191,3 +198,15 @@ def test_gemma3_window_check():
     c, _ = _next(pool, view.slice(300), 9)  # behind the window on the live state: cells are there (swa_full)
     fresh, _ = _next(pool, _prefill(pool, ids[:300]).views[0], 9)
     assert np.abs(c - fresh).max() < 4
+
+
+def test_sequence_ids_exhausted_in_one_step():
+    """More new sequences in one decode than ids: a clear error, and nothing is left behind."""
+    model = LlamaCppModel(gguf("q8_0"), n_seq_max=3, n_threads=2, batch_invariant=True)  # 2 ids + the scratch one
+    tok, pool = LlamaTokenizer(model), SequencePool.of(model)
+    ids = tok.encode_prompts([TEXT])[0][:10]
+    with pytest.raises(SequencesExhaustedError, match="max_rows"):
+        decode(pool, [DecodeRow(pool.empty(), ids) for _ in range(3)])
+    assert pool.n_free == pool.n_ids == 2
+    out = decode(pool, [DecodeRow(pool.empty(), ids) for _ in range(2)])
+    np.testing.assert_array_equal(out.row(0), out.row(1))
