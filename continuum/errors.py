@@ -33,6 +33,11 @@ __all__ = [
     "UnencodableTextError",
     "ProgramError",
     "ReasoningError",
+    "BackendError",
+    "KVCacheFullError",
+    "SequencesExhaustedError",
+    "StaleWindowError",
+    "ForeignStateError",
 ]
 
 
@@ -156,7 +161,8 @@ class PrefixCacheArgumentError(ContinuumError, ValueError):
 class ModelLoadError(ContinuumError, ValueError):
     """``models.transformers`` cannot load the model as asked: the checkpoint is missing, or the parallel
     layout cannot work (``tp_plan`` outside ``torchrun``, heads not divisible by the number of processes,
-    ``tp_plan`` with ``device_map``). The message says how to launch or what to change."""
+    ``tp_plan`` with ``device_map``). For a GGUF (llama.cpp): the path is missing, is not a GGUF file, or
+    llama.cpp refused it. The message says how to launch or what to change."""
 
 
 class ChatTemplateError(ContinuumError, ValueError):
@@ -203,3 +209,40 @@ class ReasoningError(GeneratorArgumentError):
     """A reasoning option that cannot work: markers the tokenizer cannot find, a ``thinking_budget``
     that leaves the answer no room in ``max_tokens``, an option combined with one it excludes. The
     message says what to pass instead (see docs/reasoning.md)."""
+
+
+class BackendError(ContinuumError, RuntimeError):
+    """The inference library failed a call it should not fail (llama.cpp's ``llama_decode`` aborted or returned
+    an error). The message carries its code; the states involved are unchanged (rows decoded before the failure
+    are rolled back)."""
+
+
+class KVCacheFullError(BackendError):
+    """llama.cpp found no room in its KV cache for a decode (``llama_decode`` returned 1), even after idle
+    sequences were spilled to host memory. Pass a larger ``n_ctx`` (the pool of KV cells that every live
+    state shares), or keep fewer long states alive."""
+
+
+class SequencesExhaustedError(BackendError):
+    """Every llama.cpp sequence id (at most 256 per context) is held by a state that is in use in the same
+    step; none can be spilled to host memory. Run fewer rows in one step (``max_rows``)."""
+
+
+class StaleWindowError(ContinuumError, RuntimeError):
+    """A sliding-window model's state cannot be extended in place: the KV cells of the window behind its end
+    were evicted (a fork, slice or rewind behind the window, or a spilled state restored from a window-only
+    blob). llama.cpp would accept the decode and return wrong logits, so the state's tokens must be recomputed
+    (drop its KV and prefill them again).
+
+    Attributes:
+        rows: the indices (in the decode's input order) of the rows to recompute.
+    """
+
+    def __init__(self, message: str, rows: list[int] | None = None):
+        super().__init__(message)
+        self.rows = rows or []
+
+
+class ForeignStateError(StateFileError):
+    """A saved llama.cpp KV blob was made by another GGUF, KV type, flash-attention setting or llama.cpp
+    version: its bytes would load and give wrong logits. Recompute the state from its tokens instead."""

@@ -1,0 +1,35 @@
+"""GGUF models on llama.cpp (llama-cpp-python's low-level C API): the backend's own pieces.
+
+Modules, one job each:
+
+* ``_lib.py``: imports the bindings on first use (a clear error without the ``llamacpp`` extra).
+* ``model.py``: :class:`LlamaCppModel`, a GGUF and its ONE ``llama_context`` (unified KV cache, 256 sequence ids,
+  ``swa_full``, explicit flash attention and KV types, a batch-invariant mode) and the lock every call takes.
+* ``vocab.py``: :class:`LlamaTokenizer`, the GGUF's tokenizer over ``llama_vocab`` with the interface of
+  :class:`continuum.models.tokenizer.Tokenizer` (encode, decode, token bytes, end-of-generation ids, the
+  outlines-core ``Vocabulary``, the llguidance tokenizer).
+* ``sequences.py``: :class:`SequencePool` and :class:`KVView`, a state's KV as an immutable view on a refcounted
+  llama.cpp sequence (forks and slices share cells, release frees, spilling to bytes when ids run out,
+  the sliding-window check).
+* ``decode.py``: :func:`decode`, many rows' new tokens in one ``llama_decode`` (:class:`DecodeRow`,
+  :class:`DecodeResult`).
+* ``fingerprint.py``: what a KV blob is valid for (GGUF hash, KV layout, mode, llama.cpp version); ``pack`` and
+  ``unpack`` refuse a blob from elsewhere.
+
+Example:
+    >>> from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePool, DecodeRow, decode
+    >>> model = LlamaCppModel("stories260K-f32.gguf", batch_invariant=True)     # doctest: +SKIP
+    >>> tok, pool = LlamaTokenizer(model), SequencePool.of(model)                 # doctest: +SKIP
+    >>> out = decode(pool, [DecodeRow(pool.empty(), tok.encode_prompts(["Once"])[0])])   # doctest: +SKIP
+    >>> int(out.row(0)[-1].argmax())                                           # doctest: +SKIP
+    ...
+"""
+
+from .decode import DecodeResult, DecodeRow, decode
+from .fingerprint import LlamaCppFingerprint, fingerprint_of, gguf_hash, pack, unpack
+from .model import KV_TYPES, LlamaCppModel, check_gguf
+from .sequences import KVView, SequencePool
+from .vocab import LlamaTokenizer
+
+__all__ = ["LlamaCppModel", "check_gguf", "KV_TYPES", "LlamaTokenizer", "SequencePool", "KVView", "DecodeRow",
+           "DecodeResult", "decode", "LlamaCppFingerprint", "fingerprint_of", "gguf_hash", "pack", "unpack"]

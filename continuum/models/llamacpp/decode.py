@@ -1,0 +1,290 @@
+"""One ``llama_decode`` for many rows: every row's new tokens, each with its sequence id and position, no padding.
+
+A row is a :class:`DecodeRow`: a :class:`~.sequences.KVView` and the tokens that follow it, and which of them
+need logits. :func:`decode` plans where each row's cells go (its own sequence when no longer view of it lives,
+else a fork that shares the prefix), checks sliding-window rows can be extended, fills one ``llama_batch`` from
+numpy arrays (no per-token ctypes writes), decodes it in chunks of ``n_batch`` tokens, and returns the requested
+logits (copied out of llama.cpp's buffer, which the next decode overwrites) with one new view per row.
+
+Failures leave every view as it was: the cells a failed decode added are removed (``seq_rm`` beyond each row's
+old length, where no live view reaches). ``llama_decode`` returning 1 (no free KV cell) spills idle sequences to
+host bytes and retries once, then raises :class:`~continuum.errors.KVCacheFullError`; 2 (aborted) and other
+codes raise :class:`~continuum.errors.BackendError`.
+
+Example:
+    >>> pool = SequencePool.of(model)                                            # doctest: +SKIP
+    >>> out = decode(pool, [DecodeRow(pool.empty(), [1, 403, 87]), DecodeRow(pool.empty(), [1, 9])])  # doctest: +SKIP
+    >>> out.logits.shape, out.row(1).shape, out.views[0].n_tokens          # doctest: +SKIP
+    ((2, 512), (1, 512), 3)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
+from ._lib import lib
+from .sequences import KVView, SequencePool, _Seq
+
+__all__ = ["DecodeRow", "DecodeResult", "decode"]
+
+Wanted = str | Sequence[int]
+
+
+@dataclass
+class DecodeRow:
+    """A view and the tokens to decode after it.
+
+    Attributes:
+        view: the state's KV (its positions are ``0 .. view.n_tokens-1``; the tokens take the next ones).
+        tokens: the new token ids.
+        logits: which new tokens need logits: ``"last"`` (default), ``"all"``, ``"none"``, or indices into ``tokens``.
+    """
+
+    view: KVView
+    tokens: Sequence[int]
+    logits: Wanted = "last"
+
+
+@dataclass
+class DecodeResult:
+    """What :func:`decode` returns.
+
+    Attributes:
+        views: one new view per row, in input order (a row without tokens keeps its view).
+        logits: float32 ``(n_outputs, n_vocab)``: every row's requested logits, rows in input order, a row's
+            outputs in token order (a copy: later decodes do not change it).
+        offsets: ``n_rows + 1`` indices: row ``i``'s logits are ``logits[offsets[i]:offsets[i+1]]``.
+    """
+
+    views: list[KVView]
+    logits: np.ndarray
+    offsets: list[int] = field(default_factory=list)
+
+    def row(self, i: int) -> np.ndarray:
+        """Row ``i``'s logits, ``(n_requested, n_vocab)``."""
+        return self.logits[self.offsets[i]:self.offsets[i + 1]]
+
+
+class _BatchBuffers:
+    """One ``llama_batch`` of ``capacity`` tokens over numpy arrays: ``seq_id[i]`` points into one int32 array."""
+
+    def __init__(self, capacity: int):
+        L = lib()
+        self.capacity = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.seq_ptrs = (self.seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uint64)).astype(np.uint64)
+        self.out = np.zeros(capacity, np.int8)
+        self.batch = L.llama_batch()
+        self.batch.token = self.token.ctypes.data_as(ctypes.POINTER(L.llama_token))
+        self.batch.embd = None
+        self.batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.seq_id = ctypes.cast(self.seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+        self.batch.logits = self.out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+
+def _buffers(pool: SequencePool) -> _BatchBuffers:
+    buf = getattr(pool, "_batch_buffers", None)
+    if buf is None:
+        buf = _BatchBuffers(pool.model.n_batch)
+        pool._batch_buffers = buf  # type: ignore[attr-defined]
+    return buf
+
+
+def _wanted(row: DecodeRow, i: int) -> np.ndarray:
+    k, want = len(row.tokens), row.logits
+    flags = np.zeros(k, np.int8)
+    if want == "last":
+        flags[-1:] = 1
+    elif want == "all":
+        flags[:] = 1
+    elif want == "none":
+        pass
+    elif isinstance(want, str):
+        raise GeneratorArgumentError(f"row {i}: logits must be 'last', 'all', 'none' or token indices, got {want!r}")
+    else:
+        idx = np.asarray(list(want), dtype=np.int64)
+        if idx.size and (idx.min() < -k or idx.max() >= k):
+            raise GeneratorArgumentError(f"row {i}: logits indices {list(want)} outside its {k} new tokens")
+        flags[idx] = 1
+    return flags
+
+
+def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
+    """Decode every row's tokens in one ``llama_decode`` (chunked at ``n_batch``); see the module docstring.
+
+    Raises:
+        StaleWindowError: sliding-window rows whose window cells are gone (``.rows``); nothing was decoded.
+        ContextLengthError: a row would pass the model's context length.
+        KVCacheFullError: no KV cells left, even after spilling idle sequences.
+        BackendError: llama.cpp aborted or failed the decode.
+    """
+    model = pool.model
+    n_vocab = model.n_vocab
+    toks, flags = [], []
+    for i, row in enumerate(rows):
+        pool._check(row.view)
+        t = np.asarray(list(row.tokens), dtype=np.int64)
+        if t.size and (t.min() < 0 or t.max() >= n_vocab):
+            raise GeneratorArgumentError(f"row {i}: token ids must be in [0, {n_vocab}), got {t.min()}..{t.max()}")
+        if row.view.n_tokens + t.size > model.context_length:
+            raise ContextLengthError(f"row {i}: {row.view.n_tokens} + {t.size} tokens exceed the model's context of "
+                                     f"{model.context_length} (n_ctx={model.n_ctx}, trained {model.n_ctx_train})")
+        toks.append(t.astype(np.int32))
+        flags.append(_wanted(row, i) if t.size else np.zeros(0, np.int8))
+    counts = [int(f.sum()) for f in flags]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+    with model.lock:
+        pool._collect()
+        targets, forks = _plan(pool, rows)
+        try:
+            logits = _run(pool, rows, targets, toks, flags, offsets[-1])
+        except BaseException:
+            for fork in forks:
+                _discard(pool, fork)
+            raise
+        views = []
+        for row, target, new in zip(rows, targets, toks):
+            if target is None:
+                views.append(row.view)
+                continue
+            target.extent = row.view.n_tokens + len(new)
+            views.append(KVView(pool, target, target.extent))
+        return DecodeResult(views, logits, offsets)
+
+
+def _discard(pool: SequencePool, seq: _Seq) -> None:
+    """Free a sequence no view holds (a fork made for a decode that failed)."""
+    if seq.id is not None and not seq.holders:
+        lib().llama_memory_seq_rm(pool.model.memory, seq.id, -1, -1)
+        pool._resident.pop(seq.id, None)
+        pool._free.append(seq.id)
+        seq.id = None
+
+
+def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | None], list[_Seq]]:
+    """The sequence each row decodes into: its own (in place) when no live view of it is longer and no earlier
+    row took it, else a fork. Raises StaleWindowError (after undoing the forks) for rows missing window cells."""
+    L, mem = lib(), pool.model.memory
+    pinned: list[_Seq] = [r.view._seq for r in rows if r.view._seq is not None]
+    targets: list[_Seq | None] = []
+    forks: list[_Seq] = []
+    claimed: set[int] = set()
+    stale: list[int] = []
+    try:
+        for i, row in enumerate(rows):
+            view, src = row.view, row.view._seq
+            if not len(row.tokens):
+                targets.append(None)
+                continue
+            if src is None:
+                seq = pool._new_seq(pinned)
+                forks.append(seq)
+            else:
+                pool._ensure_resident(src, pinned)
+                if not pool._window_ok(src.id, view.n_tokens):  # type: ignore[arg-type]
+                    stale.append(i)
+                    targets.append(None)
+                    continue
+                if id(src) not in claimed and src.longest <= view.n_tokens:
+                    if src.extent > view.n_tokens:  # a dead tail no live view reaches
+                        L.llama_memory_seq_rm(mem, src.id, view.n_tokens, -1)
+                        src.extent = view.n_tokens
+                    seq = src
+                else:
+                    seq = pool._new_seq(pinned)
+                    forks.append(seq)
+                    L.llama_memory_seq_cp(mem, src.id, seq.id, 0, view.n_tokens)
+                    seq.extent = view.n_tokens
+            claimed.add(id(seq))
+            pinned.append(seq)
+            targets.append(seq)
+    except BaseException:
+        for seq in forks:
+            _discard(pool, seq)
+        raise
+    if stale:
+        for seq in forks:
+            _discard(pool, seq)
+        raise StaleWindowError(
+            f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
+            f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=stale)
+    return targets, forks
+
+
+def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | None], toks: list[np.ndarray],
+         flags: list[np.ndarray], n_out: int) -> np.ndarray:
+    """Fill and decode the batch in chunks; on failure remove what was added (retrying once after spilling idle
+    sequences when llama.cpp found no free cell)."""
+    L, model = lib(), pool.model
+    live = [(seq, row.view.n_tokens, t, f) for row, seq, t, f in zip(rows, targets, toks, flags) if seq is not None]
+    if not live:
+        return np.zeros((0, model.n_vocab), np.float32)
+    token = np.concatenate([t for _, _, t, _ in live])
+    pos = np.concatenate([np.arange(n, n + len(t), dtype=np.int32) for _, n, t, _ in live])
+    out = np.concatenate([f for _, _, _, f in live])
+    logits = np.empty((n_out, model.n_vocab), np.float32)
+    for attempt in range(2):
+        ids = np.concatenate([np.full(len(t), seq.id, np.int32) for seq, _, t, _ in live])
+        rc = _decode_chunks(pool, token, pos, ids, out, logits)
+        if rc == 0:
+            return logits
+        for seq, n, _, _ in live:  # undo: cells beyond each row's old length belong to no live view
+            L.llama_memory_seq_rm(model.memory, seq.id, n, -1)
+        if rc != 1:
+            raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); the states are "
+                               "unchanged")
+        if attempt == 0:
+            keep = {id(seq) for seq, *_ in live} | {id(r.view._seq) for r in rows}
+            idle = [s for s in list(pool._resident.values()) if id(s) not in keep]
+            if not idle:
+                break
+            for s in idle:
+                pool._spill(s)
+    raise KVCacheFullError(f"llama.cpp has no free KV cell for {len(token)} new tokens (n_ctx={model.n_ctx} cells shared "
+                           "by every live state): load the model with a larger n_ctx, or keep fewer long states alive")
+
+
+def _decode_chunks(pool: SequencePool, token: np.ndarray, pos: np.ndarray, ids: np.ndarray, out: np.ndarray,
+                   logits: np.ndarray) -> int:
+    L, model = lib(), pool.model
+    buf, ctx, done = _buffers(pool), model.ctx, 0
+    step = buf.capacity - (pool.scratch is not None)  # room for the scratch token
+    for start in range(0, len(token), step):
+        end = min(start + step, len(token))
+        k = end - start
+        buf.token[:k], buf.pos[:k], buf.seq[:k], buf.out[:k] = token[start:end], pos[start:end], ids[start:end], out[start:end]
+        m = int(out[start:end].sum())
+        n, extra = k, -1
+        if pool.scratch is not None and (k == 1 or m == 1):
+            # llama.cpp's matmuls take other kernels for a single row (tinyBLAS needs two): a lone token, or a lone
+            # output row (the output projection runs over outputs only), is padded to two, as in any merged step.
+            if k == 1:
+                buf.token[1], buf.pos[1], buf.seq[1], buf.out[1] = token[start], 0, pool.scratch, m
+                n, extra = 2, (1 if m else -1)
+            else:
+                extra = int(np.flatnonzero(buf.out[:k] == 0)[0])
+                buf.out[extra] = 1
+        buf.batch.n_tokens = n
+        rc = int(L.llama_decode(ctx, buf.batch))
+        if n > k:
+            L.llama_memory_seq_rm(model.memory, pool.scratch, -1, -1)
+        if rc != 0:
+            return rc
+        if m:
+            ptr: Any = L.llama_get_logits(ctx)
+            got = np.ctypeslib.as_array(ptr, shape=(m + (extra >= 0), model.n_vocab))
+            if extra >= 0:  # outputs are in batch order: drop the padding's row
+                got = np.delete(got, int(buf.out[:extra].sum()), axis=0)
+            logits[done:done + m] = got
+            done += m
+    return 0

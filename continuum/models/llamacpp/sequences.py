@@ -1,0 +1,356 @@
+"""A state's KV on llama.cpp: an immutable view ``(sequence, n_tokens)`` on a refcounted sequence of the model's
+one unified KV cache.
+
+* A view sees the sequence's cells at positions ``0 .. n_tokens-1``; nothing ever changes those cells while the
+  view lives. The only cell operations are ``seq_rm(seq, p >= every live view's length, -1)``, ``seq_rm(seq, -1, -1)``
+  when no view holds the sequence, and ``seq_cp`` (never ``seq_add``/``seq_div``: they move shared cells).
+* A **slice** is a view of the same sequence with fewer tokens (no llama call). A **fork** is
+  ``seq_rm(dst, -1, -1)`` + ``seq_cp(src, dst, 0, n)``: the cells are shared (a bit per cell), not copied.
+* An **append** (``decode.py``) decodes into the view's own sequence when no live view of it is longer, after
+  cutting a dead tail; otherwise it forks first.
+* A sequence nobody holds is released (``seq_rm(seq, -1, -1)``, its id back to the pool). Views are dropped by
+  the garbage collector or :meth:`KVView.release`; the finalizer only queues the drop, the pool applies it under
+  the model's lock at its next call (no llama call ever runs from a finalizer).
+* Sequence ids (``n_seq_max``, at most 256) are the scarce resource: when none is free, the least recently used
+  sequence that the current operation does not need is **spilled** to host bytes (``llama_state_seq_get_data``)
+  and restored into a free id when used again.
+* Sliding-window models (``n_swa > 0``): a view can be extended at position ``n`` only if its sequence still holds
+  the window's cells, ``seq_pos_min <= max(0, n - n_swa + 1)`` and ``seq_pos_max >= n - 1``. llama.cpp accepts a
+  decode without them and returns wrong logits, so :meth:`SequencePool.can_extend` checks it and ``decode``
+  raises :class:`~continuum.errors.StaleWindowError` instead (recompute the state's tokens).
+
+Example:
+    >>> pool = SequencePool.of(model)                          # doctest: +SKIP
+    >>> view = decode(pool, [DecodeRow(pool.empty(), ids)]).views[0]   # doctest: +SKIP
+    >>> a, b = pool.fork(view), view.slice(3)              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import weakref
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import Any
+
+from ...errors import BackendError, SequencesExhaustedError, SlicingError
+from ._lib import lib
+from .model import LlamaCppModel
+
+__all__ = ["SequencePool", "KVView"]
+
+
+class _Seq:
+    """One llama.cpp sequence's content, shared by the views that hold it: resident under an id, or spilled."""
+
+    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use")
+
+    def __init__(self, pool: SequencePool, seq_id: int | None):
+        self.pool, self.id = pool, seq_id
+        self.extent = 0  # positions 0..extent-1 are in the sequence (its pos_max + 1)
+        self.holders: Counter[int] = Counter()  # live views by length
+        self.blob: bytes | None = None  # the spilled sequence's bytes when id is None
+        self.last_use = 0
+
+    @property
+    def longest(self) -> int:
+        return max(self.holders) if self.holders else 0
+
+
+class KVView:
+    """An immutable handle on the first ``n_tokens`` positions of a llama.cpp sequence (see the module docstring).
+
+    Attributes:
+        pool: the :class:`SequencePool` (hence the model) the cells belong to.
+        n_tokens: the number of positions the view sees.
+    """
+
+    __slots__ = ("pool", "_seq", "n_tokens", "_finalizer", "__weakref__")
+
+    def __init__(self, pool: SequencePool, seq: _Seq | None, n_tokens: int):
+        self.pool, self._seq, self.n_tokens = pool, seq, n_tokens
+        if seq is not None:
+            seq.holders[n_tokens] += 1
+            self._finalizer: Any = weakref.finalize(self, pool._dropped.append, (seq, n_tokens))
+        else:
+            self._finalizer = None
+
+    def __repr__(self) -> str:
+        where = "empty" if self._seq is None else ("spilled" if self._seq.id is None else f"seq {self._seq.id}")
+        return f"KVView({where}, n_tokens={self.n_tokens})"
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    @property
+    def seq_id(self) -> int | None:
+        """The llama.cpp sequence id now holding the cells (None: empty, spilled, or released)."""
+        return None if self._seq is None else self._seq.id
+
+    @property
+    def released(self) -> bool:
+        return self._finalizer is not None and not self._finalizer.alive
+
+    def release(self) -> None:
+        """Drop this view now (otherwise when it is collected); its sequence is freed once no view holds it."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def slice(self, n: int) -> KVView:
+        """The view of the first ``n`` positions (same sequence, no llama call)."""
+        return self.pool.slice(self, n)
+
+    def fork(self) -> KVView:
+        """A view on a new sequence sharing these cells (``seq_cp``): appends to it never touch this one."""
+        return self.pool.fork(self)
+
+
+class SequencePool:
+    """The sequence ids of one model's context, the views on them, and spilling when ids run out."""
+
+    def __init__(self, model: LlamaCppModel):
+        owner = getattr(model, "_pool", None)
+        if owner is not None and owner() is not None:
+            raise BackendError("a llama.cpp model has one SequencePool (its sequence ids and cells): use model's own, "
+                               "SequencePool.of(model)")
+        model._pool = weakref.ref(self)  # type: ignore[attr-defined]
+        self.model = model
+        # the batch-invariant mode keeps the last id for the scratch row that pads a one-token decode (decode.py)
+        self.scratch: int | None = model.n_seq_max - 1 if model.batch_invariant else None
+        self.n_ids = model.n_seq_max - (self.scratch is not None)
+        if self.n_ids < 1:
+            raise BackendError("the batch-invariant mode needs n_seq_max >= 2 (one id pads one-token decodes)")
+        self._free: list[int] = list(range(self.n_ids - 1, -1, -1))  # pop() hands out 0 first
+        self._resident: dict[int, _Seq] = {}
+        self._dropped: deque[tuple[_Seq, int]] = deque()  # filled by view finalizers, applied under the lock
+        self._clock = itertools.count(1)
+        self.spills = self.restores = 0  # counters, for tests and benchmarks
+        with model.lock:
+            lib().llama_memory_clear(model.memory, True)
+
+    @classmethod
+    def of(cls, model: LlamaCppModel) -> SequencePool:
+        """The model's pool (made on first use)."""
+        with model.lock:
+            owner = getattr(model, "_pool", None)
+            pool = owner() if owner is not None else None
+            return pool if pool is not None else cls(model)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _collect(self) -> None:
+        """Apply the drops the finalizers queued; release sequences nobody holds."""
+        L = lib()
+        while self._dropped:
+            seq, n = self._dropped.popleft()
+            seq.holders[n] -= 1
+            if seq.holders[n] <= 0:
+                del seq.holders[n]
+            if not seq.holders:
+                if seq.id is not None:
+                    L.llama_memory_seq_rm(self.model.memory, seq.id, -1, -1)
+                    del self._resident[seq.id]
+                    self._free.append(seq.id)
+                    seq.id = None
+                seq.blob, seq.extent = None, 0
+
+    def _touch(self, seq: _Seq) -> None:
+        seq.last_use = next(self._clock)
+
+    @property
+    def n_free(self) -> int:
+        """Sequence ids free now (after releasing what nobody holds)."""
+        with self.model.lock:
+            self._collect()
+            return len(self._free)
+
+    @property
+    def n_resident(self) -> int:
+        with self.model.lock:
+            self._collect()
+            return len(self._resident)
+
+    def _acquire(self, pinned: Iterable[_Seq] = ()) -> int:
+        """A free sequence id, spilling the least recently used sequence outside ``pinned`` if none is free."""
+        self._collect()
+        if not self._free:
+            keep = {id(s) for s in pinned}
+            idle = [s for s in self._resident.values() if id(s) not in keep]
+            if not idle:
+                raise SequencesExhaustedError(
+                    f"all {self.n_ids} llama.cpp sequence ids are in use by the rows of this step: run fewer "
+                    "rows at once (max_rows), or load the model with a larger n_seq_max (at most 256)")
+            self._spill(min(idle, key=lambda s: s.last_use))
+        seq_id = self._free.pop()
+        L = lib()
+        L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
+        return seq_id
+
+    def _new_seq(self, pinned: Iterable[_Seq] = ()) -> _Seq:
+        seq = _Seq(self, self._acquire(pinned))
+        self._resident[seq.id] = seq  # type: ignore[index]
+        self._touch(seq)
+        return seq
+
+    def _spill(self, seq: _Seq) -> None:
+        assert seq.id is not None
+        seq.blob = self._get_bytes(seq.id)
+        lib().llama_memory_seq_rm(self.model.memory, seq.id, -1, -1)
+        del self._resident[seq.id]
+        self._free.append(seq.id)
+        seq.id = None
+        self.spills += 1
+
+    def _ensure_resident(self, seq: _Seq, pinned: Iterable[_Seq] = ()) -> int:
+        if seq.id is None:
+            assert seq.blob is not None, "a sequence that is neither resident nor spilled"
+            seq_id = self._acquire([seq, *pinned])
+            self._set_bytes(seq_id, seq.blob)
+            seq.id, seq.blob = seq_id, None
+            self._resident[seq_id] = seq
+            self.restores += 1
+        self._touch(seq)
+        return seq.id
+
+    def spill_idle(self) -> int:
+        """Spill every resident sequence to host bytes now (ids and cells freed); returns how many."""
+        with self.model.lock:
+            self._collect()
+            seqs = list(self._resident.values())
+            for seq in seqs:
+                self._spill(seq)
+            return len(seqs)
+
+    # -- views ------------------------------------------------------------------------------------
+    def empty(self) -> KVView:
+        """A view with no cells (a state before its first decode)."""
+        return KVView(self, None, 0)
+
+    def _check(self, view: KVView) -> None:
+        if view.pool is not self:
+            raise BackendError("a KV view of another llama.cpp model (or pool) was used here")
+        if view.released:
+            raise BackendError("this KV view was released")
+
+    def slice(self, view: KVView, n: int) -> KVView:
+        """The first ``n`` positions of ``view`` (the same sequence: no llama call)."""
+        self._check(view)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= view.n_tokens:
+            raise SlicingError(f"a KV view of {view.n_tokens} tokens cannot be cut to {n!r}")
+        with self.model.lock:
+            self._collect()
+            return KVView(self, view._seq if n else None, n)
+
+    def fork(self, view: KVView, n: int | None = None, pinned: Iterable[_Seq] = ()) -> KVView:
+        """A view of the first ``n`` (default all) positions of ``view`` on a new sequence, sharing its cells."""
+        self._check(view)
+        n = view.n_tokens if n is None else n
+        if not 0 <= n <= view.n_tokens:
+            raise SlicingError(f"a KV view of {view.n_tokens} tokens cannot be forked at {n}")
+        if n == 0 or view._seq is None:
+            return self.empty()
+        with self.model.lock:
+            self._collect()
+            src = view._seq
+            self._ensure_resident(src, pinned)
+            dst = self._new_seq([src, *pinned])
+            lib().llama_memory_seq_cp(self.model.memory, src.id, dst.id, 0, n)
+            dst.extent = n
+            return KVView(self, dst, n)
+
+    # -- sliding window ------------------------------------------------------------------------------
+    def _window_ok(self, seq_id: int, n: int) -> bool:
+        """True if a decode at position ``n`` of sequence ``seq_id`` finds every cell it must attend to."""
+        if n == 0:
+            return True
+        L, mem = lib(), self.model.memory
+        lo, hi = int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
+        need = max(0, n - self.model.n_swa + 1) if self.model.n_swa > 0 else 0
+        return 0 <= lo <= need and hi >= n - 1
+
+    def can_extend(self, view: KVView) -> bool:
+        """True if tokens can be decoded after ``view`` against its own cells; False for a sliding-window state
+        whose window cells were evicted (recompute it). Restores a spilled view."""
+        self._check(view)
+        if view._seq is None:
+            return True
+        with self.model.lock:
+            self._collect()
+            return self._window_ok(self._ensure_resident(view._seq), view.n_tokens)
+
+    def positions(self, view: KVView) -> tuple[int, int]:
+        """``(seq_pos_min, seq_pos_max)`` of the view's sequence as llama.cpp reports them ((-1, -1): no cells)."""
+        self._check(view)
+        if view._seq is None:
+            return (-1, -1)
+        with self.model.lock:
+            self._collect()
+            seq_id, L = self._ensure_resident(view._seq), lib()
+            return int(L.llama_memory_seq_pos_min(self.model.memory, seq_id)), \
+                int(L.llama_memory_seq_pos_max(self.model.memory, seq_id))
+
+    # -- bytes -------------------------------------------------------------------------------------
+    def _get_bytes(self, seq_id: int) -> bytes:
+        L, ctx = lib(), self.model.ctx
+        size = int(L.llama_state_seq_get_size(ctx, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(L.llama_state_seq_get_data(ctx, buf, size, seq_id))
+        if n != size:
+            raise BackendError(f"llama_state_seq_get_data wrote {n} bytes, expected {size}")
+        return bytes(buf)
+
+    def _set_bytes(self, seq_id: int, blob: bytes) -> None:
+        L = lib()
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if int(L.llama_state_seq_set_data(self.model.ctx, buf, len(blob), seq_id)) == 0:
+            L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
+            raise BackendError("llama.cpp refused the sequence bytes (another model, KV type or flash-attention "
+                               "setting, or no room in the KV cache): recompute the state from its tokens")
+
+    def to_bytes(self, view: KVView) -> bytes:
+        """llama.cpp's bytes of exactly the view's positions (``llama_state_seq_get_data``). Shared cells are
+        written out; a sliding-window model writes only the window behind the end (the state can be extended
+        after loading, not cut further back)."""
+        self._check(view)
+        if view._seq is None:
+            return b""
+        with self.model.lock:
+            self._collect()
+            seq = view._seq
+            if seq.id is None and seq.extent == view.n_tokens and seq.blob is not None:
+                return seq.blob
+            self._ensure_resident(seq)
+            if seq.extent == view.n_tokens:
+                return self._get_bytes(seq.id)  # type: ignore[arg-type]
+            tmp = self.fork(view, pinned=[seq])
+            try:
+                return self._get_bytes(tmp._seq.id)  # type: ignore[union-attr, arg-type]
+            finally:
+                tmp.release()
+                self._collect()
+
+    def from_bytes(self, blob: bytes, n_tokens: int) -> KVView:
+        """A view on a new sequence loaded from :meth:`to_bytes` output of ``n_tokens`` positions.
+
+        Raises :class:`~continuum.errors.BackendError` if llama.cpp refuses the bytes or they do not hold
+        positions ``.. n_tokens-1`` (check the blob's origin first: ``fingerprint.py``)."""
+        if n_tokens == 0:
+            return self.empty()
+        with self.model.lock:
+            self._collect()
+            seq_id = self._acquire()
+            try:
+                self._set_bytes(seq_id, blob)
+            except BaseException:
+                self._free.append(seq_id)
+                raise
+            hi = int(lib().llama_memory_seq_pos_max(self.model.memory, seq_id))
+            if hi != n_tokens - 1:
+                lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
+                self._free.append(seq_id)
+                raise BackendError(f"the sequence bytes hold positions up to {hi}, not the {n_tokens} tokens of the state")
+            seq = _Seq(self, seq_id)
+            seq.extent = n_tokens
+            self._resident[seq_id] = seq
+            self._touch(seq)
+            return KVView(self, seq, n_tokens)
