@@ -36,7 +36,7 @@ def _too_large_for_outlines(tokenizer, pattern: str) -> str | None:
     if pattern in tokenizer.index_cache:
         return None
     size = estimate_regex(pattern)
-    vocab = len(tokenizer.hf)
+    vocab = len(tokenizer)
     limit = compile_limits().outlines_max_work
     if size.cost(vocab) <= limit:
         return None

@@ -34,9 +34,10 @@ from collections.abc import Generator, Sequence
 import torch
 
 from ..errors import ContextLengthError
-from ..models.hf import cache as kvcache
+from ..models import kv as kvcache
 from ..models.hf import token_tree
-from ..models.hf.cache import positions
+from ..models.hf.cache import gather_paths
+from ..models.kv import positions
 from ..samplers import Sampler
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
@@ -147,7 +148,7 @@ def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.
         if len(p) > 1:
             lp[j, M - len(p) + 1:] = pair_lps[r * K + k].to(lp)
     logprobs = torch.cat([state._logprobs[:, lead:C].index_select(0, idx), lp], 1)
-    cache = kvcache.gather_paths(kv, idx, lead, C, node[:, :-1])
+    cache = gather_paths(kv, idx, lead, C, node[:, :-1])
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=logprobs, weights=torch.zeros(J),
                          kv=cache, batch=J, samples=1)
 

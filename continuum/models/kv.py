@@ -28,7 +28,7 @@ from .hf import cache as _hf
 from .hf.cache import RESERVE_CAP, positions
 from .hf.slab import slot_of
 
-__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "finish", "compact", "stack_rows", "nbytes", "devices",
+__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "finish", "compact", "stack_rows", "nbytes", "dtype", "devices",
            "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
@@ -114,6 +114,11 @@ def stack_rows(kvs: list[KV], width: int, reserve: int = 0) -> KV:
 def nbytes(kv: KV, seen: set | None = None) -> int:
     """Bytes of storage ``kv`` holds, shared storage counted once."""
     return kv.nbytes(seen) if _handle(kv) else _hf.nbytes(kv, seen)
+
+
+def dtype(kv: KV) -> torch.dtype | None:
+    """The dtype of the KV tensors (``None`` for a handle or no KV: the backend keeps its own types)."""
+    return None if kv is None or _handle(kv) else kv[0][0].dtype
 
 
 def devices(kv: KV) -> tuple[torch.device, ...] | None:

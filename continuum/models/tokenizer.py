@@ -111,6 +111,10 @@ class Tokenizer:
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab={len(self.hf)})"
 
+    def __len__(self) -> int:
+        """Tokens in the vocabulary, added tokens included (the tokenizer's size, not the model's logits width)."""
+        return len(self.hf)
+
     # -- identity -------------------------------------------------------------------------
     @property
     def name(self) -> str:

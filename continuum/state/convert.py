@@ -53,9 +53,9 @@ def to_model(state: SequenceState, model) -> SequenceState:
     if not state._model.same_model(model):
         return uncached(state, model)
     kv, dev = state._kv, model.device
-    if kv is not None and kv[0][0].dtype != model.kv_dtype:
+    if kvcache.dtype(kv) is not None and kvcache.dtype(kv) != model.kv_dtype:
         logger.warning("This state's KV cache is %s but the model now computes %s (its dtype changed after the "
-                       "state was made): the cache is dropped and recomputed.", kv[0][0].dtype, model.kv_dtype)
+                       "state was made): the cache is dropped and recomputed.", kvcache.dtype(kv), model.kv_dtype)
         return uncached(state, model)
     where = model.layer_devices if kv is not None else None
     moved = state._ids.device != dev or (kv is not None and kvcache.devices(kv) != where)

@@ -40,12 +40,16 @@ def available_bytes(device) -> int | None:
 def row_bytes(model, tokens: int) -> int:
     """Bytes one row needs over ``tokens`` positions: its log-prob copies plus its KV cache."""
     cfg: Any = getattr(getattr(model, "model", None), "config", None)
-    vocab = getattr(cfg, "vocab_size", None) or len(model.tokenizer.hf)
+    vocab = getattr(cfg, "vocab_size", None) or model.vocab_size
     return vocab * 4 * _LOGIT_COPIES + kv_bytes(model, tokens)
 
 
 def kv_bytes(model, tokens: int) -> int:
-    """Bytes of one row's KV cache over ``tokens`` positions, from the model's config (0 when it cannot tell)."""
+    """Bytes of one row's KV cache over ``tokens`` positions: the backend's own figure (``kv_bytes_per_token``)
+    or, on transformers, from the model's config (0 when it cannot tell)."""
+    per_token = getattr(model, "kv_bytes_per_token", None)
+    if per_token is not None:
+        return tokens * per_token
     cfg: Any = getattr(getattr(model, "model", None), "config", None)  # None: AttributeError below, caught
     try:
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -34,6 +34,7 @@ from functools import cached_property
 from typing import Any
 
 from ...errors import TokenizerError
+from ..textbytes import ByteDecoder
 from ..tokenizer import _SENTINELS, check_encodable
 from ._lib import lib
 from .model import LlamaCppModel
@@ -179,10 +180,22 @@ class LlamaTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of a row: its tokens' bytes as UTF-8, without the space ``add_space_prefix`` put first."""
-        data = self.decode_bytes(ids)
-        if self.add_space_prefix and data.startswith(b" "):
-            data = data[1:]
-        return data.decode("utf-8", errors="replace")
+        return self.bytes_decoder.decode(ids)
+
+    @cached_property
+    def bytes_decoder(self) -> ByteDecoder:
+        """The row decoder the states use (:mod:`continuum.models.textbytes`): every token's bytes, the first space
+        stripped when the GGUF adds one."""
+        return ByteDecoder([data or b"" for data in self.vocab_bytes], self.add_space_prefix)
+
+    def piece_bytes(self, token: int) -> bytes:
+        """The bytes one token adds to a row's text (``b""``: a special token)."""
+        return self.bytes_decoder.row_bytes((token,))
+
+    def char_ends(self, ids: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Per token: the characters of the row's text up to it that later tokens cannot change, and whether an
+        incomplete character follows (:meth:`ByteDecoder.char_ends`)."""
+        return self.bytes_decoder.char_ends(ids)
 
     def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
         return [self.decode(r) for r in rows]

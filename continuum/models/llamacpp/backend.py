@@ -1,0 +1,254 @@
+"""The llama.cpp backend behind the backend protocol (:mod:`continuum.models.protocol`): ``models.llamacpp(path)``.
+
+A state's KV is a :class:`SeqKV`: one :class:`~.sequences.KVView` per row (a view of a llama.cpp sequence: forks and
+slices share cells) and the layout columns it covers (``cols``: which of the state's cached columns are real
+tokens, so a crop by columns maps to a view of that many positions). :meth:`LlamaCpp.forward` decodes each row's
+real new tokens on its view (:func:`~.decode.decode`: one ``llama_decode`` for all rows) and scatters the logits
+back to the columns the loop asked for; :meth:`LlamaCpp.run_step` runs every request of an engine step in that
+same single decode.
+
+Example:
+    >>> from continuum import continuous, generate, models, samplers
+    >>> model = models.llamacpp("stories260K-f32.gguf", batch_invariant=True)         # doctest: +SKIP
+    >>> continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=20)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ...errors import ContinuumError
+from ..request import Request, normalized
+from .decode import DecodeRow, decode
+from .fingerprint import fingerprint_of
+from .model import LlamaCppModel
+from .sequences import KVView, SequencePool
+from .vocab import LlamaTokenizer
+
+if TYPE_CHECKING:
+    from ...loop.engine import Engine
+
+__all__ = ["LlamaCpp", "SeqKV", "llamacpp"]
+
+
+class SeqKV:
+    """The KV of a batch of rows on llama.cpp: a view per row and the cached columns of the rows' layout.
+
+    ``cols`` is a bool ``(rows, columns)`` tensor: column ``j`` of row ``r`` holds a real (cached) token. Row ``r``'s
+    view covers ``cols[r].sum()`` positions. Every method returns a new ``SeqKV``; views are immutable.
+    """
+
+    __slots__ = ("views", "cols")
+
+    def __init__(self, views: list[KVView], cols: torch.Tensor):
+        self.views, self.cols = views, cols
+
+    def __repr__(self) -> str:
+        return f"SeqKV(rows={len(self.views)}, columns={self.cols.shape[1]}, {self.views!r})"
+
+    def length(self) -> int:
+        return int(self.cols.shape[1])
+
+    def select_rows(self, rows: torch.Tensor) -> SeqKV:
+        idx = rows.tolist()
+        return SeqKV([self.views[i] for i in idx], self.cols[rows.to(self.cols.device)])
+
+    def crop(self, columns: int) -> SeqKV | None:
+        if columns <= 0:
+            return None
+        if columns >= self.length():
+            return self
+        cols = self.cols[:, :columns]
+        keep = cols.sum(1).tolist()
+        return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
+
+    def settle(self) -> SeqKV:
+        return self
+
+    def nbytes(self, seen: set | None = None) -> int:
+        """Bytes of the cells the views reach, each sequence counted once (its longest view)."""
+        seen = set() if seen is None else seen
+        per_token = getattr(self.views[0].pool.model, "kv_bytes_per_token", 0) if self.views else 0
+        longest: dict[int, int] = {}
+        for v in self.views:
+            s = getattr(v, "_seq", None)
+            if s is not None and id(s) not in seen:
+                longest[id(s)] = max(longest.get(id(s), 0), v.n_tokens)
+        seen.update(longest)
+        return per_token * sum(longest.values())
+
+    @classmethod
+    def stack(cls, kvs: list, width: int, reserve: int = 0) -> SeqKV:
+        views: list[KVView] = []
+        parts = []
+        for kv in kvs:
+            if kv is None:
+                raise ContinuumError("cannot stack a llama.cpp KV with rows that have none")
+            pad = width - kv.length()
+            parts.append(torch.nn.functional.pad(kv.cols, (pad, 0)))
+            views.extend(kv.views)
+        return SeqKV(views, torch.cat(parts))
+
+
+class LlamaCpp:
+    """A GGUF model on llama.cpp, with the interface the loop, the engine and the states use.
+
+    Args:
+        path: a ``.gguf`` file.
+        n_ctx, n_threads, batch_invariant, ...: see :class:`~.model.LlamaCppModel`.
+    """
+
+    def __init__(self, path: str | os.PathLike, **options: Any):
+        self.llama = LlamaCppModel(path, **options)
+        self.tokenizer = LlamaTokenizer(self.llama)
+        self.pool = SequencePool.of(self.llama)
+        self.context_length: int | None = self.llama.context_length
+        self.prefix_cache = None
+        self.tokens_computed = 0
+        self.forward_calls = 0
+        self._count_lock = threading.Lock()
+        self.layer_devices: tuple[torch.device, ...] = ()
+        self.kv_dtype = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one position of one sequence takes (every layer's keys and values)."""
+        return int(getattr(self.llama, "kv_bytes_per_token", 0) or 0)
+
+    def __repr__(self) -> str:
+        return f"LlamaCpp({os.path.basename(str(self.llama.path))}, {self.tokenizer!r})"
+
+    @cached_property
+    def fingerprint(self) -> Any:
+        return fingerprint_of(self.llama)
+
+    def same_model(self, other: Any) -> bool:
+        return other is self or (isinstance(other, LlamaCpp) and other.fingerprint == self.fingerprint)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.llama.n_vocab
+
+    @property
+    def engine(self) -> Engine:
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            from ...loop.engine import Engine
+
+            with self._count_lock:
+                engine = self.__dict__.get("_engine") or Engine(self)
+                self.__dict__["_engine"] = engine
+        return engine
+
+    # -- the forward -------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any, *,
+                logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+        """See :meth:`continuum.models.protocol.Backend.forward`; merged with other calls' by the engine."""
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
+        return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
+                                   allowed=allowed)
+
+    def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
+        req = Request(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve, allowed=allowed)
+        self._run([req])
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def run_step(self, requests: list[Request], stats: dict) -> None:
+        """Every request of the step in ONE ``llama_decode`` (a request with a token tree alone: refused)."""
+        ok = []
+        for r in requests:
+            if r.allowed is not None:
+                r.error = ContinuumError("choice scoring by token tree is not available on llama.cpp yet: use "
+                                         "generate.choice(..., method='greedy')")
+            else:
+                ok.append(r)
+        t = time.perf_counter()
+        self._run(ok)
+        stats["forward_s"] += time.perf_counter() - t
+        stats["merged_forwards"] += 1
+        stats["requests_merged"] += len(ok)
+
+    def _run(self, requests: list[Request]) -> None:
+        rows: list[DecodeRow] = []
+        spans = []  # per request: (first DecodeRow, its rows' wanted columns)
+        try:
+            for r in requests:
+                r.materialize()
+                ids, mask = r.ids, r.mask
+                R, N = ids.shape
+                C = mask.shape[1] - N
+                kv: SeqKV | None = r.kv
+                views = kv.views if kv is not None else [self.pool.empty()] * R
+                new_real = mask[:, C:].bool()
+                wanted = []
+                for i in range(R):
+                    real = new_real[i].nonzero().flatten().tolist()
+                    toks = ids[i, real].tolist()
+                    if r.logits == "all":
+                        want: Any = "all"
+                    elif r.logits == "none" or not real or real[-1] != N - 1:
+                        want = "none"
+                    else:
+                        want = "last"
+                    wanted.append((real, want))
+                    rows.append(DecodeRow(views[i], toks, want))
+                spans.append((len(rows) - R, wanted, C))
+            out = decode(self.pool, rows)
+        except BaseException as exc:  # noqa: BLE001  (every request of the failed decode gets the error)
+            for r in requests:
+                r.error = exc
+            return
+        logits_all = torch.from_numpy(out.logits)
+        computed = sum(len(row.tokens) for row in rows)
+        with self._count_lock:
+            self.tokens_computed += computed
+            self.forward_calls += 1
+        for r, (first, wanted, C) in zip(requests, spans):
+            R, N = r.ids.shape
+            views = out.views[first:first + R]
+            cols = torch.cat([r.kv.cols if r.kv is not None else torch.zeros((R, C), dtype=torch.bool),
+                              r.mask[:, C:].bool().cpu()], dim=1)
+            new_kv = SeqKV(list(views), cols)
+            if r.logits == "none":
+                lg = None
+            elif r.logits == "all":
+                lg = torch.zeros((R, N, self.vocab_size))
+                for i, (real, _) in enumerate(wanted):
+                    if real:
+                        lg[i, real] = logits_all[out.offsets[first + i]:out.offsets[first + i + 1]]
+            else:
+                lg = torch.zeros((R, self.vocab_size))
+                for i, (_, want) in enumerate(wanted):
+                    if want == "last":
+                        lg[i] = logits_all[out.offsets[first + i]]
+            if r.normalize and r.logits == "last" and lg is not None:
+                lp, best, top = normalized(lg)
+                r.logprobs, r.top, lg = (lp, 0), (top, best), None
+            r.result, r.error = (lg, new_kv), None
+
+
+def llamacpp(path: str | os.PathLike, **options: Any) -> LlamaCpp:
+    """A GGUF model on llama.cpp (``pip install continuum[llamacpp]``). Options: see :class:`~.model.LlamaCppModel`.
+
+    Example:
+        >>> model = models.llamacpp("stories260K-f32.gguf")               # doctest: +SKIP
+    """
+    return LlamaCpp(path, **options)
+
+
+_ = np  # (numpy arrays come back from decode; torch.from_numpy shares them)

@@ -1,0 +1,98 @@
+"""``models.llamacpp``: every generator on a GGUF through the backend protocol, against llama-cpp-python's own
+evaluation of the same ids (``Llama(logits_all=True).eval``). Tolerances: tests/llamacpp_support.py.
+
+Greedy tokens are compared with the reference's argmax wherever its top-2 margin exceeds the stated tolerance
+(decode-by-token and prefill differ by up to it); merged calls equal each alone exactly in the batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from continuum import continuous, generate, models, run_batch, samplers
+from continuum.errors import ContinuumError
+from continuum.models import kv
+from continuum.models.protocol import Backend
+
+from llamacpp_support import DECODE_TOL, gguf, reference_logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2)
+
+
+def _check_greedy_path(ids: list[int], start: int, kind: str = "f32", flash_attn: bool = True):
+    """Each token after ``start`` is llama-cpp-python's argmax for the ids before it, where its margin is clear."""
+    ref = reference_logits(kind, ids, flash_attn=flash_attn)
+    checked = 0
+    for t in range(start, len(ids)):
+        row = ref[t - 1]
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] > DECODE_TOL[kind]:
+            assert ids[t] == int(row.argmax()), f"token {t}: {ids[t]} where llama.cpp's argmax is {int(row.argmax())}"
+            checked += 1
+    assert checked >= (len(ids) - start) // 2  # most steps are clear-cut: the comparison is not vacuous
+
+
+def _ids(state) -> list[int]:
+    """Row 0's token ids (its padding dropped)."""
+    return state.token_ids[0][state.attention_masks[0].bool()].tolist()
+
+
+def test_implements_the_backend_protocol_and_greedy_follows_llama_cpp(model):
+    assert isinstance(model, Backend)
+    s = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=30)
+    assert isinstance(s._kv, kv.KVHandle) and kv.length(s._kv) > 0
+    prompt = len(model.tokenizer.encode_prompts(["Once upon a time"])[0])
+    _check_greedy_path(_ids(s), prompt)
+
+
+def test_continue_and_slice_compute_only_new_tokens_and_follow_llama_cpp(model):
+    gen = continuous(generate.text(model, samplers.greedy()))
+    s1 = gen("Once upon a time", max_tokens=20)
+    before = model.tokens_computed
+    s2 = gen(s1 + " One day,", max_tokens=12)
+    added = len(_ids(s2)) - len(_ids(s1))
+    assert model.tokens_computed - before <= added + 1  # the appended text and the new tokens, nothing before
+    _check_greedy_path(_ids(s2), len(_ids(s1 + " One day,")))
+    cut = s2[:len("Once upon a time, there was")]
+    before = model.tokens_computed
+    s3 = gen(cut + " a dog", max_tokens=10)
+    assert model.tokens_computed - before <= len(_ids(s3)) - len(_ids(cut)) + 1
+    assert str(s3).startswith("Once upon a time, there was a dog")
+    _check_greedy_path(_ids(s3), len(_ids(cut + " a dog")))
+    assert str(s1) + " One day," == str(s2)[:len(str(s1)) + 9]  # s1 unchanged by what continued it
+
+
+def test_constrained_generators_and_samplers(model):
+    base = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=10)
+    mood = continuous(generate.regex(model, r" (happy|sad|big)", samplers.greedy()))(base + " She was very", max_tokens=16)
+    assert mood.value in (" happy", " sad", " big")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    card = continuous(generate.json(model, schema, samplers.greedy()))(base + " As JSON: ", max_tokens=30)
+    assert set(card.value) == {"name"} and len(card.value["name"]) <= 8
+    beams = continuous(generate.text(model, samplers.beam_search(3)))("Once upon a time", max_tokens=6)
+    w = beams.weights[0].tolist()
+    assert len(list(beams)) == 3 and w == sorted(w, reverse=True)
+    draws = generate.text(model, samplers.multinomial(4))("Once upon a time", max_tokens=6,
+                                                          rng=torch.Generator().manual_seed(0))
+    assert len(draws) == 4
+    with pytest.raises(ContinuumError, match="method='greedy'"):
+        generate.choice(model, [" yes", " no"])("Is it?")
+    assert generate.choice(model, [" yes", " no"], method="greedy")("Is it?") in (" yes", " no")
+
+
+def test_run_batch_equals_each_alone_exactly(model):
+    gen = generate.text(model, samplers.greedy())
+    prompts = ["Once", "One day", "The cat", "Lily and Tom", "The sun"]
+    alone = [gen(p, max_tokens=12) for p in prompts]
+    assert run_batch(lambda p: gen(p, max_tokens=12), prompts) == alone
+
+
+def test_a_state_from_the_transformers_backend_is_recomputed_not_reused(model, llama_model):
+    s = continuous(generate.text(llama_model, samplers.greedy()))("Hello", max_tokens=3)
+    with pytest.raises(ContinuumError):
+        continuous(generate.text(model, samplers.greedy()))(s, max_tokens=3)  # another tokenizer: refused clearly
