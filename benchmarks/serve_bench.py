@@ -201,7 +201,9 @@ def b21(bench: Bench, cfg) -> list[Row]:
         tok.chat_template = tpl  # type: ignore[attr-defined]
         hf.save_pretrained(folder)
         tok.save_pretrained(folder)
+        t0 = time.perf_counter()
         proc, url = _start_server(folder, os.path.join(tmp, "store"), torch.get_num_threads())
+        log(f"    the server answered /health after {time.perf_counter() - t0:.1f} s")
         try:
             client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
             _stateful(client, ["warm-up"], 2)
