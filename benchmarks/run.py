@@ -1,8 +1,9 @@
 """Benchmark runner: ``python -m benchmarks [--quick|--smoke] [--only B1,B3] [--model PATH] [--json out.json] [--plot DIR]``.
 
-``--smoke`` runs every scenario once at toy size (a 2-layer GPT-2, a few tokens; well under a minute) and
-checks no target: the test suite runs it, so a scenario that no longer runs fails CI. A scenario that
-cannot run here (a fixture or an optional package missing) prints ``<id>: skipped (<why>)``.
+``--smoke`` runs every scenario once at toy size (a 2-layer GPT-2, a few tokens) and checks no target:
+the test suite runs it, so a scenario that no longer runs fails CI. Most of its time is starting
+interpreters (this one, B14's torchrun ranks, B21's server). A scenario that cannot run here (a fixture
+or an optional package missing) prints ``<id>: skipped (<why>)``.
 
 Every figure is a ratio against a baseline measured in the same run (median of paired repetitions
 after a warm-up), so the check holds on a noisy machine. Exit code 0 even when targets are missed
