@@ -30,32 +30,34 @@ def smollm2_template() -> str:
 
 
 def chat_bench_model(bench: Bench) -> Bench:
-    """The benchmark model for a ChatML chat: with random weights, the same GPT-2-small shape with
-    ``<|im_start|>``/``<|im_end|>`` as special tokens (as SmolLM2 has them) and 2,048 positions (16
-    turns of ~70 tokens outgrow GPT-2's 1,024); a real model (``--model``) is used as it is."""
+    """The benchmark model for a ChatML chat: with random weights, the benchmark model's shape (GPT-2 small;
+    ``--smoke``: the tiny one) with ``<|im_start|>``/``<|im_end|>`` as special tokens (as SmolLM2 has them)
+    and 2,048 positions (16 turns of ~70 tokens outgrow GPT-2's 1,024); a real model (``--model``) is used
+    as it is."""
     if not bench.random_weights:
         return bench
     import copy
 
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from continuum import models
 
     tok = copy.deepcopy(bench.tok)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     torch.manual_seed(0)
-    hf_cfg = GPT2Config(vocab_size=len(tok), n_positions=2048, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    hf_cfg = copy.deepcopy(bench.hf.config)
+    hf_cfg.vocab_size, hf_cfg.n_positions = len(tok), 2048
     hf = GPT2LMHeadModel(hf_cfg).eval()
     hf.generation_config.pad_token_id = tok.eos_token_id
     return Bench(hf=hf, tok=tok, model=models.Transformers(hf, tok), random_weights=True, counter=ForwardCounter(hf),
-                 name=f"GPT-2-small-shaped random fp32 (12 layers, 768 wide, vocab {len(tok)} with ChatML specials, "
-                      f"2,048 positions)")
+                 name=f"random fp32 GPT-2 ({hf_cfg.n_layer} layers, {hf_cfg.n_embd} wide, vocab {len(tok)} with ChatML "
+                      f"specials, 2,048 positions)")
 
 
 def b12(bench: Bench, cfg) -> list[Row]:
     bench = chat_bench_model(bench)
     turns, new = getattr(cfg, "b12_turns", 16), getattr(cfg, "b12_new", 16)
-    inner = 3  # TTFT probe pairs per turn: the turn's figure is the median of their paired ratios
+    inner = getattr(cfg, "b12_inner", 3)  # TTFT probe pairs per turn: the turn's figure is the median of their paired ratios
     reps = 1 if cfg.quick else cfg.heavy_reps
     tpl, tok = smollm2_template(), bench.tok
     # size the user turns (~40 tokens) so that the last turn fits the context

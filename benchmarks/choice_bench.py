@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 
 from continuum import continuous, generate, models, samplers
-from continuum.models.hf.cache import nbytes
 
-from .common import Bench, Row, log, make_text, median, n_tokens, paired, row_from_calls
+from .common import Bench, KVPeak, Row, log, make_text, median, n_tokens, paired, row_from_calls
 
 __all__ = ["b18b"]
 
@@ -30,33 +29,16 @@ _ENDINGS = [" and then she walked back to the harbour before the rain came down.
             " while the baker, who had forgotten his ovens, burnt every loaf of bread that morning."]
 
 
-class _KVPeak:
-    """Peak KV bytes of one forward (input cache + returned cache, shared storage once) while installed."""
-
-    def __init__(self, model):
-        self.model, self.peak = model, 0
-
-    def __enter__(self):
-        forward = self.model.forward
-
-        def spy(ids, mask, pos, cache, **kw):
-            logits, kv = forward(ids, mask, pos, cache, **kw)
-            seen: set = set()
-            self.peak = max(self.peak, nbytes(cache, seen) + nbytes(kv, seen))
-            return logits, kv
-
-        self.model.forward = spy
-        return self
-
-    def __exit__(self, *exc):
-        del self.model.forward
+def _kv_per_token(state) -> int:
+    """KV bytes of one token of one row (every layer's keys and values), read from ``state.kv_cache``."""
+    return sum(t[0, :, 0].numel() * t.element_size() for layer in state.kv_cache.layers for t in (layer.keys, layer.values))
 
 
 def b18b(bench: Bench, cfg) -> list[Row]:
-    count = 8 if cfg.quick else 32
+    count = getattr(cfg, "b18b_rows", 8 if cfg.quick else 32)
     reps = 1 if cfg.quick else cfg.heavy_reps  # heavy: 3 by default, --reps overrides
     tok = bench.tok
-    prefix = make_text(tok, 455, offset=11)
+    prefix = make_text(tok, getattr(cfg, "b18b_prefix", 455), offset=11)
     prompts = [f"{prefix}\n\nQuestion {i + 1}: {make_text(tok, 12, offset=200 + 41 * i)}\nEnding:" for i in range(count)]
     cached = models.Transformers(bench.hf, bench.model.tokenizer, prefix_cache="256MiB")  # type: ignore[attr-defined]
     gen = generate.choice(cached, _ENDINGS, samplers.greedy())
@@ -77,11 +59,11 @@ def b18b(bench: Bench, cfg) -> list[Row]:
     same = all(b.extra["values"] == c.extra["values"] for b, c in zip(base, cand))
     one, many = cont(prompts[0]), cont(prompts)
     weights_close = bool(torch.allclose(one.weights[0], many.weights[0], atol=1e-4, rtol=0))
-    with _KVPeak(cached) as p1:
+    with KVPeak(bench.hf) as p1:
         cont(prompts[0])
-    with _KVPeak(cached) as pn:
+    with KVPeak(bench.hf) as pn:
         state = cont(prompts)
-    context = nbytes(state._kv) * sum(lens) / (state._kv[0][0].shape[0] * state._kv[0][0].shape[2]) if state._kv else 0
+    context = _kv_per_token(state) * sum(lens) if state.kv_cache is not None else 0
     notes = [(f"peak KV bytes of a forward: list call {pn.peak / 2**20:.0f} MiB, one single call {p1.peak / 2**20:.1f} MiB; "
               f"the {count} rows' own tokens take {context / 2**20:.0f} MiB of KV (list call / rows' KV = "
               f"{pn.peak / max(context, 1):.2f}; replicating each context per option would be >= {len(_ENDINGS)}x)"),

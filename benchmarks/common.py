@@ -1,5 +1,9 @@
 """Shared benchmark machinery: model setup, paired timing, token/forward counting, peak RSS, results.
 
+Benchmarks drive continuum through its public API only, plus ONE hook the tests use too: PyTorch forward
+hooks on the wrapped Hugging Face module (``model.model.register_forward_pre_hook`` / ``register_forward_hook``,
+as ``tests/conftest.py``'s ``count_forward_tokens``): :class:`ForwardCounter` and :class:`KVPeak` are built on it.
+
 Measurement protocol (every scenario):
 
 * one warm-up call of each side, not measured;
@@ -41,6 +45,16 @@ CORPUS = (
 
 
 # ---------------------------------------------------------------------------------------------- env
+# gc.collect() before every measured call keeps one call's garbage out of the next one's time and peak
+# RSS; it costs ~0.5 s a call with transformers loaded, which a --smoke run (no figure checked) skips.
+COLLECT = True
+
+
+def collect() -> None:
+    if COLLECT:
+        gc.collect()
+
+
 def configure_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -84,6 +98,11 @@ def peak_rss_mb() -> float:
 
 
 # ---------------------------------------------------------------------------------------------- model
+class Skip(Exception):
+    """Raised by a scenario that cannot run here (a fixture or an optional package is missing): the
+    runner prints ``<id>: skipped (<reason>)`` and goes on with the next scenario."""
+
+
 @dataclass
 class Bench:
     """The model under test, shared by all scenarios."""
@@ -128,8 +147,17 @@ def _gpt2_tokenizer(notes: list):
     return hf_tok, "byte-level BPE trained on the fly"
 
 
-def load_bench(model_path: str | None = None, seed: int = 0) -> Bench:
-    """The benchmark model: GPT-2-small-shaped with random fp32 weights, or ``model_path``."""
+def load_bench(model_path: str | None = None, seed: int = 0, tiny: bool = False) -> Bench:
+    """The benchmark model: GPT-2-small-shaped with random fp32 weights, or ``model_path``.
+
+    ``tiny`` (``--smoke``): a 2-layer, 64-wide random GPT-2 over the same tokenizer, so that every
+    scenario runs in seconds; its figures mean nothing.
+
+    Example:
+        >>> bench = load_bench(tiny=True)          # doctest: +SKIP
+        >>> bench.model.tokens_computed
+        0
+    """
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -145,10 +173,12 @@ def load_bench(model_path: str | None = None, seed: int = 0) -> Bench:
     else:
         tok, tok_name = _gpt2_tokenizer(notes)
         vocab = 50257 if len(tok) <= 50257 and tok_name.startswith("GPT-2") else len(tok)
-        cfg = GPT2Config(vocab_size=vocab, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        size = {"n_layer": 2, "n_embd": 64, "n_head": 2} if tiny else {}
+        cfg = GPT2Config(vocab_size=vocab, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, **size)
         hf = GPT2LMHeadModel(cfg).eval()
         shape = f"{cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab_size}"
-        name, random_weights = f"GPT-2-small-shaped random fp32 ({shape}; {tok_name})", True
+        kind = "tiny GPT-2" if tiny else "GPT-2-small-shaped"
+        name, random_weights = f"{kind} random fp32 ({shape}; {tok_name})", True
     hf.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     model = models.Transformers(hf, tok)
     if not random_weights:
@@ -206,6 +236,60 @@ class ForwardCounter:
         return self.tokens, self.calls, self.seconds
 
 
+def _cache_tensors(cache) -> list:
+    """The key and value tensors of a transformers ``Cache`` (its ``layers``), or of nothing."""
+    return [t for layer in getattr(cache, "layers", None) or () for t in (layer.keys, layer.values) if t is not None]
+
+
+def storage_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of storage behind ``tensors``, each storage counted once (also across calls sharing ``seen``)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def kv_bytes(state, seen: set | None = None) -> int:
+    """Bytes of KV storage a state holds (``state.kv_cache``: its tensors, not copies), shared storage once."""
+    return storage_bytes(_cache_tensors(state.kv_cache), seen)
+
+
+class KVPeak:
+    """Peak KV bytes of one model forward (its input cache + the cache it returns, shared storage once), read
+    with forward hooks on the Hugging Face module while the ``with`` block runs.
+
+    Example:
+        >>> with KVPeak(model.model) as peak:      # doctest: +SKIP
+        ...     gen(prompts)
+        >>> peak.peak                                # bytes
+    """
+
+    def __init__(self, hf):
+        self.hf, self.peak, self._input, self._handles = hf, 0, [], []
+
+    def _pre(self, module, args, kwargs):
+        # the cache object is updated in place by the forward: remember its tensors as they come in
+        self._input = _cache_tensors(kwargs.get("past_key_values", kwargs.get("cache")))
+
+    def _post(self, module, args, output):
+        seen: set = set()
+        held = storage_bytes(self._input, seen) + storage_bytes(_cache_tensors(getattr(output, "past_key_values", None)), seen)
+        self.peak, self._input = max(self.peak, held), []
+
+    def __enter__(self) -> KVPeak:
+        self._handles = [self.hf.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.hf.register_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 @dataclass
 class Call:
     """One measured call."""
@@ -222,7 +306,7 @@ class Call:
 
 def measure(bench: Bench, fn: Callable[[], object]) -> Call:
     """Run ``fn`` once, timed. ``fn`` returns the number of new tokens (or a dict with ``generated``)."""
-    gc.collect()
+    collect()
     reset_peak_rss()
     t0, c0, f0 = bench.counter.snapshot()
     cpu0 = time.process_time()
@@ -289,6 +373,7 @@ class Row:
     # For ``--plot``: {"title": str, "x": [...], "xlabel": str, "ylabel": str, "lines": {label: [y, ...]},
     # "log_y": bool (optional)}; a scenario that has per-turn / per-call figures fills it.
     series: dict | None = None
+    checked: bool = True  # False in a --smoke run: the figure is shown, the target is not checked
 
     @property
     def passed(self) -> bool:
@@ -339,7 +424,7 @@ COLUMNS = ["id", "scenario", "baseline s", "continuum s", "figure", "target", "c
 def table_cells(r: Row) -> list[str]:
     return [
         r.id, r.title, _fmt(r.base_s, ".3f"), _fmt(r.cont_s, ".3f"),
-        _fmt(r.figure, ".3f") + " " + r.unit, r.target, "PASS" if r.passed else "FAIL",
+        _fmt(r.figure, ".3f") + " " + r.unit, r.target, ("PASS" if r.passed else "FAIL") if r.checked else "-",
         f"{_fmt(r.base_tps, '.1f')} | {_fmt(r.cont_tps, '.1f')}",
         f"{_fmt(r.base_rss_mb, '.0f')} | {_fmt(r.cont_rss_mb, '.0f')}",
         f"{_fmt(r.base_computed, 'd')} | {_fmt(r.cont_computed, 'd')}",

@@ -45,6 +45,7 @@ def _worker(args) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from benchmarks.helpers import real_ids
     from continuum import continuous, generate, models, samplers
 
     torch.set_num_threads(args.threads)
@@ -91,7 +92,7 @@ def _worker(args) -> None:
     count = lambda name: sum(e.count for e in events if e.key == name)  # noqa: E731
     forwards = spec["new"]  # one prefill + new - 1 decoding steps
     out = {"layout": fp.layout, "greedy_s": g_times, "session_s": s_times, "turn_s": turn_times,
-           "greedy_ids": [ids for ids, _ in g._real_rows()], "session_ids": [ids for ids, _ in s._real_rows()],
+           "greedy_ids": real_ids(g), "session_ids": real_ids(s),
            "profiled_ms": profiled * 1000, "comm_ms": self_ms(_COMM), "dispatch_ms": self_ms(_DISPATCH),
            "all_reduces_per_forward": count("gloo:all_reduce") / forwards,
            "all_gathers_per_forward": count("gloo:all_gather") / forwards}
@@ -102,22 +103,25 @@ def _worker(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- scenario
-def _save_model(bench, folder: Path, layers: int) -> None:
-    """A random Llama shaped like GPT-2 small (heads divisible by 2) over the benchmark tokenizer."""
+def _save_model(bench, folder: Path, layers: int, width: int = 768) -> None:
+    """A random Llama shaped like GPT-2 small (heads divisible by 2; ``width`` 64 for ``--smoke``) over the
+    benchmark tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = bench.tok
     torch.manual_seed(0)
     eos = tok.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=768, intermediate_size=3072, num_hidden_layers=layers,
-                      num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024,
+    heads = 12 if width % 12 == 0 and width >= 384 else 4
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
                       bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)
     tok.save_pretrained(folder)
 
 
-def _launch(folder: Path, spec: Path, out: Path, world: int, threads: int, timeout: float) -> None:
+def _launch(folder: Path, spec: Path, out: Path, world: int, threads: int) -> subprocess.Popen:
+    """Start the worker: one process, or ``world`` ranks under torchrun."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
     env.pop("WORLD_SIZE", None)
@@ -125,34 +129,63 @@ def _launch(folder: Path, spec: Path, out: Path, world: int, threads: int, timeo
               "--threads", str(threads)]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] + worker
            if world > 1 else [sys.executable] + worker)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _in_process(folder: Path, spec: Path, out: Path, threads: int) -> None:
+    """The single-process worker, run in this process (``--smoke``: no interpreter to start)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        _worker(argparse.Namespace(model=str(folder), spec=str(spec), out=str(out), threads=threads))
+    finally:
+        torch.set_num_threads(before)
+
+
+def _finish(proc: subprocess.Popen, world: int, timeout: float) -> None:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"B14 worker ({world} process(es)) did not finish in {timeout:.0f} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"B14 worker ({world} process(es)) failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"B14 worker ({world} process(es)) failed:\n{err[-3000:]}")
 
 
 def b14(bench, cfg) -> list:
     import torch.distributed as dist
 
-    from .common import Row, log, make_text, median
+    from .common import Row, Skip, log, make_text, median
     from .helpers import user_turns
 
     if not (dist.is_available() and dist.is_gloo_available()):
-        log("B14: skipped (torch.distributed with gloo is not available)")
-        return []
+        raise Skip("torch.distributed with gloo is not available")
     layers, new, turn_new, reps = (4, 16, 8, 2) if cfg.quick else (12, 32, 16, 3)
-    spec = {"prompt": make_text(bench.tok, 32), "history": make_text(bench.tok, 128, offset=300), "turns": user_turns(8),
+    layers, new, turn_new, reps = (getattr(cfg, f"b14_{k}", v) for k, v in
+                                   (("layers", layers), ("new", new), ("turn_new", turn_new), ("reps", reps)))
+    width, turns = getattr(cfg, "b14_width", 768), getattr(cfg, "b14_turns", 8)
+    spec = {"prompt": make_text(bench.tok, 32), "history": make_text(bench.tok, 128, offset=300), "turns": user_turns(turns),
             "new": new, "turn_new": turn_new, "reps": reps}
-    log(f"B14: TP over 2 processes (gloo) vs 1 process, Llama 768 wide x {layers} layers, greedy {new} tokens and an "
-        f"8-turn session ({turn_new} tokens per turn), {reps} reps each")
+    log(f"B14: TP over 2 processes (gloo) vs 1 process, Llama {width} wide x {layers} layers, greedy {new} tokens and a "
+        f"{turns}-turn session ({turn_new} tokens per turn), {reps} reps each")
     with tempfile.TemporaryDirectory(prefix="continuum-b14-") as tmp:
         tmp = Path(tmp)
-        _save_model(bench, tmp / "model", layers)
+        _save_model(bench, tmp / "model", layers, width)
         (tmp / "spec.json").write_text(json.dumps(spec))
         launch_s = {}
-        for world, threads in ((1, 1), (2, 1), (1, 2)):
-            t0 = time.perf_counter()
-            _launch(tmp / "model", tmp / "spec.json", tmp, world, threads, 900)
-            launch_s[(world, threads)] = time.perf_counter() - t0
+        if getattr(cfg, "smoke", False):  # timings mean nothing here: the single-process runs run in this process
+            proc, t0 = _launch(tmp / "model", tmp / "spec.json", tmp, 2, 1), time.perf_counter()
+            for threads in (1, 2):
+                _in_process(tmp / "model", tmp / "spec.json", tmp, threads)
+            _finish(proc, 2, 900)
+            launch_s[(2, 1)] = time.perf_counter() - t0
+        else:
+            for world, threads in ((1, 1), (2, 1), (1, 2)):
+                t0 = time.perf_counter()
+                _finish(_launch(tmp / "model", tmp / "spec.json", tmp, world, threads), world, 900)
+                launch_s[(world, threads)] = time.perf_counter() - t0
         single = json.loads((tmp / "b14-single1.json").read_text())
         single2 = json.loads((tmp / "b14-single2.json").read_text())
         ranks = [json.loads((tmp / f"b14-rank{r}.json").read_text()) for r in range(2)]
@@ -160,7 +193,7 @@ def b14(bench, cfg) -> list:
     r0 = ranks[0]
     rows = []
     for key, title, what in (("greedy_s", f"greedy, {new} tokens", "greedy"),
-                             ("session_s", f"8-turn session, {turn_new} tokens/turn", "session")):
+                             ("session_s", f"{turns}-turn session, {turn_new} tokens/turn", "session")):
         tp_s, one_s, two_s = median(r0[key]), median(single[key]), median(single2[key])
         notes = [f"1 process 1 thread {one_s:.3f}s, TP 2 processes x 1 thread {tp_s:.3f}s, 1 process 2 threads "
                  f"{two_s:.3f}s (TP / that: {tp_s / two_s:.2f}); medians of {reps}; same token ids on every rank and in "
@@ -187,7 +220,7 @@ def b14(bench, cfg) -> list:
                                  "get up to twice the CPU share of 1. The target bounds the overhead (TP never costs "
                                  "more than 2x one process); it is not a speed-up claim"])
         if what == "session":
-            row.series = {"title": "B14: time per turn, TP (2 processes, gloo) vs 1 process", "x": list(range(1, 9)),
+            row.series = {"title": "B14: time per turn, TP (2 processes, gloo) vs 1 process", "x": list(range(1, turns + 1)),
                           "xlabel": "turn", "ylabel": "seconds",
                           "lines": {"1 process": per_turn_one, "TP, 2 processes": per_turn_tp}}
         rows.append(row)

@@ -12,7 +12,7 @@ rotated order, median ratio):
   vs the same chain as three lockstep list calls over all inputs (>= 0.8x), N = 32 and 128;
 * B22c 128 ``acall``\\ s under ``asyncio.gather`` vs B22a's ``run_batch`` at 128 (>= 0.9x: within 10%).
 
-Skipped cleanly (a note, no row) when the fixture is absent.
+Skipped cleanly (``B22: skipped (...)``, no row) when the fixture is absent.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import continuum
 from continuum import continuous, generate, samplers
 
-from .common import FIXTURES, Bench, Row, load_bench, log, make_text
+from .common import FIXTURES, Bench, Row, Skip, load_bench, log, make_text
 from .programs_bench import _compare, _hf_generate_batch, _reps, _rows, _size
 
 __all__ = ["b22", "ENGINE_SCENARIOS"]
@@ -67,8 +67,7 @@ def b22(bench: Bench, cfg) -> list[Row]:
     quick = getattr(cfg, "quick", False)
     sb = _bench(bench)
     if sb is None:
-        log(f"B22: skipped, no stories260K at {STORIES}")
-        return []
+        raise Skip(f"no stories260K fixture at {STORIES}")
     model, new, reps = sb.model, _size(cfg, 32, 8, "b22_new"), _reps(cfg)
     sizes = [int(x) for x in getattr(cfg, "b22_sizes", (8, 16) if quick else (32, 128))]
     gen = generate.text(model, samplers.greedy())
@@ -77,7 +76,8 @@ def b22(bench: Bench, cfg) -> list[Row]:
     number = continuous(generate.regex(model, r"[0-9]{2}", samplers.greedy()))
     gen("Once upon a time", max_tokens=2)
     rows: list[Row] = []
-    notes = [f"model: {sb.name}", "run_batch " + "; ".join(_per_row_step(sb, [1, 8] + sizes, new, 1 if quick else 3))]
+    steps = [int(x) for x in getattr(cfg, "b22_steps", (1, 8))]  # more N for the per-row-step notes
+    notes = [f"model: {sb.name}", "run_batch " + "; ".join(_per_row_step(sb, steps + sizes, new, 1 if quick else 3))]
     for n in sizes:
         prompts = _prompts(sb.tok, n)
         log(f"B22a: {n} one-call programs, {new} new tokens")

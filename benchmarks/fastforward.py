@@ -10,7 +10,7 @@ from __future__ import annotations
 from continuum import continuous, generate, samplers
 
 from .common import Bench, Row, log, make_text, median, n_tokens, paired
-from .helpers import json_schema, new_tokens
+from .helpers import complete, json_schema, new_tokens
 
 __all__ = ["b10"]
 
@@ -59,7 +59,7 @@ def _b10(bench: Bench, cfg, row_id: str, prompt: str, threshold: float = 1.5) ->
         def f():
             s = gen(prompt, max_tokens=cfg.b5_max)
             out[key] = s.last_text
-            out[key + "_complete"] = s._last.complete[0]
+            out[key + "_complete"] = complete(s)
             return new_tokens(s, plen)
         return f
 

@@ -14,13 +14,12 @@ bytes the call touches, not allocator history. On CUDA:
 from __future__ import annotations
 
 import ctypes
-import gc
 
 import torch
 
 from continuum import continuous, generate, samplers
 
-from .common import Bench, Row, _read_status, log, make_text, median, paired, peak_rss_mb, reset_peak_rss, row_from_calls
+from .common import Bench, Row, _read_status, collect, log, make_text, median, paired, peak_rss_mb, reset_peak_rss, row_from_calls
 
 
 def _glibc():
@@ -38,7 +37,7 @@ def _fixed_mmap_threshold() -> bool:
 
 def _memory_growth_mb(bench: Bench, fn) -> float:
     """Peak memory during ``fn()`` above what was in use before it, in MB."""
-    gc.collect()
+    collect()
     if bench.model.device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

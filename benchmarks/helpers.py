@@ -12,11 +12,12 @@ from typing import Annotated
 
 import torch
 
-from continuum import SequenceState
+from continuum import IncompleteGenerationError, SequenceState
+from continuum.errors import SchemaViolationError
 
 from .common import Bench, Call, log, n_tokens, paired
 
-__all__ = ["hf_generate", "new_tokens", "real_len", "fresh", "compare_with_hf", "json_schema"]
+__all__ = ["hf_generate", "new_tokens", "real_len", "real_ids", "complete", "fresh", "compare_with_hf", "json_schema"]
 
 
 def hf_generate(bench: Bench, prompt, new: int, **kwargs) -> torch.Tensor:
@@ -41,6 +42,23 @@ def new_tokens(state: SequenceState, before: int) -> int:
 
 def real_len(state: SequenceState) -> int:
     return int(state.attention_masks[0].sum())
+
+
+def real_ids(state: SequenceState) -> list[list[int]]:
+    """Every row's real token ids (padding and holes dropped), from the public ``token_ids`` / ``attention_masks``."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(state.token_ids, state.attention_masks)]
+
+
+def complete(state: SequenceState) -> bool:
+    """Whether the last constrained step matched its whole pattern (``state.value`` raises
+    ``IncompleteGenerationError`` when a row was cut first); an output that fails its schema is complete."""
+    try:
+        _ = state.value
+    except IncompleteGenerationError:
+        return False
+    except SchemaViolationError:
+        return True
+    return True
 
 
 def fresh(state: SequenceState) -> SequenceState:

@@ -20,7 +20,7 @@ import torch
 from continuum import generate, samplers
 from continuum.chat import Chat
 
-from .common import FIXTURES, Bench, ForwardCounter, Row, log, measure, median
+from .common import FIXTURES, Bench, ForwardCounter, Row, Skip, log, measure, median
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 USERS = ["What is the capital of France? Explain briefly.", "And the one of Italy, and why is it famous?",
@@ -43,35 +43,56 @@ def _char_tokenizer():
                                    additional_special_tokens=SPECIAL[1:])
 
 
+def kept_history(messages: list) -> list[dict]:
+    """The messages a stateless loop renders for ``keep_reasoning=True`` (docs/reasoning.md): every earlier
+    assistant thought written into its content as generated, ``<think>\\n...\\n</think>\\n\\n`` + the answer,
+    with an empty ``reasoning_content`` so that the template keeps it.
+
+    Example:
+        >>> kept_history([{"role": "assistant", "content": "A", "reasoning_content": "t"}, {"role": "user", "content": "Q"}])[0]
+        {'role': 'assistant', 'content': '<think>\\nt\\n</think>\\n\\nA', 'reasoning_content': ''}
+    """
+    out = []
+    for i, m in enumerate(messages):
+        thought = m.get("reasoning_content")
+        if m["role"] == "assistant" and isinstance(thought, str) and thought and i < len(messages) - 1:
+            m = {**m, "content": f"<think>\n{thought}\n</think>\n\n{m['content']}", "reasoning_content": ""}
+        out.append(dict(m))
+    return out
+
+
 def reasoning_bench_model(bench: Bench) -> Bench:
     if not bench.random_weights:
         return bench
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import copy
+
+    from transformers import GPT2LMHeadModel
 
     from continuum import models
 
     tok = _char_tokenizer()
     torch.manual_seed(0)
-    hf_cfg = GPT2Config(vocab_size=len(tok), n_positions=4096, bos_token_id=0, eos_token_id=2)
+    hf_cfg = copy.deepcopy(bench.hf.config)  # the benchmark model's shape (GPT-2 small; --smoke: the tiny one)
+    hf_cfg.vocab_size, hf_cfg.n_positions, hf_cfg.bos_token_id, hf_cfg.eos_token_id = len(tok), 4096, 0, 2
     hf = GPT2LMHeadModel(hf_cfg).eval()
     hf.generation_config.pad_token_id = 0
     return Bench(hf=hf, tok=tok, model=models.Transformers(hf, tok), random_weights=True, counter=ForwardCounter(hf),
-                 name=f"GPT-2-small-shaped random fp32 (12 layers, 768 wide), one token per ASCII character "
+                 name=f"random fp32 GPT-2 ({hf_cfg.n_layer} layers, {hf_cfg.n_embd} wide), one token per ASCII character "
                       f"(vocab {len(tok)}, <think>/</think> special), 4,096 positions")
 
 
 def b23(bench: Bench, cfg) -> list[Row]:
     path = FIXTURES / "chat_templates" / "qwen3.jinja"
     if not path.exists():
-        log("B23: skipped (the Qwen3 template fixture is absent)")
-        return []
+        raise Skip(f"no Qwen3 chat template fixture at {path}")
     tpl = path.read_text()
     bench = reasoning_bench_model(bench)
-    tok, budget, answer = bench.tok, 64, 12
+    tok, budget, answer = bench.tok, getattr(cfg, "b23_budget", 64), getattr(cfg, "b23_answer", 12)
+    users = USERS[:getattr(cfg, "b23_turns", len(USERS))]
     thinker = generate.text(bench.model, samplers.greedy(), reasoning=True, thinking_budget=budget)
     probe_gen = generate.text(bench.model, samplers.greedy())
     reps = 1 if cfg.quick else 3
-    log(f"B23: {len(USERS)}-turn chat (Qwen3 template), {budget}-token thoughts, {answer}-token answers; model: {bench.name}")
+    log(f"B23: {len(users)}-turn chat (Qwen3 template), {budget}-token thoughts, {answer}-token answers; model: {bench.name}")
 
     def stateless(messages):
         ids = tok.apply_chat_template(messages, chat_template=tpl, add_generation_prompt=True, tokenize=True,
@@ -82,13 +103,11 @@ def b23(bench: Bench, cfg) -> list[Row]:
         return {"generated": 1, "prompt": len(ids)}
 
     def session(keep: bool) -> dict:
-        from continuum.chat.reasoning import history_for
-
         out: dict = {"probe_s": [], "base_s": [], "computed": [], "recomputed": [], "prompt": [], "thought": []}
         chat = Chat(bench.model, template=tpl, reasoning=True, keep_reasoning=keep)
-        for u in USERS:
+        for u in users:
             asked = chat.user(u)
-            equivalent = history_for(asked.messages, ("<think>", "</think>") if keep else None)
+            equivalent = kept_history(asked.messages) if keep else [dict(m) for m in asked.messages]
             probes, bases = [], []
             for i in range(reps):  # paired, alternating order
                 first = measure(bench, lambda: (asked.reply(probe_gen, max_tokens=1, reasoning=False), 1)[1]) if i % 2 else None
@@ -107,7 +126,7 @@ def b23(bench: Bench, cfg) -> list[Row]:
         return out
 
     keep, drop = session(True), session(False)
-    T = len(USERS)
+    T = len(users)
     speed_keep = [b / c for b, c in zip(keep["base_s"], keep["probe_s"])]
     speed_drop = [b / c for b, c in zip(drop["base_s"], drop["probe_s"])]
     notes = [

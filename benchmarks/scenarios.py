@@ -12,25 +12,41 @@ from dataclasses import dataclass
 import torch
 
 from continuum import continuous, generate, samplers
-from continuum.models.hf.cache import nbytes
 
 from .chat_bench import b12
 from .choice_bench import b18b
-from .common import Bench, Call, Row, log, make_text, measure, median, n_tokens, paired, row_from_calls
+from .common import Bench, Call, Row, collect, kv_bytes, log, make_text, measure, median, n_tokens, paired, row_from_calls
 from .distributed_bench import b14
 from .engine_bench import ENGINE_SCENARIOS
 from .fastforward import b10
 from .guidance_bench import b11
-from .helpers import compare_with_hf, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns  # noqa: F401  (re-exported)
+from .helpers import compare_with_hf, complete, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns
 from .prefix_bench import b13
 from .programs_bench import PROGRAM_SCENARIOS
 from .reasoning_bench import b23
 from .serve_bench import b21
 
+# --smoke: the sizes of the scenarios outside this module (each reads ``getattr(cfg, name, its default)``)
+SMOKE_SIZES: dict = {
+    "b12_turns": 2, "b12_new": 2, "b12_inner": 1,
+    "b13_calls": 2, "b13_prefix": 40, "b13_new": 2,
+    "b14_layers": 1, "b14_width": 64, "b14_new": 2, "b14_turns": 2, "b14_turn_new": 2, "b14_reps": 1,
+    "b15_hf": False, "b15_n": 2, "b15_new": 2,
+    "b16_sessions": 2, "b16_turns": 2, "b16_user": 8, "b16_new": 2,
+    "b17_n": 2, "b17_levels": 2, "b17_new": 2,
+    "b18_n": 2, "b18_prefix": 40, "b18b_rows": 2, "b18b_prefix": 40,
+    "b19_n": 2, "b19_article": 40, "b19_new": 2,
+    "b20_n": 2, "b20_doc": 40,
+    "b21_new": 2, "b21_doc": 30,
+    "b22_new": 2, "b22_sizes": (2,), "b22_steps": (1,),
+    "b23_budget": 8, "b23_answer": 8, "b23_turns": 2,
+}
+
 
 @dataclass
 class Config:
     quick: bool = False
+    smoke: bool = False  # --smoke: each scenario once at toy size, no targets (see smoke_mode)
     reps: int = 5  # repetitions of the cheap scenarios (B4, B5, B8)
     b1_reps: int = 9  # B1/B2 sit at parity with HF: more pairs for a stable median
     heavy_reps: int = 3  # repetitions of the expensive ones (B3, B7)
@@ -62,7 +78,25 @@ class Config:
         return cls(quick=True, reps=3, b1_reps=5, heavy_reps=1, b1_new=32, b3_new=8, b3_ttft_inner=2, b4_new=8, b5_max=80,
                    b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16, b11_batch=2, b11_prompt=64, b11_new=8)
 
+    @classmethod
+    def smoke_mode(cls) -> Config:
+        """``--smoke``: every scenario once, on the tiny model, a few tokens each: it proves the scenario
+        runs (CI runs it: ``tests/test_benchmarks_smoke.py``); its figures mean nothing.
+
+        Example:
+            >>> Config.smoke_mode().b1_new
+            3
+        """
+        cfg = cls(quick=True, smoke=True, reps=1, b1_reps=1, heavy_reps=1, b1_prompt=8, b1_new=3, b3_history=40, b3_turns=2,
+                  b3_new=2, b3_ttft_inner=1, b4_history=40, b4_new=2, b4_cut=20, b5_max=12, b6_reps=1, b7_prompt=16,
+                  b7_new=2, b7_samples=2, b8_new=2, b8_beams=2, b9_prompt=16, b9_samples=2, b11_batch=2, b11_prompt=8,
+                  b11_new=2, clients=2)
+        vars(cfg).update(SMOKE_SIZES)
+        return cfg
+
     def describe(self) -> str:
+        if self.smoke:
+            return "smoke: every scenario once at toy size (tiny model, a few tokens), targets not checked"
         return (f"reps={self.reps} (B1/B2: {self.b1_reps}, B3/B7: {self.heavy_reps}), "
                 f"B1/B2 {self.b1_prompt}+{self.b1_new} tokens, "
                 f"B3 {self.b3_turns} turns x {self.b3_new} new on {self.b3_history} tokens, "
@@ -308,7 +342,7 @@ def b5(bench: Bench, cfg: Config) -> list[Row]:
     text_c = continuous(generate.text(bench.model, samplers.greedy()))
     probe = json_c(prompt, max_tokens=cfg.b5_max)
     n = new_tokens(probe, plen)
-    complete = probe._last.complete[0]
+    done = complete(probe)
     out = {}
 
     def base():
@@ -320,9 +354,9 @@ def b5(bench: Bench, cfg: Config) -> list[Row]:
         out["text"] = s.last_text
         return new_tokens(s, plen)
 
-    log(f"B5: JSON ({n} tokens, complete={complete}) vs unconstrained text of the same length")
+    log(f"B5: JSON ({n} tokens, complete={done}) vs unconstrained text of the same length")
     b, c = paired(bench, base, cont, cfg.reps, log=log)
-    notes = [f"{n} tokens per call, prompt {plen} tokens; output {'complete' if complete else 'cut by max_tokens'}: "
+    notes = [f"{n} tokens per call, prompt {plen} tokens; output {'complete' if done else 'cut by max_tokens'}: "
              f"{out['text'][:80]!r}{'...' if len(out['text']) > 80 else ''}"]
     _check_counts(notes, "B5", b, c)
     r = row_from_calls("B5", "JSON (pydantic) per token", "unconstrained greedy text, same token count", b, c,
@@ -419,12 +453,10 @@ def b9(bench: Bench, cfg: Config) -> list[Row]:
     fork_c = continuous(generate.text(bench.model, samplers.multinomial(k)))
     log(f"B9: fork a {n_tokens(bench.tok, prompt)}-token state into {k} samples (max_tokens=0)")
     s1 = one(prompt, max_tokens=0)
-    base_bytes = nbytes(s1._kv)
+    base_bytes = kv_bytes(s1)
     seen: set = set()
-    nbytes(s1._kv, seen)
-    import gc
-
-    gc.collect()
+    kv_bytes(s1, seen)
+    collect()
     reset_peak_rss()
     rss0 = peak_rss_mb()
     c0 = bench.model.tokens_computed
@@ -433,7 +465,7 @@ def b9(bench: Bench, cfg: Config) -> list[Row]:
     dt = time.perf_counter() - t0
     rss1 = peak_rss_mb()
     computed = bench.model.tokens_computed - c0
-    extra = nbytes(forked._kv, seen)
+    extra = kv_bytes(forked, seen)
     ratio = extra / base_bytes
     # one step from the fork: each sample computes its own last token only
     c0 = bench.model.tokens_computed

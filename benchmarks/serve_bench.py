@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .chat_bench import chat_bench_model, smollm2_template
-from .common import Bench, Row, log, make_text
+from .common import Bench, Row, Skip, log, make_text
 
 __all__ = ["b21"]
 
@@ -102,12 +102,13 @@ def _stateful(client, users: list[str], new: int) -> list[dict]:
 
 
 def _part_bytes(store: str, runs: list[list[dict]]) -> list[list[int]]:
-    """Bytes of state each stored response wrote (its part), per client and turn, read from the store."""
-    import sqlite3
+    """Bytes of state each stored response wrote (its part), per client and turn: the size of its
+    ``states/<id>.safetensors`` in the store (the layout docs/serve.md describes)."""
+    def size(rid: str) -> int:
+        path = os.path.join(store, "states", f"{rid}.safetensors")
+        return os.path.getsize(path) if os.path.exists(path) else 0
 
-    with sqlite3.connect(os.path.join(store, "responses.sqlite3")) as db:
-        size = dict(db.execute("SELECT id, state_bytes FROM responses").fetchall())
-    return [[size.get(t["id"], 0) for t in run] for run in runs]
+    return [[size(t["id"]) for t in run] for run in runs]
 
 
 def _stateless(client, users: list[str], new: int) -> list[dict]:
@@ -176,13 +177,18 @@ def _step_share(before: dict, after: dict) -> str:
 
 
 def b21(bench: Bench, cfg) -> list[Row]:
+    import importlib.util
+
+    missing = [m for m in ("openai", "httpx", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"needs {', '.join(missing)} (the server and its client): pip install -e '.[test]'")
     import openai
     import torch
 
     bench = chat_bench_model(bench)
     clients = getattr(cfg, "clients", None) or (4 if cfg.quick else 16)
-    new = 8 if cfg.quick else 16
-    doc = 250 if cfg.quick else 500
+    new = getattr(cfg, "b21_new", 8 if cfg.quick else 16)
+    doc = getattr(cfg, "b21_doc", 250 if cfg.quick else 500)
     tpl, tok, hf = smollm2_template(), bench.tok, bench.hf
     assert hasattr(tok, "save_pretrained") and hasattr(hf, "save_pretrained")
     convos = [[f"Read this and answer my questions.\n{make_text(tok, doc, offset=17 * i)}"]
@@ -195,7 +201,9 @@ def b21(bench: Bench, cfg) -> list[Row]:
         tok.chat_template = tpl  # type: ignore[attr-defined]
         hf.save_pretrained(folder)
         tok.save_pretrained(folder)
+        t0 = time.perf_counter()
         proc, url = _start_server(folder, os.path.join(tmp, "store"), torch.get_num_threads())
+        log(f"    the server answered /health after {time.perf_counter() - t0:.1f} s")
         try:
             client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
             _stateful(client, ["warm-up"], 2)

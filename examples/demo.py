@@ -30,9 +30,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field
@@ -85,7 +86,8 @@ def _short(exc: BaseException) -> str:
 def tiny_random_model(seed: int = 0):
     """A randomly initialised 2-layer Llama and a byte-level BPE tokenizer trained here, in a second."""
     import torch
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from continuum import models
@@ -112,7 +114,7 @@ def tiny_random_model(seed: int = 0):
     return models.Transformers(LlamaForCausalLM(config), hf_tok)
 
 
-def local_model_path() -> Optional[Path]:
+def local_model_path() -> Path | None:
     """``$CONTINUUM_DEMO_MODEL`` if set and present, else the stories260K fixture if present."""
     env = os.environ.get("CONTINUUM_DEMO_MODEL")
     if env and Path(env).expanduser().exists():
@@ -139,7 +141,7 @@ def load_local_model(log: Log = print):
     return tiny_random_model(), "tiny random Llama (untrained)"
 
 
-def load_model(name: Optional[str] = None, log: Log = print):
+def load_model(name: str | None = None, log: Log = print):
     """``--model`` if given (errors propagate); else the default hub model, else the local fallback.
 
     Returns ``(model, description)``.
@@ -203,7 +205,7 @@ class Meter:
     def __init__(self, model):
         self.model, self.last, self.t0 = model, model.tokens_computed, time.perf_counter()
 
-    def report(self, label: str, state, rewrite: Optional[int] = None) -> None:
+    def report(self, label: str, state, rewrite: int | None = None) -> None:
         computed = self.model.tokens_computed - self.last
         self.last = self.model.tokens_computed
         print(f"\n== {label}")
@@ -279,7 +281,7 @@ def run(model, description: str, max_tokens: int = 40) -> None:
     print(f"\ndone in {total:.1f} s; the model computed {model.tokens_computed} positions in total")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help=f"a hub id or a local folder (default: {DEFAULT_MODEL}, "

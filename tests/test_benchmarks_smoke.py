@@ -1,4 +1,5 @@
-"""Smoke version of benchmark B3: counts of computed positions (not time) in a continuous session.
+"""The benchmarks in CI: every scenario of ``python -m benchmarks`` runs at toy size (``--smoke``), and
+the smoke version of B3: counts of computed positions (not time) in a continuous session.
 
 A continuation turn must compute only the uncached suffix (appended text + new tokens), never the
 history. Uses a tiny 2-layer GPT-2 so it runs in a few seconds.
@@ -6,9 +7,13 @@ history. Uses a tiny 2-layer GPT-2 so it runs in a few seconds.
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -16,7 +21,7 @@ if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it f
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import Row, _gpt2_tokenizer, format_markdown, format_table, make_text, n_tokens  # noqa: E402
-from benchmarks.scenarios import session_token_counts, user_turns  # noqa: E402
+from benchmarks.scenarios import SCENARIOS, session_token_counts, user_turns  # noqa: E402
 
 
 def _tiny_model():
@@ -55,3 +60,26 @@ def test_result_table_formats():
     text = format_table(rows)
     assert "PASS" in text and "FAIL" in text and "0.970 x time" in text
     assert format_markdown(rows).count("\n") == 3
+
+
+@pytest.mark.slow
+def test_every_benchmark_scenario_runs_at_toy_size(tmp_path):
+    """``python -m benchmarks --smoke`` (the runner itself, in a fresh process): every scenario runs once on
+    the tiny model and reports its rows, or says why it skipped; a scenario that no longer runs fails here."""
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--threads", "1", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    ran = data["meta"]["scenarios"]
+    assert data["meta"]["mode"] == "smoke" and list(ran) == list(SCENARIOS)
+    for name, r in ran.items():
+        if r["skipped"]:  # a missing fixture or optional package, said on stdout
+            assert f"{name}: skipped ({r['skipped']})" in proc.stdout
+            continue
+        assert r["rows"], name
+        assert all(i.upper().startswith(name) or (name, i) == ("B1", "B2") for i in r["rows"]), (name, r["rows"])
+    rows = data["rows"]
+    assert [r["id"] for r in rows] == [i for r in ran.values() for i in r["rows"]]
+    assert all(isinstance(r["figure"], float) and not math.isinf(r["figure"]) for r in rows), rows
+    assert "targets not checked" in proc.stdout and "MISSED TARGETS" not in proc.stdout
