@@ -96,3 +96,31 @@ def test_a_state_from_the_transformers_backend_is_recomputed_not_reused(model, l
     s = continuous(generate.text(llama_model, samplers.greedy()))("Hello", max_tokens=3)
     with pytest.raises(ContinuumError):
         continuous(generate.text(model, samplers.greedy()))(s, max_tokens=3)  # another tokenizer: refused clearly
+
+
+def test_save_load_keeps_tokens_and_recomputes_the_cache(model, tmp_path):
+    gen = continuous(generate.text(model, samplers.greedy()))
+    s = gen("Once upon a time", max_tokens=10)
+    s.save(tmp_path / "s.safetensors")
+    back = type(s).load(tmp_path / "s.safetensors", model)
+    assert str(back) == str(s) and torch.equal(back.weights, s.weights) and kv.length(back._kv) == 0
+    assert str(gen(back, max_tokens=8)) == str(gen(s, max_tokens=8))  # the cache recomputed in one pass: same result
+
+
+def test_forks_never_change_the_state_they_came_from(model):
+    gen = continuous(generate.text(model, samplers.greedy()))
+    s = gen("Once upon a time", max_tokens=8)
+    text, weights = str(s), s.weights.clone()
+    first = str(gen(s + " The dog", max_tokens=6))
+    beams = continuous(generate.text(model, samplers.beam_search(3)))(s + " The cat", max_tokens=6)
+    assert len(list(beams)) == 3
+    assert str(s) == text and torch.equal(s.weights, weights)
+    assert str(gen(s + " The dog", max_tokens=6)) == first  # s's sequence was not extended in place by its forks
+
+
+def test_chat_refused_clearly(model):
+    from continuum.chat import Chat
+    from continuum.errors import ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match="llama.cpp"):
+        Chat(model)

@@ -54,7 +54,13 @@ def metadata(state: SequenceState) -> dict:
                 "finish": state._last.finish, "marks": state._last.marks, "thoughts": state._last.thoughts}
     return {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
-            "model": state._model.fingerprint.as_dict(), "layers": len(state._kv or ()), "last": last}
+            "model": state._model.fingerprint.as_dict(), "layers": len(_tensor_kv(state) or ()), "last": last}
+
+
+def _tensor_kv(state: SequenceState):
+    """The KV tensors a state file holds: a transformers cache; another backend's KV is not written (the loaded
+    state recomputes it in one pass when continued)."""
+    return None if isinstance(state._kv, kvcache.KVHandle) else state._kv
 
 
 def write(path, tensors: dict, meta: dict) -> None:
@@ -68,7 +74,7 @@ def save(state: SequenceState, path) -> None:
     """Save tokens, weights, log-probs and the KV cache (safetensors) with JSON metadata,
     including the identity of the model that computed the cache (``model.fingerprint``)."""
     tensors = {"ids": state._ids, "mask": state._mask, "logprobs": state._logprobs, "weights": state._weights}
-    for i, (k, v) in enumerate(state._kv or ()):
+    for i, (k, v) in enumerate(_tensor_kv(state) or ()):
         tensors[f"k{i}"], tensors[f"v{i}"] = k, v
     write(path, tensors, metadata(state))
 
