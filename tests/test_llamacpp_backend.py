@@ -124,3 +124,14 @@ def test_chat_refused_clearly(model):
 
     with pytest.raises(ChatTemplateError, match="llama.cpp"):
         Chat(model)
+
+
+def test_the_same_weights_give_the_same_text_on_both_backends(model, stories):
+    """stories260K as safetensors (transformers, fp32) and as an f32 GGUF (llama.cpp): greedy text, classifier-free
+    guidance (both modes) and token healing agree, the transformers backend serving as an independent reference."""
+    for kwargs, prompt in [({}, "Once upon a time"), ({"token_healing": True}, "Once upon a ti"),
+                           ({"guidance_scale": 2.0, "negative_prompt": "She was sad"}, "Lily opened the door. She"),
+                           ({"guidance_scale": 2.0, "negative_prompt": "She was sad", "cfg_mode": "sequential"},
+                            "Lily opened the door. She")]:
+        ours, ref = (generate.text(mm, samplers.greedy(), **kwargs)(prompt, max_tokens=16) for mm in (model, stories))
+        assert ours == ref, (kwargs, ours, ref)

@@ -161,7 +161,7 @@ class UnconditionalBranch:
 
     def _cond_view(self, rows: int) -> kvcache.KV:
         assert self.kv is not None  # batched: both branches' cache, set at the prefill
-        return tuple((k[:rows, :, self.lead:], v[:rows, :, self.lead:]) for k, v in self.kv)
+        return kvcache.narrow(self.kv, rows, self.lead)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv, *, logits: str = "last", reserve: int = 0):
         """``model.forward`` for the conditional rows (the same arguments); the unconditional branch runs alongside."""
@@ -209,7 +209,8 @@ class UnconditionalBranch:
             self.kv = kvcache.select_rows(self.kv, ancestors)
             return kvcache.select_rows(cond_kv, ancestors)
         assert self.kv is not None  # batched: set at the prefill
-        a = ancestors.to(self.kv[0][0].device)
+        where = kvcache.devices(self.kv)
+        a = ancestors.to(where[0]) if where else ancestors
         self.kv = kvcache.select_rows(self.kv, torch.cat([a, a + R]))
         return self._cond_view(a.numel())
 

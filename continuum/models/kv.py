@@ -28,7 +28,7 @@ from .hf import cache as _hf
 from .hf.cache import RESERVE_CAP, positions
 from .hf.slab import slot_of
 
-__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "finish", "compact", "stack_rows", "nbytes", "dtype", "devices",
+__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows", "nbytes", "dtype", "devices",
            "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
@@ -52,6 +52,10 @@ class KVHandle(Protocol):
 
     def crop(self, columns: int) -> KVHandle | None:
         """The first ``columns`` columns (``None`` when 0)."""
+        ...
+
+    def narrow(self, rows: int, lead: int) -> KVHandle:
+        """The first ``rows`` rows without their first ``lead`` columns (masked in those rows)."""
         ...
 
     def settle(self) -> KVHandle:
@@ -85,6 +89,14 @@ def select_rows(kv: KV, rows: torch.Tensor) -> KV:
 def crop(kv: KV, columns: int) -> KV:
     """The first ``columns`` columns of ``kv``."""
     return kv.crop(columns) if _handle(kv) else _hf.crop(kv, columns)
+
+
+def narrow(kv: KV, rows: int, lead: int) -> KV:
+    """The first ``rows`` rows of ``kv`` without their first ``lead`` columns (CFG's conditional rows in a batch of
+    both branches, behind the masked columns that right-align them with the unconditional ones)."""
+    if _handle(kv):
+        return kv.narrow(rows, lead)
+    return tuple((k[:rows, :, lead:], v[:rows, :, lead:]) for k, v in kv)
 
 
 def finish(kv: KV, columns: int) -> KV:

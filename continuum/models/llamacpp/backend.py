@@ -69,6 +69,9 @@ class SeqKV:
         keep = cols.sum(1).tolist()
         return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
 
+    def narrow(self, rows: int, lead: int) -> SeqKV:
+        return SeqKV(self.views[:rows], self.cols[:rows, lead:])
+
     def settle(self) -> SeqKV:
         return self
 
