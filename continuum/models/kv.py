@@ -28,8 +28,8 @@ from .hf import cache as _hf
 from .hf.cache import RESERVE_CAP, positions
 from .hf.slab import slot_of
 
-__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows", "nbytes", "dtype", "devices",
-           "to_devices", "positions", "RESERVE_CAP"]
+__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows", "nbytes",
+           "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
 
