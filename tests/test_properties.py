@@ -34,7 +34,7 @@ from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.models.hf import cache as kvcache
 from continuum.state.text import longest_token_prefix
 
-from conftest import chars_key, check_unchanged, count_forward_tokens, snapshot
+from conftest import GPT2_BYTES, chars_key, check_unchanged, count_forward_tokens, snapshot
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -138,19 +138,7 @@ def check_weights(state: SequenceState, fresh: torch.Tensor, offset: torch.Tenso
     assert torch.allclose(w[known], want[known], atol=1e-3), f"weights {w.tolist()} != recomputed {want.tolist()}"
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-unicode -> byte map (byte-level BPE token strings)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTE_DECODER = _byte_decoder()
+_BYTE_DECODER = GPT2_BYTES  # GPT-2's printable-unicode -> byte map (byte-level BPE token strings)
 
 
 def raw_token_bytes(model, ids: list[int]) -> list[bytes]:
