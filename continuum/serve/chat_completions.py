@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception
-from .messages import chat_messages, new_id
+from .messages import chat_messages, new_id, tool_call_schema
 from .reasoning import plan_reasoning
 from .schemas import ChatCompletionRequest
 from .sse import DONE, ThreadStream, sse
@@ -69,6 +69,9 @@ def check_plan(ctx, plan: Plan) -> None:
         for t in plan.tools:
             if t["parameters"] is not None:
                 ctx.engine.check_schema(t["parameters"], True)
+        # the envelope the calls are generated under (each tool's parameters embedded, their references rewritten)
+        only = None if plan.tool_choice in ("auto", "required") else plan.tool_choice
+        ctx.engine.call_generator(tool_call_schema(plan.tools, only), Sampling(temperature=0), False, None)
 
 
 def logprob_entries(engine, row) -> list[dict]:
