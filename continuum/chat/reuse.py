@@ -10,7 +10,8 @@ reply and recompute the reply and everything after it.
 reply of the state whose text lies unchanged at the same place of the rendering (its end on a token
 boundary of the rendering) keeps the model's tokens. Everything outside the model's replies is the
 template's rendering, token for token; a reply the template changed (a thought dropped, a content
-stripped) falls back to the canonical tokens from there on. A reply is a maximal run of tokens with a
+stripped) or whose bytes are not valid UTF-8 (its text holds U+FFFD) falls back to the canonical
+tokens from there on. A reply is a maximal run of tokens with a
 log-prob in the state (prompt and appended tokens have NaN).
 
 Example (token ids as a byte-level BPE may split them; ``lps`` NaN outside the reply)::
@@ -74,8 +75,10 @@ def own_tokens(tokenizer, ids: Sequence[int], lps: Sequence[float], prompt: Sequ
         if text is None:
             text = decode(prompt)
         upto = decode(ids[:end])  # the history up to the reply's end, as the model wrote it
-        if not text.startswith(upto):
-            break  # the template changed the reply (or what precedes it): canonical from here
+        if not text.startswith(upto) or "\ufffd" in upto[len(decode(ids[:k])):]:
+            # the template changed the reply (or what precedes it), or the reply's bytes are not valid UTF-8 (its
+            # text holds U+FFFD, whose bytes differ from the model's): canonical from here
+            break
         j2 = _boundary(decode, prompt, j, upto)
         if j2 is None:
             break  # the reply's end is inside a token of the rendering: no exact split point

@@ -53,7 +53,7 @@ def read_trigger(hf, template: str | None) -> str:
         if isinstance(full, str) and full.startswith(before) and _PROBE_NAME in full:
             seg = full[len(before):full.index(_PROBE_NAME)]
             cut = seg[:seg.rfind("{")].strip() if "{" in seg else ""
-            trigger = cut or trigger
+            trigger = cut.splitlines()[-1].strip() if cut else trigger  # the last line: not an empty <think> block before it
     except Exception as exc:  # noqa: BLE001 - a template that cannot render tool calls: the default marker
         logger.debug("the chat template cannot render a tool call (%s): tool-call marker %r", exc, trigger)
     return trigger
