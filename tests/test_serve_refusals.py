@@ -32,7 +32,8 @@ REFUSALS = [  # (path, body changes) over a good request of that path; every one
     ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}, "$defs": {}}}}], "tool_choice": "auto"}),
     ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "stream": True,
-                           "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
     ("/responses", {"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto",
                     "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": 5}}}}),
     ("/responses", {"previous_response_id": "resp_unknown"}),

@@ -368,9 +368,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def _reconcile(state: SequenceState | None, prompts: list[list[int]], model) -> tuple[SequenceState, list[list[int]]]:
     """A state holding ``prompts`` (one per row) that keeps ``state``'s cache over their longest common
     token prefix: each row is cut there and the rest of its prompt appended (uncached). A reply of the
-    state rendered unchanged keeps the model's own tokens (:func:`continuum.chat.reuse.own_tokens`;
-    ``prompts`` is updated in place to what each row continues). Weights keep the log-probs of the
-    generated tokens inside the common prefix."""
+    state rendered unchanged keeps the model's own tokens (:func:`continuum.chat.reuse.own_tokens`), so
+    each row continues its own prompt: they are returned with the state. Weights keep the log-probs of
+    the generated tokens inside the common prefix."""
     if state is None:
         rows = [list(p) for p in prompts]
         return SequenceState._from_rows(model, rows, [[_NAN] * len(r) for r in rows], torch.zeros(len(rows)),
