@@ -381,6 +381,24 @@ def test_choice_and_json_replies_end_with_their_constraint():
     check_logprobs(c2.state)
 
 
+def test_own_tokens_keeps_an_unchanged_reply_and_nothing_else():
+    from continuum.chat.reuse import own_tokens
+
+    tok = tiny(TEMPLATES["qwen2.5-instruct"]).tokenizer
+    enc = lambda t: list(tok.hf(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    head, reply = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "Hello world"
+    tail = "<|im_end|>\n<|im_start|>user\nMore"
+    split = [t for ch in reply for t in enc(ch)]  # one token per character: not the canonical split
+    assert split != enc(reply)
+    ids, lps = enc(head) + split, [math.nan] * len(enc(head)) + [-1.0] * len(split)
+    prompt = enc(head + reply + tail)
+    out = own_tokens(tok, ids, lps, prompt)
+    assert out == ids + enc(tail) and tok.decode(out, skip_special=False) == tok.decode(prompt, skip_special=False)
+    # the template changed the reply (or the tokens were never generated: NaN): the canonical rendering
+    assert own_tokens(tok, ids, lps, enc(head + "Hello World" + tail)) == enc(head + "Hello World" + tail)
+    assert own_tokens(tok, ids, [math.nan] * len(ids), prompt) == prompt
+
+
 @pytest.mark.parametrize("name", ["smollm2", "llama-3-instruct"])
 def test_a_constrained_reply_keeps_the_models_tokens_next_turn(name):
     # JSON chosen under the grammar is not the tokenizer's canonical split of the same text: the next turn
