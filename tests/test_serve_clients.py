@@ -54,6 +54,7 @@ def _pydantic_ai_models(server):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_pydantic_ai_nested_output_tool(server, api):
+    pytest.importorskip("pydantic_ai")
     from pydantic_ai import Agent
 
     agent = Agent(_pydantic_ai_models(server)[api], output_type=Adopt, retries=0)  # the default: an output tool
@@ -63,6 +64,7 @@ def test_pydantic_ai_nested_output_tool(server, api):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_pydantic_ai_tool_plus_native_output(server, api):
+    pytest.importorskip("pydantic_ai")
     from pydantic_ai import Agent, NativeOutput
     from pydantic_ai.exceptions import UsageLimitExceeded
     from pydantic_ai.usage import UsageLimits
@@ -98,7 +100,7 @@ def _agents_model(server, api):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_agents_sdk_function_tool_with_a_model_argument(server, api):
-    import agents
+    agents = pytest.importorskip("agents")
 
     model = _agents_model(server, api)
     got: list[Adopt] = []
@@ -117,7 +119,7 @@ def test_agents_sdk_function_tool_with_a_model_argument(server, api):
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_agents_sdk_tool_plus_output_type(server, api):
-    import agents
+    agents = pytest.importorskip("agents")
 
     model = _agents_model(server, api)
 
