@@ -40,6 +40,7 @@ from .closing import closing
 from .either import Either, read_trigger
 from .messages import new_id, template_message, tool_call_schema
 from .reasoning import Splitter
+from .tokens import Recording as _Recording
 from .tokens import common_prefix, generated_count, row_tokens, safe_length
 
 logger = logging.getLogger("continuum.serve")
@@ -121,23 +122,6 @@ class Reply:
     @property
     def completion_tokens(self) -> int:
         return sum(len(r.tokens) for r in self.rows)
-
-
-class _Recording(Sampler):
-    """Wraps a sampler and keeps the ``k`` best log-probs of every step (for ``top_logprobs``)."""
-
-    def __init__(self, inner: Sampler, k: int):
-        self.inner, self.k, self.steps = inner, k, []  # type: ignore[var-annotated]
-        self.samples, self.is_beam_search, self.is_random = inner.samples, inner.is_beam_search, inner.is_random
-
-    def __call__(self, logprobs, scores, group, rng=None):
-        if self.k:
-            values, ids = logprobs.topk(min(self.k, logprobs.shape[-1]), dim=-1)
-            self.steps.append((values.tolist(), ids.tolist()))
-        return self.inner(logprobs, scores, group, rng)
-
-    def reorders(self, group: int) -> bool:
-        return self.inner.reorders(group)
 
 
 def _reply_of(c: Chat) -> tuple[SequenceState, dict, str]:
