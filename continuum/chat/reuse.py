@@ -68,6 +68,11 @@ def own_tokens(tokenizer, ids: Sequence[int], lps: Sequence[float], prompt: Sequ
     def decode(t: Sequence[int]) -> str:
         return tokenizer.decode(list(t), skip_special=False)
 
+    if k < len(ids) and j < len(prompt) and lps[k] == lps[k]:
+        try:
+            decode([])
+        except TypeError:  # a tokenizer that cannot show its special tokens' text: no exact comparison, canonical
+            return list(prompt)
     while k < len(ids) and j < len(prompt) and lps[k] == lps[k]:  # the diff starts inside a reply
         end = k
         while end < len(ids) and lps[end] == lps[end]:
