@@ -2,8 +2,9 @@
 
 The reference is what a serving loop without state does at every turn: render the messages with
 ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` and run HF ``generate``. Every
-reply must continue exactly that prompt (token ids == canonical prompt + generated tokens), greedy
-replies must equal HF's token for token, turn after turn, and each turn must compute only the
+reply must continue that prompt template-exactly (the same text; every token outside the model's
+earlier replies the canonical one; the replies keep the model's own tokens), greedy replies must
+equal HF's on that prompt token for token, turn after turn, and each turn must compute only the
 tokens after the longest common prefix with the previous state (counted with a forward hook).
 """
 
@@ -113,6 +114,26 @@ def check_logprobs(state) -> None:
         assert math.isclose(float(state.weights.flatten()[r]), float(lps[gen].sum()), abs_tol=1e-4)
 
 
+def template_exact(model, ids: list[int], lps: list[float], prompt: list[int]) -> None:
+    """``ids`` (a row's prompt, with ``lps``: NaN outside the model's replies) is the template-exact form of
+    the canonical ``prompt``: the same text (special tokens included), and every token outside the replies
+    is the canonical token at the same place; the replies' tokens are the model's own (checked by the caller)."""
+    dec = lambda t: model.tokenizer.decode(t, skip_special=False)  # noqa: E731
+    assert dec(ids) == dec(prompt), "the prompt's text is not the template's rendering"
+    n = 0
+    while n < len(ids):
+        end = n
+        while end < len(ids) and math.isnan(lps[end]):
+            end += 1
+        if end > n:  # a run of template tokens: the canonical tokens from the same text offset
+            head = dec(ids[:n])
+            m = next(m for m in range(len(prompt) + 1) if dec(prompt[:m]) == head)
+            assert ids[n:end] == prompt[m:m + end - n], "a token outside the replies is not the template's"
+        n = end
+        while n < len(ids) and not math.isnan(lps[n]):
+            n += 1
+
+
 def greedy_turns(name: str, turns, max_tokens: int = 5, chat=None, model=None):
     """Run ``turns`` user messages through a greedy chat, checking the invariant at every reply;
     returns the chat and the positions each turn computed."""
@@ -126,14 +147,16 @@ def greedy_turns(name: str, turns, max_tokens: int = 5, chat=None, model=None):
         for user in turns:
             chat = chat.user(user)
             reference = reference + [{"role": "user", "content": user}]
-            prompt = canonical(model, chat)
-            assert prompt == canonical(model, chat, reference)
+            canon = canonical(model, chat)
+            assert canon == canonical(model, chat, reference)
             before, n0 = chat.state, counter["tokens"]
             chat = chat.reply(gen, max_tokens=max_tokens)
             computed.append(counter["tokens"] - n0)
             ids = row_ids(chat.state)
-            assert ids[:len(prompt)] == prompt, "the reply does not continue the canonical prompt"
-            generated = ids[len(prompt):]
+            lps = chat.state.token_logprobs[0][chat.state.attention_masks[0].bool()].tolist()
+            new = next(i for i in range(len(lps), 0, -1) if math.isnan(lps[i - 1]))  # the reply starts there
+            prompt, generated = ids[:new], ids[new:]
+            template_exact(model, prompt, lps[:new], canon)
             assert generated == hf_greedy(model, prompt, max_tokens, end_ids)
             assert computed[-1] == expected_positions(before, prompt, len(generated), ended=chat.finish_reason == "eos")
             reference = reference + [{"role": "assistant", "content": text_added(model, prompt, generated)}]
@@ -355,6 +378,43 @@ def test_choice_and_json_replies_end_with_their_constraint():
     prompt2 = canonical(model, c.user("Now as JSON."))
     assert row_ids(c2.state)[:len(prompt2)] == prompt2
     greedy_turns("smollm2", ["Thanks."], chat=c2, model=model, max_tokens=3)  # the invariant goes on
+    check_logprobs(c2.state)
+
+
+def test_own_tokens_keeps_an_unchanged_reply_and_nothing_else():
+    from continuum.chat.reuse import own_tokens
+
+    tok = tiny(TEMPLATES["qwen2.5-instruct"]).tokenizer
+    enc = lambda t: list(tok.hf(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    head, reply = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "Hello world"
+    tail = "<|im_end|>\n<|im_start|>user\nMore"
+    split = [t for ch in reply for t in enc(ch)]  # one token per character: not the canonical split
+    assert split != enc(reply)
+    ids, lps = enc(head) + split, [math.nan] * len(enc(head)) + [-1.0] * len(split)
+    prompt = enc(head + reply + tail)
+    out = own_tokens(tok, ids, lps, prompt)
+    assert out == ids + enc(tail) and tok.decode(out, skip_special=False) == tok.decode(prompt, skip_special=False)
+    # the template changed the reply (or the tokens were never generated: NaN): the canonical rendering
+    assert own_tokens(tok, ids, lps, enc(head + "Hello World" + tail)) == enc(head + "Hello World" + tail)
+    assert own_tokens(tok, ids, [math.nan] * len(ids), prompt) == prompt
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama-3-instruct"])
+def test_a_constrained_reply_keeps_the_models_tokens_next_turn(name):
+    # JSON chosen under the grammar is not the tokenizer's canonical split of the same text: the next turn
+    # keeps the reply's generated tokens (template-exact), so it reuses the whole previous state's cache
+    model, chat = chat_for(name)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}
+    c = chat.user("A card as JSON").reply(generate.json(model, schema, samplers.greedy()), max_tokens=40)
+    ids = row_ids(c.state)
+    assert canonical(model, c.user("Thanks."))[:len(ids)] != ids, "precondition: the reply is not in its canonical split"
+    c2, _ = greedy_turns(name, ["Thanks."], chat=c, model=model, max_tokens=3)  # template-exact, equal to HF
+    new = row_ids(c2.state)
+    lps = c2.state.token_logprobs[0][c2.state.attention_masks[0].bool()].tolist()
+    prompt = next(i for i in range(len(lps), 0, -1) if math.isnan(lps[i - 1]))
+    assert new[:len(ids)] == ids  # the model's own tokens, kept
+    assert c2.recomputed == prompt - int(c.state.cached_tokens.flatten()[0])  # the whole previous cache reused
     check_logprobs(c2.state)
 
 

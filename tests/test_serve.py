@@ -286,7 +286,8 @@ def test_chat_with_state_continues_a_saved_state(lib, tmp_path):
     again, n_again = computed(rebuilt.with_state(loaded))
     direct, n_direct = computed(first)
     fresh, n_fresh = computed(rebuilt)
-    assert again.messages == direct.messages == fresh.messages
+    assert again.messages == direct.messages and again.state.token_ids.tolist() == direct.state.token_ids.tolist()
+    assert fresh.messages[:-1] == direct.messages[:-1]  # (its reply may differ: a stateless chat has the canonical tokens)
     assert n_again == n_direct < n_fresh  # the loaded cache was reused like the original state's
     with pytest.raises(ContinuumTypeError):
         rebuilt.with_state("not a state")

@@ -112,6 +112,25 @@ def test_a_required_tool_call_comes_after_the_thought(client):
     assert isinstance(choice.message.model_extra["reasoning_content"], str)
 
 
+def test_tools_in_auto_with_a_format_come_after_the_thought(client):
+    """Issue 35: tools in "auto" plus a JSON format: the thought, then a valid call or a schema-valid answer."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}
+    for seed in range(3):
+        kw = dict(tools=[TOOL], tool_choice="auto", response_format=fmt, max_tokens=80, temperature=1.0, seed=seed)
+        choice = ask(client, **kw).choices[0]
+        msg = choice.message
+        assert isinstance(msg.model_extra["reasoning_content"], str)
+        if msg.tool_calls:
+            assert choice.finish_reason == "tool_calls" and not msg.content
+            jsonschema.validate(json.loads(msg.tool_calls[0].function.arguments), TOOL["function"]["parameters"])
+        else:
+            assert choice.finish_reason == "stop" and "think>" not in msg.content
+            jsonschema.validate(json.loads(msg.content), SCHEMA)
+        s_thought, s_content, s_calls = streamed(ask(client, stream=True, **kw))
+        assert (s_thought, s_content or None, len(s_calls)) == (msg.model_extra["reasoning_content"], msg.content or None,
+                                                                len(msg.tool_calls or []))
+
+
 @pytest.mark.parametrize("extra", [{"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}])
 def test_thinking_off_by_request(client, extra):
     r = ask(client, extra_body=extra)

@@ -27,6 +27,15 @@ REFUSALS = [  # (path, body changes) over a good request of that path; every one
     ("/chat/completions", {"response_format": {"type": "json_schema",
                                                "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}}}),
     ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}),
+    # issue 35: a reference that points to nothing in the tool's own parameters (embedded in the call's envelope);
+    # a bad format beside tools in "auto" (the call-or-answer grammar), both refused before anything streams
+    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}, "$defs": {}}}}], "tool_choice": "auto"}),
+    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto", "stream": True,
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+    ("/responses", {"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto",
+                    "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": 5}}}}),
     ("/responses", {"previous_response_id": "resp_unknown"}),
     ("/responses", {"input": [{"type": "image"}]}),
     ("/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": 5}}}}),

@@ -6,9 +6,11 @@
     state (last reply, KV cache) ───────────────────────────┴─▶ cut there (cache kept), append the rest
                                                               ──▶ any generator ──▶ new state + reply message
 
-Every reply continues exactly the tokens a stateless loop would feed the model: the messages
-rendered by transformers' ``apply_chat_template`` (``add_generation_prompt=True``, or
-``continue_final_message=True`` after :meth:`Chat.assistant`) and tokenized canonically. Templates
+Every reply continues the messages rendered by transformers' ``apply_chat_template``
+(``add_generation_prompt=True``, or ``continue_final_message=True`` after :meth:`Chat.assistant`),
+*template-exact*: the same text, every token outside the model's replies the canonical one, and the
+model's earlier replies in the tokens it generated (a constrained or sampled reply is often not its
+text's canonical split; `continuum/chat/reuse.py`), so a turn computes only the new messages. Templates
 that rewrite history (Qwen3 drops earlier ``<think>`` blocks, Llama-3 and Mistral trim messages) are
 why the state is *reconciled* with each new rendering by tokens instead of appending text: a turn
 computes only the tokens after the common prefix, plus the generated ones.
@@ -37,6 +39,7 @@ from ..state import SequenceState
 from ..state.core import _NAN
 from ..state.indexing import truncate
 from .reasoning import check_chat_reasoning, reply_generator, template_kwargs_for, with_thoughts
+from .reuse import own_tokens
 from .stream import ChatStream
 from .template import Renderer
 
@@ -301,9 +304,9 @@ class _Turn:
         self.chat, self.generator, self.max_tokens = chat, generator, max_tokens
         setup = chat._setup
         self.prompts = [list(setup.render(r, tokenize=True, generation=True)) for r in chat._rows]
-        self.state = _reconcile(chat._state, self.prompts, setup.model).to_model(generator.model)
-        one = len(self.prompts) == 1
-        self.recomputed = [len(self.prompts[0 if one else r]) - c for r, c in enumerate(self.state._cached_real())]
+        state, continued = _reconcile(chat._state, self.prompts, setup.model)
+        self.state = state.to_model(generator.model)
+        self.recomputed = [len(p) - c for p, c in zip(continued, self.state._cached_real())]
         # a continued prefill: the rendering ends with it, or with it right-stripped (a trimming template)
         self.prefills: list[str | None] = []
         for r in chat._rows:
@@ -362,23 +365,27 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _reconcile(state: SequenceState | None, prompts: list[list[int]], model) -> SequenceState:
+def _reconcile(state: SequenceState | None, prompts: list[list[int]], model) -> tuple[SequenceState, list[list[int]]]:
     """A state holding ``prompts`` (one per row) that keeps ``state``'s cache over their longest common
-    token prefix: each row is cut there and the rest of its prompt appended (uncached). Weights keep
-    the log-probs of the generated tokens inside the common prefix."""
+    token prefix: each row is cut there and the rest of its prompt appended (uncached). A reply of the
+    state rendered unchanged keeps the model's own tokens (:func:`continuum.chat.reuse.own_tokens`), so
+    each row continues its own prompt: they are returned with the state. Weights keep the log-probs of
+    the generated tokens inside the common prefix."""
     if state is None:
         rows = [list(p) for p in prompts]
         return SequenceState._from_rows(model, rows, [[_NAN] * len(r) for r in rows], torch.zeros(len(rows)),
-                                        1, len(rows), None)
+                                        1, len(rows), None), rows
     real, cached = state._real_rows(), state._cached_real()
     if len(prompts) == 1 and state.rows > 1:
         prompts = prompts * state.rows
-    keep, tails, weights = [], [], []
+    keep, tails, weights, continued = [], [], [], []
     for r, new in enumerate(prompts):
         ids, lps = real[r]
+        new = own_tokens(model.tokenizer, ids, lps, new)  # the replies keep the model's tokens
+        continued.append(new)
         p = _common_prefix(ids, new)
         c = min(p, cached[r])
         keep.append(c)
         tails.append((new[c:], lps[c:p] + [_NAN] * (len(new) - p)))
         weights.append(math.fsum(x for x in lps[:p] if x == x))
-    return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), None)
+    return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), None), continued

@@ -178,14 +178,15 @@ class Tokenizer:
             logger.info("Tokenizer %r: unknown decoder; row texts are decoded by Hugging Face", self.name)
         return dec
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of a row: its tokens' bytes decoded with standard UTF-8 replacement, special tokens skipped."""
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of a row: its tokens' bytes decoded with standard UTF-8 replacement, special tokens skipped;
+        ``skip_special=False``: Hugging Face's decoding with the special tokens' text (to compare renderings)."""
         dec = self.bytes_decoder
-        if dec is not None:
+        if dec is not None and skip_special:
             return dec.decode(ids)
         if self._backend is not None:
-            return self._backend.decode(list(ids), skip_special_tokens=True)
-        return self.hf.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
 
     def decode_batch(self, rows: Sequence[Sequence[int]]) -> list[str]:
         if self.bytes_decoder is None and self._backend is not None:

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception
-from .messages import chat_messages, new_id
+from .messages import chat_messages, new_id, tool_call_schema
 from .reasoning import plan_reasoning
 from .schemas import ChatCompletionRequest
 from .sse import DONE, ThreadStream, sse
@@ -49,26 +49,33 @@ def _plan(req: ChatCompletionRequest) -> Plan:
         return Plan("tools", tools=tools, tool_choice=choice.function.name)
     if choice == "required" and not tools:
         raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-    if tools and choice != "none":
-        return Plan("tools", tools=tools, tool_choice=choice or "auto")
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
-        return Plan("text")
-    if fmt.type == "json_object":
-        return Plan("json", schema={"type": "object"})
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        plan = Plan("text")
+    elif fmt.type == "json_object":
+        plan = Plan("json", schema={"type": "object"})
+    elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema", param="response_format.json_schema")
-    return Plan("json", schema=fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict))
+    else:
+        plan = Plan("json", schema=fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict))
+    if tools and choice != "none":  # in "auto", a reply that is not a call follows the format (serve/either.py)
+        return Plan("tools", schema=plan.schema, strict=plan.strict, tools=tools, tool_choice=choice or "auto")
+    return plan
 
 
 def check_plan(ctx, plan: Plan) -> None:
     """Compile the schemas now, so a refused schema is a 400 (with the engine's reason) before any streaming."""
-    if plan.mode == "json" and plan.schema is not None:
+    if plan.schema is not None and (plan.mode == "json" or plan.tool_choice == "auto"):
         ctx.engine.check_schema(plan.schema, plan.strict)
     if plan.mode == "tools":
         for t in plan.tools:
             if t["parameters"] is not None:
                 ctx.engine.check_schema(t["parameters"], True)
+        # the envelope the calls are generated under (each tool's parameters embedded, their references rewritten)
+        only = None if plan.tool_choice in ("auto", "required") else plan.tool_choice
+        ctx.engine.call_generator(tool_call_schema(plan.tools, only), Sampling(temperature=0), False, None)
+        if only is None and plan.tool_choice == "auto" and plan.schema is not None:  # the call-or-answer grammar
+            ctx.engine.either(plan, Sampling(temperature=0), False)
 
 
 def logprob_entries(engine, row) -> list[dict]:

@@ -33,21 +33,20 @@ from .. import generate, samplers
 from ..chat.reasoning import template_kwargs_for
 from ..chat.session import Chat
 from ..errors import ContinuumError
-from ..generate import Generator
 from ..generate.reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
 from ..samplers import Sampler
 from ..state import SequenceState
 from .closing import closing
+from .either import Either, read_trigger
 from .messages import new_id, template_message, tool_call_schema
 from .reasoning import Splitter
+from .tokens import Recording as _Recording
 from .tokens import common_prefix, generated_count, row_tokens, safe_length
 
 logger = logging.getLogger("continuum.serve")
 
 __all__ = ["Cancelled", "Engine", "Plan", "Reply", "RowReply", "Sampling"]
 
-_PROBE_NAME = "CONTINUUM_TOOL_PROBE"
-_DEFAULT_TRIGGER = "<tool_call>"
 
 
 class Cancelled(Exception):
@@ -125,23 +124,6 @@ class Reply:
         return sum(len(r.tokens) for r in self.rows)
 
 
-class _Recording(Sampler):
-    """Wraps a sampler and keeps the ``k`` best log-probs of every step (for ``top_logprobs``)."""
-
-    def __init__(self, inner: Sampler, k: int):
-        self.inner, self.k, self.steps = inner, k, []  # type: ignore[var-annotated]
-        self.samples, self.is_beam_search, self.is_random = inner.samples, inner.is_beam_search, inner.is_random
-
-    def __call__(self, logprobs, scores, group, rng=None):
-        if self.k:
-            values, ids = logprobs.topk(min(self.k, logprobs.shape[-1]), dim=-1)
-            self.steps.append((values.tolist(), ids.tolist()))
-        return self.inner(logprobs, scores, group, rng)
-
-    def reorders(self, group: int) -> bool:
-        return self.inner.reorders(group)
-
-
 def _reply_of(c: Chat) -> tuple[SequenceState, dict, str]:
     """A one-row chat after a reply: its state, its last message and why the reply ended."""
     state, msgs, reason = c.state, c.messages, c.finish_reason
@@ -163,7 +145,7 @@ class Engine:
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
         if reasoning:  # the markers must exist: fail at start, not on every request
             resolve_markers(model.tokenizer, True)
-        self._generators: OrderedDict[tuple, Generator] = OrderedDict()
+        self._generators: OrderedDict[tuple, Any] = OrderedDict()  # generators, and Either's
         self._lock = threading.Lock()
         self._trigger: str | None = None
         self._no_automaton: set[str] = set()  # tool-call schemas outlines-core does not compile exactly
@@ -229,6 +211,21 @@ class Engine:
                 self._no_automaton.add(key)
         return self.generator("json", schema, True, sampling, record, compact=True)
 
+    def either(self, plan: Plan, sampling: Sampling, record: bool) -> tuple[Either, _Recording | None]:
+        """The call-or-answer generator of ``plan`` (tools in "auto" and a JSON format: serve/either.py)."""
+        sampler = sampling.sampler()
+        rec = _Recording(sampler, sampling.top_logprobs or 0) if record else None
+        key = ("either", _json.dumps([plan.tools, plan.schema], sort_keys=True), plan.strict, repr(sampler))
+        with self._lock:
+            hit = self._generators.get(key) if rec is None else None
+        if hit is None:
+            hit = Either.build(self.model, plan.tools, plan.schema or {}, plan.strict, self.tool_trigger(), rec or sampler,
+                               max_string_length=self.max_string_length, bounds=self.bounds, fast_forward=rec is None)
+            if rec is None:
+                with self._lock:
+                    self._generators[key] = hit
+        return hit, rec
+
     def check_schema(self, schema: dict, strict: bool) -> None:
         """Compile a schema now (refused schemas are 400s before anything streams)."""
         self.generator("json", schema, strict, Sampling(temperature=0), False)
@@ -236,20 +233,7 @@ class Engine:
     def tool_trigger(self) -> str:
         """The text a template puts before a tool call's JSON (``<tool_call>`` for Qwen), read by rendering one."""
         if self._trigger is None:
-            hf, user = self.model.tokenizer.hf, [{"role": "user", "content": "Hi"}]
-            call = {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_0", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]}
-            trigger = _DEFAULT_TRIGGER
-            try:
-                before = hf.apply_chat_template(user, chat_template=self.template, add_generation_prompt=True, tokenize=False)
-                full = hf.apply_chat_template(user + [call], chat_template=self.template, tokenize=False)
-                if isinstance(full, str) and full.startswith(before) and _PROBE_NAME in full:
-                    seg = full[len(before):full.index(_PROBE_NAME)]
-                    cut = seg[:seg.rfind("{")].strip() if "{" in seg else ""
-                    trigger = cut or trigger
-            except Exception as exc:  # noqa: BLE001 - a template that cannot render tool calls: the default marker
-                logger.debug("the chat template cannot render a tool call (%s): tool-call marker %r", exc, trigger)
-            self._trigger = trigger
+            self._trigger = read_trigger(self.model.tokenizer.hf, self.template)
         return self._trigger
 
     # ------------------------------------------------------------------ replying
@@ -280,8 +264,12 @@ class Engine:
         stops: list[str] = []
         if plan.mode == "tools":  # a tool call is sent whole (in "auto", the marker may come late in the text)
             on_delta = None
+        either = None
         if plan.mode == "json":
             gen, rec = self.generator("json", plan.schema, plan.strict, sampling, record)
+        elif plan.mode == "tools" and plan.tool_choice == "auto" and plan.schema is not None:  # a call or a formatted answer
+            either, rec = self.either(plan, sampling, record)
+            gen = either.generator
         elif plan.mode == "tools" and plan.tool_choice != "auto":
             only = None if plan.tool_choice == "required" else plan.tool_choice
             gen, rec = self.call_generator(tool_call_schema(plan.tools, only), sampling, record, sampling.max_tokens)
@@ -313,7 +301,9 @@ class Engine:
                 content = content[: -len(cut)]
             if plan.mode == "json" and reason in ("pattern", "eos", "thinking_budget"):
                 _ = c.value  # parsed and validated against the schema (an approximated one can fail: SchemaViolationError)
-            if plan.mode == "tools" and plan.tool_choice != "auto":
+            if either is not None:
+                calls, content, finish = either.outcome(content, reason, ids[len(ids) - generated_count(lps):])
+            elif plan.mode == "tools" and plan.tool_choice != "auto":
                 calls, content, finish = self._calls(c, content, reason)
             elif trigger is not None and reason == "stop" and content.endswith(trigger):
                 used = generated_count(lps)

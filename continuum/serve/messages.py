@@ -6,6 +6,7 @@ import json as _json
 import secrets
 from typing import Any
 
+from ..guides.embed import embed, pointer
 from .errors import APIError
 
 __all__ = ["chat_messages", "new_id", "template_message", "text_of", "tool_call_schema"]
@@ -67,11 +68,19 @@ def chat_messages(messages) -> list[dict]:
     return out
 
 
-def tool_call_schema(tools: list[dict], only: str | None) -> dict:
-    def one(t: dict) -> dict:
+def tool_call_schema(tools: list[dict], only: str | None, at: str = "") -> dict:
+    """The schema of a call ``{"name": ..., "arguments": {...}}`` to one of ``tools`` (or to ``only``), to be
+    placed at the JSON pointer ``at`` of the schema it is generated under (``""``: it is that schema).
+    Each tool's parameters keep their own references (``$defs`` of nested models, recursion): they are
+    rewritten to where the parameters lie in the envelope (:func:`continuum.guides.embed.embed`)."""
+    chosen = [t for t in tools if only is None or t["name"] == only]
+
+    def one(t: dict, here: str) -> dict:
         params = t.get("parameters") or {"type": "object", "properties": {}}
-        return {"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": params},
+        return {"type": "object", "properties": {"name": {"const": t["name"]},
+                                                 "arguments": embed(params, here + "/properties/arguments")},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
-    chosen = [t for t in tools if only is None or t["name"] == only]
-    return one(chosen[0]) if len(chosen) == 1 else {"anyOf": [one(t) for t in chosen]}
+    if len(chosen) == 1:
+        return one(chosen[0], at)
+    return {"anyOf": [one(t, at + pointer("anyOf", i)) for i, t in enumerate(chosen)]}

@@ -40,16 +40,18 @@ def _plan(req: ResponsesRequest) -> Plan:
         return Plan("tools", tools=tools, tool_choice=choice.name)
     if choice == "required" and not tools:
         raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-    if tools and choice != "none":
-        return Plan("tools", tools=tools, tool_choice=choice or "auto")
     fmt = req.text.format if req.text is not None else None
     if fmt is None or fmt.type == "text":
-        return Plan("text")
-    if fmt.type == "json_object":
-        return Plan("json", schema={"type": "object"})
-    if fmt.schema_ is None:
+        plan = Plan("text")
+    elif fmt.type == "json_object":
+        plan = Plan("json", schema={"type": "object"})
+    elif fmt.schema_ is None:
         raise APIError(400, "text.format of type 'json_schema' needs a schema", param="text.format.schema")
-    return Plan("json", schema=fmt.schema_, strict=bool(fmt.strict))
+    else:
+        plan = Plan("json", schema=fmt.schema_, strict=bool(fmt.strict))
+    if tools and choice != "none":  # in "auto", a reply that is not a call follows the format (serve/either.py)
+        return Plan("tools", schema=plan.schema, strict=plan.strict, tools=tools, tool_choice=choice or "auto")
+    return plan
 
 
 def _input_messages(req: ResponsesRequest, previous: list[dict]) -> list[dict]:

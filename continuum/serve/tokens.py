@@ -1,12 +1,13 @@
-"""Reading a reply's tokens off a state, and what of a streamed text is safe to send."""
+"""Reading a reply's tokens off a state, what of a streamed text is safe to send, and the top log-probs of each step."""
 
 from __future__ import annotations
 
 import math
 
+from ..samplers import Sampler
 from ..state import SequenceState
 
-__all__ = ["common_prefix", "generated_count", "row_tokens", "safe_length"]
+__all__ = ["Recording", "common_prefix", "generated_count", "row_tokens", "safe_length"]
 
 
 def row_tokens(state: SequenceState, r: int) -> tuple[list[int], list[float]]:
@@ -46,3 +47,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+class Recording(Sampler):
+    """Wraps a sampler and keeps the ``k`` best log-probs of every step (for ``top_logprobs``)."""
+
+    def __init__(self, inner: Sampler, k: int):
+        self.inner, self.k, self.steps = inner, k, []  # type: ignore[var-annotated]
+        self.samples, self.is_beam_search, self.is_random = inner.samples, inner.is_beam_search, inner.is_random
+
+    def __call__(self, logprobs, scores, group, rng=None):
+        if self.k:
+            values, ids = logprobs.topk(min(self.k, logprobs.shape[-1]), dim=-1)
+            self.steps.append((values.tolist(), ids.tolist()))
+        return self.inner(logprobs, scores, group, rng)
+
+    def reorders(self, group: int) -> bool:
+        return self.inner.reorders(group)
