@@ -21,7 +21,6 @@ import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ...errors import ContinuumError
@@ -76,9 +75,10 @@ class SeqKV:
         return self
 
     def nbytes(self, seen: set | None = None) -> int:
-        """Bytes of the cells the views reach, each sequence counted once (its longest view)."""
+        """Bytes of the cells the views reach, each sequence counted once (its longest view): an upper bound, since
+        cells a fork shares with its parent sequence (``seq_cp``) are counted in both."""
         seen = set() if seen is None else seen
-        per_token = getattr(self.views[0].pool.model, "kv_bytes_per_token", 0) if self.views else 0
+        per_token = getattr(self.views[0].pool, "kv_bytes_per_token", 0) if self.views else 0
         longest: dict[int, int] = {}
         for v in self.views:
             s = getattr(v, "_seq", None)
@@ -112,6 +112,7 @@ class LlamaCpp:
         self.llama = LlamaCppModel(path, **options)
         self.tokenizer = LlamaTokenizer(self.llama)
         self.pool = SequencePool.of(self.llama)
+        self.pool.kv_bytes_per_token = self.kv_bytes_per_token  # type: ignore[attr-defined]  # (read by SeqKV.nbytes)
         self.context_length: int | None = self.llama.context_length
         self.prefix_cache = None
         self.tokens_computed = 0
@@ -120,10 +121,22 @@ class LlamaCpp:
         self.layer_devices: tuple[torch.device, ...] = ()
         self.kv_dtype = None
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one position of one sequence takes (every layer's keys and values)."""
-        return int(getattr(self.llama, "kv_bytes_per_token", 0) or 0)
+        """KV bytes one position of one sequence takes: every layer's keys and values, from the GGUF's metadata and
+        the context's KV type (0 when the metadata does not say)."""
+        meta, arch = self.llama.metadata, self.llama.architecture
+        try:
+            layers = int(meta(f"{arch}.block_count") or 0)
+            kv_heads = int(meta(f"{arch}.attention.head_count_kv") or meta(f"{arch}.attention.head_count") or 0)
+            heads = int(meta(f"{arch}.attention.head_count") or 1)
+            width = int(meta(f"{arch}.embedding_length") or 0) // heads
+            k = int(meta(f"{arch}.attention.key_length") or width)
+            v = int(meta(f"{arch}.attention.value_length") or width)
+        except ValueError:
+            return 0
+        itemsize = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}.get(self.llama.kv_type, 2.0)
+        return int(layers * kv_heads * (k + v) * itemsize)
 
     def __repr__(self) -> str:
         return f"LlamaCpp({os.path.basename(str(self.llama.path))}, {self.tokenizer!r})"
@@ -253,5 +266,3 @@ def llamacpp(path: str | os.PathLike, **options: Any) -> LlamaCpp:
     """
     return LlamaCpp(path, **options)
 
-
-_ = np  # (numpy arrays come back from decode; torch.from_numpy shares them)
