@@ -15,8 +15,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
+from pydantic import BaseModel, Field
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "qwen2.5-instruct.jinja"  # renders tools and <tool_call> blocks
@@ -141,3 +143,16 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    age: int = Field(ge=0, le=20)
+
+
+class Adopt(BaseModel):
+    """Adopt a pet (a nested model: its schema has $defs and a $ref): the agent tests' tool argument."""
+
+    pet: Pet
+    indoor: bool
+

@@ -24,19 +24,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from pydantic import BaseModel, Field
 
+from serve_support import Adopt
+
 MODEL = "tiny"
-
-
-class Pet(BaseModel):
-    kind: Literal["cat", "dog", "fish"]
-    age: int = Field(ge=0, le=20)
-
-
-class Adopt(BaseModel):
-    """Adopt a pet (a nested model: its schema has $defs and a $ref)."""
-
-    pet: Pet
-    indoor: bool
 
 
 class Node(BaseModel):

@@ -19,22 +19,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
+
+from serve_support import Adopt, Pet
 
 MODEL = "tiny"
 SETTINGS = {"max_tokens": 80, "temperature": 0.0}
-
-
-class Pet(BaseModel):
-    kind: Literal["cat", "dog", "fish"]
-    age: int = Field(ge=0, le=20)
-
-
-class Adopt(BaseModel):
-    """Adopt a pet (nested: $defs and $ref in the schema)."""
-
-    pet: Pet
-    indoor: bool
 
 
 class Card(BaseModel):

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["own_tokens"]
+__all__ = ["own_tokens", "common_prefix"]
 
 _WINDOW = 8  # tokens around the binary search's answer (enough for any one character)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token sequences (the chat's and the server's reconciliation)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -61,7 +62,7 @@ def own_tokens(tokenizer, ids: Sequence[int], lps: Sequence[float], prompt: Sequ
     result is ``ids[:k] + prompt[j:]`` with ``ids[:k]`` and ``prompt[:j]`` the same text (special tokens
     included), ``k`` as large as the replies allow: it shares the state's tokens (and cache) up to ``k``.
     """
-    p = _common_prefix(ids, prompt)
+    p = common_prefix(ids, prompt)
     k, j = p, p
     text: str | None = None
 
@@ -87,6 +88,6 @@ def own_tokens(tokenizer, ids: Sequence[int], lps: Sequence[float], prompt: Sequ
         j2 = _boundary(decode, prompt, j, upto)
         if j2 is None:
             break  # the reply's end is inside a token of the rendering: no exact split point
-        q = _common_prefix(ids[end:], prompt[j2:])
+        q = common_prefix(ids[end:], prompt[j2:])
         k, j = end + q, j2 + q
     return list(prompt) if k == p else list(ids[:k]) + list(prompt[j:])

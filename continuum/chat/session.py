@@ -39,7 +39,7 @@ from ..state import SequenceState
 from ..state.core import _NAN
 from ..state.indexing import truncate
 from .reasoning import check_chat_reasoning, reply_generator, template_kwargs_for, with_thoughts
-from .reuse import own_tokens
+from .reuse import common_prefix, own_tokens
 from .stream import ChatStream
 from .template import Renderer
 
@@ -346,7 +346,7 @@ class _Turn:
         for text, (ids, _) in zip(replies, state._real_rows()):
             # the row it descends from (forks copy a row; beam search reorders rows and sorts them):
             # the one whose prompt it continues
-            src = max(range(len(self.prompts)), key=lambda i: (_common_prefix(ids, self.prompts[i]), -i))
+            src = max(range(len(self.prompts)), key=lambda i: (common_prefix(ids, self.prompts[i]), -i))
             msgs, pre = self.chat._rows[src], self.prefills[src]
             if pre is None:
                 new_rows.append(msgs + ({"role": "assistant", "content": text},))
@@ -355,14 +355,6 @@ class _Turn:
         out = Chat._make(self.chat._setup, with_thoughts(tuple(new_rows), state), state)
         out._recomputed = self.recomputed
         return out
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _reconcile(state: SequenceState | None, prompts: list[list[int]], model) -> tuple[SequenceState, list[list[int]]]:
@@ -383,7 +375,7 @@ def _reconcile(state: SequenceState | None, prompts: list[list[int]], model) -> 
         ids, lps = real[r]
         new = own_tokens(model.tokenizer, ids, lps, new)  # the replies keep the model's tokens
         continued.append(new)
-        p = _common_prefix(ids, new)
+        p = common_prefix(ids, new)
         c = min(p, cached[r])
         keep.append(c)
         tails.append((new[c:], lps[c:p] + [_NAN] * (len(new) - p)))

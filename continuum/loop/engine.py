@@ -51,7 +51,7 @@ from . import cancel
 from .arrivals import ARRIVALS, GATE
 from .call import END, Call
 from .checks import engine_setting
-from .forwards import new_counters, report, run_requests
+from .forwards import new_counters, report
 from .parallel import world_size
 from .ranks import Ranks, next_key
 
@@ -379,7 +379,7 @@ class Engine:
         self._stats["wakeups"] += 1
 
     def _run_requests(self, batch: list[Request]) -> None:
-        run_requests(self._model, batch, self._stats)
+        self._model.run_step(batch, self._stats)  # the backend's own way (models/protocol.py)
 
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:

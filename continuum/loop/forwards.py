@@ -1,17 +1,10 @@
-"""The engine's counters (``Engine.stats()``: forwards, padding, KV bytes, time in the model) and how a step's
-forward requests reach the model: ``model.run_step(requests, counters)``, the backend's own way of running them
-(transformers: :mod:`continuum.models.hf.step`, merged groups in slabs)."""
+"""The engine's counters (``Engine.stats()``: forwards, padding, KV bytes, time in the model). A step's forward
+requests reach the model through ``model.run_step(requests, counters)``, the backend's own way of running them
+(transformers: :mod:`continuum.models.hf.step`, merged groups in slabs), which moves these counters."""
 
 from __future__ import annotations
 
-from ..models.request import Request
-
-__all__ = ["run_requests", "new_counters", "report"]
-
-
-def run_requests(model, batch: list[Request], stats: dict) -> None:
-    """Run every request of one engine step on ``model`` (its backend's ``run_step``); errors go to their owners."""
-    model.run_step(batch, stats)
+__all__ = ["new_counters", "report"]
 
 
 def new_counters() -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ..chat.reuse import common_prefix
 from ..samplers import Sampler
 from ..state import SequenceState
 
@@ -40,13 +41,6 @@ def safe_length(text: str, stops: list[str]) -> int:
     return end
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Recording(Sampler):
