@@ -175,7 +175,7 @@ def _tokens_html(row: _Row, lo: int, hi: int, *, cached: int = 0, marks=(), bars
                 out.append(f'<span data-tok="{k}" title="{tip}"' + (f' style="{style}"' if style else "")
                            + f">{_esc(text)}</span>")
             elif tid in row.tok.special_ids:  # BOS...: decodes to nothing; its name, outside the row's text
-                name = row.tok.hf.convert_ids_to_tokens(tid) or f"id {tid}"
+                name = row.tok.token_name(tid)
                 out.append(f'<span data-special="{k}" title="{tip}" style="{_SPECIAL}{style}">{_esc(str(name))}</span>')
             else:  # the rest of a character another token began: a sliver with the token's shade
                 out.append(f'<span data-tok="{k}" title="{tip}" style="{_SLIVER}{style}"></span>')

@@ -37,10 +37,10 @@ def check_chat_reasoning(reasoning: Any, keep_reasoning: Any, thinking_budget: A
         raise ContinuumTypeError(f"keep_reasoning must be True or False, got {keep_reasoning!r}")
 
 
-def template_kwargs_for(template: str | None, hf, kwargs: dict, reasoning: Any) -> dict:
+def template_kwargs_for(template: str | None, tokenizer, kwargs: dict, reasoning: Any) -> dict:
     """The template kwargs with the template's thinking switch set from ``reasoning`` (when the
     template has one and the caller did not set it): ``enable_thinking`` for Qwen3 and SmolLM3."""
-    text = template if template is not None else (getattr(hf, "chat_template", None) or "")
+    text = template if template is not None else (tokenizer.chat_template or "")
     out = dict(kwargs)
     if reasoning is not None and isinstance(text, str) and "enable_thinking" in text:
         out.setdefault("enable_thinking", bool(reasoning))

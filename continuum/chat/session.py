@@ -98,16 +98,13 @@ class Chat:
             raise ContinuumTypeError(f"Chat takes a continuum model (models.transformers(...)), got {type(model).__name__}")
         if template is not None and not isinstance(template, str):
             raise ContinuumTypeError(f"template must be the Jinja text of a chat template, got {type(template).__name__}")
-        if getattr(model.tokenizer, "hf", None) is None:  # (rendering runs transformers' apply_chat_template)
-            raise ChatTemplateError(f"chats need a Hugging Face tokenizer to render their template; {model!r} has none "
-                                    "(a GGUF on llama.cpp): chats on llama.cpp models are not available yet")
-        if template is None and not getattr(model.tokenizer.hf, "chat_template", None):
+        if template is None and not model.tokenizer.chat_template:
             raise ChatTemplateError(f"the tokenizer {model.tokenizer.name!r} has no chat template: pass one, "
                                     f"Chat(model, template=jinja_text) (e.g. the chat_template of an instruct model)")
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
             raise ContinuumTypeError(f"template_kwargs must be a dict, got {type(template_kwargs).__name__}")
         check_chat_reasoning(reasoning, keep_reasoning, thinking_budget)
-        kwargs = template_kwargs_for(template, model.tokenizer.hf, dict(template_kwargs or {}), reasoning)
+        kwargs = template_kwargs_for(template, model.tokenizer, dict(template_kwargs or {}), reasoning)
         setup = Renderer(model, template, list(tools) if tools is not None else None, kwargs, reasoning, keep_reasoning,
                          thinking_budget)
         self._init(setup, ((),), None)

@@ -1,4 +1,4 @@
-"""Rendering a chat with its template: transformers' ``apply_chat_template``, and the end-of-turn marker.
+"""Rendering a chat with its template (the tokenizer's ``apply_chat_template``), and the end-of-turn marker.
 
 Kept apart from :mod:`continuum.chat` (the session logic) so each module has one job: this one knows
 how a template turns messages into a prompt and how a turn ends, nothing about states.
@@ -31,10 +31,6 @@ class Renderer:
     thinking_budget: int | None = None
     _end: tuple[frozenset, tuple[str, ...]] | None = field(default=None, repr=False)
 
-    @property
-    def hf(self):
-        return self.model.tokenizer.hf
-
     def render(self, messages: Sequence[dict], *, tokenize: bool, generation: bool) -> Any:
         """``apply_chat_template`` of ``messages``: a prompt for a reply (``generation=True``:
         generation prompt, or continuing a final assistant message) or the history as it stands."""
@@ -45,10 +41,10 @@ class Renderer:
             r = self.reasoning
             messages = history_for(messages, tuple(r) if isinstance(r, (tuple, list)) else ("<think>", "</think>"))
         try:
-            return self.hf.apply_chat_template(
+            return self.model.tokenizer.apply_chat_template(
                 [dict(m) for m in messages], tools=self.tools, chat_template=self.template,
                 add_generation_prompt=generation and not cont, continue_final_message=cont,
-                tokenize=tokenize, return_dict=False, **self.template_kwargs)
+                tokenize=tokenize, **self.template_kwargs)
         except ChatTemplateError:
             raise
         except Exception as exc:  # jinja2.TemplateError (raise_exception), ValueError (continue_final_message)...
@@ -70,7 +66,7 @@ class Renderer:
             marker = after.strip().split()[0] if after.strip() else ""
             if marker:
                 tok = self.model.tokenizer
-                first = list(self.hf(marker, add_special_tokens=False)["input_ids"])
+                first = tok.encode_special(marker)
                 if len(first) == 1 and (first[0] in tok.special_ids or not tok.decode(first)):
                     ids = frozenset(first)  # a special token (<|im_end|>, <|eot_id|>, </s>): an extra EOS id
                 else:

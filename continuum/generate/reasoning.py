@@ -53,9 +53,8 @@ def resolve_markers(tokenizer, reasoning: Any) -> Markers | None:
     """The markers of ``reasoning`` for ``tokenizer`` (a continuum Tokenizer), or None when off."""
     if not reasoning:
         return None
-    hf = tokenizer.hf
     start, end = _DEFAULT if reasoning is True else tuple(reasoning)
-    added = hf.get_added_vocab() if hasattr(hf, "get_added_vocab") else {}
+    added = {t: i for t in (start, end) if (i := tokenizer.added_token_id(t)) is not None}
     if reasoning is True and (start not in added or end not in added):
         raise ReasoningError(f"the tokenizer {tokenizer.name!r} has no {start!r}/{end!r} tokens: pass the marker pair "
                              f"its model writes, e.g. reasoning=('<think>', '</think>') (matched as their tokens)")
@@ -63,7 +62,7 @@ def resolve_markers(tokenizer, reasoning: Any) -> Markers | None:
     def ids(text: str) -> tuple[int, ...]:
         if text in added:
             return (int(added[text]),)
-        out = tuple(hf.encode(text, add_special_tokens=False))
+        out = tuple(tokenizer.encode_special(text))
         if not out:
             raise ReasoningError(f"the reasoning marker {text!r} encodes to no token: pass markers the model writes")
         return out
@@ -73,10 +72,10 @@ def resolve_markers(tokenizer, reasoning: Any) -> Markers | None:
         raise ReasoningError(f"the reasoning markers must differ, got {start!r} and {end!r}")
 
     def after(marker: tuple[int, ...], text: str, sep: str) -> tuple[int, ...]:
-        both = tuple(hf.encode(text + sep, add_special_tokens=False))  # the template's newlines, as it tokenizes them
+        both = tuple(tokenizer.encode_special(text + sep))  # the template's newlines, as it tokenizes them
         return both[len(marker):] if both[:len(marker)] == marker else ()
 
-    nl = tuple(hf.encode("\n", add_special_tokens=False))
+    nl = tuple(tokenizer.encode_special("\n"))
     ends = frozenset(i for i, b in enumerate(tokenizer.vocab_bytes) if b is not None and b.endswith(b"\n"))
     return Markers(start=s, end=e, open_sep=after(s, start, "\n"), close_sep=after(e, end, "\n\n"),
                    start_text=start, end_text=end, newline=nl[0] if len(nl) == 1 else None, line_ends=ends)

@@ -127,6 +127,29 @@ class Tokenizer:
         payload = json.dumps([vocab, sorted(self.eos_token_ids), self.bos_token_id, self.pad_token_id])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
+    # -- chat templates (continuum.chat): the same four calls on every backend's tokenizer ---------
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template, or None."""
+        return getattr(self.hf, "chat_template", None) or None
+
+    def apply_chat_template(self, conversation: Sequence[dict], **options: Any) -> Any:
+        """transformers' ``apply_chat_template`` (``return_dict=False``)."""
+        return self.hf.apply_chat_template(list(conversation), **{**options, "return_dict": False})
+
+    def encode_special(self, text: str) -> list[int]:
+        """Ids of ``text`` with the special tokens written in it parsed (``"<|im_end|>"`` is one token), none added."""
+        return self._encode_plain(text)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one added token (``"<think>"`` in Qwen3), else None."""
+        added = self.hf.get_added_vocab() if hasattr(self.hf, "get_added_vocab") else {}
+        return int(added[text]) if text in added else None
+
+    def token_name(self, token: int) -> str:
+        """A token's entry in the vocabulary (``"<s>"``, ``"Ġthe"``), for displays."""
+        return str(self.hf.convert_ids_to_tokens(token) or f"id {token}")
+
     # -- encoding ---------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str], argument: str = "prompt") -> list[list[int]]:
         """Tokenize prompts like HF does (with the tokenizer's default special tokens, e.g. BOS).

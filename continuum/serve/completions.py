@@ -147,7 +147,7 @@ def register(app: FastAPI, ctx) -> None:
     async def completions(req: CompletionRequest, request: Request):
         ctx.owner(request)
         ctx.check_model(req.model)
-        prompts = _prompts(req.prompt, len(ctx.model.tokenizer.hf))
+        prompts = _prompts(req.prompt, len(ctx.model.tokenizer))
         texts = [p if isinstance(p, str) else ctx.model.tokenizer.decode(p) for p in prompts]
         k = req.logprobs
         sampling = Sampling(temperature=req.temperature, top_p=req.top_p, seed=req.seed, n=req.n, max_tokens=req.max_tokens,

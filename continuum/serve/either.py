@@ -40,7 +40,7 @@ _PROBE_NAME = "CONTINUUM_TOOL_PROBE"
 _DEFAULT_TRIGGER = "<tool_call>"
 
 
-def read_trigger(hf, template: str | None) -> str:
+def read_trigger(tok, template: str | None) -> str:
     """The text a template puts before a tool call's JSON (``<tool_call>`` for Qwen), read by rendering one
     (the default marker when the template cannot render a call)."""
     user = [{"role": "user", "content": "Hi"}]
@@ -48,8 +48,8 @@ def read_trigger(hf, template: str | None) -> str:
         {"id": "call_0", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}]}
     trigger = _DEFAULT_TRIGGER
     try:
-        before = hf.apply_chat_template(user, chat_template=template, add_generation_prompt=True, tokenize=False)
-        full = hf.apply_chat_template(user + [call], chat_template=template, tokenize=False)
+        before = tok.apply_chat_template(user, chat_template=template, add_generation_prompt=True, tokenize=False)
+        full = tok.apply_chat_template(user + [call], chat_template=template, tokenize=False)
         if isinstance(full, str) and full.startswith(before) and _PROBE_NAME in full:
             seg = full[len(before):full.index(_PROBE_NAME)]
             cut = seg[:seg.rfind("{")].strip() if "{" in seg else ""
@@ -85,7 +85,7 @@ class Either:
                                         on_unsupported="raise" if strict else "approximate", bounds=bounds)
         call_guide, call = json_for(tok, tool_call_schema(tools, None), whitespace_pattern="", backend="llguidance",
                                     max_string_length=max_string_length, on_unsupported="raise", bounds=bounds)
-        ids = list(tok.hf(trigger, add_special_tokens=False)["input_ids"])
+        ids = tok.encode_special(trigger)
         trigger_id = ids[0] if len(ids) == 1 and ids[0] in tok.special_ids else None
         marker = f"<[{trigger_id}]>" if trigger_id is not None else _json.dumps(trigger)
         lark = (f"start: answer | call\nanswer: %json {_json.dumps(_schema_of(answer_guide))}\n"

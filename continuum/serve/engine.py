@@ -158,7 +158,7 @@ class Engine:
         ``reasoning`` (a request's) sets the template's thinking switch unless ``template_kwargs`` does."""
         spec = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}}
                 for t in tools] if tools else None
-        kwargs = template_kwargs_for(self.template, self.model.tokenizer.hf, template_kwargs or {}, reasoning)
+        kwargs = template_kwargs_for(self.template, self.model.tokenizer, template_kwargs or {}, reasoning)
         c = Chat(self.model, template=self.template, tools=spec, template_kwargs=kwargs)
         for m in messages:
             tm = template_message(m)
@@ -233,7 +233,7 @@ class Engine:
     def tool_trigger(self) -> str:
         """The text a template puts before a tool call's JSON (``<tool_call>`` for Qwen), read by rendering one."""
         if self._trigger is None:
-            self._trigger = read_trigger(self.model.tokenizer.hf, self.template)
+            self._trigger = read_trigger(self.model.tokenizer, self.template)
         return self._trigger
 
     # ------------------------------------------------------------------ replying
@@ -385,7 +385,7 @@ class Engine:
         """One token's text for log-probs: its bytes with UTF-8 replacement, a SentencePiece leading space kept
         (the texts of a row's tokens join to its text); a special token's own text (``<|im_end|>``)."""
         data = self.model.tokenizer.piece_bytes(token)
-        return data.decode("utf-8", "replace") if data else self.model.tokenizer.hf.decode([token])
+        return data.decode("utf-8", "replace") if data else self.model.tokenizer.decode([token], skip_special=False)
 
     def token_bytes(self, token: int) -> list[int]:
         """One token's bytes (OpenAI's ``bytes``: a byte-fallback token's own byte, not its U+FFFD's)."""

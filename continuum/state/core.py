@@ -168,8 +168,10 @@ class SequenceState:
 
     @property
     def tokenizer(self):
-        """The Hugging Face tokenizer of the model this state belongs to."""
-        return self._model.tokenizer.hf
+        """The tokenizer of the model this state belongs to: the Hugging Face tokenizer on transformers, the
+        GGUF's (:class:`~continuum.models.llamacpp.LlamaTokenizer`) on llama.cpp."""
+        tok = self._model.tokenizer
+        return getattr(tok, "hf", tok)
 
     @property
     def token_ids(self) -> torch.Tensor:

@@ -178,8 +178,11 @@ class LlamaTokenizer:
         vb = self.vocab_bytes
         return b"".join(vb[i] or b"" for i in ids if 0 <= i < len(vb))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of a row: its tokens' bytes as UTF-8, without the space ``add_space_prefix`` put first."""
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """The text of a row: its tokens' bytes as UTF-8, without the space ``add_space_prefix`` put first;
+        ``skip_special=False``: control tokens written as their text (``<end_of_turn>``), as a template renders them."""
+        if not skip_special:
+            return b"".join(self._piece(i, True) for i in ids).decode("utf-8", errors="replace")
         return self.bytes_decoder.decode(ids)
 
     @cached_property
@@ -249,6 +252,34 @@ class LlamaTokenizer:
         """The bytes of a vocabulary entry given by its text in the GGUF (``"▁the"``, ``"<0x0A>"``), or None."""
         idx = self._text_to_id.get(token)
         return None if idx is None else self.vocab_bytes[idx]
+
+    # -- chat templates (continuum.chat) -------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        """The GGUF's chat template (``tokenizer.chat_template``), or None."""
+        return self.model.chat_template
+
+    def apply_chat_template(self, conversation: Sequence[dict], **options: Any) -> Any:
+        """Render ``conversation`` with a chat template, as ``transformers``' method of that name (:mod:`.template`)."""
+        from .template import render_chat
+
+        options.pop("return_dict", None)
+        return render_chat(self, conversation, **options)
+
+    def encode_special(self, text: str) -> list[int]:
+        """Ids of ``text`` with the control tokens written in it parsed (``"<end_of_turn>"`` is one token), no BOS."""
+        return self.tokenize(text, add_special=False, parse_special=True)
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one control or user-defined token of the GGUF (``"<think>"``), else None."""
+        ids = self.encode_special(text)
+        L = lib()
+        flags = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+        return ids[0] if len(ids) == 1 and self._attrs[ids[0]] & flags else None
+
+    def token_name(self, token: int) -> str:
+        """A token's text in the vocabulary (``"<bos>"``, ``"▁the"``), for displays."""
+        return lib().llama_vocab_get_text(self._vocab, token).decode("utf-8", errors="replace")
 
     # -- constraint engines ---------------------------------------------------------------------
     @cached_property
