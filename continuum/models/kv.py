@@ -28,7 +28,7 @@ from .hf import cache as _hf
 from .hf.cache import RESERVE_CAP, positions
 from .hf.slab import slot_of
 
-__all__ = ["KVHandle", "KV", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows", "nbytes",
+__all__ = ["KVHandle", "KV", "is_handle", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows", "nbytes",
            "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
@@ -74,6 +74,11 @@ class KVHandle(Protocol):
 
 def _handle(kv: Any) -> bool:
     return kv is not None and not isinstance(kv, Sequence)
+
+
+def is_handle(kv: KV) -> bool:
+    """True for a backend's own KV (a :class:`KVHandle`), False for transformers' tensors or ``None``."""
+    return _handle(kv)
 
 
 def length(kv: KV) -> int:

@@ -44,7 +44,7 @@ def _size(spec: str) -> int | None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="continuum serve", description="An OpenAI-compatible server whose conversations "
                                 "are continuous states (docs/serve.md).")
-    p.add_argument("model", help="a Hugging Face hub id or a local model folder")
+    p.add_argument("model", help="a Hugging Face hub id, a local model folder, or a .gguf file (served on llama.cpp)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
@@ -65,6 +65,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="weights' dtype (float32, bfloat16...; default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: cpu)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (for models without one)")
+    p.add_argument("--n-ctx", type=int, default=None,
+                   help="GGUF: KV cells shared by every live conversation (default: min(trained context, 8192))")
+    p.add_argument("--threads", type=int, default=None, help="GGUF: llama.cpp's CPU threads (default: the cores available)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GGUF: every reply exactly what it gives alone, whatever runs beside it (docs/llamacpp.md)")
     p.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body accepted (default 8MiB)")
     p.add_argument("--max-string-length", type=int, default=None,
                    help="bound JSON strings without maxLength in structured outputs (default: unbounded)")
@@ -86,13 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"continuum serve needs the serve extra: pip install 'continuum[serve]' ({exc})", file=sys.stderr)
         return 2
-    from .. import models
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     template = None
     if args.chat_template is not None:
         template = Path(args.chat_template).read_text()
-    model = models.transformers(args.model, device=args.device, dtype=args.dtype, prefix_cache=args.prefix_cache)
+    try:
+        model = _load(args)
+    except ValueError as exc:  # ModelLoadError, bad options: a message that says what to do, no traceback
+        print(f"continuum serve: {exc}", file=sys.stderr)
+        return 2
     name = args.served_model_name or Path(args.model.rstrip("/")).name
     config = ServeConfig(served_model_name=name, store=Path(args.store).expanduser(), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
@@ -113,6 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("serving %s as %r on http://%s:%s/v1 (store: %s)", args.model, name, args.host, args.port, config.store)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
+
+
+def _load(args: argparse.Namespace):
+    """The model: a ``.gguf`` file on llama.cpp (``models.llamacpp``), anything else on transformers."""
+    from .. import models
+    from ..errors import ModelLoadError
+
+    gguf = args.model.lower().endswith(".gguf")
+    if not gguf:
+        if args.n_ctx is not None or args.threads is not None or args.batch_invariant:
+            raise ModelLoadError("--n-ctx, --threads and --batch-invariant are llama.cpp options: serve a .gguf file")
+        return models.transformers(args.model, device=args.device, dtype=args.dtype, prefix_cache=args.prefix_cache)
+    for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--prefix-cache", args.prefix_cache)):
+        if value is not None:
+            raise ModelLoadError(f"{flag} is not available for a GGUF on llama.cpp (its weights' type is the file's, "
+                                 f"and it runs on the CPU): leave it out")
+    return models.llamacpp(args.model, n_ctx=args.n_ctx, n_threads=args.threads, batch_invariant=args.batch_invariant)
 
 
 if __name__ == "__main__":

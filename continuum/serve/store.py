@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 
@@ -101,8 +102,8 @@ class Record:
 
 def _nbytes(state: SequenceState) -> int:
     """Bytes a state holds in memory (its cache and token tensors)."""
-    tensors = [state._ids, state._mask, state._logprobs, *(t for kv in state._kv or () for t in kv)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    tensors = [state._ids, state._mask, state._logprobs]
+    return sum(t.numel() * t.element_size() for t in tensors) + kvcache.nbytes(state._kv)
 
 
 class Store:

@@ -6,7 +6,8 @@ and, with the cache, bit-for-bit the same KV: :func:`shared_columns` checks it),
 columns ``start:`` with the full state's metadata. Loading a part needs its base loaded first (a chain
 is read root first) and gives back exactly the state that was saved. ``kv=False`` saves the tokens
 only: the loaded state has no cache and the next generator recomputes it in one pass (cheaper than
-reading gigabytes on a GPU).
+reading gigabytes on a GPU). A backend's own KV (llama.cpp's sequences, a :class:`~continuum.models.kv.KVHandle`)
+has no columns to cut: its parts are saved as tokens only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = 
     if base is None or base.rows != state.rows or base._ids.device != state._ids.device:
         return 0
     n = min(base._ids.shape[1], state._ids.shape[1])
-    if kv:
+    if kv and not (kvcache.is_handle(state._kv) or kvcache.is_handle(base._kv)):
         if state._kv is None or base._kv is None or len(state._kv) != len(base._kv):
             return 0
         n = min(n, kvcache.length(state._kv), kvcache.length(base._kv))
@@ -46,7 +47,7 @@ def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = 
     same &= (lp_a == lp_b) | (lp_a.isnan() & lp_b.isnan())
     bad = (~same.all(0)).nonzero()
     n = int(bad[0]) if len(bad) else n
-    if kv and n and state._kv is not None and base._kv is not None:
+    if kv and n and state._kv is not None and base._kv is not None and not kvcache.is_handle(state._kv):
         for (k, v), (bk, bv) in zip(state._kv, base._kv):
             if not (_same(k[..., :n, :], bk[..., :n, :]) and _same(v[..., :n, :], bv[..., :n, :])):
                 return 0  # recomputed rather than kept: values may differ in the last bits, so nothing is shared
@@ -62,7 +63,7 @@ def save_part(state: SequenceState, path, start: int = 0, kv: bool = True) -> No
     with the KV cache when ``kv``; ``start=0`` saves the whole state (a chain's root)."""
     tensors = {"ids": state._ids[:, start:], "mask": state._mask[:, start:], "logprobs": state._logprobs[:, start:],
                "weights": state._weights}
-    layers = state._kv if kv else None
+    layers = state._kv if kv and not kvcache.is_handle(state._kv) else None
     for i, (k, v) in enumerate(layers or ()):
         tensors[f"k{i}"], tensors[f"v{i}"] = k[..., start:, :], v[..., start:, :]
     meta = metadata(state)
