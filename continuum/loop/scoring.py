@@ -13,8 +13,8 @@ mean (``method="mean"``).
 The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
 a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
 (row, option) pairs. Each chosen pair gets a cache of its own, new storage gathered from the row's
-context columns and its option's tree columns (:func:`~continuum.models.hf.cache.gather_paths`); nothing
-another state can see is written.
+context columns and its option's tree columns (:func:`~continuum.models.kv.gather_paths`: new storage on
+transformers, views of the option's own sequence on llama.cpp); nothing another state can see is written.
 
 With classifier-free guidance, each option token's score is the guided log-prob
 (:func:`~continuum.loop.cfg.guided_logprobs` of the conditional log-prob and the log-prob after the
@@ -36,7 +36,6 @@ import torch
 from ..errors import ContextLengthError
 from ..models import kv as kvcache
 from ..models.hf import token_tree
-from ..models.hf.cache import gather_paths
 from ..models.kv import positions
 from ..samplers import Sampler
 from ..state import LastStep, SequenceState
@@ -148,7 +147,7 @@ def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.
         if len(p) > 1:
             lp[j, M - len(p) + 1:] = pair_lps[r * K + k].to(lp)
     logprobs = torch.cat([state._logprobs[:, lead:C].index_select(0, idx), lp], 1)
-    cache = gather_paths(kv, idx, lead, C, node[:, :-1])
+    cache = kvcache.gather_paths(kv, idx, lead, C, node[:, :-1], mask[:, :-1])
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=logprobs, weights=torch.zeros(J),
                          kv=cache, batch=J, samples=1)
 

@@ -28,8 +28,8 @@ from .hf import cache as _hf
 from .hf.cache import RESERVE_CAP, positions
 from .hf.slab import slot_of
 
-__all__ = ["KVHandle", "KV", "is_handle", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows", "nbytes",
-           "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
+__all__ = ["KVHandle", "KV", "is_handle", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows",
+           "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
 
@@ -126,6 +126,17 @@ def stack_rows(kvs: list[KV], width: int, reserve: int = 0) -> KV:
     if any(_handle(k) for k in kvs):
         return type(next(k for k in kvs if _handle(k))).stack(kvs, width, reserve)
     return _hf.stack_rows(kvs, width, reserve)
+
+
+def gather_paths(kv: KV, rows: torch.Tensor, start: int, split: int, index: torch.Tensor, mask: torch.Tensor) -> KV:
+    """Choice scoring's chosen pairs from a token tree's KV: for each output row ``j``, the columns ``[start, split)``
+    of row ``rows[j]`` followed by its tree columns ``split + index[j, i]``; ``mask`` ``(len(rows), split - start +
+    index.shape[1])`` says which of those columns are real (holes on the left of shorter paths are masked). ``kv``
+    is only read. Transformers copies the columns into new storage; a handle (llama.cpp) picks views of the
+    sequences that hold each path."""
+    if _handle(kv):
+        return kv.gather_paths(rows, start, split, index, mask)
+    return _hf.gather_paths(kv, rows, start, split, index)
 
 
 def nbytes(kv: KV, seen: set | None = None) -> int:

@@ -354,7 +354,7 @@ class SequenceState:
         cols = torch.cat([torch.arange(lead, C, device=ids.device), uncached])
         if cols.numel() != ids.shape[1]:
             ids, mask, lp = ids[:, cols], mask[:, cols], lp[:, cols]
-            kv = None if lead == C or kv is None else tuple((k[:, :, lead:], v[:, :, lead:]) for k, v in kv)
+            kv = None if lead == C or kv is None else kvcache.narrow(kv, len(rows), lead)  # (any backend's KV)
         kv = kvcache.compact(kv)  # a few rows of a big cache: do not pin the rest
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp,
                              weights=self._weights.index_select(0, idx.to(self._weights.device)),

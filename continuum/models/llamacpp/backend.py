@@ -29,6 +29,7 @@ from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
 from .model import LlamaCppModel
 from .sequences import KVView, SequencePool
+from .tree import run_trees
 from .vocab import LlamaTokenizer
 
 if TYPE_CHECKING:
@@ -179,25 +180,26 @@ class LlamaCpp:
 
     def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         req = Request(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve, allowed=allowed)
-        self._run([req])
+        if allowed is None:
+            self._run([req])
+        else:
+            run_trees(self, [req])
         if req.error is not None:
             raise req.error
         return req.result
 
     def run_step(self, requests: list[Request], stats: dict) -> None:
-        """Every request of the step in ONE ``llama_decode`` (a request with a token tree alone: refused)."""
-        ok = []
-        for r in requests:
-            if r.allowed is not None:
-                r.error = ContinuumError("choice scoring by token tree is not available on llama.cpp yet: use "
-                                         "generate.choice(..., method='greedy')")
-            else:
-                ok.append(r)
+        """Every request of the step in ONE ``llama_decode``; token trees (choice scoring) in one more (``tree.py``)."""
+        ok = [r for r in requests if r.allowed is None]
+        trees = [r for r in requests if r.allowed is not None]
         t = time.perf_counter()
-        self._run(ok)
+        if ok or not trees:
+            self._run(ok)
+        if trees:
+            run_trees(self, trees)
         stats["forward_s"] += time.perf_counter() - t
         stats["merged_forwards"] += 1
-        stats["requests_merged"] += len(ok)
+        stats["requests_merged"] += len(requests)
 
     def _run(self, requests: list[Request]) -> None:
         rows: list[DecodeRow] = []

@@ -1,0 +1,336 @@
+"""Choice scoring's token trees on llama.cpp: every option of a row decoded in ONE ``llama_decode``, each tree node
+once, the way llama.cpp does tree (speculative) decoding.
+
+A tree request (:class:`~continuum.models.request.Request` with ``allowed``, built by
+:mod:`continuum.models.hf.token_tree`) holds, per row, a root (the row's last token) and the trie of its options.
+llama.cpp's batch lets one token belong to several sequences (``llama_batch.seq_id[i]`` is an array). So each row
+gets one sequence per *leaf* of its trie (a fork of the row's view, ``seq_cp``: cells shared, nothing copied), and
+each node is decoded once, at its position, with the ids of every leaf below it: a node attends to the row's
+context and its own ancestors only, as ``allowed`` says. An option that is a prefix of another ends inside a leaf's
+path: its KV is a shorter view of that leaf's sequence. The tree is read from ``allowed`` (node ``i`` sees node
+``j``: ``j`` is an ancestor of ``i``), so the loop's token tree stays backend-neutral.
+
+The forward's KV is a :class:`TreeKV`; :meth:`TreeKV.gather_paths` (reached through
+:func:`continuum.models.kv.gather_paths`) gives each chosen (row, option) pair the view of its leaf's sequence
+covering the context, the root and the option's tokens but the last. Leaves nobody chose are released when the
+``TreeKV`` is dropped (the pool's refcounting).
+
+Limits: the leaves of one tree request and the rows' own sequences must fit in the pool's sequence ids (at most
+255): more is refused with :class:`~continuum.errors.SequencesExhaustedError` saying what to do (nothing is
+decoded); several requests of one step share a decode while their leaves fit, else run one after another. Nodes
+are decoded by depth, so a tree longer than ``n_batch`` tokens is decoded in chunks (sequences coupled by a node
+then hold the same positions, as llama.cpp requires). Sliding-window rows get the checks of any decode
+(:class:`~continuum.errors.StaleWindowError`).
+
+Example:
+    >>> logits, kv = model.forward(tree.ids, mask, tree.positions, state_kv, logits="all", allowed=tree.allowed)  # doctest: +SKIP
+    >>> kv.gather_paths(rows, lead, C, nodes, mask[:, :-1])    # the chosen pairs' SeqKV          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
+from ._lib import lib
+from .decode import _discard
+from .sequences import KVView, SequencePool, _Seq
+
+if TYPE_CHECKING:
+    from ..request import Request
+    from .backend import LlamaCpp
+
+__all__ = ["TreeKV", "run_trees"]
+
+
+@dataclass
+class _Row:
+    """One row's tree: its context view, each real node's depth and the leaves below it."""
+
+    view: KVView
+    nodes: list[int]  # the real nodes, root (0) first
+    depth: dict[int, int]
+    tokens: dict[int, int]
+    leaves: list[int]
+    below: dict[int, list[int]]  # node -> indices into leaves of the leaves below it (itself included)
+
+
+def _read_tree(i: int, ids: np.ndarray, real: np.ndarray, anc: np.ndarray, pos: np.ndarray, view: KVView) -> _Row:
+    """Row ``i``'s tree from ``allowed``'s tree block ``anc`` (``anc[a, b]``: node ``a`` sees node ``b``); refuses a
+    matrix that is not a tree rooted at node 0, or positions that do not follow the row's view."""
+    nodes = np.flatnonzero(real).tolist()
+    sub = anc[np.ix_(nodes, nodes)]
+    depth_of = sub.sum(1) - 1
+    ok = bool(nodes) and nodes[0] == 0 and depth_of[0] == 0 and bool(sub.diagonal().all()) and bool(sub[:, 0].all())
+    ok = ok and not anc[np.ix_(nodes, np.flatnonzero(~real))].any()
+    for a in range(1, len(nodes)) if ok else ():
+        parents = [b for b in np.flatnonzero(sub[a]) if depth_of[b] == depth_of[a] - 1]
+        ok = len(parents) == 1 and bool((sub[a] == (sub[parents[0]] | (np.arange(len(nodes)) == a))).all())
+        if not ok:
+            break
+    n = view.n_tokens
+    if not ok or not (pos[nodes] == n + depth_of).all():
+        raise BackendError(f"row {i}: the attention matrix is not a token tree over positions {n}.. after the row's "
+                           f"{n} cached tokens (llama.cpp decodes trees only; continuum.models.hf.token_tree builds them)")
+    is_leaf = sub.sum(0) == 1  # a node no other node sees
+    leaf_at = np.flatnonzero(is_leaf)
+    below = {v: np.flatnonzero(sub[leaf_at, k]).tolist() for k, v in enumerate(nodes)}
+    return _Row(view, nodes, {v: int(d) for v, d in zip(nodes, depth_of)}, {v: int(ids[v]) for v in nodes},
+                [nodes[k] for k in leaf_at], below)
+
+
+def _rows_of(pool: SequencePool, r: Request) -> list[_Row]:
+    r.materialize()
+    R, T = r.ids.shape
+    C = r.mask.shape[1] - T
+    views = r.kv.views if r.kv is not None else [pool.empty()] * R
+    real = r.mask[:, C:].bool().cpu().numpy()
+    ctx = r.mask[:, :C].bool().cpu()
+    assert r.allowed is not None
+    allowed = r.allowed.bool().cpu()
+    pos, ids = r.pos.cpu().numpy(), r.ids.cpu().numpy()
+    rows = []
+    for i in range(R):
+        if not bool((allowed[i, real[i], :C] == ctx[i]).all()):
+            raise BackendError(f"row {i}: its tree nodes must see exactly the row's cached context on llama.cpp")
+        rows.append(_read_tree(i, ids[i], real[i], allowed[i, :, C:].numpy(), pos[i], views[i]))
+    return rows
+
+
+def run_trees(backend: LlamaCpp, requests: list[Request]) -> None:
+    """Run token-tree requests, each one's ``result`` (logits of every node, :class:`TreeKV`) or ``error`` set;
+    requests whose leaves fit in the free sequence ids together share one decode."""
+    pool, plans = backend.pool, []
+    for r in requests:
+        try:
+            plans.append((r, _rows_of(pool, r)))
+        except BaseException as exc:  # noqa: BLE001  (a malformed request fails alone)
+            r.error = exc
+    group: list[tuple[Request, list[_Row]]] = []
+    used = 0
+    for r, rows in plans:
+        need = sum(len(row.leaves) for row in rows) + len({id(row.view._seq) for row in rows if row.view._seq})
+        if group and used + need > pool.n_ids:
+            _run_group(backend, group)
+            group, used = [], 0
+        group.append((r, rows))
+        used += need
+    if group:
+        _run_group(backend, group)
+
+
+def _run_group(backend: LlamaCpp, group: list[tuple[Request, list[_Row]]]) -> None:
+    pool, model = backend.pool, backend.pool.model
+    rows = [row for _, req_rows in group for row in req_rows]
+    try:
+        with model.lock:
+            pool._collect()
+            leaf_seqs = _fork_leaves(pool, rows)
+            try:
+                logits, order = _decode(pool, rows, leaf_seqs)
+            except BaseException:
+                for seqs in leaf_seqs:
+                    for seq in seqs:
+                        _discard(pool, seq)
+                raise
+            views = []
+            for row, seqs in zip(rows, leaf_seqs):
+                ends = [row.view.n_tokens + row.depth[leaf] + 1 for leaf in row.leaves]
+                for seq, end in zip(seqs, ends):
+                    seq.extent = end
+                views.append([KVView(pool, seq, end) for seq, end in zip(seqs, ends)])
+    except BaseException as exc:  # noqa: BLE001  (every request of the failed decode gets the error)
+        for r, _ in group:
+            r.error = exc
+        return
+    out = torch.from_numpy(logits)
+    first = 0
+    for r, req_rows in group:
+        R, T = r.ids.shape
+        lg = torch.zeros((R, T, backend.vocab_size))
+        for i, row in enumerate(req_rows):
+            lg[i, row.nodes] = out[[order[(first + i, node)] for node in row.nodes]]
+        cols = r.kv.cols if r.kv is not None else torch.zeros((R, 0), dtype=torch.bool)
+        r.result, r.error = (lg, TreeKV(req_rows, views[first:first + R], cols, T)), None
+        first += R
+    with backend._count_lock:
+        backend.tokens_computed += len(logits)
+        backend.forward_calls += 1
+
+
+def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
+    """One new sequence per leaf of every row, holding the row's context cells (``seq_cp``: shared)."""
+    L, mem = lib(), pool.model.memory
+    pinned: list[_Seq] = [row.view._seq for row in rows if row.view._seq is not None]
+    need = sum(len(row.leaves) for row in rows)
+    if need + len({id(s) for s in pinned}) > pool.n_ids:
+        raise SequencesExhaustedError(
+            f"scoring these options needs {need} llama.cpp sequences (one per option path of each of {len(rows)} "
+            f"rows) beside the rows' own, more than the {pool.n_ids} sequence ids: score fewer rows at once "
+            "(e.g. slice the state's samples), fewer options, or use generate.choice(..., method='greedy')")
+    stale = []
+    for i, row in enumerate(rows):
+        src = row.view._seq
+        if src is not None:
+            pool._ensure_resident(src, pinned)
+            if not pool._window_ok(src.id, row.view.n_tokens):  # type: ignore[arg-type]
+                stale.append(i)
+    if stale:
+        raise StaleWindowError(
+            f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
+            f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=stale)
+    out: list[list[_Seq]] = []
+    seqs: list[_Seq] = []
+    try:
+        for row in rows:
+            seqs = []
+            for _ in row.leaves:
+                seq = pool._new_seq(pinned)
+                seqs.append(seq)
+                pinned.append(seq)
+                if row.view._seq is not None:
+                    L.llama_memory_seq_cp(mem, row.view._seq.id, seq.id, 0, row.view.n_tokens)
+                seq.extent = row.view.n_tokens
+            out.append(seqs)
+    except BaseException:
+        for made in out + [seqs]:
+            for seq in made:
+                _discard(pool, seq)
+        raise
+    return out
+
+
+def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -> tuple[np.ndarray, dict]:
+    """Every node of every row once, by depth (ancestors first), with the ids of the leaves below it; every node
+    outputs logits. Returns the logits in batch order and ``(row, node) -> index`` into them. On failure the
+    leaves hold only the context again (llama.cpp found no free cell: idle sequences are spilled and the tree is
+    decoded again, once)."""
+    L, model = lib(), pool.model
+    items = sorted(((row.depth[node], k, node) for k, row in enumerate(rows) for node in row.nodes))
+    token = np.array([rows[k].tokens[node] for _, k, node in items], np.int32)
+    pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
+    order = {(k, node): j for j, (_, k, node) in enumerate(items)}
+    logits = np.empty((len(items), model.n_vocab), np.float32)
+    step = model.n_batch - (pool.scratch is not None)
+    for attempt in range(2):
+        sets = [[int(leaf_seqs[k][li].id) for li in rows[k].below[node]] for _, k, node in items]  # type: ignore[arg-type]
+        rc = 0
+        for start in range(0, len(items), step):
+            end = min(start + step, len(items))
+            rc = _decode_chunk(pool, token[start:end], pos[start:end], sets[start:end], logits[start:end])
+            if rc != 0:
+                break
+        if rc == 0:
+            return logits, order
+        for row, seqs in zip(rows, leaf_seqs):  # back to the context: cells past it belong to no view
+            for seq in seqs:
+                L.llama_memory_seq_rm(model.memory, seq.id, row.view.n_tokens, -1)
+        if rc != 1:
+            raise BackendError(f"llama_decode failed on a token tree (code {rc}: {'aborted' if rc == 2 else 'error'}); "
+                               "the states are unchanged")
+        keep = {id(s) for seqs in leaf_seqs for s in seqs} | {id(row.view._seq) for row in rows}
+        idle = [s for s in list(pool._resident.values()) if id(s) not in keep]
+        if attempt or not idle:
+            break
+        for s in idle:
+            pool._spill(s)
+    raise KVCacheFullError(f"llama.cpp has no free KV cell for a token tree of {len(items)} nodes (n_ctx={model.n_ctx} "
+                           "cells shared by every live state): load the model with a larger n_ctx, or keep fewer long "
+                           "states alive")
+
+
+def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: list[list[int]],
+                  logits: np.ndarray) -> int:
+    """One ``llama_decode`` of tokens with several sequence ids each, every token an output (a lone token padded
+    with the scratch row in the batch-invariant mode, as ``decode.py`` does)."""
+    L, model = lib(), pool.model
+    k = len(token)
+    pad = pool.scratch is not None and k == 1
+    if pad:
+        token, pos, sets = np.append(token, token[0]), np.append(pos, 0).astype(np.int32), sets + [[int(pool.scratch)]]  # type: ignore[arg-type]
+    n = len(token)
+    flat = np.array([s for ids in sets for s in ids], np.int32)
+    counts = np.array([len(ids) for ids in sets], np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.uint64)
+    ptrs = (flat.ctypes.data + 4 * starts).astype(np.uint64)
+    out = np.ones(n, np.int8)
+    token, pos = np.ascontiguousarray(token, np.int32), np.ascontiguousarray(pos, np.int32)
+    batch = L.llama_batch()
+    batch.n_tokens = n
+    batch.token = token.ctypes.data_as(ctypes.POINTER(L.llama_token))
+    batch.embd = None
+    batch.pos = pos.ctypes.data_as(ctypes.POINTER(L.llama_pos))
+    batch.n_seq_id = counts.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+    batch.seq_id = ctypes.cast(ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
+    batch.logits = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+    rc = int(L.llama_decode(model.ctx, batch))
+    if pad:
+        L.llama_memory_seq_rm(model.memory, pool.scratch, -1, -1)
+    if rc == 0:
+        ptr: Any = L.llama_get_logits(model.ctx)
+        logits[:] = np.ctypeslib.as_array(ptr, shape=(n, model.n_vocab))[:k]
+    return rc
+
+
+class TreeKV:
+    """The KV of a token-tree forward on llama.cpp (see the module docstring): per row, its context view and one
+    view per leaf of its tree. Only read, by :meth:`gather_paths`; dropping it releases the leaves nobody chose."""
+
+    __slots__ = ("rows", "leaves", "cols", "width")
+
+    def __init__(self, rows: list[_Row], leaves: list[list[KVView]], cols: torch.Tensor, tree_width: int):
+        self.rows, self.leaves, self.cols = rows, leaves, cols
+        self.width = int(cols.shape[1]) + tree_width
+
+    def __repr__(self) -> str:
+        return f"TreeKV(rows={len(self.rows)}, leaves={[len(v) for v in self.leaves]})"
+
+    def length(self) -> int:
+        return self.width
+
+    def gather_paths(self, rows: torch.Tensor, start: int, split: int, index: torch.Tensor,
+                     mask: torch.Tensor) -> Any:
+        """Per output row ``j``: row ``rows[j]``'s context and the tree nodes ``index[j]`` (holes, masked in
+        ``mask``, on the left), as a :class:`~.backend.SeqKV` of ``mask``'s layout (``mask`` ``(len(rows),
+        split - start + index.shape[1])``: which of the result's columns are real)."""
+        from .backend import SeqKV
+
+        cols = mask.bool().cpu()
+        views = []
+        for j, r in enumerate(rows.tolist()):
+            row, n_tree = self.rows[r], int(cols[j, split - start:].sum())
+            if n_tree == 0:
+                view = row.view
+            else:
+                node = int(index[j, -1])
+                if row.depth.get(node, -1) != n_tree - 1:
+                    raise BackendError(f"row {r}: tree node {node} is not at depth {n_tree - 1}: not a path of this tree")
+                li = row.below[node][0]
+                view = self.leaves[r][li].slice(row.view.n_tokens + n_tree)
+            if int(cols[j].sum()) != view.n_tokens:
+                raise BackendError(f"row {j}: its mask covers {int(cols[j].sum())} tokens, its path {view.n_tokens}")
+            views.append(view)
+        return SeqKV(views, cols)
+
+    def nbytes(self, seen: set | None = None) -> int:
+        from .backend import SeqKV
+
+        views = [v for row in self.leaves for v in row] + [row.view for row in self.rows if row.view._seq is not None]
+        return SeqKV(views, torch.zeros((len(views), 0), dtype=torch.bool)).nbytes(seen) if views else 0
+
+    def settle(self) -> TreeKV:
+        return self
+
+    def _only_read(self, *args: Any, **kwargs: Any) -> Any:
+        raise ContinuumError("a token tree's KV on llama.cpp is only read by kv.gather_paths (choice scoring)")
+
+    select_rows = crop = narrow = _only_read
+
+    @classmethod
+    def stack(cls, kvs: list, width: int, reserve: int = 0) -> Any:
+        raise ContinuumError("a token tree's KV on llama.cpp cannot be stacked with other rows")

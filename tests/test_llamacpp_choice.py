@@ -1,0 +1,169 @@
+"""``generate.choice`` by exact scoring on llama.cpp (``continuum/models/llamacpp/tree.py``): every option of a row
+decoded once as a token tree (one sequence per leaf, shared nodes carrying several sequence ids), against
+llama-cpp-python's own evaluation of prompt + option ids (``Llama(logits_all=True).eval``).
+
+Tolerance: the tree decode follows a prefill of all but the prompt's last token, so each option token is a
+position of a multi-token decode, like in the reference's prefill: 1e-4 on a total log-prob (measured here: 6e-8
+in the batch-invariant mode on f32, 1e-6 in the default mode on f32 and q8_0), not DECODE_TOL (which is for tokens
+decoded one at a time).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from continuum import continuous, generate, models, run_batch, samplers
+from continuum.errors import SequencesExhaustedError
+
+from llamacpp_support import gemma_path, gguf, reference_logits
+
+OPTIONS = [" cat", " dog", " big dog", " big", " dragon"]  # " big" is a prefix of " big dog": shared tree nodes
+PROMPT = "Once upon a time there was a"
+EXACT = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2)
+
+
+def _ids(state, row: int = 0) -> list[int]:
+    return state.token_ids[row][state.attention_masks[row].bool()].tolist()
+
+
+def reference_scores(model, prefix_ids: list[int], options: list[str], kind: str = "f32",
+                     flash_attn: bool = True) -> dict[str, float]:
+    """Each option's total log-prob after ``prefix_ids``, from llama-cpp-python's prefill of prefix + option."""
+    out = {}
+    for o in options:
+        oids = model.tokenizer.encode_continuation(o)
+        lp = torch.log_softmax(torch.from_numpy(reference_logits(kind, prefix_ids + oids, flash_attn)), -1)
+        out[o] = sum(float(lp[len(prefix_ids) - 1 + i, t]) for i, t in enumerate(oids))
+    return out
+
+
+def test_every_option_scores_its_exact_log_prob(model):
+    ref = reference_scores(model, model.tokenizer.encode_prompts([PROMPT])[0], OPTIONS)
+    beams = continuous(generate.choice(model, OPTIONS, samplers.beam_search(len(OPTIONS))))(PROMPT)
+    got = dict(zip(beams.value, beams.weights[0].tolist()))
+    assert set(got) == set(OPTIONS)
+    assert max(abs(got[o] - ref[o]) for o in OPTIONS) < EXACT
+    assert list(got) == sorted(ref, key=lambda o: -ref[o])  # best first
+    assert ref[" big"] >= ref[" big dog"]  # no end-of-option term: a prefix scores at least as high
+    mean = continuous(generate.choice(model, OPTIONS, samplers.greedy(), method="mean"))(PROMPT)
+    per_token = {o: ref[o] / len(model.tokenizer.encode_continuation(o)) for o in OPTIONS}
+    assert mean.value == max(per_token, key=per_token.get)
+    assert abs(float(mean.weights[0, 0]) - ref[mean.value]) < EXACT  # weights stay the total log-prob
+
+
+def test_default_mode_on_q8_0_within_the_stated_tolerance():
+    q8 = models.llamacpp(gguf("q8_0"), n_threads=2)
+    ref = reference_scores(q8, q8.tokenizer.encode_prompts([PROMPT])[0], OPTIONS, kind="q8_0", flash_attn=False)
+    beams = continuous(generate.choice(q8, OPTIONS, samplers.beam_search(len(OPTIONS))))(PROMPT)
+    got = dict(zip(beams.value, beams.weights[0].tolist()))
+    assert max(abs(got[o] - ref[o]) for o in OPTIONS) < EXACT
+
+
+def test_samplers_pick_from_the_option_scores(model):
+    ref = reference_scores(model, model.tokenizer.encode_prompts([PROMPT])[0], OPTIONS)
+    assert generate.choice(model, OPTIONS, samplers.greedy())(PROMPT) == max(ref, key=ref.get)
+    draws = continuous(generate.choice(model, OPTIONS, samplers.multinomial(6)))(PROMPT, rng=torch.Generator().manual_seed(1))
+    assert len(draws.value) == 6
+    for o, w in zip(draws.value, draws.weights[0].tolist()):
+        assert abs(w - ref[o]) < EXACT
+    top2 = continuous(generate.choice(model, OPTIONS, samplers.beam_search(2)))(PROMPT)
+    assert top2.value == sorted(ref, key=lambda o: -ref[o])[:2]
+
+
+def test_text_choice_text_computes_only_new_tokens_and_equals_a_fresh_evaluation(model):
+    text = continuous(generate.text(model, samplers.greedy()))
+    s1 = text("Once upon a time", max_tokens=8)
+    before = model.tokens_computed
+    s2 = continuous(generate.choice(model, OPTIONS, samplers.greedy()))(s1 + " there was a")
+    # s1's last token (never cached), the appended text but its last, the tree's nodes (that last token as the
+    # root + the distinct option tokens): nothing before
+    nodes = 1 + len({tuple(model.tokenizer.encode_continuation(o)[:i + 1]) for o in OPTIONS
+                     for i in range(len(model.tokenizer.encode_continuation(o)))})
+    appended = len(_ids(s1 + " there was a")) - len(_ids(s1))
+    assert model.tokens_computed - before == 1 + appended - 1 + nodes
+    ref = reference_scores(model, _ids(s1 + " there was a"), OPTIONS)
+    assert abs(float(s2.weights[0, 0]) - (float(s1.weights[0, 0]) + ref[s2.value])) < EXACT
+    before = model.tokens_computed
+    s3 = text(s2 + ".", max_tokens=6)
+    added = len(_ids(s3)) - len(_ids(s2))
+    assert model.tokens_computed - before <= added + 1  # the option's last token, the text and the new tokens
+    fresh = text(str(s2) + ".", max_tokens=6)
+    assert str(s3) == str(fresh)
+    assert abs(float(s3.weights[0, 0]) - float(s2.weights[0, 0]) - (float(fresh.weights[0, 0]) - 0.0)) < EXACT
+
+
+def test_a_batch_of_prompts_and_run_batch(model):
+    prompts = [PROMPT, "The little girl saw a"]
+    both = continuous(generate.choice(model, OPTIONS, samplers.greedy()))(prompts)
+    tok = model.tokenizer
+    for b, p in enumerate(prompts):
+        ref = reference_scores(model, tok.encode_prompts([p])[0], OPTIONS)
+        assert both.value[b] == max(ref, key=ref.get)
+        assert abs(float(both.weights[b, 0]) - ref[both.value[b]]) < EXACT
+    gen = generate.choice(model, OPTIONS, samplers.greedy())
+    alone = [gen(p) for p in prompts + ["Lily had a"]]
+    assert run_batch(gen, prompts + ["Lily had a"]) == alone
+
+
+def test_token_healing_rescores_the_removed_text_with_each_option(model):
+    tok = model.tokenizer
+    prompt_ids = tok.encode_prompts([PROMPT + " "])[0]  # ends with a lone space token: healed away
+    healed = continuous(generate.choice(model, ["dog", "dragon"], samplers.greedy(), token_healing=True))(PROMPT + " ")
+    ref = {o: reference_scores(model, prompt_ids[:-1], [" " + o])[" " + o] for o in ("dog", "dragon")}
+    assert healed.value == max(ref, key=ref.get) and str(healed) == PROMPT + " " + healed.value
+    assert _ids(healed) == tok.encode_prompts([str(healed)])[0]
+    assert abs(float(healed.weights[0, 0]) - ref[healed.value]) < EXACT
+
+
+def test_a_small_pool_refuses_too_many_option_paths_and_chunks_a_tree_longer_than_n_batch():
+    small = models.llamacpp(gguf("f32"), n_seq_max=8, n_ubatch=8, n_threads=2)  # 7 ids, 8 tokens per decode
+    options = [f" {w}" for w in ("cat", "dog", "bird", "fish", "cow", "pig", "hen", "fox", "owl", "bee")]
+    with pytest.raises(SequencesExhaustedError, match="method='greedy'"):
+        generate.choice(small, options, samplers.greedy())(PROMPT)
+    long = [" big red dog", " big blue cat", " little bird that sang", " dragon"]  # 13+ nodes: two decodes
+    assert 1 + sum(len(small.tokenizer.encode_continuation(o)) for o in long) > small.llama.n_batch
+    ref = reference_scores(small, small.tokenizer.encode_prompts([PROMPT])[0], long, flash_attn=False)
+    out = continuous(generate.choice(small, long, samplers.beam_search(4)))(PROMPT)  # the refused call left it usable
+    assert out.value == sorted(ref, key=lambda o: -ref[o])
+    assert max(abs(w - ref[o]) for o, w in zip(out.value, out.weights[0].tolist())) < EXACT
+
+
+def test_unchosen_option_sequences_are_released_and_continued_rows_score_exactly(model):
+    gc.collect()
+    resident = model.pool.n_resident
+    base = continuous(generate.text(model, samplers.greedy()))(["Once upon a time", "Lily saw"], max_tokens=8)
+    cut = base + [" there was a", " a"]  # rows of different lengths (left padding), generated tokens cached
+    out = continuous(generate.choice(model, OPTIONS, samplers.beam_search(2)))(cut)
+    for b in range(2):
+        ref = reference_scores(model, _ids(cut, b), OPTIONS)
+        assert out.value[b] == sorted(ref, key=lambda o: -ref[o])[:2]
+        for o, w in zip(out.value[b], out.weights[b].tolist()):
+            assert abs(w - float(cut.weights[b, 0]) - ref[o]) < EXACT
+    del base
+    gc.collect()
+    # what lives: cut's two rows and the chosen pairs' sequences (at most one per pair); every other leaf is gone
+    assert model.pool.n_resident - resident <= 2 + 4
+    text = continuous(generate.text(model, samplers.greedy()))
+    for b in range(2):
+        for i in range(2):  # each chosen pair's view continues like a fresh evaluation of its text
+            assert str(text(out[b, i, :], max_tokens=4)) == str(text(str(out[b, i, :]), max_tokens=4))
+
+
+def test_gemma3_sliding_window_model_scores_its_options_exactly():
+    path = gemma_path()
+    gemma = models.llamacpp(path, n_threads=2, n_ctx=2048)
+    options, prompt = [" Paris", " Lyon", " a city"], "The capital of France is"
+    out = continuous(generate.choice(gemma, options, samplers.beam_search(3)))(prompt)
+    ids = gemma.tokenizer.encode_prompts([prompt])[0]
+    ref = reference_scores(gemma, ids, options, kind="gemma", flash_attn=False)
+    assert out.value == sorted(ref, key=lambda o: -ref[o])
+    # measured 7e-5 (Q4_K_M, repacked weights: the tree's batch is not the reference's, yet both are prefills)
+    assert max(abs(w - ref[o]) for o, w in zip(out.value, out.weights[0].tolist())) < 1e-3
