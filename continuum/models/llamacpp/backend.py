@@ -148,6 +148,18 @@ class LlamaCpp:
     def same_model(self, other: Any) -> bool:
         return other is self or (isinstance(other, LlamaCpp) and other.fingerprint == self.fingerprint)
 
+    def save_kv(self, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict]:
+        """A state's KV for its file: each distinct sequence's bytes once, behind this model's fingerprint."""
+        from .persist import save_kv
+
+        return save_kv(self, kv)
+
+    def load_kv(self, tensors: dict[str, torch.Tensor], meta: dict) -> SeqKV:
+        """The KV :meth:`save_kv` stored, in fresh sequences (``ForeignStateError`` etc. when it is not valid here)."""
+        from .persist import load_kv
+
+        return load_kv(self, tensors, meta)
+
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
