@@ -61,3 +61,21 @@ def test_a_different_vocabulary_is_still_refused(model, llama_model):
         continuous(generate.text(model, samplers.greedy()))(s, max_tokens=3)
     with pytest.raises(TokenizerMismatch):
         s.to_model(model)
+
+
+def test_a_state_file_loads_on_the_other_backend_recomputed(model, stories, tmp_path, caplog):
+    s = continuous(generate.text(stories, samplers.greedy()))("Once upon a time", max_tokens=8)
+    s.save(tmp_path / "hf.safetensors")
+    with caplog.at_level("WARNING", logger="continuum"):
+        back = type(s).load(tmp_path / "hf.safetensors", model)
+    assert any("not this model" in r.getMessage() for r in caplog.records)  # the transformers KV is dropped
+    assert back.model is model and kv.length(back._kv) == 0 and _ids(back) == _ids(s)
+    gen = continuous(generate.text(model, samplers.greedy()))
+    assert str(gen(back, max_tokens=8)) == str(gen(s, max_tokens=8))
+    l_state = gen("Lily went to the park", max_tokens=6)
+    l_state.save(tmp_path / "gguf.safetensors")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="continuum"):
+        there = type(s).load(tmp_path / "gguf.safetensors", stories)
+    assert any("another backend" in r.getMessage() or "not this model" in r.getMessage() for r in caplog.records)
+    assert there.model is stories and _ids(there) == _ids(l_state)
