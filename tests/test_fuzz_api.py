@@ -402,7 +402,7 @@ def test_found_continuous_of_something_else():
 def test_found_a_fork_larger_than_memory(gpt2_model, make):
     """multinomial(10**6) got the process killed by the kernel (no exception); now refused before the fork."""
     from continuum.errors import GeneratorArgumentError
-    from continuum.models.hf.memory import available_bytes
+    from continuum.models.memory import available_bytes
 
     if available_bytes(gpt2_model.device) is None:
         pytest.skip("available memory unknown here")

@@ -172,7 +172,7 @@ def test_admission_bound_makes_calls_wait_not_fail(gpt2_model):
 def test_kv_budget_makes_calls_wait_not_fail(gpt2_model):
     """``engine.max_kv_bytes``: calls whose KV (at their longest) would exceed the budget wait for room; a call
     larger than the budget runs alone; results equal solo runs; nothing is left counted."""
-    from continuum.models.hf.memory import kv_bytes
+    from continuum.models.memory import kv_bytes
 
     engine = gpt2_model.engine
     gen = generate.text(gpt2_model, samplers.greedy())

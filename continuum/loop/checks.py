@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ContextLengthError, ContinuumTypeError, GeneratorArgumentError, SampleMismatch
-from ..models.hf.memory import check_rows_fit
+from ..models.memory import check_rows_fit
 from ..models.tokenizer import check_encodable
 from ..samplers import Sampler
 from ..state import SequenceState

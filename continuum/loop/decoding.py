@@ -26,9 +26,8 @@ import torch
 
 from ..guides import Guide
 from ..models import kv as kvcache
-from ..models.hf import prefix_cache
-from ..models.hf.memory import kv_bytes
 from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
+from ..models.memory import kv_bytes
 from ..models.request import Request
 from ..samplers import GreedySampler, Sampler
 from ..state import LastStep, SequenceState
@@ -57,21 +56,25 @@ def prefill(state: SequenceState, reserve: int = 0) -> SequenceState:
     model's prefix cache, when on, supplies what it holds and keeps what was computed).
     ``reserve``: columns the caller appends right after (choice scoring's token tree), so the KV
     storage written here has room for them."""
+    cache = getattr(state._model, "prefix_cache", None)  # (None: off; its methods are the same on every backend)
     try:  # (its forward joins the engine's next step while other calls run)
-        return _prefill(state, reserve)
+        return _prefill(state, reserve, cache)
     finally:
-        prefix_cache.settle(state._model)  # prefixes registered as being computed (in-batch sharing)
+        if cache is not None:
+            cache.settle()  # prefixes registered as being computed (in-batch sharing)
 
 
-def _prefill(state: SequenceState, reserve: int) -> SequenceState:
-    state = prefix_cache.reuse(state, reserve)  # (room after the uncached suffix, which it adds itself)
+def _prefill(state: SequenceState, reserve: int, cache) -> SequenceState:
+    if cache is not None:
+        state = cache.reuse(state, reserve)  # (room after the uncached suffix, which it adds itself)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
     if W - 1 <= C:
         return state
     mask = state._mask[:, :W - 1]
     _, kv = state._model.forward(state._ids[:, C:W - 1], mask, positions(mask)[:, C:], state._kv, logits="none",
                                  reserve=reserve)
-    prefix_cache.remember(state._model, state._ids, mask, kv)
+    if cache is not None:
+        cache.remember(state._model, state._ids, mask, kv)
     return SequenceState(model=state._model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 
@@ -114,7 +117,8 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
         finally:
             engine.close(call)  # (a no-op once the call is done)
     finally:
-        prefix_cache.settle(model)  # prefixes registered as being computed and not inserted (an error)
+        if getattr(model, "prefix_cache", None) is not None:
+            model.prefix_cache.settle()  # prefixes registered as being computed and not inserted (an error)
 
 
 def _longest(state: SequenceState, options: dict) -> int:
@@ -161,8 +165,8 @@ def _decode(
 
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
-    else:  # the model's prefix cache (when on) extends each row's cache before the suffix is prefilled
-        state = prefix_cache.reuse(state, steps)
+    elif getattr(model, "prefix_cache", None) is not None:  # the prefix cache extends rows' caches before the prefill
+        state = model.prefix_cache.reuse(state, steps)
     rows = Rows(state, steps, guide, track_text or bool(stops), stops)
     if token_healing and steps > 0:
         state, heals = heal(state, guide, rows.guide_states or [None] * state.rows, rows.resumed)
@@ -222,7 +226,8 @@ def _decode(
         _, rows.kv = yield from forward(start, start + chunk, logits="none")
         start += chunk
     logits, rows.kv = yield from forward(start, W)
-    prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)  # what this prefill computed, for later calls
+    if getattr(model, "prefix_cache", None) is not None:  # what this prefill computed, for later calls
+        model.prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)
     fed = col = W
     while True:
         check_cancelled(rows.finished.count(False))  # Ctrl-C / a closed stream: stop between two forwards

@@ -43,7 +43,7 @@ class Backend(Protocol):
     tokenizer: Any  # the Tokenizer interface (continuum.models.tokenizer)
     context_length: int | None  # positions a row may hold (None: unbounded)
     tokens_computed: int  # positions computed so far (the benchmarks and tests read it)
-    prefix_cache: Any  # the automatic prefix cache, or None
+    prefix_cache: Any  # the automatic prefix cache (its reuse, remember and settle are what the loop calls), or None
 
     @property
     def fingerprint(self) -> Any:

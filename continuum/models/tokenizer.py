@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import TokenizerError, UnencodableTextError
+from .idmap import id_map_fingerprint
 from .textbytes import ByteDecoder
 
 logger = logging.getLogger("continuum")
@@ -149,6 +150,16 @@ class Tokenizer:
     def token_name(self, token: int) -> str:
         """A token's entry in the vocabulary (``"<s>"``, ``"Ġthe"``), for displays."""
         return str(self.hf.convert_ids_to_tokens(token) or f"id {token}")
+
+    @cached_property
+    def ids_fingerprint(self) -> str:
+        """What the ids mean, hashed alike by every backend's tokenizer (:mod:`continuum.models.idmap`): a state moves
+        to a model whose tokenizer has the same one (e.g. the same vocabulary as a GGUF on llama.cpp)."""
+        added = getattr(self.hf, "added_tokens_decoder", {})  # added special tokens: no bytes, like llama.cpp's control ones
+        marked = {int(i) for i, t in added.items() if getattr(t, "special", False)}
+        table = [None if i in marked else b for i, b in enumerate(self.vocab_bytes)]
+        return id_map_fingerprint(table, lambda i: self.hf.convert_ids_to_tokens(i), self.bos_token_id,
+                                  self.eos_token_ids)
 
     # -- encoding ---------------------------------------------------------------------------
     def encode_prompts(self, prompts: Sequence[str], argument: str = "prompt") -> list[list[int]]:

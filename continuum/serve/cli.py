@@ -133,11 +133,12 @@ def _load(args: argparse.Namespace):
         if args.n_ctx is not None or args.threads is not None or args.batch_invariant:
             raise ModelLoadError("--n-ctx, --threads and --batch-invariant are llama.cpp options: serve a .gguf file")
         return models.transformers(args.model, device=args.device, dtype=args.dtype, prefix_cache=args.prefix_cache)
-    for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--prefix-cache", args.prefix_cache)):
+    for flag, value in (("--dtype", args.dtype), ("--device", args.device)):
         if value is not None:
             raise ModelLoadError(f"{flag} is not available for a GGUF on llama.cpp (its weights' type is the file's, "
                                  f"and it runs on the CPU): leave it out")
-    return models.llamacpp(args.model, n_ctx=args.n_ctx, n_threads=args.threads, batch_invariant=args.batch_invariant)
+    return models.llamacpp(args.model, n_ctx=args.n_ctx, n_threads=args.threads, batch_invariant=args.batch_invariant,
+                           prefix_cache=args.prefix_cache)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Moving a state to a model: ``state.to_model(model)``.
 
-A KV cache is valid only under the weights, dtype and device that computed it. The rule: the
-model that runs is the one that computes. A state handed to another model keeps its tokens,
-weights, log-probs and last step and drops its cache, so that model recomputes every token (in
-one forward pass, when the state is continued). The same model keeps the cache; if the model's
-dtype changed since the cache was computed (``model.model.double()``) the cache is dropped too
-(recomputing gives exactly what the model computes now), and if only the device changed the
-cache is moved (the values are the same).
+A KV cache is valid only under the weights, dtype and device that computed it. The rule: the model that runs is
+the one that computes. A state handed to another model keeps its tokens, weights, log-probs and last step and drops
+its cache, so that model recomputes every token (in one forward pass, when the state is continued). That model may
+be another backend's (a transformers state continued on llama.cpp and back) when its ids mean the same thing there
+(:func:`same_tokenizer`). The same model keeps the cache; if the model's dtype changed since the cache was computed
+(``model.model.double()``) the cache is dropped too (recomputing gives exactly what the model computes now), and if
+only the device changed the cache is moved (the values are the same).
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ logger = logging.getLogger("continuum")
 
 
 def same_tokenizer(a, b) -> bool:
-    return a.tokenizer is b.tokenizer or a.tokenizer.fingerprint == b.tokenizer.fingerprint
+    """Whether ``a``'s token ids mean the same on ``b``: the same tokenizer, or the same id -> token map on another
+    backend (``ids_fingerprint``, :mod:`continuum.models.idmap`: e.g. one vocabulary as safetensors and as GGUF)."""
+    ta, tb = a.tokenizer, b.tokenizer
+    if ta is tb or ta.fingerprint == tb.fingerprint:
+        return True
+    ia, ib = getattr(ta, "ids_fingerprint", None), getattr(tb, "ids_fingerprint", None)
+    return ia is not None and ia == ib
 
 
 def check_tokenizer(state: SequenceState, model, what: str) -> None:

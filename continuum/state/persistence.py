@@ -9,6 +9,12 @@ Under tensor parallelism each rank saves its own file (its cache holds its heads
 its cache into the same rank of the same layout; anywhere else (another rank, another world size, a
 single process) the cache is dropped with the same warning and recomputed (files saved before layouts
 were recorded count as single-process).
+
+A llama.cpp state's KV is written by its backend (``model.save_kv``: each distinct sequence's bytes once, behind the
+GGUF's fingerprint, :mod:`continuum.models.llamacpp.persist`) and restored into fresh sequences by a model with the
+same fingerprint (``model.load_kv``); from another model, or damaged, it is dropped with the same warning. A file
+also records what its ids mean (``ids_fingerprint``), so a state saved on one backend loads (recomputed) on another
+whose ids mean the same.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 
-from ..errors import StateFileError
+from ..errors import BackendError, StateFileError
 from ..models import kv as kvcache
 from ..models.identity import ModelFingerprint
 from .convert import uncached
@@ -54,6 +60,7 @@ def metadata(state: SequenceState) -> dict:
                 "finish": state._last.finish, "marks": state._last.marks, "thoughts": state._last.thoughts}
     return {"format": _FORMAT_VERSION, "batch": state.batch, "samples": state.samples,
             "tokenizer": state._model.tokenizer.fingerprint, "tokenizer_name": state._model.tokenizer.name,
+            "ids": getattr(state._model.tokenizer, "ids_fingerprint", None),
             "model": state._model.fingerprint.as_dict(), "layers": len(_tensor_kv(state) or ()), "last": last}
 
 
@@ -76,7 +83,12 @@ def save(state: SequenceState, path) -> None:
     tensors = {"ids": state._ids, "mask": state._mask, "logprobs": state._logprobs, "weights": state._weights}
     for i, (k, v) in enumerate(_tensor_kv(state) or ()):
         tensors[f"k{i}"], tensors[f"v{i}"] = k, v
-    write(path, tensors, metadata(state))
+    meta = metadata(state)
+    saver = getattr(state._model, "save_kv", None)
+    if isinstance(state._kv, kvcache.KVHandle) and saver is not None:  # another backend's KV: its own format
+        handle_tensors, meta["kv_handle"] = saver(state._kv)
+        tensors.update(handle_tensors)
+    write(path, tensors, meta)
 
 
 def read(path, model) -> tuple[dict, dict]:
@@ -95,7 +107,8 @@ def read(path, model) -> tuple[dict, dict]:
                              f"SequenceState.save or is damaged; save the state again") from exc
     if meta.get("format") not in _READABLE:
         raise StateFileError(f"{path}: unsupported state format {meta.get('format')!r} (this version reads {_READABLE})")
-    if meta["tokenizer"] != model.tokenizer.fingerprint:
+    ids = getattr(model.tokenizer, "ids_fingerprint", None)
+    if meta["tokenizer"] != model.tokenizer.fingerprint and (meta.get("ids") is None or meta.get("ids") != ids):
         raise StateFileError(f"{path} was saved with tokenizer {meta['tokenizer_name']!r} "
                              f"({meta['tokenizer']}); this model's tokenizer differs ({model.tokenizer.fingerprint})")
     return meta, tensors
@@ -103,12 +116,18 @@ def read(path, model) -> tuple[dict, dict]:
 
 def foreign(meta: dict, model, path) -> bool:
     """Whether the file's cache was computed by another model than ``model`` (then it is dropped, with a warning)."""
-    saved = meta.get("model")
-    saved = ModelFingerprint.from_dict(saved) if isinstance(saved, dict) else None
-    if saved == model.fingerprint:
+    saved, mine = meta.get("model"), model.fingerprint
+    try:  # the saved identity in the model's own kind (another backend's does not fit it: foreign)
+        saved = (ModelFingerprint.from_dict(saved) if isinstance(mine, ModelFingerprint) else type(mine)(**saved)) \
+            if isinstance(saved, dict) else None
+    except TypeError:
+        pass
+    if saved == mine:
         return False
-    origin = (f"model {saved.architecture} (config {saved.config}, weights {saved.weights}, {saved.layout})"
-              if saved is not None else "an unknown model (a file without a model identity)")
+    if isinstance(saved, ModelFingerprint):
+        origin = f"model {saved.architecture} (config {saved.config}, weights {saved.weights}, {saved.layout})"
+    else:
+        origin = f"model {saved}" if saved is not None else "an unknown model (a file without a model identity)"
     logger.warning("%s was saved from %s, not this model (%s): its KV cache is dropped; tokens, weights, "
                    "log-probs and the last step are kept, and the next generator recomputes the cache in one "
                    "pass.", path, origin, model.fingerprint)
@@ -129,6 +148,23 @@ def last_step(last: dict | None) -> LastStep | None:
                     thoughts=tuple(tuple(t) for t in last["thoughts"]) if last.get("thoughts") else None)
 
 
+def _handle_kv(meta: dict, tensors: dict, model, path):
+    """A backend's own KV from the file (``model.load_kv``), or None with a warning (another model, damaged bytes,
+    refused by the backend): the state is then recomputed in one pass."""
+    loader = getattr(model, "load_kv", None)
+    if loader is None or foreign(meta, model, path):
+        if loader is None:
+            logger.warning("%s holds a KV of another backend (%s), not usable by %r: it is dropped and the next "
+                           "generator recomputes it in one pass.", path, meta["kv_handle"].get("backend"), model)
+        return None
+    try:
+        return loader({k: t.cpu() for k, t in tensors.items()}, meta["kv_handle"])
+    except (StateFileError, BackendError) as exc:  # ForeignStateError is a StateFileError
+        logger.warning("%s: its KV cannot be restored (%s): it is dropped; tokens, weights, log-probs and the last "
+                       "step are kept, and the next generator recomputes the cache in one pass.", path, exc)
+        return None
+
+
 def load(path, model) -> SequenceState:
     """Load a state saved with :meth:`save` for ``model`` (which must use the same tokenizer).
 
@@ -141,6 +177,9 @@ def load(path, model) -> SequenceState:
         if kv is not None and len(kv) == len(model.layer_devices):  # device_map: each layer where its layer runs
             kv = kvcache.to_devices(kv, model.layer_devices)
         dropped = kv is not None and foreign(meta, model, path)
+        if meta.get("kv_handle") is not None:
+            kv = _handle_kv(meta, tensors, model, path)
+            dropped = kv is None
         state = SequenceState(model=model, ids=tensors["ids"], mask=tensors["mask"], logprobs=tensors["logprobs"],
                               weights=tensors["weights"], kv=kv, batch=meta["batch"], samples=meta["samples"],
                               last=last_step(meta["last"]))

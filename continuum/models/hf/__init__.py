@@ -5,7 +5,6 @@
 * ``cache``: the KV cache as plain per-layer tensor tuples and its functional operations (select rows, crop,
   compact, stack), never writing where another state can look;
 * ``prefix_cache``: the automatic prefix cache (KV blocks keyed by a chain of token ids, LRU under a byte budget);
-* ``memory``: KV bytes of a call, the memory the engine admits calls under;
 * ``token_tree``: the attention mask and positions of a token tree (choice scoring in one forward).
 """
 

@@ -20,7 +20,8 @@ How it works (vLLM's automatic prefix caching, in process):
   use, and a change (``model.model.double()``, new weights loaded in place are not detected, see
   :mod:`continuum.models.identity`) empties it.
 
-The decoding loop consults it in one place, before it prefills the uncached suffix
+The decoding loop consults it (``model.prefix_cache``, None when off: its ``reuse``, ``remember`` and ``settle``
+methods, the same on every backend) in one place, before it prefills the uncached suffix
 (:func:`reuse`: each row's cache is extended by its longest cached prefix, rows may differ), and
 adds what that prefill computed (:func:`remember`). Results are those of a fresh forward (the same
 keys and values, computed by the same model for the same tokens at the same positions).
@@ -127,6 +128,15 @@ class PrefixCache:
         """Drop every block (the counters stay). A call copying a block right now keeps its copy."""
         with self._lock:
             self._drop_all()
+
+    # -- what the decoding loop calls (the same three methods on every backend's prefix cache) ----------------
+    def reuse(self, state: SequenceState, room: int = 0) -> SequenceState:
+        """``state`` with each row's cache extended by its longest cached prefix (module :func:`reuse`)."""
+        return reuse(state, room)
+
+    def remember(self, model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV, owner: int | None = None) -> None:
+        """Keep the prefixes a prefill just computed (module :func:`remember`)."""
+        remember(model, ids, mask, kv, owner)
 
     # -- the table (every method below runs under self._lock) -------------------------------
     def _drop_all(self) -> None:

@@ -15,6 +15,8 @@ Modules, one job each:
   :class:`DecodeResult`).
 * ``fingerprint.py``: what a KV blob is valid for (GGUF hash, KV layout, mode, llama.cpp version); ``pack`` and
   ``unpack`` refuse a blob from elsewhere.
+* ``persist.py``: a state's KV in its file (each distinct sequence's bytes once), restored into fresh sequences.
+* ``prefix.py``: the prefix cache as donor sequences (``prefix_cache=``), reused by ``seq_cp``.
 
 Example:
     >>> from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePool, DecodeRow, decode

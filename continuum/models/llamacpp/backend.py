@@ -106,16 +106,25 @@ class LlamaCpp:
 
     Args:
         path: a ``.gguf`` file.
+        prefix_cache: byte budget of the prefix cache (donor sequences, :mod:`~.prefix`; ``"64MiB"``, an int);
+            ``None``/``0`` (default): off.
         n_ctx, n_threads, batch_invariant, ...: see :class:`~.model.LlamaCppModel`.
     """
 
-    def __init__(self, path: str | os.PathLike, **options: Any):
+    def __init__(self, path: str | os.PathLike, *, prefix_cache: int | str | None = None, **options: Any):
+        from ..hf.prefix_cache import parse_budget  # (the same budget syntax on both backends)
+
+        budget = parse_budget(prefix_cache)  # a bad budget fails before the GGUF is loaded
         self.llama = LlamaCppModel(path, **options)
         self.tokenizer = LlamaTokenizer(self.llama)
         self.pool = SequencePool.of(self.llama)
         self.pool.kv_bytes_per_token = self.kv_bytes_per_token  # type: ignore[attr-defined]  # (read by SeqKV.nbytes)
         self.context_length: int | None = self.llama.context_length
-        self.prefix_cache = None
+        self.prefix_cache: Any = None
+        if budget:
+            from .prefix import DonorCache
+
+            self.prefix_cache = DonorCache(self, budget)
         self.tokens_computed = 0
         self.forward_calls = 0
         self._count_lock = threading.Lock()
@@ -148,6 +157,18 @@ class LlamaCpp:
 
     def same_model(self, other: Any) -> bool:
         return other is self or (isinstance(other, LlamaCpp) and other.fingerprint == self.fingerprint)
+
+    def save_kv(self, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict]:
+        """A state's KV for its file: each distinct sequence's bytes once, behind this model's fingerprint."""
+        from .persist import save_kv
+
+        return save_kv(self, kv)
+
+    def load_kv(self, tensors: dict[str, torch.Tensor], meta: dict) -> SeqKV:
+        """The KV :meth:`save_kv` stored, in fresh sequences (``ForeignStateError`` etc. when it is not valid here)."""
+        from .persist import load_kv
+
+        return load_kv(self, tensors, meta)
 
     @property
     def device(self) -> torch.device:

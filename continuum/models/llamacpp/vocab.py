@@ -34,6 +34,7 @@ from functools import cached_property
 from typing import Any
 
 from ...errors import TokenizerError
+from ..idmap import id_map_fingerprint
 from ..textbytes import ByteDecoder
 from ..tokenizer import _SENTINELS, check_encodable
 from ._lib import lib
@@ -99,6 +100,14 @@ class LlamaTokenizer:
             h.update(len(piece).to_bytes(4, "little") + piece + attr.to_bytes(4, "little"))
         h.update(repr((sorted(self.eos_token_ids), self.bos_token_id, self.pad_token_id)).encode())
         return h.hexdigest()[:16]
+
+    @cached_property
+    def ids_fingerprint(self) -> str:
+        """What the ids mean, hashed alike by every backend's tokenizer (:mod:`continuum.models.idmap`): a state moves
+        to a model whose tokenizer has the same one (e.g. the same vocabulary on transformers)."""
+        L = lib()
+        return id_map_fingerprint(self.vocab_bytes, lambda i: L.llama_vocab_get_text(self._vocab, i).decode("utf-8", "replace"),
+                                  self.bos_token_id, self.eos_token_ids)
 
     # -- raw llama.cpp calls --------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool | None = None) -> list[int]:

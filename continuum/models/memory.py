@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import GeneratorArgumentError
+from ..errors import GeneratorArgumentError
 
 __all__ = ["check_rows_fit", "available_bytes", "row_bytes", "kv_bytes"]
 

@@ -1,0 +1,112 @@
+"""Saving a llama.cpp state keeps its KV: each distinct sequence's bytes once, behind the GGUF's fingerprint
+(continuum/models/llamacpp/persist.py). Loaded on the same model nothing is recomputed and the continuation is
+exactly the unsaved state's (batch-invariant mode: exact, tests/llamacpp_support.py); from another GGUF, or
+damaged, the KV is dropped with a warning and recomputed in one pass; a truncated file is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from continuum import SequenceState, continuous, generate, models, samplers
+from continuum.errors import StateFileError
+from continuum.models import kv
+
+from llamacpp_support import gguf
+
+
+@pytest.fixture(scope="module")
+def model():
+    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2)
+
+
+def _greedy(m):
+    return continuous(generate.text(m, samplers.greedy()))
+
+
+def _continue(m, state, n=10):
+    """The continuation of ``state`` and the positions it computed."""
+    before = m.tokens_computed
+    out = _greedy(m)(state, max_tokens=n)
+    return out, m.tokens_computed - before
+
+
+def _rewrite(path, change):
+    """Rewrite a state file's tensors and metadata through ``change(tensors, meta)``."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["continuum"])
+    tensors = load_file(str(path))
+    change(tensors, meta)
+    save_file(tensors, str(path), metadata={"continuum": json.dumps(meta)})
+
+
+def test_save_load_restores_the_kv_without_recomputing_and_continues_exactly(model, tmp_path):
+    s = _greedy(model)("Once upon a time", max_tokens=12)
+    s.save(tmp_path / "s.safetensors")
+    back = SequenceState.load(tmp_path / "s.safetensors", model)
+    assert isinstance(back._kv, kv.KVHandle) and kv.length(back._kv) == kv.length(s._kv) > 0
+    assert str(back) == str(s) and torch.equal(back.weights, s.weights)
+    ours, computed = _continue(model, back)
+    ref, ref_computed = _continue(model, s)
+    assert computed == ref_computed <= 10  # only the uncached last token and the new ones: nothing recomputed
+    assert str(ours) == str(ref) and torch.equal(ours.weights, ref.weights)  # the same logits, bit for bit
+    assert torch.equal(ours.token_logprobs[0].nan_to_num(), ref.token_logprobs[0].nan_to_num())
+
+
+def test_rows_on_one_sequence_are_saved_once(model, tmp_path):
+    two = continuous(generate.text(model, samplers.multinomial(3)))("The cat sat on the", max_tokens=0)
+    assert len({v.seq_id for v in two._kv.views}) == 1  # three rows (samples), one llama.cpp sequence
+    two.save(tmp_path / "two.safetensors")
+    with safe_open(str(tmp_path / "two.safetensors"), framework="pt") as f:
+        assert sorted(k for k in f.keys() if k.startswith("kvh.blob")) == ["kvh.blob0"]  # noqa: SIM118
+    back = SequenceState.load(tmp_path / "two.safetensors", model)
+    assert list(back) == list(two)
+    draws = continuous(generate.text(model, samplers.multinomial(3)))
+    before = model.tokens_computed
+    ours = draws(back, max_tokens=6, rng=torch.Generator().manual_seed(1))
+    computed, before = model.tokens_computed - before, model.tokens_computed
+    ref = draws(two, max_tokens=6, rng=torch.Generator().manual_seed(1))
+    assert list(ours) == list(ref) and torch.equal(ours.weights, ref.weights)
+    assert computed == model.tokens_computed - before <= 3 * 6  # the uncached last token and the new ones per row
+
+
+def test_a_file_from_another_gguf_is_recomputed_with_a_warning(model, tmp_path, caplog):
+    s = _greedy(model)("Once upon a time", max_tokens=12)
+    s.save(tmp_path / "f32.safetensors")
+    q8 = models.llamacpp(gguf("q8_0"), batch_invariant=True, n_threads=2)
+    with caplog.at_level(logging.WARNING, logger="continuum"):
+        back = SequenceState.load(tmp_path / "f32.safetensors", q8)
+    assert any("not this model" in r.getMessage() for r in caplog.records)
+    assert kv.length(back._kv) == 0 and str(back) == str(s)
+    ours, computed = _continue(q8, back, 8)
+    assert computed >= len(q8.tokenizer.encode_prompts([str(s)])[0])  # every token recomputed (one prefill)
+    assert str(ours) == str(_greedy(q8)(s.to_model(q8), max_tokens=8))
+
+
+def test_damaged_kv_bytes_are_recomputed_and_a_truncated_file_is_refused(model, tmp_path, caplog):
+    s = _greedy(model)("Lily and Tom", max_tokens=10)
+    path = tmp_path / "s.safetensors"
+    s.save(path)
+    ref = str(_greedy(model)(s, max_tokens=8))
+
+    def flip(tensors, meta):
+        blob = tensors["kvh.blob0"]
+        blob[-100] ^= 0xFF  # a value inside the cells, past the fingerprint header
+
+    _rewrite(path, flip)
+    with caplog.at_level(logging.WARNING, logger="continuum"):
+        back = SequenceState.load(path, model)
+    assert any("SHA-256" in r.getMessage() for r in caplog.records)
+    assert kv.length(back._kv) == 0 and str(_greedy(model)(back, max_tokens=8)) == ref
+
+    s.save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(StateFileError, match="not a readable continuum state file"):
+        SequenceState.load(path, model)
