@@ -47,6 +47,11 @@ __all__ = [
     "GrammarLogitsProcessor",
     "GuidanceLogitsProcessor",
     "CFGLogitsProcessor",
+    "LlamaCppLogitsProcessor",
+    "llamacpp_regex",
+    "llamacpp_choice",
+    "llamacpp_json",
+    "llamacpp_grammar",
 ]
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
@@ -55,8 +60,8 @@ _DEAD, _DONE = object(), object()  # row states: a disallowed token was chosen /
 
 def _adapter(tokenizer) -> Tokenizer:
     """continuum's tokenizer adapter for a Hugging Face tokenizer, one per tokenizer object (its
-    compiled-index caches are reused across processors)."""
-    if isinstance(tokenizer, Tokenizer):
+    compiled-index caches are reused across processors); a continuum adapter (llama.cpp's too) as is."""
+    if isinstance(tokenizer, Tokenizer) or type(tokenizer).__module__.startswith("continuum."):
         return tokenizer
     adapter = _TOKENIZERS.get(tokenizer)
     if adapter is None:
@@ -346,3 +351,12 @@ class GuidanceLogitsProcessor(LogitsProcessor):
 
 
 CFGLogitsProcessor = GuidanceLogitsProcessor  # the earlier name (CFG = classifier-free guidance here)
+
+# llama-cpp-python's form of the same processors (Llama.create_completion(logits_processor=...))
+from .llamacpp_processors import (  # noqa: E402  (they build on the classes above)
+    LlamaCppLogitsProcessor,
+    llamacpp_choice,
+    llamacpp_grammar,
+    llamacpp_json,
+    llamacpp_regex,
+)
