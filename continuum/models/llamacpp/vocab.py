@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import threading
+import warnings
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
@@ -316,5 +317,7 @@ class LlamaTokenizer:
                     if not self.eos_token_ids:
                         raise TokenizerError("Constrained generation needs a tokenizer with an EOS token.")
                     eos = sorted(self.eos_token_ids)
-                    self._llg_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(self._vocab, eos_token=eos)
+                    with warnings.catch_warnings():  # it calls llama_token_get_attr once per token: one deprecation
+                        warnings.simplefilter("ignore", DeprecationWarning)  # warning each (262k on Gemma, ~10% of it)
+                        self._llg_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(self._vocab, eos_token=eos)
         return self._llg_tokenizer
