@@ -1,4 +1,4 @@
-"""continuum's processors inside llama-cpp-python's own generation (``continuum/llamacpp_processors.py``):
+"""continuum's processors inside llama-cpp-python's own generation (``continuum/processors/llamacpp.py``):
 ``Llama.create_completion`` / ``Llama.generate`` with ``logits_processor=``, outputs checked with ``re`` and
 ``jsonschema`` (greedy and sampled), a reused instance, and the tokenizer read from the ``Llama``'s vocabulary.
 """
@@ -86,7 +86,7 @@ def test_an_internal_error_ends_the_generation_instead_of_going_on_unconstrained
 
 
 def test_the_tokenizer_is_the_gguf_s_own(llm):
-    from continuum.llamacpp_processors import llamacpp_tokenizer
+    from continuum.processors.llamacpp import llamacpp_tokenizer
 
     tok = llamacpp_tokenizer(llm)
     assert tok is llamacpp_tokenizer(llm)  # cached per Llama

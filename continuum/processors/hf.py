@@ -1,29 +1,5 @@
-"""continuum's constraints and classifier-free guidance as ``transformers`` logits processors.
-
-Use them with ``model.generate(..., logits_processor=LogitsProcessorList([...]))``. They are built
-on the same guides (:mod:`continuum.guides`) and the same guidance formula (:mod:`continuum.loop.cfg`) as the
-generators: there is no second implementation.
-
-Two things make a processor correct inside ``generate()``:
-
-* **Rows are identified by the tokens they generated, not by their position.** Beam search
-  reorders rows at every step and left-padded prompts all share one width, so each call looks a
-  row's state up by its generated suffix (``input_ids[:, prompt_width:]``): its parent is the row
-  of the previous call whose suffix is this one minus the last token.
-* **Never raise mid-generation, never leave a row without a finite score.** Beam search keeps
-  ``-inf`` candidates among its top 2k, so a running beam may hold a token the guide never
-  allowed: that row is *dead* and only EOS stays finite (its beam score is already ``-inf``).
-
-A processor holds the state of ONE ``generate()`` call: create one per call, or call
-:meth:`reset` in between. Inputs may be torch tensors or any DLPack array with an array-API
-namespace (NumPy): the result has the type of ``scores``, converted without copies.
-
-Example:
-    >>> from transformers import LogitsProcessorList
-    >>> proc = RegexLogitsProcessor(r"[0-9]{3}", tokenizer)                     # doctest: +SKIP
-    >>> out = hf_model.generate(**inputs, logits_processor=LogitsProcessorList([proc]),
-    ...                         max_new_tokens=5, do_sample=False)             # doctest: +SKIP
-"""
+"""continuum's constraints and classifier-free guidance as ``transformers`` logits processors (see the package
+docstring, :mod:`continuum.processors`)."""
 
 from __future__ import annotations
 
@@ -36,8 +12,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .models.hf import cache as kvcache
-from .models.tokenizer import Tokenizer
+from ..models.hf import cache as kvcache
+from ..models.tokenizer import Tokenizer
 
 __all__ = [
     "GuideLogitsProcessor",
@@ -47,11 +23,6 @@ __all__ = [
     "GrammarLogitsProcessor",
     "GuidanceLogitsProcessor",
     "CFGLogitsProcessor",
-    "LlamaCppLogitsProcessor",
-    "llamacpp_regex",
-    "llamacpp_choice",
-    "llamacpp_json",
-    "llamacpp_grammar",
 ]
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
@@ -177,7 +148,7 @@ class RegexLogitsProcessor(GuideLogitsProcessor):
     """
 
     def __init__(self, pattern: str, tokenizer, *, backend: str = "auto"):
-        from .guides.compile import regex_for
+        from ..guides.compile import regex_for
 
         adapter = _adapter(tokenizer)
         super().__init__(regex_for(adapter, pattern, backend), adapter)
@@ -187,8 +158,8 @@ class ChoiceLogitsProcessor(GuideLogitsProcessor):
     """Generated text is exactly one of ``choices`` (token by token, like ``choice(method="greedy")``)."""
 
     def __init__(self, choices: Sequence[str], tokenizer, *, backend: str = "auto"):
-        from .guides import choice_regex
-        from .guides.compile import regex_for
+        from ..guides import choice_regex
+        from ..guides.compile import regex_for
 
         adapter = _adapter(tokenizer)
         super().__init__(regex_for(adapter, choice_regex(choices), backend), adapter)
@@ -215,8 +186,8 @@ class JSONLogitsProcessor(GuideLogitsProcessor):
                  on_unsupported: str = "raise", max_items: int | None = None, bounds: Any = "default"):
         import warnings
 
-        from .guides.compile import json_for
-        from .guides.schema import SchemaCoverageWarning
+        from ..guides.compile import json_for
+        from ..guides.schema import SchemaCoverageWarning
 
         adapter = _adapter(tokenizer)
         with warnings.catch_warnings(record=True) as caught:
@@ -245,7 +216,7 @@ class GrammarLogitsProcessor(GuideLogitsProcessor):
     """Generated text follows a context-free grammar (llguidance Lark syntax, or GBNF with ``syntax="gbnf"``)."""
 
     def __init__(self, grammar: str, tokenizer, *, syntax: str = "lark"):
-        from .guides.compile import grammar_for
+        from ..guides.compile import grammar_for
 
         adapter = _adapter(tokenizer)
         super().__init__(grammar_for(adapter, grammar, syntax), adapter)
@@ -280,7 +251,7 @@ class GuidanceLogitsProcessor(LogitsProcessor):
 
     def __init__(self, guidance_scale: float, model, negative_prompt_ids=None, guidance_rescale: float = 0.0,
                  negative_attention_mask=None):
-        from .loop.cfg import Guidance
+        from ..loop.cfg import Guidance
 
         Guidance.make(None, guidance_scale, None, guidance_rescale)  # the generators' argument checks
         self.guidance_scale, self.guidance_rescale = float(guidance_scale), float(guidance_rescale)
@@ -341,7 +312,7 @@ class GuidanceLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.guidance_scale == 1.0:
             return scores
-        from .loop.cfg import guided_scores
+        from ..loop.cfg import guided_scores
 
         ids, _ = _to_torch(input_ids)
         logits, namespace = _to_torch(scores)
@@ -351,12 +322,3 @@ class GuidanceLogitsProcessor(LogitsProcessor):
 
 
 CFGLogitsProcessor = GuidanceLogitsProcessor  # the earlier name (CFG = classifier-free guidance here)
-
-# llama-cpp-python's form of the same processors (Llama.create_completion(logits_processor=...))
-from .llamacpp_processors import (  # noqa: E402  (they build on the classes above)
-    LlamaCppLogitsProcessor,
-    llamacpp_choice,
-    llamacpp_grammar,
-    llamacpp_json,
-    llamacpp_regex,
-)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .processors import (
+from .hf import (
     ChoiceLogitsProcessor,
     GrammarLogitsProcessor,
     GuideLogitsProcessor,
@@ -66,7 +66,7 @@ def llamacpp_tokenizer(llama: Any) -> Any:
     """continuum's tokenizer over ``llama``'s own vocabulary (one per ``Llama``: its compiled guides are reused)."""
     tok = _TOKENIZERS.get(llama)
     if tok is None:
-        from .models.llamacpp.vocab import LlamaTokenizer
+        from ..models.llamacpp.vocab import LlamaTokenizer
 
         tok = _TOKENIZERS[llama] = LlamaTokenizer(_LlamaVocab(llama))  # type: ignore[arg-type]
     return tok
