@@ -98,3 +98,17 @@ def test_the_forward_never_attends_to_cells_the_mask_cut(model, gen, base):
     with pytest.raises(BackendError, match="recompute the state"):
         gen(holed, max_tokens=2)
 
+
+def test_stacked_states_continue_like_each_alone(model, gen):
+    a = gen("Once upon a time", max_tokens=6)
+    b = gen("Lily and Tom went to the park", max_tokens=14)
+    p = SequenceState.from_prompts(model, "The cat")  # no KV at all
+    stacked = SequenceState.stack([a, b, p])
+    assert stacked.cached_tokens.flatten().tolist() == [*a.cached_tokens[0].tolist(), *b.cached_tokens[0].tolist(), 0]
+    before = model.tokens_computed
+    out = gen(stacked, max_tokens=8)
+    assert model.tokens_computed - before <= 3 + 8 * 3 + len(_rows(p)[0])  # the caches were reused
+    for r, s in enumerate([a, b, p]):
+        alone = gen(s, max_tokens=8)
+        assert list(out)[r] == str(alone)
+        assert float(out.weights[r, 0]) == pytest.approx(float(alone.weights[0, 0]), abs=1e-4)
