@@ -28,7 +28,7 @@ from .hf import cache as _hf
 from .hf.cache import RESERVE_CAP, positions
 from .hf.slab import slot_of
 
-__all__ = ["KVHandle", "KV", "is_handle", "length", "select_rows", "crop", "narrow", "finish", "compact", "stack_rows",
+__all__ = ["KVHandle", "KV", "is_handle", "length", "select_rows", "crop", "keep", "narrow", "finish", "compact", "stack_rows",
            "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
@@ -52,6 +52,10 @@ class KVHandle(Protocol):
 
     def crop(self, columns: int) -> KVHandle | None:
         """The first ``columns`` columns (``None`` when 0)."""
+        ...
+
+    def keep(self, mask: torch.Tensor) -> KVHandle:
+        """Only the columns ``mask`` (bool ``(rows, length)``) marks real: no row attends to the others."""
         ...
 
     def narrow(self, rows: int, lead: int) -> KVHandle:
@@ -94,6 +98,13 @@ def select_rows(kv: KV, rows: torch.Tensor) -> KV:
 def crop(kv: KV, columns: int) -> KV:
     """The first ``columns`` columns of ``kv``."""
     return kv.crop(columns) if _handle(kv) else _hf.crop(kv, columns)
+
+
+def keep(kv: KV, mask: torch.Tensor) -> KV:
+    """``kv`` where only the columns ``mask`` (``(rows, length)``) marks real are attended to: a state that cut
+    cached tokens (``state[..., :n]`` keeps a different count per row). Transformers attends by the attention mask,
+    so its tensors stay; a handle cuts its storage's views (llama.cpp attends to every cell of a view)."""
+    return kv.keep(mask) if _handle(kv) else kv
 
 
 def narrow(kv: KV, rows: int, lead: int) -> KV:

@@ -131,7 +131,9 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     mask = torch.cat([padded(s._mask, c, w, 0) for s, (c, w) in zip(states, widths)])
     lp = torch.cat([padded(s._logprobs, c, w, _NAN) for s, (c, w) in zip(states, widths)])
     kv = None
-    if C:
+    if C and kvcache.is_handle(next(s._kv for s in states if s._kv is not None)):
+        kv = kvcache.stack_rows([_handle_of(s, states) for s in states], C)
+    elif C:
         ref = next(s._kv for s in states if s._kv is not None)
         layers = []
         for i, (k0, _) in enumerate(ref):
@@ -155,3 +157,12 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
                                marks=sum(marks, ()) if len(marks) == len(lasts) else None)
     return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
                          batch=sum(s.batch for s in states), samples=first.samples, last=last)
+
+
+def _handle_of(state: SequenceState, states: list[SequenceState]) -> kvcache.KV:
+    """``state``'s KV handle; for a state with none, its rows of another's with every column cut (no cells)."""
+    if state._kv is not None:
+        return state._kv
+    ref = next(s._kv for s in states if s._kv is not None)
+    rows = kvcache.select_rows(ref, torch.zeros(state.rows, dtype=torch.long))
+    return kvcache.keep(rows, torch.zeros((state.rows, kvcache.length(ref)), dtype=torch.bool))

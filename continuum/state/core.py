@@ -121,14 +121,16 @@ class SequenceState:
             C2 = 0
         tail_ids, tail_mask, tail_lp = _right_aligned([t for t, _ in tails], [p for _, p in tails],
                                                       self._model.tokenizer.pad_token_id, device)
+        kv = kvcache.crop(self._kv, C2)
         if C2:
+            kv = kvcache.keep(kv, kept[:, :C2])  # (a backend whose views attend to every cell must drop the cut ones)
             ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
             mask = torch.cat([kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
             lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
         else:
             ids, mask, lp = tail_ids, tail_mask, tail_lp
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
-                             kv=kvcache.compact(kvcache.crop(self._kv, C2)), batch=self.batch, samples=self.samples, last=last)
+                             kv=kvcache.compact(kv), batch=self.batch, samples=self.samples, last=last)
 
     # ------------------------------------------------------------------ per-row views (memoised)
     @property

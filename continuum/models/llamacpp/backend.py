@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import ContinuumError
+from ...errors import BackendError, ContinuumError
 from ..request import Request, normalized
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
@@ -68,6 +68,38 @@ class SeqKV:
         cols = self.cols[:, :columns]
         keep = cols.sum(1).tolist()
         return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
+
+    def keep(self, mask: torch.Tensor) -> SeqKV:
+        """Only the columns ``mask`` (``(rows, columns)``) marks real: each row's view cut where its real columns
+        first differ from ``mask``'s, so no later token attends to a cut token's cells.
+
+        A cut that keeps a prefix of a row's cached tokens (``state[..., :n]``) maps exactly to a shorter view; a
+        cut in the middle leaves the view ending before it (the state must recompute the tokens after it).
+
+        Example:
+            >>> kv.keep(torch.tensor([[True, True, False]]))   # a row of 3 cached tokens -> a view of 2   # doctest: +SKIP
+        """
+        mask = mask.bool().cpu()
+        differ = self.cols != mask
+        if not bool(differ.any()):
+            return self
+        width = self.cols.shape[1]
+        first = torch.where(differ.any(1), differ.long().argmax(1), width)  # each row's first differing column
+        cols = self.cols & (torch.arange(width)[None, :] < first[:, None])
+        keep = cols.sum(1).tolist()
+        return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
+
+    def matching(self, mask: torch.Tensor) -> SeqKV:
+        """This KV for a forward whose cached columns are ``mask``: views cut to the real columns (:meth:`keep`);
+        a :class:`~continuum.errors.BackendError` where ``mask`` has real cached tokens the views lack (never a
+        result computed against the wrong cells)."""
+        out = self.keep(mask)
+        if out is not self and not torch.equal(out.cols, mask.bool().cpu()):
+            bad = (out.cols != mask.bool().cpu()).any(1).nonzero().flatten().tolist()
+            raise BackendError(f"rows {bad}: the attention mask marks cached tokens the llama.cpp KV does not hold "
+                               f"(a column cut in the middle of the cache): recompute the state from its tokens, "
+                               f"e.g. SequenceState.from_prompts(model, list(state))")
+        return out
 
     def narrow(self, rows: int, lead: int) -> SeqKV:
         return SeqKV(self.views[:rows], self.cols[:rows, lead:])
@@ -233,9 +265,9 @@ class LlamaCpp:
     def _run(self, requests: list[Request]) -> None:
         rows: list[DecodeRow] = []
         spans = []  # per request: (first DecodeRow, its rows' wanted columns)
+        requests = [r for r in requests if _views_match(r)]
         try:
             for r in requests:
-                r.materialize()
                 ids, mask = r.ids, r.mask
                 R, N = ids.shape
                 C = mask.shape[1] - N
@@ -287,6 +319,19 @@ class LlamaCpp:
                 lp, best, top = normalized(lg)
                 r.logprobs, r.top, lg = (lp, 0), (top, best), None
             r.result, r.error = (lg, new_kv), None
+
+
+def _views_match(r: Request) -> bool:
+    """Cut ``r``'s views to its mask's cached columns (a state whose mask cut cached tokens: no view may reach
+    them); False, with ``r.error`` set, where they cannot be (that request alone fails)."""
+    try:
+        r.materialize()
+        if r.kv is not None:
+            r.kv = r.kv.matching(r.mask[:, :r.mask.shape[1] - r.ids.shape[1]])
+    except BaseException as exc:  # noqa: BLE001  (a malformed request fails alone)
+        r.error = exc
+        return False
+    return True
 
 
 def llamacpp(path: str | os.PathLike, **options: Any) -> LlamaCpp:

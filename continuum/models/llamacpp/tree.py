@@ -88,6 +88,8 @@ def _rows_of(pool: SequencePool, r: Request) -> list[_Row]:
     r.materialize()
     R, T = r.ids.shape
     C = r.mask.shape[1] - T
+    if r.kv is not None:  # (views cut to the mask's cached columns, see SeqKV.matching)
+        r.kv = r.kv.matching(r.mask[:, :C])
     views = r.kv.views if r.kv is not None else [pool.empty()] * R
     real = r.mask[:, C:].bool().cpu().numpy()
     ctx = r.mask[:, :C].bool().cpu()
@@ -329,7 +331,7 @@ class TreeKV:
     def _only_read(self, *args: Any, **kwargs: Any) -> Any:
         raise ContinuumError("a token tree's KV on llama.cpp is only read by kv.gather_paths (choice scoring)")
 
-    select_rows = crop = narrow = _only_read
+    select_rows = crop = keep = narrow = _only_read
 
     @classmethod
     def stack(cls, kvs: list, width: int, reserve: int = 0) -> Any:
