@@ -1,6 +1,6 @@
 """A llama.cpp state's KV in a state file: each distinct sequence's bytes once, behind continuum's fingerprint.
 
-``state.save(path)`` writes, besides the tokens (``continuum/state/persistence.py``), for a :class:`~.backend.SeqKV`:
+``state.save(path)`` writes, besides the tokens (``continuum/state/persistence.py``), for a :class:`~.seqkv.SeqKV`:
 
 * ``kvh.blob{j}``: sequence ``j``'s bytes (``llama_state_seq_get_data`` of the longest row viewing it), packed with
   the model's fingerprint (``fingerprint.pack``: GGUF hash, KV type, flash attention, mode, llama.cpp version);
@@ -24,17 +24,14 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ...errors import StateFileError
-from .backend import SeqKV
 from .fingerprint import pack, unpack
+from .seqkv import SeqKV
 from .sequences import KVView
-
-if TYPE_CHECKING:
-    from .backend import LlamaCpp
 
 __all__ = ["save_kv", "load_kv"]
 
@@ -45,7 +42,7 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def save_kv(model: LlamaCpp, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def save_kv(model: Any, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors (names under ``"kvh."``) and metadata that store ``kv`` (see the module docstring)."""
     window = model.llama.n_swa > 0  # a blob holds the window behind its end only: one per (sequence, length)
     keys: list[Any] = []
@@ -70,7 +67,7 @@ def save_kv(model: LlamaCpp, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict[s
     return tensors, {"backend": "llamacpp", "blobs": len(digests), "sha256": digests}
 
 
-def load_kv(model: LlamaCpp, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SeqKV:
+def load_kv(model: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SeqKV:
     """The :class:`SeqKV` that :func:`save_kv` stored, restored into fresh sequences of ``model`` (see the module
     docstring for what it raises)."""
     if meta.get("backend") != "llamacpp":

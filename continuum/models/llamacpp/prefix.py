@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...errors import BackendError, ContinuumError
-from .backend import SeqKV
+from .seqkv import SeqKV
 from .sequences import KVView
 
 if TYPE_CHECKING:
     from ...state import SequenceState
-    from .backend import LlamaCpp
 
 __all__ = ["DonorCache"]
 
@@ -67,7 +66,7 @@ class DonorCache:
         min_tokens: prompts shorter than this are not kept.
     """
 
-    def __init__(self, model: LlamaCpp, max_bytes: int, max_donors: int = 16, min_tokens: int = 8):
+    def __init__(self, model: Any, max_bytes: int, max_donors: int = 16, min_tokens: int = 8):
         self.model, self.max_bytes = model, int(max_bytes)
         self.max_donors, self.min_tokens = max(1, int(max_donors)), max(1, int(min_tokens))
         self.per_token = max(1, int(model.kv_bytes_per_token))

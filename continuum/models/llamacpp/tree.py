@@ -43,7 +43,6 @@ from .sequences import KVView, SequencePool, _Seq
 
 if TYPE_CHECKING:
     from ..request import Request
-    from .backend import LlamaCpp
 
 __all__ = ["TreeKV", "run_trees"]
 
@@ -104,7 +103,7 @@ def _rows_of(pool: SequencePool, r: Request) -> list[_Row]:
     return rows
 
 
-def run_trees(backend: LlamaCpp, requests: list[Request]) -> None:
+def run_trees(backend: Any, requests: list[Request]) -> None:
     """Run token-tree requests, each one's ``result`` (logits of every node, :class:`TreeKV`) or ``error`` set;
     requests whose leaves fit in the free sequence ids together share one decode."""
     pool, plans = backend.pool, []
@@ -126,7 +125,7 @@ def run_trees(backend: LlamaCpp, requests: list[Request]) -> None:
         _run_group(backend, group)
 
 
-def _run_group(backend: LlamaCpp, group: list[tuple[Request, list[_Row]]]) -> None:
+def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
     pool, model = backend.pool, backend.pool.model
     rows = [row for _, req_rows in group for row in req_rows]
     try:
@@ -298,9 +297,9 @@ class TreeKV:
     def gather_paths(self, rows: torch.Tensor, start: int, split: int, index: torch.Tensor,
                      mask: torch.Tensor) -> Any:
         """Per output row ``j``: row ``rows[j]``'s context and the tree nodes ``index[j]`` (holes, masked in
-        ``mask``, on the left), as a :class:`~.backend.SeqKV` of ``mask``'s layout (``mask`` ``(len(rows),
+        ``mask``, on the left), as a :class:`~.seqkv.SeqKV` of ``mask``'s layout (``mask`` ``(len(rows),
         split - start + index.shape[1])``: which of the result's columns are real)."""
-        from .backend import SeqKV
+        from .seqkv import SeqKV
 
         cols = mask.bool().cpu()
         views = []
@@ -320,7 +319,7 @@ class TreeKV:
         return SeqKV(views, cols)
 
     def nbytes(self, seen: set | None = None) -> int:
-        from .backend import SeqKV
+        from .seqkv import SeqKV
 
         views = [v for row in self.leaves for v in row] + [row.view for row in self.rows if row.view._seq is not None]
         return SeqKV(views, torch.zeros((len(views), 0), dtype=torch.bool)).nbytes(seen) if views else 0
