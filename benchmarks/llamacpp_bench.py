@@ -59,9 +59,16 @@ def _setup(cfg):
 
 
 def b24(bench: Bench, cfg) -> list[Row]:
+    ours, ref, name = _setup(cfg)
+    try:
+        return _b24(bench, cfg, ours, ref, name)
+    finally:
+        ref.close()  # (now: llama-cpp-python's own finalizer fails at interpreter exit)
+
+
+def _b24(bench: Bench, cfg, ours, ref, name: str) -> list[Row]:
     from continuum import continuous, generate, run_batch, samplers
 
-    ours, ref, name = _setup(cfg)
     n_new = 4 if cfg.smoke else 32 if cfg.quick else 64
     reps = 1 if cfg.smoke else max(2, cfg.reps)
     note = f"model: {name}"
