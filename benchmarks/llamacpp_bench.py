@@ -6,6 +6,9 @@ stories260K f32 GGUF fixture (noted); ``--smoke`` always takes the fixture. Both
 * B24a: a lone greedy call of 64 tokens vs ``Llama.create_completion(temperature=0)``: tokens/s (>= 0.9x);
 * B24c: 32 one-call programs under ``run_batch`` vs llama-cpp-python one at a time: tokens/s (>= 3x);
 * B24e: JSON (per token) vs unconstrained text, both on llama.cpp: time per token (<= 1.15x);
+* B24b, B24d, B24f (``llamacpp_rows.py``): two conversations in turn (TTFT vs llama-cpp-python's one sequence),
+  ``run_batch`` of 32 vs llama.cpp's own batched loop, a state's KV forked into 8 samples;
+* B24g (``llamacpp_chat.py``): the same 8-turn chat on llama.cpp and on transformers (fp32, bf16): tokens/s;
 * B24h: the largest logit difference of rows decoded merged vs each alone, default and batch-invariant mode
   (0 expected in the invariant mode on the fixture), and the invariant mode's cost (figure: its time / default's).
 """
@@ -18,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from .common import FIXTURES, Bench, Row, Skip, paired, row_from_calls
+from .llamacpp_chat import b24g
+from .llamacpp_rows import more_rows
 
 __all__ = ["LLAMACPP_SCENARIOS"]
 
@@ -54,9 +59,16 @@ def _setup(cfg):
 
 
 def b24(bench: Bench, cfg) -> list[Row]:
+    ours, ref, name = _setup(cfg)
+    try:
+        return _b24(bench, cfg, ours, ref, name)
+    finally:
+        ref.close()  # (now: llama-cpp-python's own finalizer fails at interpreter exit)
+
+
+def _b24(bench: Bench, cfg, ours, ref, name: str) -> list[Row]:
     from continuum import continuous, generate, run_batch, samplers
 
-    ours, ref, name = _setup(cfg)
     n_new = 4 if cfg.smoke else 32 if cfg.quick else 64
     reps = 1 if cfg.smoke else max(2, cfg.reps)
     note = f"model: {name}"
@@ -96,6 +108,9 @@ def b24(bench: Bench, cfg) -> list[Row]:
     rows.append(Row("B24e", "JSON per token", "unconstrained text on llama.cpp", float(np.median(per)), "<=", 1.15,
                     "x time/token", base_s=base[-1].seconds, cont_s=cont[-1].seconds, reps=len(per), notes=[note]))
 
+    rows.extend(more_rows(cfg, ours, ref, note))
+    chat = b24g(cfg, ours, note)
+    rows.extend([chat] if chat is not None else [])
     rows.append(_b24h(cfg, note))
     return rows
 

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..request import Request, normalized
+from ..request import Request
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
+from .gather import fill_results, plan_rows
 from .model import LlamaCppModel
 from .seqkv import SeqKV
 from .sequences import SequencePool
@@ -169,61 +170,19 @@ class LlamaCpp:
 
     def _run(self, requests: list[Request]) -> None:
         rows: list[DecodeRow] = []
-        spans = []  # per request: (first DecodeRow, its rows' wanted columns)
-        requests = [r for r in requests if _views_match(r)]
+        requests = [r for r in requests if r.column is not None or _views_match(r)]  # (a decode step: its own views)
         try:
-            for r in requests:
-                ids, mask = r.ids, r.mask
-                R, N = ids.shape
-                C = mask.shape[1] - N
-                kv: SeqKV | None = r.kv
-                views = kv.views if kv is not None else [self.pool.empty()] * R
-                new_real = mask[:, C:].bool()
-                wanted = []
-                for i in range(R):
-                    real = new_real[i].nonzero().flatten().tolist()
-                    toks = ids[i, real].tolist()
-                    if r.logits == "all":
-                        want: Any = "all"
-                    elif r.logits == "none" or not real or real[-1] != N - 1:
-                        want = "none"
-                    else:
-                        want = "last"
-                    wanted.append((real, want))
-                    rows.append(DecodeRow(views[i], toks, want))
-                spans.append((len(rows) - R, wanted, C))
+            plans = [plan_rows(r, self.pool, rows) for r in requests]
             out = decode(self.pool, rows)
         except BaseException as exc:  # noqa: BLE001  (every request of the failed decode gets the error)
             for r in requests:
                 r.error = exc
             return
-        logits_all = torch.from_numpy(out.logits)
         computed = sum(len(row.tokens) for row in rows)
         with self._count_lock:
             self.tokens_computed += computed
             self.forward_calls += 1
-        for r, (first, wanted, C) in zip(requests, spans):
-            R, N = r.ids.shape
-            views = out.views[first:first + R]
-            cols = torch.cat([r.kv.cols if r.kv is not None else torch.zeros((R, C), dtype=torch.bool),
-                              r.mask[:, C:].bool().cpu()], dim=1)
-            new_kv = SeqKV(list(views), cols)
-            if r.logits == "none":
-                lg = None
-            elif r.logits == "all":
-                lg = torch.zeros((R, N, self.vocab_size))
-                for i, (real, _) in enumerate(wanted):
-                    if real:
-                        lg[i, real] = logits_all[out.offsets[first + i]:out.offsets[first + i + 1]]
-            else:
-                lg = torch.zeros((R, self.vocab_size))
-                for i, (_, want) in enumerate(wanted):
-                    if want == "last":
-                        lg[i] = logits_all[out.offsets[first + i]]
-            if r.normalize and r.logits == "last" and lg is not None:
-                lp, best, top = normalized(lg)
-                r.logprobs, r.top, lg = (lp, 0), (top, best), None
-            r.result, r.error = (lg, new_kv), None
+        fill_results(requests, plans, out, SeqKV, self.vocab_size)
 
 
 def _views_match(r: Request) -> bool:
