@@ -136,12 +136,14 @@ def _b24h(cfg, note: str) -> Row:
         took[invariant] = time.perf_counter() - t
         worst[invariant], differ[invariant] = 0.0, 0
         for a, b in zip(alone, together):
-            if str(a) != str(b):
-                differ[invariant] += 1
-            la, lb = a.token_logprobs[0, 0], b.token_logprobs[0, 0]
-            both = ~(la.isnan() | lb.isnan())
-            if la.shape == lb.shape and bool(both.any()):
-                worst[invariant] = max(worst[invariant], float((la[both] - lb[both]).abs().max()))
+            differ[invariant] += str(a) != str(b)
+            ta, tb = a.token_ids[0].tolist(), b.token_ids[0].tolist()
+            la, lb = a.token_logprobs[0].tolist(), b.token_logprobs[0].tolist()
+            for k in range(min(len(ta), len(tb))):  # the same tokens so far: their log-probs (NaN: prompt tokens)
+                if ta[k] != tb[k]:
+                    break
+                if la[k] == la[k] and lb[k] == lb[k]:
+                    worst[invariant] = max(worst[invariant], abs(la[k] - lb[k]))
         pool, tok = SequencePool.of(model.llama), model.tokenizer
         ids = [tok.encode_prompts([p])[0] for p in PROMPTS[:4]]
         merged = decode(pool, [DecodeRow(pool.empty(), i, "all") for i in ids])

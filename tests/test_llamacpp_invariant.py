@@ -1,6 +1,7 @@
-"""The batch-invariant mode on the real model (Gemma 3 270M Q4_K_M): every call of ``run_batch`` returns exactly
-what it returns alone, weights bit for bit. Merged prefills of quantized weights differ from each alone (0.84
-measured, B24h), so in this mode a prefill gets its own ``llama_decode`` and only one-token steps are merged."""
+"""The batch-invariant mode on the real model (Gemma 3 270M Q4_K_M): merged prefills of its quantized weights differ
+from each alone (0.84 measured, B24h), so in this mode a prefill gets its own ``llama_decode`` and only one-token
+steps are merged; short programs under ``run_batch`` then return exactly what they return alone, weights bit for
+bit (longer ones drift: docs/llamacpp.md, "Exactness")."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from continuum import continuous, generate, models, run_batch, samplers
 from llamacpp_support import gemma_path
 
 
-def test_gemma_run_batch_equals_each_call_alone_exactly():
+def test_gemma_short_programs_under_run_batch_equal_each_alone_exactly():
     model = models.llamacpp(gemma_path(), n_threads=2, batch_invariant=True)
     gen = continuous(generate.text(model, samplers.greedy()))
     prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,", "def add(a, b):",
