@@ -15,16 +15,6 @@ from transformers import LogitsProcessor
 from ..models.hf import cache as kvcache
 from ..models.tokenizer import Tokenizer
 
-__all__ = [
-    "GuideLogitsProcessor",
-    "RegexLogitsProcessor",
-    "ChoiceLogitsProcessor",
-    "JSONLogitsProcessor",
-    "GrammarLogitsProcessor",
-    "GuidanceLogitsProcessor",
-    "CFGLogitsProcessor",
-]
-
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
 _DEAD, _DONE = object(), object()  # row states: a disallowed token was chosen / EOS was generated
 

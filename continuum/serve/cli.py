@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
                    help="GGUF: KV cells shared by every live conversation (default: min(trained context, 8192))")
     p.add_argument("--threads", type=int, default=None, help="GGUF: llama.cpp's CPU threads (default: the cores available)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="GGUF: a reply is what it gives alone, whatever runs beside it (exact on f32/q8_0 files: docs/llamacpp.md)")
+                   help="GGUF: a reply is what it gives alone, whatever runs beside it (exact on f32/q8_0: docs/llamacpp.md)")
     p.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body accepted (default 8MiB)")
     p.add_argument("--max-string-length", type=int, default=None,
                    help="bound JSON strings without maxLength in structured outputs (default: unbounded)")
