@@ -45,9 +45,7 @@ class SeqKV:
             return None
         if columns >= self.length():
             return self
-        cols = self.cols[:, :columns]
-        keep = cols.sum(1).tolist()
-        return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
+        return self._cut(self.cols[:, :columns])
 
     def keep(self, mask: torch.Tensor) -> SeqKV:
         """Only the columns ``mask`` (``(rows, columns)``) marks real: each row's view cut where its real columns
@@ -65,7 +63,10 @@ class SeqKV:
             return self
         width = self.cols.shape[1]
         first = torch.where(differ.any(1), differ.long().argmax(1), width)  # each row's first differing column
-        cols = self.cols & (torch.arange(width)[None, :] < first[:, None])
+        return self._cut(self.cols & (torch.arange(width)[None, :] < first[:, None]))
+
+    def _cut(self, cols: torch.Tensor) -> SeqKV:
+        """The KV of ``cols`` (each row's real columns a prefix of its own): each view shortened to its row's count."""
         keep = cols.sum(1).tolist()
         return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
 

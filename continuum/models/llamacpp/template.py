@@ -66,6 +66,6 @@ def render_chat(tok: Any, conversation: Sequence[dict], *, chat_template: str | 
     rendered = render_jinja_template(conversations=[messages], tools=tools, documents=documents,
                                         chat_template=template, continue_final_message=continue_final_message,
                                         add_generation_prompt=add_generation_prompt,
-                                        **{**special_texts(tok), **kwargs})
+                                        **{**tok.special_texts, **kwargs})
     text = rendered[0][0]  # ([one text per conversation], assistant indices)
     return tok.tokenize(text, add_special=False, parse_special=True) if tokenize else text

@@ -276,6 +276,13 @@ class LlamaTokenizer:
         options.pop("return_dict", None)
         return render_chat(self, conversation, **options)
 
+    @cached_property
+    def special_texts(self) -> dict[str, str]:
+        """The special tokens' texts templates read (``{"bos_token": "<bos>", ...}``), from the GGUF, once."""
+        from .template import special_texts
+
+        return special_texts(self)
+
     def encode_special(self, text: str) -> list[int]:
         """Ids of ``text`` with the control tokens written in it parsed (``"<end_of_turn>"`` is one token), no BOS."""
         return self.tokenize(text, add_special=False, parse_special=True)
