@@ -8,6 +8,7 @@ rendering, greedy), jsonschema for structured answers, and the non-streamed repl
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -90,6 +91,29 @@ def test_reasoning_content_equals_the_library_and_streams_the_same_bytes(client,
     assert r.usage.completion_tokens_details.reasoning_tokens <= r.usage.completion_tokens
     s_thought, s_content, _ = streamed(ask(client, stream=True))
     assert (s_thought, s_content) == (thought, msg.content)
+
+
+def test_a_slow_stream_reader_gets_the_reply_split_where_the_engine_split_it(lib):
+    """Contract: a streamed reply is the non-streamed reply, however slowly its reader reads. The engine's thread
+    decodes on while the stream's consumer handles a chunk, so each chunk carries the rows' phases read with its
+    text in the loop's thread (``Step.phases``). Read from the guide when the consumer got to the chunk, the phase
+    was steps ahead: the answer's first text went into the thought, or the newlines after the end marker into the
+    content (seen one run in two through the server, every time with a reader this slow)."""
+    from continuum.serve.engine import Engine, Plan, Sampling
+
+    engine = Engine(lib, QWEN3.read_text(), reasoning=True)
+    plan, sampling = Plan(reasoning=True, thinking_budget=8), Sampling(temperature=0, max_tokens=48)
+    chat = engine.chat([{"role": "user", "content": "What time is it?"}], reasoning=True)
+    ref = engine.reply(chat, plan, sampling).rows[0]
+    thought: list[str] = []
+    content: list[str] = []
+
+    def slow(into):
+        return lambda row, text: (time.sleep(0.05), into.append(text))
+
+    engine.reply(chat, plan, sampling, on_delta=slow(content), on_reasoning=slow(thought))
+    assert ref.reasoning and ref.content
+    assert ("".join(thought), "".join(content)) == (ref.reasoning, ref.content)
 
 
 def test_strict_json_schema_applies_after_the_thought(client):

@@ -70,8 +70,15 @@ class ChatStream:
 
     @property
     def reasoning(self):
-        """The reply's reasoning guide (its ``phases()`` split the stream), None without reasoning."""
+        """The reply's reasoning guide (markers, initial phase), None without reasoning."""
         return getattr(self._steps, "guide", None)
+
+    def phases(self) -> list[str | None]:
+        """Each row's reasoning phase as of the chunk just yielded (what splits a stream into thought and answer);
+        empty without reasoning. Read with the chunk's text in the loop's thread, not from the guide, which the
+        engine may have moved on since."""
+        phases = getattr(self._steps, "phases", None)
+        return phases() if phases is not None else []
 
     @property
     def chat(self) -> Any:

@@ -231,22 +231,28 @@ class Steps:
 
     def __init__(self, steps, guide: ReasoningGuide, finish=None):
         self._steps, self.guide, self._finish = steps, guide, finish
+        self._phases: list[str | None] | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self):
         try:
-            return next(self._steps)
+            step = next(self._steps)
         except StopIteration as done:
+            self._phases = None  # (the loop has ended: the guide no longer moves)
             value = done.value if self._finish is None else self._finish(done.value)
             raise StopIteration(value) from None
+        self._phases = step.phases
+        return step
 
     def close(self) -> None:
         self._steps.close()
 
     def phases(self) -> list[str | None]:
-        return self.guide.phases()
+        """Each row's phase as of the last step passed on (read in the loop's thread, with that step's text: the loop
+        may already be steps ahead); the guide's own once the loop has ended."""
+        return self._phases if self._phases is not None else self.guide.phases()
 
 
 def think_then(gen, state, max_tokens, rng, track_text: bool, extra_eos, answer) -> Steps:
@@ -276,7 +282,7 @@ def think_then(gen, state, max_tokens, rng, track_text: bool, extra_eos, answer)
                 final = done.value
                 break
             yield Step([p + t for p, t in zip(prefix, step.texts)] if step.texts and len(step.texts) == len(prefix)
-                       else step.texts, step.reordered)
+                       else step.texts, step.reordered, guide.phases())  # (the thought's guide has stopped moving)
         last = final._last_step()
         src = [max(range(len(t_real)), key=lambda i: (_prefix_of(t_real[i][0], ids), -i)) for ids, _ in final._real_rows()]
         cut = [(t_last.finish or ())[i] == "thinking_budget" for i in src]

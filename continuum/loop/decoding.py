@@ -45,10 +45,19 @@ __all__ = ["decode", "prefill", "Step", "check_max_tokens", "check_rng", "check_
 
 @dataclass
 class Step:
-    """What one decoding step did: the generated text of every row so far (when tracked)."""
+    """What one decoding step did: the generated text of every row so far (when tracked), and with a reasoning
+    guide each row's phase after it (``ReasoningGuide.phases``)."""
 
     texts: list[str] | None
     reordered: bool
+    phases: list[str | None] | None = None
+
+
+def _step(rows: Rows, reordered: bool) -> Step:
+    """A stream's chunk. The phases are read here, in the loop's own thread: a stream's consumer runs behind the
+    loop (the engine's thread decodes on while it reads), so a guide it read later would be steps ahead of the text."""
+    phases = getattr(rows.guide, "phases", None)
+    return Step(rows.step_texts(), reordered, phases() if phases is not None else None)
 
 
 def prefill(state: SequenceState, reserve: int = 0) -> SequenceState:
@@ -240,7 +249,7 @@ def _decode(
             rows.queue_column(id_list, lp_list)
             rows.end_exhausted(steps, exhausted)
             if track_text:  # (a stream's chunk)
-                yield Step(rows.step_texts(), False)
+                yield _step(rows, False)
             if all(rows.finished):
                 break
             if reals is None:
@@ -307,7 +316,7 @@ def _decode(
             rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
         rows.end_exhausted(steps, exhausted)
         if track_text:  # (a stream's chunk)
-            yield Step(rows.step_texts(), reordered)
+            yield _step(rows, reordered)
         if all(rows.finished):
             if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
                 out, rows.kv = yield from forward(col, col + width - 1, logits="all")

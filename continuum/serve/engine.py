@@ -335,7 +335,7 @@ class Engine:
             if cancelled():
                 del stream  # the decoding loop is left here: its generator is closed and its rows freed
                 raise Cancelled()
-            phases = guide.phases() if guide is not None else []
+            phases = stream.phases()  # (as of this chunk: the engine may be steps ahead)
             for r, text in enumerate([chunk] if isinstance(chunk, str) else chunk):
                 while len(texts) <= r:
                     texts.append("")
