@@ -13,6 +13,13 @@ Tolerances (max |logit difference|), measured on this machine and stated once he
   kernels differ for one row and for several) and a row beside other sequences' cells (without flash attention
   the attention depends on where cells lie) differ up to ``DECODE_TOL`` per file (measured 0.003-0.04 on f32,
   growing with the context, 0.26 on q8_0); greedy tokens are compared where the reference's top-2 margin exceeds it.
+
+Against the transformers backend (stories260K as safetensors and as an f32 GGUF, the same weights): the two differ
+only in arithmetic. With llama.cpp's f16 KV cache or flash attention (whose CPU kernel rounds K and V to f16) log-probs
+differ up to ~0.02 (measured); with an f32 KV cache and no flash attention (:func:`fp32_model`) only the summation order
+differs, 1.5e-5 measured over 100 tokens. ``CROSS_TOL`` (1e-3) states that contract with a wide margin for other CPUs'
+vector widths; greedy and beam outputs are compared up to the first near-tie within it (:func:`assert_agree_up_to_a_tie`),
+never as texts that one near-tie can flip.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePoo
 from conftest import FIXTURES
 
 GGUF_DIR = FIXTURES / "models" / "stories260K-gguf"
+CROSS_TOL = 1e-3  # llama.cpp (f32 KV, no flash attention) vs transformers, fp32 weights: summation order only
 DECODE_TOL = {"f32": 5e-2, "q8_0": 0.5, "gemma": 1.0}  # gemma: Q4_K_M, one-at-a-time vs prefill measured 0.75
 THREADS = 2
 
@@ -95,3 +103,42 @@ def check_greedy_path(ids: list[int], start: int, kind: str = "f32", flash_attn:
 
 def cores() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def fp32_model(**options):
+    """The f32 GGUF on the continuum backend with an f32 KV cache and no flash attention: what is compared with the
+    transformers backend within ``CROSS_TOL`` (see the module docstring)."""
+    from continuum import models
+
+    return models.llamacpp(gguf("f32"), kv_type="f32", flash_attn=False, n_threads=THREADS, **options)
+
+
+def row_ids(state, r: int = 0) -> list[int]:
+    """Row ``r``'s real token ids (prompt and generated)."""
+    return state.token_ids[r][state.attention_masks[r].bool()].tolist()
+
+
+def reference_logprobs(hf_model, ids: list[int]):
+    """transformers' log-probs of the next token after ``ids`` (one fresh forward of the HF model: the reference)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(hf_model.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+def assert_agree_up_to_a_tie(ours: list[int], ref: list[int], hf_model, tol: float = CROSS_TOL, score=None) -> int:
+    """Two greedy (or constrained greedy) rows of two kernels: equal, or equal up to a first difference where the
+    reference's scores of the two tokens are within ``tol`` (a near-tie the kernels may break either way; the rest
+    then follows another path). A row that ended there ended on EOS. ``score(prefix)``: the scores greedy picks from
+    (default transformers' log-probs; a constraint's mask only removes tokens, and both were allowed). Returns the
+    common length."""
+    k = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    if len(ours) == len(ref) == k:
+        return k
+    eos = hf_model.tokenizer.eos_token_id
+    a, b = (ours[k] if k < len(ours) else eos), (ref[k] if k < len(ref) else eos)
+    lp = (score or (lambda p: reference_logprobs(hf_model, p)))(ours[:k])
+    gap = abs(float(lp[a] - lp[b]))
+    assert gap <= tol, (f"the rows differ at token {k} ({a} vs the reference's {b}) where the reference's log-probs are "
+                        f"{gap:.3g} apart, beyond the stated tolerance {tol}: not a near-tie")
+    return k

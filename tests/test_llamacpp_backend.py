@@ -15,8 +15,8 @@ from continuum.errors import ContinuumError
 from continuum.models import kv
 from continuum.models.protocol import Backend
 
+from llamacpp_support import CROSS_TOL, assert_agree_up_to_a_tie, fp32_model, gguf, reference_logprobs, row_ids
 from llamacpp_support import check_greedy_path as _check_greedy_path
-from llamacpp_support import gguf
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +103,29 @@ def test_forks_never_change_the_state_they_came_from(model):
     assert str(gen(s + " The dog", max_tokens=6)) == first  # s's sequence was not extended in place by its forks
 
 
-def test_the_same_weights_give_the_same_text_on_both_backends(model, stories):
-    """stories260K as safetensors (transformers, fp32) and as an f32 GGUF (llama.cpp): greedy text, classifier-free
-    guidance (both modes) and token healing agree, the transformers backend serving as an independent reference."""
+def test_the_same_weights_give_the_same_text_on_both_backends(stories):
+    """stories260K as safetensors (transformers, fp32) and as an f32 GGUF (llama.cpp with an f32 KV cache, no flash
+    attention): greedy text, classifier-free guidance (both modes) and token healing agree up to the first near-tie
+    within ``CROSS_TOL`` (``llamacpp_support``), the transformers backend serving as an independent reference; for
+    guidance the tie is read on ``uncond + s * (cond - uncond)`` of transformers' own log-probs, whose error is at
+    most ``(1 + 2s)`` times theirs."""
+    fp32 = fp32_model()
     for kwargs, prompt in [({}, "Once upon a time"), ({"token_healing": True}, "Once upon a ti"),
                            ({"guidance_scale": 2.0, "negative_prompt": "She was sad"}, "Lily opened the door. She"),
                            ({"guidance_scale": 2.0, "negative_prompt": "She was sad", "cfg_mode": "sequential"},
                             "Lily opened the door. She")]:
-        ours, ref = (generate.text(mm, samplers.greedy(), **kwargs)(prompt, max_tokens=16) for mm in (model, stories))
-        assert ours == ref, (kwargs, ours, ref)
+        ours, ref = (continuous(generate.text(mm, samplers.greedy(), **kwargs))(prompt, max_tokens=16) for mm in (fp32, stories))
+        a, b = row_ids(ours), row_ids(ref)
+        tol, score = CROSS_TOL, None
+        if "guidance_scale" in kwargs:
+            s, n = kwargs["guidance_scale"], len(stories.tokenizer.encode_prompts([prompt])[0])
+            neg = stories.tokenizer.encode_prompts([kwargs["negative_prompt"]])[0]
+
+            def score(prefix, s=s, n=n, neg=neg):
+                cond, uncond = reference_logprobs(stories, prefix), reference_logprobs(stories, neg + prefix[n:])
+                return uncond + s * (cond - uncond)
+
+            tol = CROSS_TOL * (1 + 2 * s)
+        assert_agree_up_to_a_tie(a, b, stories, tol, score)
+        if a == b:
+            assert str(ours) == str(ref)

@@ -21,7 +21,7 @@ from continuum.chat import Chat
 from continuum.errors import ChatTemplateError
 
 from conftest import FIXTURES
-from llamacpp_support import check_greedy_path, gemma_path, gguf
+from llamacpp_support import assert_agree_up_to_a_tie, check_greedy_path, fp32_model, gemma_path, gguf
 
 TEMPLATES = sorted((FIXTURES / "chat_templates").glob("*.jinja"))
 MESSAGES = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How are you?"},
@@ -53,7 +53,12 @@ def test_templates_render_as_transformers_renders_them(model, stories, path):
             ref, add_special_tokens=False)["input_ids"]
 
 
-def test_a_chat_equals_the_same_chat_on_transformers_and_follows_llama_cpp(model, stories):
+def test_a_chat_equals_the_same_chat_on_transformers_and_follows_llama_cpp(stories):
+    """On llama.cpp with an f32 KV cache and no flash attention, each turn's ids equal transformers' up to the first
+    near-tie within ``CROSS_TOL`` (``llamacpp_support``; a later turn is compared only after an equal one), every
+    reply token llama.cpp's own argmax where the reference's margin is clear, and a turn computes only its own
+    tokens."""
+    model = fp32_model()
     template = (FIXTURES / "chat_templates" / "smollm2.jinja").read_text()
     chats = {}
     for m in (model, stories):
@@ -63,9 +68,14 @@ def test_a_chat_equals_the_same_chat_on_transformers_and_follows_llama_cpp(model
         c2 = c.user("And a dog?").reply(generate.text(m, samplers.greedy()), max_tokens=16)
         chats[m] = (c, c2, m.tokens_computed - before)
     (c, c2, computed), (ref, ref2, _) = chats[model], chats[stories]
-    assert (c.value, c2.value) == (ref.value, ref2.value) and _ids(c2.state) == _ids(ref2.state)
+    assert_agree_up_to_a_tie(_ids(c.state), _ids(ref.state), stories)
+    if _ids(c.state) == _ids(ref.state):
+        assert c.value == ref.value
+        assert_agree_up_to_a_tie(_ids(c2.state), _ids(ref2.state), stories)
+        if _ids(c2.state) == _ids(ref2.state):
+            assert c2.value == ref2.value
     assert computed <= len(_ids(c2.state)) - len(_ids(c.state)) + 1  # the new turn only, never the history
-    check_greedy_path(_ids(c2.state), len(_ids(c2.state)) - 16)
+    check_greedy_path(_ids(c2.state), len(_ids(c2.state)) - 16, flash_attn=False)
 
 
 def test_json_and_choice_replies_on_llama_cpp(model):

@@ -1,6 +1,7 @@
 """Every generator kind on llama.cpp, against the transformers backend on the same weights (stories260K as
-safetensors and as an f32 GGUF: independent implementations, logits within ~1e-3 here, so greedy outputs agree)
-and against each call alone (threads, asyncio, in the batch-invariant mode: exactly)."""
+safetensors and as an f32 GGUF: independent implementations whose log-probs differ by summation order only, within
+``CROSS_TOL`` with an f32 KV cache and no flash attention: ``llamacpp_support``), and against each call alone
+(threads, asyncio, in the batch-invariant mode: exactly)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import jsonschema
 import pytest
 import torch
 
-from continuum import generate, models, samplers
+from continuum import continuous, generate, models, samplers
 
-from llamacpp_support import gguf
+from llamacpp_support import CROSS_TOL, assert_agree_up_to_a_tie, fp32_model, gguf, reference_logprobs, row_ids
 
 GRAMMAR = """start: "The " animal " was " mood "."
 animal: "cat" | "dog" | "bird"
@@ -51,23 +52,62 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def fp32():
+    return fp32_model()
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_generator_kind_agrees_with_the_transformers_backend(model, stories, case):
+def test_every_generator_kind_agrees_with_the_transformers_backend(fp32, stories, case):
+    """Contract: each backend's output is valid, and the two rows are equal up to the first near-tie within
+    ``CROSS_TOL`` of transformers' own log-probs (then equal values). A near-tie flipped by a 1e-6 difference on
+    another CPU took another path here once ('json after a thought' on AVX-512): that is allowed, a clear-cut
+    difference is not."""
     make, prompt, valid = CASES[case]
-    ours, ref = (make(m)(prompt, max_tokens=80) for m in (model, stories))
-    assert valid(ours), ours
-    assert ours == ref
+    ours, ref = (continuous(make(m))(prompt, max_tokens=80) for m in (fp32, stories))
+    assert valid(ours.value), ours.value
+    a, b = row_ids(ours), row_ids(ref)
+    assert_agree_up_to_a_tie(a, b, stories)
+    if a == b:
+        assert ours.value == ref.value
 
 
-def test_beams_and_seeded_sampling_agree_with_the_transformers_backend(model, stories):
-    outs = {}
-    for m in (model, stories):
-        beams = generate.text(m, samplers.beam_search(3))("Once upon a time", max_tokens=8)
-        drawn = generate.text(m, samplers.multinomial(2))("Once upon a time", max_tokens=8,
-                                                          rng=torch.Generator().manual_seed(7))
-        outs[m] = (beams, drawn)
-    assert outs[model][0] == outs[stories][0]
-    assert outs[model][1] == outs[stories][1]
+def test_the_tie_rule_refuses_a_clear_cut_difference(stories):
+    """The rule above is not vacuous: a row whose last token is not the reference's near-best fails it."""
+    ref = row_ids(continuous(generate.text(stories, samplers.greedy()))("Once upon a time", max_tokens=12))
+    lp = reference_logprobs(stories, ref[:-1])
+    worst = int(lp.argmin())
+    assert float(lp[ref[-1]] - lp[worst]) > 1
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_agree_up_to_a_tie(ref[:-1] + [worst], ref, stories)
+    assert assert_agree_up_to_a_tie(ref, ref, stories) == len(ref)
+
+
+def test_beams_and_seeded_sampling_agree_with_the_transformers_backend(fp32, stories):
+    """Beams: the same scores at every rank within ``CROSS_TOL`` (texts may swap only between beams that tie), each
+    beam's weight transformers' log-prob of its tokens. Seeded draws (``torch.multinomial``: one uniform per token,
+    placed on the cumulative distribution): equal up to a first draw that fell within ``CROSS_TOL`` of the boundary
+    between the two tokens' intervals, the only place a kernel difference can move it."""
+    beams = [continuous(generate.text(m, samplers.beam_search(3)))("Once upon a time", max_tokens=8) for m in (fp32, stories)]
+    ours, ref = beams
+    assert torch.allclose(ours.weights, ref.weights, atol=CROSS_TOL)
+    for r in range(3):
+        ids = row_ids(ours, r)
+        new = len(ids) - int((~ours.token_logprobs[r][ours.attention_masks[r].bool()].isnan()).sum())
+        scored = sum(float(reference_logprobs(stories, ids[:t])[ids[t]]) for t in range(new, len(ids)))
+        assert abs(scored - float(ours.weights.reshape(-1)[r])) <= CROSS_TOL
+    drawn = [continuous(generate.text(m, samplers.multinomial(2)))("Once upon a time", max_tokens=8,
+                                                                  rng=torch.Generator().manual_seed(7)) for m in (fp32, stories)]
+    for r in range(2):
+        a, b = row_ids(drawn[0], r), row_ids(drawn[1], r)
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            assert a == b
+            continue
+        cdf = torch.cumsum(reference_logprobs(stories, a[:k]).exp(), 0)  # (our kernel's is within CROSS_TOL of it)
+        lo_a, hi_a = (float(cdf[a[k] - 1]) if a[k] else 0.0), float(cdf[a[k]])
+        lo_b, hi_b = (float(cdf[b[k] - 1]) if b[k] else 0.0), float(cdf[b[k]])
+        assert max(0.0, lo_b - hi_a, lo_a - hi_b) <= 2 * CROSS_TOL, f"draw {k}: {a[k]} vs {b[k]}, not neighbours on the CDF"
 
 
 def test_threads_and_asyncio_return_what_each_call_returns_alone(model):

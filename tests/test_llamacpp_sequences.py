@@ -172,10 +172,20 @@ def test_foreign_and_corrupt_blobs_are_refused():
     assert other_pool.n_free == free
 
 
+# A decode that sees all of its sliding window differs from another such decode of the same ids only by kernel paths
+# (the prefill's shape, where the cells lie: up to 4.2 measured on two CPUs, Gemma's logits spanning ~60); one whose
+# window cells are gone sees a different context, off by 20-36 (20.2 measured here; research/llamacpp.md). This bound,
+# their geometric middle, separates the two by ~2x on each side, and the test measures the second on its own CPU.
+WINDOW_TOL = 9.0
+
+
 @pytest.mark.slow
-def test_gemma3_window_check():
-    """Gemma 3 (512-token window): a restored blob holds only the window, so a slice of it behind the window
-    cannot be extended (StaleWindowError, never wrong logits); the live state, with swa_full, can."""
+def test_gemma3_window_check(monkeypatch):
+    """Gemma 3 (512-token window): a restored blob holds only the window, so a slice of it behind the window cannot
+    be extended (StaleWindowError, never wrong logits); the live state, with swa_full, can. Contract: the restored
+    blob holds the window's positions, the window check refuses exactly the states that miss cells, and the logits
+    of states with their window are within ``WINDOW_TOL`` of a fresh state's while a decode that missed the window
+    (the check bypassed) is beyond it, on this CPU."""
     model, tok, pool = load("gemma", n_seq_max=8, batch_invariant=True)
     assert model.n_swa == 512
     ids = tok.encode_prompts([TEXT * 6])[0][:600]
@@ -189,15 +199,15 @@ def test_gemma3_window_check():
     with pytest.raises(StaleWindowError) as err:
         decode(pool, [DecodeRow(view, [9]), DecodeRow(restored.slice(300), [9])])
     assert err.value.rows == [1]
-    # Gemma's logits depend on where cells lie in the cache by up to ~2 even in the batch-invariant mode (measured;
-    # see the report), so the restored and sliced states are compared loosely here: a decode against missing
-    # window cells is off by 23-36 (the research note's measure), far beyond this bound.
     a, _ = _next(pool, restored, 9)
     b, _ = _next(pool, view, 9)
-    assert np.abs(a - b).max() < 4
+    assert np.abs(a - b).max() < WINDOW_TOL
     c, _ = _next(pool, view.slice(300), 9)  # behind the window on the live state: cells are there (swa_full)
     fresh, _ = _next(pool, _prefill(pool, ids[:300]).views[0], 9)
-    assert np.abs(c - fresh).max() < 4
+    assert np.abs(c - fresh).max() < WINDOW_TOL
+    monkeypatch.setattr(pool, "_window_ok", lambda seq_id, n: True)  # what llama.cpp itself would do: decode anyway
+    wrong, _ = _next(pool, restored.slice(300), 9)
+    assert np.abs(wrong - fresh).max() > WINDOW_TOL
 
 
 def test_sequence_ids_exhausted_in_one_step():
