@@ -12,6 +12,7 @@ import torch
 from continuum import continuous, generate, models, samplers
 from continuum.errors import ContextLengthError, StaleWindowError
 from continuum.models import kv
+from continuum.models.hf import token_tree
 from continuum.models.request import Request
 
 from llamacpp_support import DECODE_TOL, gguf, reference_logits
@@ -136,3 +137,33 @@ def test_ctrl_c_during_a_decode_propagates_instead_of_becoming_each_request_s_er
     monkeypatch.setattr(backend, "decode", interrupted)
     with pytest.raises(KeyboardInterrupt):
         model.run_step([r], _counters())
+
+
+def _tree_request(state, options: list[str]) -> Request:
+    """Choice scoring's token-tree request on ``state`` (as ``loop/scoring.py`` builds it)."""
+    tok, C = state._model.tokenizer, kv.length(state._kv)
+    tree = token_tree.build(state._ids[:, C].tolist(), (state._mask.sum(1) - 1).tolist(),
+                            [[tok.encode_continuation(o) for o in options]] * state.rows, state._mask[:, :C], tok.pad_token_id)
+    return Request(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions, state._kv, logits="all",
+                   allowed=tree.allowed)
+
+
+def test_a_stale_window_row_in_a_token_tree_fails_its_own_request_only(monkeypatch):
+    """Two choice-scoring trees in one step (one decode), one state's window cells reported gone (injected): that
+    request gets StaleWindowError, the other exactly its alone logits."""
+    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2)
+    gen = continuous(generate.text(model, samplers.greedy()))
+    states = [gen(p, max_tokens=4) for p in PROMPTS[:2]]
+    options = [" cat", " dog", " big dog"]
+    alone = _tree_request(states[0], options)
+    model.run_step([alone], _counters())
+    want = alone.result[0].clone()
+    del alone
+    reqs = [_tree_request(s, options) for s in states]
+    stale = reqs[1].kv.views[0].seq_id
+    window_ok = model.pool._window_ok
+    monkeypatch.setattr(model.pool, "_window_ok", lambda seq_id, n: seq_id != stale and window_ok(seq_id, n))
+    model.run_step(reqs, _counters())
+    assert reqs[0].error is None
+    torch.testing.assert_close(reqs[0].result[0], want, rtol=0, atol=0)
+    assert isinstance(reqs[1].error, StaleWindowError)
