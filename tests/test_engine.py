@@ -287,6 +287,41 @@ def test_context_length(model):
     assert int(s.attention_masks.sum()) >= prompt_tokens
 
 
+def test_max_tokens_none_on_a_huge_context_allocates_a_small_buffer_and_grows_it(spm_tokenizer, monkeypatch):
+    """A context of 2**20 positions and max_tokens=None: the loop's token buffers (Rows) start at the prompt plus
+    a few hundred columns, not the context (20 MiB a row here, 16 GiB where it is unbounded), grow a few times
+    (not per token) as the call goes past them, and the text equals the same call with max_tokens set."""
+    from continuum.loop import decoding
+    from continuum.loop.rows import Rows
+
+    from conftest import tiny_llama
+
+    model = models.Transformers(tiny_llama(len(spm_tokenizer), max_positions=2**20), spm_tokenizer)
+    assert model.context_length == 2**20
+    made, grown = [], []
+
+    class Spy(Rows):  # (records the buffers' widths; the behaviour is Rows')
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append((self.width, self.ids.shape[1]))
+
+        def ensure(self, width):
+            have = self.ids.shape[1]
+            super().ensure(width)
+            if self.ids.shape[1] > have:
+                grown.append(self.ids.shape[1])
+
+    monkeypatch.setattr(decoding, "Rows", Spy)
+    gen = generate.text(model, samplers.greedy())
+    text = gen("Once upon a time", max_tokens=400)
+    assert len(model.tokenizer.encode_continuation(text)) > 300  # past the columns allocated up front
+    stop = next(text[-k:] for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k)  # ends it there
+    made.clear(), grown.clear()
+    assert gen("Once upon a time", max_tokens=None, stop_at=stop) == text
+    assert made and all(cols - width <= 256 for width, cols in made)
+    assert 1 <= len(grown) <= 3
+
+
 def test_samplers_validate_arguments():
     with pytest.raises(ValueError):
         samplers.multinomial(0)

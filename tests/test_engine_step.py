@@ -21,6 +21,7 @@ from test_threads import comparable
 import continuum
 from continuum import continuous, generate, samplers
 from continuum.loop import engine as engine_module
+from continuum.models.request import Request
 
 WORDS = ["Once upon a time", "The dog", "She said", "Numbers: 1 2", "Le café", "Review: ok", "A tree", "Why"]
 
@@ -359,3 +360,56 @@ def test_the_gate_lets_few_callers_run_their_own_python_and_frees_itself_while_t
         t.join(5)
     assert not any(t.is_alive() for t in waiters)
     assert inside[0] == 0 and peak[0] == 2  # never more than 2 running inside the gate (and 2 did at once)
+
+
+def _until(condition, timeout: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_a_one_off_request_whose_step_raises_gets_an_error_instead_of_waiting_forever(bpe_tokenizer, monkeypatch):
+    """A ``max_tokens=0`` prefill (a one-off request, ``Engine.forward``) made while another call drives the engine
+    joins that call's next step; that step raises (injected into the model's ``run_step``). The one-off request
+    has left the inbox at admission: its caller must get an error at once, not wait on its event forever."""
+    from conftest import tiny_gpt2
+
+    model = continuum.models.Transformers(tiny_gpt2(len(bpe_tokenizer)), bpe_tokenizer)  # (its own engine)
+    engine, real = model.engine, model.run_step
+    first = [True]
+
+    def run_step(batch, stats):
+        if any(r.event is not None for r in batch):  # the step holding the one-off request fails
+            raise RuntimeError("injected failure of the step")
+        if first.pop() if first else False:  # the driver's first step waits for the one-off request: its next admits it
+            assert _until(lambda: any(isinstance(x, Request) for x in engine._inbox)), "the one-off request never came"
+        return real(batch, stats)
+
+    monkeypatch.setattr(model, "run_step", run_step)
+    text = generate.text(model, samplers.greedy())
+    outcome: dict = {}
+
+    def record(name, job):
+        try:
+            outcome[name] = job()
+        except Exception as exc:  # noqa: BLE001  (checked below)
+            outcome[name] = exc
+
+    driver = threading.Thread(target=record, args=("driver", lambda: text("Once upon a time", max_tokens=20)), daemon=True)
+    driver.start()
+    assert _until(lambda: engine._driver is not None)
+    prefill = lambda: continuous(generate.text(model, samplers.greedy()))("The dog", max_tokens=0)  # noqa: E731
+    oneoff = threading.Thread(target=record, args=("oneoff", prefill), daemon=True)  # (a regression hangs: daemon)
+    oneoff.start()
+    oneoff.join(timeout=10)
+    assert not oneoff.is_alive(), "the one-off request's caller waits forever"
+    assert isinstance(outcome["oneoff"], continuum.errors.ContinuumError)
+    assert "injected failure of the step" in str(outcome["oneoff"])
+    driver.join(timeout=20)
+    assert isinstance(outcome.get("driver"), RuntimeError)  # the driver's own call gets the step's error
+    monkeypatch.undo()
+    assert text("The dog", max_tokens=4) == generate.text(model, samplers.greedy())("The dog", max_tokens=4)  # usable

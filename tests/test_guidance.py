@@ -263,3 +263,31 @@ def test_a_negative_prompt_longer_than_the_context_is_refused(gpt2_model):
     gen = generate.text(gpt2_model, samplers.greedy(), guidance_scale=2.0, negative_prompt=long)
     with pytest.raises(ContextLengthError, match="negative prompt"):
         gen("hi", max_tokens=3)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "batched"])
+def test_max_tokens_none_on_a_huge_context_allocates_a_small_unconditional_mask(spm_tokenizer, monkeypatch, mode):
+    """Guidance on a context of 2**20 positions with max_tokens=None: the unconditional branch's mask starts at its
+    prompt plus a few hundred columns, not the context, grows as the call goes past them, and the text equals the
+    same call with max_tokens set."""
+    from continuum.loop import decoding
+    from continuum.loop.cfg import UnconditionalBranch
+
+    from conftest import tiny_llama
+
+    model = models.Transformers(tiny_llama(len(spm_tokenizer), max_positions=2**20), spm_tokenizer)
+    made = []
+
+    class Spy(UnconditionalBranch):  # (records the mask's width; the behaviour is the branch's)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append((self.width, self.mask.shape[1]))
+
+    monkeypatch.setattr(decoding, "UnconditionalBranch", Spy)
+    gen = generate.text(model, samplers.greedy(), guidance_scale=3.0, negative_prompt=NEGATIVE, cfg_mode=mode)
+    text = gen("Once upon a time", max_tokens=300)
+    assert len(model.tokenizer.encode_continuation(text)) > 260  # past the columns allocated up front
+    stop = next(text[-k:] for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k)  # ends it there
+    made.clear()
+    assert gen("Once upon a time", max_tokens=None, stop_at=stop) == text
+    assert made and all(cols - width <= 256 for width, cols in made)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from continuum.errors import (
+    BackendError,
     ForeignStateError,
     KVCacheFullError,
     SequencesExhaustedError,
@@ -133,6 +134,28 @@ def test_spilling_when_ids_run_out():
         logits, _ = _next(pool, v, 50)
         np.testing.assert_array_equal(logits, _chain(pool, ids, [10 + i], [50]))
     assert pool.restores > 0
+
+
+def test_a_restore_refused_for_lack_of_cells_gives_its_id_back_and_keeps_the_state_spilled():
+    """A pool of 256 cells: a spilled 150-token state cannot come back while another 150-token state is resident.
+    The decode fails, the id it took is free again (ids must not leak until every call is refused), and the state
+    stays spilled with its bytes, restored exact once the other is gone."""
+    model = LlamaCppModel(gguf("f32"), n_ctx=256, n_seq_max=4, n_threads=2, batch_invariant=True)
+    tok, pool = LlamaTokenizer(model), SequencePool.of(model)
+    ids = tok.encode_prompts([TEXT])[0][:150]
+    want = _chain(pool, ids, [50])
+    spilled = _prefill(pool, ids).views[0]
+    pool.spill_idle()
+    other = _prefill(pool, ids).views[0]
+    free = pool.n_free
+    for _ in range(pool.n_ids + 1):  # (more tries than ids: a leak would end in SequencesExhaustedError)
+        with pytest.raises(BackendError, match="no room in the KV cache"):
+            _next(pool, spilled, 50)
+        assert pool.n_free == free and spilled.seq_id is None and other.seq_id is not None
+    other.release()
+    got, _ = _next(pool, spilled, 50)
+    np.testing.assert_array_equal(got, want)
+    assert pool.restores == 1
 
 
 def test_bytes_round_trip_and_fingerprint():

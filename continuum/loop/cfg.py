@@ -29,6 +29,7 @@ import torch
 
 from ..errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
 from ..models import kv as kvcache
+from .rows import PREALLOCATED
 
 __all__ = ["guided_logprobs", "guided_scores", "Guidance", "UnconditionalBranch"]
 
@@ -149,11 +150,17 @@ class UnconditionalBranch:
         if ctx is not None:  # like the conditional rows: generation is capped where a row would leave the context
             self.steps = steps = min(steps, ctx - longest)
         self.prompt_ids, prompt_mask = _left_padded(prefixes, longest, tok.pad_token_id, state._ids.device)
-        self.mask = torch.cat([prompt_mask, prompt_mask.new_zeros((len(prefixes), steps))], 1)  # (rows, longest + steps)
+        # (rows, longest + a bounded part of steps: with max_tokens=None steps is the rest of the context; _grow)
+        self.mask = torch.cat([prompt_mask, prompt_mask.new_zeros((len(prefixes), min(steps, PREALLOCATED)))], 1)
         self.width = longest  # columns of self.mask in use
         self.kv: kvcache.KV | None = None  # sequential: this branch's cache; batched: both branches', 2x rows
         self.lead = 0  # batched: masked leading columns in front of the conditional rows
         self.uncond_logits: torch.Tensor | None = None
+
+    def _grow(self) -> None:
+        """Room for one more column in the mask, by half its width at a time (a long call copies it a few times)."""
+        if self.width >= self.mask.shape[1]:
+            self.mask = torch.cat([self.mask, self.mask.new_zeros((self.mask.shape[0], max(1, self.mask.shape[1] // 2)))], 1)
 
     @property
     def batched(self) -> bool:
@@ -168,6 +175,7 @@ class UnconditionalBranch:
         R = ids.shape[0]
         first = self.uncond_logits is None  # the prefill: the conditional suffix and the whole negative prompt
         if not first:  # a generated column: the same token and keep flag in the unconditional branch
+            self._grow()
             self.mask[:, self.width] = mask[:, -1]
             self.width += 1
         umask = self.mask[:, :self.width]

@@ -285,6 +285,16 @@ class Engine:
                 r.error, r.done = ContinuumError(f"the engine failed: {exc!r}"), True
                 r.event.set()
 
+    @staticmethod
+    def _fail_oneoff(requests: list[Request], exc: BaseException) -> None:
+        """Wake the one-off requests a failed step admitted, each with an error (their callers wait on them)."""
+        for r in requests:
+            if not r.done:
+                err = ContinuumError(f"the engine failed while running this request: {exc!r}")
+                err.__cause__ = exc
+                r.error, r.done = err, True
+                r.event.set()
+
     # -- one step ------------------------------------------------------------------------
     def _admit(self) -> tuple[list[Call], list[Request]]:
         """Take the inbox's calls that fit (``max_rows``, ``max_kv_bytes``) and every one-off request."""
@@ -316,13 +326,17 @@ class Engine:
         self.arrivals.gather(self._step_s if self._ranks is None else 0.0)
         t0 = time.perf_counter()
         _, oneoff = self._admit()
-        running = list(self._running)
-        closed = [c for c in running if c.closed]
-        for c in closed:
-            c.gen.close()
-            self._end(c, None, None)
-        live = [c for c in running if not c.closed]
-        self._run_requests([c.pending for c in live] + oneoff)
+        try:
+            running = list(self._running)
+            closed = [c for c in running if c.closed]
+            for c in closed:
+                c.gen.close()
+                self._end(c, None, None)
+            live = [c for c in running if not c.closed]
+            self._run_requests([c.pending for c in live] + oneoff)
+        except BaseException as exc:  # (the one-off requests left the inbox: _fail_all cannot see them)
+            self._fail_oneoff(oneoff, exc)
+            raise
         for r in oneoff:
             r.done = True
             r.event.set()

@@ -6,7 +6,7 @@ search), classifier-free guidance's unconditional rows included.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,10 +14,14 @@ from ..guides import DEAD, Guide
 from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.text import detokenizer
-from .cfg import UnconditionalBranch
 from .healing import Heal
 
+if TYPE_CHECKING:  # (cfg.py reads PREALLOCATED from here)
+    from .cfg import UnconditionalBranch
+
 __all__ = ["Rows"]
+
+PREALLOCATED = 256  # columns for generated tokens allocated up front; ensure() grows the rest as the call goes on
 
 
 class Rows:
@@ -30,9 +34,12 @@ class Rows:
         R, L = state._ids.shape
         dev = state._ids.device
         self.pad = state._model.tokenizer.pad_token_id
-        self.ids = torch.full((R, L + capacity), self.pad, dtype=torch.long, device=dev)
-        self.mask = torch.zeros((R, L + capacity), dtype=state._mask.dtype, device=dev)
-        self.lp = torch.full((R, L + capacity), float("nan"), dtype=torch.float32, device=dev)
+        # ``capacity`` is the most tokens the call may add: with max_tokens=None the rest of the context (2**31
+        # where it is unbounded), so only a bounded part is allocated now
+        width = L + min(capacity, PREALLOCATED)
+        self.ids = torch.full((R, width), self.pad, dtype=torch.long, device=dev)
+        self.mask = torch.zeros((R, width), dtype=state._mask.dtype, device=dev)
+        self.lp = torch.full((R, width), float("nan"), dtype=torch.float32, device=dev)
         self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
         self.width = L
         self.queued: list[tuple[list[int], list[float]]] = []  # decode columns not yet in the tensors (flush)
@@ -154,7 +161,9 @@ class Rows:
         return True
 
     def ensure(self, width: int) -> None:
-        """Room for ``width`` columns (forced runs of rows of different lengths take extra columns)."""
+        """Room for ``width`` columns: generated tokens beyond the columns allocated up front, and forced runs of
+        rows of different lengths (extra columns). Grows by half at least, so a long call copies its columns
+        a few times, not once per token."""
         have = self.ids.shape[1]
         if width <= have:
             return

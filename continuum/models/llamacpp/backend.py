@@ -26,7 +26,7 @@ import torch
 from ..request import Request
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
-from .gather import fill_results, plan_rows
+from .gather import RowPlan, fill_results, plan_rows
 from .model import LlamaCppModel
 from .seqkv import SeqKV
 from .sequences import SequencePool
@@ -159,30 +159,68 @@ class LlamaCpp:
         if self.llama.batch_invariant and any(r.new > 1 for r in ok):
             steps = [r for r in ok if r.new <= 1]
             for group in ([steps] if steps else []) + [[r] for r in ok if r.new > 1]:
-                self._run(group)
+                self._run(group, stats)
         elif ok or not trees:
-            self._run(ok)
+            self._run(ok, stats)
         if trees:
             run_trees(self, trees)
         stats["forward_s"] += time.perf_counter() - t
         stats["merged_forwards"] += 1
         stats["requests_merged"] += len(requests)
 
-    def _run(self, requests: list[Request]) -> None:
-        rows: list[DecodeRow] = []
+    def _run(self, requests: list[Request], stats: dict | None = None) -> None:
+        """Decode ``requests`` together; each gets its result or its own error (the backend protocol's promise).
+
+        A request whose planning fails gets that error and stays out of the decode. A failed decode is re-run
+        without the requests it can blame (an error naming rows, ``.rows``: :class:`StaleWindowError`), or each
+        request alone (any other error), so a row's error never fails its neighbours. Ctrl-C (an exception that
+        is not an ``Exception``) propagates."""
         requests = [r for r in requests if r.column is not None or _views_match(r)]  # (a decode step: its own views)
-        try:
-            plans = [plan_rows(r, self.pool, rows) for r in requests]
-            out = decode(self.pool, rows)
-        except BaseException as exc:  # noqa: BLE001  (every request of the failed decode gets the error)
-            for r in requests:
+        self._decode(requests, stats)
+
+    def _decode(self, requests: list[Request], stats: dict | None) -> None:
+        """Plan each request (its own error if it cannot be), decode the planned ones together, fill results."""
+        rows: list[DecodeRow] = []
+        planned, plans = [], []
+        for r in requests:
+            first = len(rows)
+            try:
+                plans.append(plan_rows(r, self.pool, rows))
+            except Exception as exc:  # noqa: BLE001  (a request that cannot be planned fails alone)
+                del rows[first:]
                 r.error = exc
+                continue
+            planned.append(r)
+        if requests and not planned:
+            return
+        try:
+            out = decode(self.pool, rows)  # (failures leave every view as it was: re-running is safe)
+        except Exception as exc:  # noqa: BLE001  (handed to its owners below, or re-run to find them)
+            self._fall_back(planned, plans, exc, stats)
             return
         computed = sum(len(row.tokens) for row in rows)
         with self._count_lock:
             self.tokens_computed += computed
             self.forward_calls += 1
-        fill_results(requests, plans, out, SeqKV, self.vocab_size)
+        fill_results(planned, plans, out, SeqKV, self.vocab_size)
+
+    def _fall_back(self, requests: list[Request], plans: list[RowPlan], exc: Exception, stats: dict | None) -> None:
+        """After a failed decode of ``requests``: ``exc`` to the requests owning the rows it names and the others
+        decoded again without them; an error naming no row: each request alone, so only its owner gets it."""
+        if len(requests) == 1:
+            requests[0].error = exc
+            return
+        if stats is not None:
+            stats["fallbacks"] = stats.get("fallbacks", 0) + 1
+        named = [k for k in getattr(exc, "rows", None) or [] if isinstance(k, int)]  # rows of this decode
+        blamed = {i for i, (r, p) in enumerate(zip(requests, plans)) if any(p.first <= k < p.first + r.rows for k in named)}
+        if not blamed:
+            for r in requests:
+                self._decode([r], stats)
+            return
+        for i in blamed:  # (alone, the error names the request's own rows)
+            self._decode([requests[i]], stats)
+        self._decode([r for i, r in enumerate(requests) if i not in blamed], stats)
 
 
 def _views_match(r: Request) -> bool:
@@ -192,7 +230,7 @@ def _views_match(r: Request) -> bool:
         r.materialize()
         if r.kv is not None:
             r.kv = r.kv.matching(r.mask[:, :r.mask.shape[1] - r.ids.shape[1]])
-    except BaseException as exc:  # noqa: BLE001  (a malformed request fails alone)
+    except Exception as exc:  # noqa: BLE001  (a malformed request fails alone)
         r.error = exc
         return False
     return True

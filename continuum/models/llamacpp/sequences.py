@@ -186,6 +186,11 @@ class SequencePool:
         L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
         return seq_id
 
+    def _give_back(self, seq_id: int) -> None:
+        """Return an id taken by :meth:`_acquire` that no sequence holds (a failed load): its cells cleared."""
+        lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
+        self._free.append(seq_id)
+
     def _new_seq(self, pinned: Iterable[_Seq] = ()) -> _Seq:
         seq = _Seq(self, self._acquire(pinned))
         self._resident[seq.id] = seq  # type: ignore[index]
@@ -202,10 +207,17 @@ class SequencePool:
         self.spills += 1
 
     def _ensure_resident(self, seq: _Seq, pinned: Iterable[_Seq] = ()) -> int:
+        """``seq``'s id, restoring a spilled sequence into a free one. If llama.cpp refuses the bytes (no room in
+        the KV cache: cell pressure) the id goes back to the free list and ``seq`` stays spilled, its blob intact,
+        so it can be restored once there is room."""
         if seq.id is None:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
-            self._set_bytes(seq_id, seq.blob)
+            try:
+                self._set_bytes(seq_id, seq.blob)
+            except BaseException:
+                self._give_back(seq_id)  # (otherwise every refused restore leaks an id, until none is left)
+                raise
             seq.id, seq.blob = seq_id, None
             self._resident[seq_id] = seq
             self.restores += 1
@@ -342,12 +354,11 @@ class SequencePool:
             try:
                 self._set_bytes(seq_id, blob)
             except BaseException:
-                self._free.append(seq_id)
+                self._give_back(seq_id)
                 raise
             hi = int(lib().llama_memory_seq_pos_max(self.model.memory, seq_id))
             if hi != n_tokens - 1:
-                lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
-                self._free.append(seq_id)
+                self._give_back(seq_id)
                 raise BackendError(f"the sequence bytes hold positions up to {hi}, not the {n_tokens} tokens of the state")
             seq = _Seq(self, seq_id)
             seq.extent = n_tokens

@@ -110,7 +110,7 @@ def run_trees(backend: Any, requests: list[Request]) -> None:
     for r in requests:
         try:
             plans.append((r, _rows_of(pool, r)))
-        except BaseException as exc:  # noqa: BLE001  (a malformed request fails alone)
+        except Exception as exc:  # noqa: BLE001  (a malformed request fails alone)
             r.error = exc
     group: list[tuple[Request, list[_Row]]] = []
     used = 0
@@ -145,9 +145,12 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
                 for seq, end in zip(seqs, ends):
                     seq.extent = end
                 views.append([KVView(pool, seq, end) for seq, end in zip(seqs, ends)])
-    except BaseException as exc:  # noqa: BLE001  (every request of the failed decode gets the error)
-        for r, _ in group:
-            r.error = exc
+    except Exception as exc:  # noqa: BLE001  (to its owner: a group's failure is re-run one request at a time)
+        if len(group) == 1:
+            group[0][0].error = exc
+        else:  # (a row's error, e.g. StaleWindowError, must not fail the other requests; Ctrl-C propagates)
+            for item in group:
+                _run_group(backend, [item])
         return
     out = torch.from_numpy(logits)
     first = 0
