@@ -15,6 +15,10 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# llama.cpp reads GGML_CPU_TILED_MM once per process, at its first matmul; the batch-invariant mode sets it to 0 when
+# its model is made before anything computes. Tests run in any order, so the test process sets it first
+# (test_llamacpp_invariant checks in fresh processes that the mode does it itself).
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 if not FIXTURES.exists():  # a clone placed elsewhere: honour an explicit location

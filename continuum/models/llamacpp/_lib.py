@@ -12,13 +12,40 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ...errors import ModelLoadError
 
-__all__ = ["lib", "version"]
+__all__ = ["lib", "version", "pin_kernels", "mark_decoded", "TILED_MM"]
 
 _LIB: Any = None
+# llama.cpp's CPU backend multiplies K-quant weights with a tiled kernel when a micro-batch has 8 or more rows and with
+# vec_dot below that; the two round differently (up to ~1.1 in Gemma 3 270M Q4_K_M's logits). This variable turns the
+# tiled kernel off; ggml reads it ONCE per process (std::call_once), at the first matmul, for every model.
+TILED_MM = "GGML_CPU_TILED_MM"
+_decoded = False  # continuum has run a llama_decode in this process (the variable has been read by then)
+
+
+def mark_decoded() -> None:
+    """Called before every ``llama_decode``: from now on :func:`pin_kernels` can no longer take effect."""
+    global _decoded
+    _decoded = True
+
+
+def pin_kernels() -> bool:
+    """Make llama.cpp take one matmul kernel whatever a micro-batch's row count (``GGML_CPU_TILED_MM=0``), so that a
+    row's logits do not depend on how many rows its decode carries (the batch-invariant mode needs it on K-quant
+    files; f32, f16, q8_0 and Q5_0 weights never take the tiled kernel). True when the process runs that way (set
+    here, or by the user); False when the user set it otherwise, or continuum already decoded in this process with
+    the tiled kernel on: ggml has read the variable, and setting it now changes nothing. (A ``llama_cpp.Llama`` that
+    computed before is not seen here: set the variable before starting the process to be sure.)"""
+    if TILED_MM in os.environ:  # the user's own choice, kept
+        return os.environ[TILED_MM] == "0"
+    if _decoded:
+        return False
+    os.environ[TILED_MM] = "0"
+    return True
 
 
 def lib() -> Any:

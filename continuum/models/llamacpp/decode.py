@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
-from ._lib import lib
+from ._lib import lib, mark_decoded
 from .sequences import KVView, SequencePool, _Seq
 
 __all__ = ["DecodeRow", "DecodeResult", "decode"]
@@ -275,6 +275,7 @@ def _decode_chunks(pool: SequencePool, token: np.ndarray, pos: np.ndarray, ids: 
                 extra = int(np.flatnonzero(buf.out[:k] == 0)[0])
                 buf.out[extra] = 1
         buf.batch.n_tokens = n
+        mark_decoded()
         rc = int(L.llama_decode(ctx, buf.batch))
         if n > k:
             L.llama_memory_seq_rm(model.memory, pool.scratch, -1, -1)

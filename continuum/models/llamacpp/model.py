@@ -15,11 +15,16 @@ The context is shared by every state of the model: a state's KV is a *sequence* 
   the weights are loaded without CPU repacking (``use_extra_bufts=False``: repacked kernels group rows by 4),
   attention is flash attention (without it a row's logits depend on where its cells lie in the cache: 0.26 on
   stories260K q8_0 when a neighbour's cells shift them), and a decode of one token is padded to two with a
-  scratch sequence (``decode.py``: llama.cpp's matmuls take another kernel for a single row). Measured exact on
-  stories260K f32 and q8_0: rows alone, merged, reordered, prefills in chunks, reused views vs fresh ones.
-  Not made equal: a token decoded alone vs the same position inside a prefill past ~16 tokens (0.003-0.04 on
-  f32), and where a sequence's cells land among other live sequences' cells (holes, interleaving: 0.27 on
-  q8_0 with six threads; up to ~1.8 on Gemma 3 Q4_K_M, measured).
+  scratch sequence (``decode.py``: llama.cpp's matmuls take another kernel for a single row), and K-quant weights
+  are multiplied by one kernel whatever a micro-batch's row count (``GGML_CPU_TILED_MM=0``, set by the first
+  invariant model before llama.cpp computes anything: ``_lib.pin_kernels``; the tiled kernel it turns off takes
+  micro-batches of 8+ rows and rounds differently, up to ~1.1 on Gemma 3 Q4_K_M). The variable is process-wide and
+  read once: a process that decoded before its first invariant model was made keeps the tiled kernel, and the model
+  warns. Measured exact on stories260K f32 and q8_0 and on Gemma 3 Q4_K_M: rows alone, merged, reordered, prefills
+  in chunks, reused views vs fresh ones. Not made equal: a token decoded alone vs the same position inside a
+  prefill past ~16 tokens (0.003-0.04 on f32), several prompts prefilled in one decode past ~64 rows (flash
+  attention's tiled path: the invariant mode gives a prefill its own decode), and where a sequence's cells land among
+  other live sequences' cells (holes, interleaving: 0.27 on q8_0 with six threads; up to ~4 on Gemma 3 Q4_K_M).
 
 llama.cpp's context is not thread-safe and ctypes releases the GIL during calls: every call on a model's
 pointers runs under :attr:`LlamaCppModel.lock`.
@@ -35,12 +40,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
 
 from ...errors import ModelLoadError
-from ._lib import lib
+from ._lib import TILED_MM, lib, pin_kernels
 
 __all__ = ["LlamaCppModel", "KV_TYPES", "GGUF_MAGIC"]
 
@@ -131,6 +137,15 @@ class LlamaCppModel:
         self.lock = threading.RLock()
         self.flash_attn, self.kv_type, self.batch_invariant = bool(flash_attn), kv_type, bool(batch_invariant)
         self.n_threads = n_threads or _cores()
+        # (before anything computes: ggml reads the variable once, at the process's first matmul)
+        self.pinned_kernels = pin_kernels() if self.batch_invariant else os.environ.get(TILED_MM) == "0"
+        if self.batch_invariant and not self.pinned_kernels:
+            why = (f"{TILED_MM}={os.environ[TILED_MM]} is set" if TILED_MM in os.environ else
+                   f"this process already decoded with it on (ggml reads {TILED_MM} once)")
+            warnings.warn(f"{self.path.name}: the batch-invariant mode cannot turn llama.cpp's tiled K-quant matmul off: "
+                          f"{why}. Rows of K-quant weights decoded beside 8+ others may differ from each alone. Make the "
+                          f"invariant model first, or start the process with {TILED_MM}=0 (f32, f16 and q8_0 files are "
+                          "unaffected)", RuntimeWarning, stacklevel=3)
 
         mparams = L.llama_model_default_params()
         mparams.use_extra_bufts = not self.batch_invariant
@@ -235,7 +250,8 @@ class LlamaCppModel:
         return self.metadata("general.architecture") or "unknown"
 
     def __repr__(self) -> str:
-        mode = ", batch_invariant" if self.batch_invariant else ""
+        mode = (", batch_invariant" + ("" if self.pinned_kernels else " (tiled K-quant matmul on: see the warning)")
+                if self.batch_invariant else "")
         return (f"LlamaCppModel({self.path.name!r}, n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, "
                 f"n_threads={self.n_threads}{mode})")
 

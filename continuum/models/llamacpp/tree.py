@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
-from ._lib import lib
+from ._lib import lib, mark_decoded
 from .decode import _discard
 from .sequences import KVView, SequencePool, _Seq
 
@@ -272,6 +272,7 @@ def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: 
     batch.n_seq_id = counts.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
     batch.seq_id = ctypes.cast(ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
     batch.logits = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+    mark_decoded()
     rc = int(L.llama_decode(model.ctx, batch))
     if pad:
         L.llama_memory_seq_rm(model.memory, pool.scratch, -1, -1)
