@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from continuum.errors import (
-    BackendError,
     ForeignStateError,
     KVCacheFullError,
     SequencesExhaustedError,
@@ -137,9 +136,10 @@ def test_spilling_when_ids_run_out():
 
 
 def test_a_restore_refused_for_lack_of_cells_gives_its_id_back_and_keeps_the_state_spilled():
-    """A pool of 256 cells: a spilled 150-token state cannot come back while another 150-token state is resident.
-    The decode fails, the id it took is free again (ids must not leak until every call is refused), and the state
-    stays spilled with its bytes, restored exact once the other is gone."""
+    """A pool of 256 cells: a spilled 150-token state cannot come back beside another 150-token state decoded in the
+    same step (pinned). The decode fails with KVCacheFullError (the engine then parks a call), the id it took is free
+    again (ids must not leak until every call is refused), and the state stays spilled with its bytes. Alone, the
+    restore makes its room from the idle state (spilled in turn) and is exact."""
     model = LlamaCppModel(gguf("f32"), n_ctx=256, n_seq_max=4, n_threads=2, batch_invariant=True)
     tok, pool = LlamaTokenizer(model), SequencePool.of(model)
     ids = tok.encode_prompts([TEXT])[0][:150]
@@ -149,13 +149,12 @@ def test_a_restore_refused_for_lack_of_cells_gives_its_id_back_and_keeps_the_sta
     other = _prefill(pool, ids).views[0]
     free = pool.n_free
     for _ in range(pool.n_ids + 1):  # (more tries than ids: a leak would end in SequencesExhaustedError)
-        with pytest.raises(BackendError, match="no room in the KV cache"):
-            _next(pool, spilled, 50)
+        with pytest.raises(KVCacheFullError, match="no room to restore"):
+            decode(pool, [DecodeRow(other, [50]), DecodeRow(spilled, [50])])
         assert pool.n_free == free and spilled.seq_id is None and other.seq_id is not None
-    other.release()
     got, _ = _next(pool, spilled, 50)
     np.testing.assert_array_equal(got, want)
-    assert pool.restores == 1
+    assert pool.restores == 1 and other.seq_id is None  # (the idle one made the room)
 
 
 def test_bytes_round_trip_and_fingerprint():

@@ -18,7 +18,8 @@ END = object()  # the last item a stream's queue receives
 class Call:
     """One decoding loop submitted to the engine (a handle for its caller)."""
 
-    __slots__ = ("closed", "done", "error", "event", "gen", "key", "kv", "pending", "queue", "result", "rows", "token")
+    __slots__ = ("closed", "done", "error", "event", "gen", "key", "kv", "order", "parked", "pending", "queue", "result",
+                 "rows", "token")
 
     def __init__(self, gen: Generator, first: Request, rows: int, stream: bool, key: Any, kv: int = 0):
         self.gen, self.pending, self.rows, self.key, self.kv = gen, first, rows, key, kv
@@ -26,5 +27,7 @@ class Call:
         self.queue: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
         self.event = threading.Event()
         self.done = self.closed = False
+        self.parked = False  # admitted, but out of the steps until the pool has room (continuum.loop.room)
+        self.order = 0  # admission number: the newest is parked first
         self.result: Any = None
         self.error: BaseException | None = None

@@ -54,6 +54,7 @@ from .checks import engine_setting
 from .forwards import new_counters, report
 from .parallel import world_size
 from .ranks import Ranks, next_key
+from .room import Room, failed_for_room
 
 __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
@@ -103,6 +104,7 @@ class Engine:
         self.arrivals = ARRIVALS  # calls on their way (set up in their callers' threads): the next step waits for them
         self._step_s = 0.0  # the last step's duration: how long the next step may wait for them
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
+        self._room = Room()  # parked calls: the pool had no room for them (room.py)
         self._stats: dict[str, Any] = {}
         self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
         self.reset_stats()
@@ -305,15 +307,19 @@ class Engine:
                 chosen = self._ranks.admit(self._cond, self._inbox)
             else:
                 rows, kv, budget = self._rows, self._kv, self.max_kv_bytes
+                wait = any(c.parked for c in self._running)  # parked calls are older: new ones wait behind them
                 for item in self._inbox:
                     if isinstance(item, Call):
-                        if rows and (rows + item.rows > self.max_rows or (budget is not None and kv + item.kv > budget)):
-                            rest.append(item)  # (waits for room; runs alone at the latest)
+                        wait = wait or bool(rows and (rows + item.rows > self.max_rows or
+                                                      (budget is not None and kv + item.kv > budget)))
+                        if wait:  # (in arrival order: a call that waits keeps the later ones waiting; alone, it runs)
+                            rest.append(item)
                             continue
                         rows, kv = rows + item.rows, kv + item.kv
                     chosen.append(item)
                 self._inbox = rest
             calls = [c for c in chosen if isinstance(c, Call)]
+            self._room.number(calls)
             self._running.extend(calls)
             self._rows += sum(c.rows for c in calls)
             self._kv += sum(c.kv for c in calls)
@@ -325,6 +331,8 @@ class Engine:
         # calls being set up join this step, not a later one (under torchrun rank 0 decides the admissions: no wait)
         self.arrivals.gather(self._step_s if self._ranks is None else 0.0)
         t0 = time.perf_counter()
+        with self._cond:
+            self._stats["resumed"] += len(self._room.back(self._running))  # parked calls whose turn has come
         _, oneoff = self._admit()
         try:
             running = list(self._running)
@@ -332,8 +340,8 @@ class Engine:
             for c in closed:
                 c.gen.close()
                 self._end(c, None, None)
-            live = [c for c in running if not c.closed]
-            self._run_requests([c.pending for c in live] + oneoff)
+            live = [c for c in running if not c.closed and not c.parked]
+            live = self._run_with_room(live, oneoff)
         except BaseException as exc:  # (the one-off requests left the inbox: _fail_all cannot see them)
             self._fail_oneoff(oneoff, exc)
             raise
@@ -353,6 +361,31 @@ class Engine:
         self._stats["steps"] += 1
         self._stats["busy_s"] += took
         self._step_s = took
+
+    def _run_with_room(self, live: list[Call], oneoff: list[Request]) -> list[Call]:
+        """Run the step's requests; while some find no room in the model's pool, park the most recently admitted
+        call and run the failed ones again (room.py). Returns the calls whose loops resume now: a parked call whose
+        request ran resumes once more and then waits; one whose request failed waits with it, run again later."""
+        todo = [c.pending for c in live] + oneoff
+        while True:
+            self._model.hold([c.pending for c in live if not c.parked] + oneoff)  # room is made from the others first
+            try:
+                self._run_requests(todo)
+            finally:
+                self._model.hold([])
+            failed = failed_for_room(todo)
+            victim = self._room.victim(live) if failed else None
+            if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
+                return live
+            victim.parked = True
+            self._stats["parked"] += 1
+            if victim.pending in failed:
+                live = [c for c in live if c is not victim]
+            for r in failed:
+                r.error = None
+            todo = [r for r in failed if r is not victim.pending]
+            if not todo:
+                return live
 
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""
@@ -377,6 +410,7 @@ class Engine:
         that callers taking up their results do not compete with the rest of the step for the GIL."""
         with self._cond:
             if call in self._running:
+                self._room.ended += 1  # (its cells are free: a parked call may come back)
                 self._running.remove(call)
                 self._rows -= call.rows
                 self._kv -= call.kv
@@ -407,6 +441,8 @@ class Engine:
         with self._cond:
             out = report(self._stats, self._steps)
             out["running_calls"], out["running_rows"], out["running_kv_bytes"] = len(self._running), self._rows, self._kv
+            out["parked_calls"] = sum(c.parked for c in self._running)
+            out["waiting_calls"] = sum(isinstance(c, Call) for c in self._inbox)
         out["max_rows"], out["max_kv_bytes"] = self.max_rows, self.max_kv_bytes
         return out
 

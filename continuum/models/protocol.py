@@ -76,5 +76,14 @@ class Backend(Protocol):
         ...
 
     def run_step(self, requests: list[Request], stats: dict) -> None:
-        """Run one engine step's requests; set each one's ``result`` (logits, KV) or ``error``; move ``stats``."""
+        """Run one engine step's requests; set each one's ``result`` (logits, KV) or ``error``; move ``stats``. A
+        request that finds no room in a fixed pool fails with ``KVCacheFullError`` or ``SequencesExhaustedError``
+        (after the backend made what room it could from idle states): the engine then parks a call and runs it
+        again (``continuum.loop.room``)."""
+        ...
+
+    def hold(self, requests: list[Request]) -> None:
+        """The KV the running calls' requests hold (before and, once run, after their step) stays resident through
+        the next :meth:`run_step`: room is made from everything else (user-held states, parked calls) first. A
+        backend without a fixed pool does nothing."""
         ...

@@ -192,6 +192,9 @@ class Transformers:
 
         run_requests(self, requests, stats)
 
+    def hold(self, requests: list) -> None:
+        """Nothing to hold: the KV lives in tensors, not in a fixed pool (the backend protocol)."""
+
     @torch.inference_mode()
     def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...errors import KVCacheFullError, SequencesExhaustedError
 from ..request import Request
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
@@ -168,6 +169,16 @@ class LlamaCpp:
         stats["merged_forwards"] += 1
         stats["requests_merged"] += len(requests)
 
+    def hold(self, requests: list[Request]) -> None:
+        """Keep the sequences of ``requests`` (their KV, and their new KV once run) resident through the next step:
+        under pressure the pool spills everything else first (user-held states, parked calls; the protocol)."""
+        seqs: set[int] = set()
+        for r in requests:
+            for kv in (r.kv, r.result[1] if isinstance(r.result, tuple) else None):
+                if isinstance(kv, SeqKV):
+                    seqs.update(id(v._seq) for v in kv.views if v._seq is not None)
+        self.pool.held = seqs
+
     def _run(self, requests: list[Request], stats: dict | None = None) -> None:
         """Decode ``requests`` together; each gets its result or its own error (the backend protocol's promise).
 
@@ -195,6 +206,10 @@ class LlamaCpp:
             return
         try:
             out = decode(self.pool, rows)  # (failures leave every view as it was: re-running is safe)
+        except (KVCacheFullError, SequencesExhaustedError) as exc:  # no room: every request waits (the engine parks)
+            for r in planned:
+                r.error = exc
+            return
         except Exception as exc:  # noqa: BLE001  (handed to its owners below, or re-run to find them)
             self._fall_back(planned, plans, exc, stats)
             return

@@ -244,8 +244,7 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
             raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); the states are "
                                "unchanged")
         if attempt == 0:
-            keep = {id(seq) for seq, *_ in live} | {id(r.view._seq) for r in rows}
-            idle = [s for s in list(pool._resident.values()) if id(s) not in keep]
+            idle = pool.idle([seq for seq, *_ in live] + [r.view._seq for r in rows if r.view._seq is not None])
             if not idle:
                 break
             for s in idle:

@@ -34,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
-from ...errors import BackendError, SequencesExhaustedError, SlicingError
+from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
 from ._lib import lib
 from .model import LlamaCppModel
 
@@ -118,6 +118,7 @@ class SequencePool:
         self.model = model
         # the batch-invariant mode keeps the last id for the scratch row that pads a one-token decode (decode.py)
         self.scratch: int | None = model.n_seq_max - 1 if model.batch_invariant else None
+        self.held: set[int] = set()  # (ids of) the sequences the running calls hold: spilled last (LlamaCpp.hold)
         self.n_ids = model.n_seq_max - (self.scratch is not None)
         if self.n_ids < 1:
             raise BackendError("the batch-invariant mode needs n_seq_max >= 2 (one id pads one-token decodes)")
@@ -174,8 +175,7 @@ class SequencePool:
         """A free sequence id, spilling the least recently used sequence outside ``pinned`` if none is free."""
         self._collect()
         if not self._free:
-            keep = {id(s) for s in pinned}
-            idle = [s for s in self._resident.values() if id(s) not in keep]
+            idle = self.idle(pinned)
             if not idle:
                 raise SequencesExhaustedError(
                     f"all {self.n_ids} llama.cpp sequence ids are in use by the rows of this step: run fewer "
@@ -185,6 +185,12 @@ class SequencePool:
         L = lib()
         L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
         return seq_id
+
+    def idle(self, pinned: Iterable[_Seq] = ()) -> list[_Seq]:
+        """The resident sequences room can be made from: neither ``pinned`` (the operation's own) nor held by a
+        running call."""
+        keep = {id(s) for s in pinned} | self.held
+        return [s for s in self._resident.values() if id(s) not in keep]
 
     def _give_back(self, seq_id: int) -> None:
         """Return an id taken by :meth:`_acquire` that no sequence holds (a failed load): its cells cleared."""
@@ -214,7 +220,17 @@ class SequencePool:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
             try:
-                self._set_bytes(seq_id, seq.blob)
+                try:
+                    self._set_bytes(seq_id, seq.blob)
+                except BackendError:  # its own bytes, refused for want of cells: make room from idle ones, once
+                    idle = self.idle([seq, *pinned])
+                    for s in idle:
+                        self._spill(s)
+                    if not idle or not self._try_set_bytes(seq_id, seq.blob):
+                        raise KVCacheFullError(
+                            f"no room to restore a spilled state of {seq.extent} tokens (n_ctx={self.model.n_ctx} cells "
+                            "shared by every live state): load the model with a larger n_ctx, or keep fewer states alive"
+                        ) from None
             except BaseException:
                 self._give_back(seq_id)  # (otherwise every refused restore leaks an id, until none is left)
                 raise
@@ -310,6 +326,13 @@ class SequencePool:
         if n != size:
             raise BackendError(f"llama_state_seq_get_data wrote {n} bytes, expected {size}")
         return bytes(buf)
+
+    def _try_set_bytes(self, seq_id: int, blob: bytes) -> bool:
+        try:
+            self._set_bytes(seq_id, blob)
+        except BackendError:
+            return False
+        return True
 
     def _set_bytes(self, seq_id: int, blob: bytes) -> None:
         L = lib()
