@@ -78,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json-bounds", default="default", choices=["default", "small", "none"],
                    help="bounds on structured outputs where the schema sets none (default: numbers within int64; "
                         "small: also strings, arrays and objects, for small models)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="replies waiting for room in the model's KV pool before a new request gets 503 with Retry-After "
+                        "(default 256; 0: refuse whenever replies already wait)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"continuum serve needs the serve extra: pip install 'continuum[serve]' ({exc})", file=sys.stderr)
         return 2
 
+    if args.max_queue < 0:
+        print(f"continuum serve: --max-queue must be >= 0, got {args.max_queue}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     template = None
     if args.chat_template is not None:
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
                          max_string_length=args.max_string_length, reasoning=args.reasoning,
-                         store_kv=args.store_kv == "full", json_bounds=args.json_bounds)
+                         store_kv=args.store_kv == "full", json_bounds=args.json_bounds, max_queue=args.max_queue)
     from ..errors import ReasoningError
     from .store import StoreLockedError
 

@@ -38,6 +38,7 @@ from ..samplers import Sampler
 from ..state import SequenceState
 from .closing import closing
 from .either import Either, read_trigger
+from .errors import Overloaded
 from .messages import new_id, template_message, tool_call_schema
 from .reasoning import Splitter
 from .tokens import Recording as _Recording
@@ -139,8 +140,9 @@ class Engine:
     """The model, its chat template, and the generators built for requests (cached by their settings)."""
 
     def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None,
-                 reasoning: bool = False, bounds: Any = "default"):
+                 reasoning: bool = False, bounds: Any = "default", max_queue: int | None = None):
         self.model, self.template, self.max_string_length = model, template, max_string_length
+        self.max_queue = max_queue  # replies waiting for room (not decoding) beyond which a new one is refused (503)
         self.bounds = bounds  # generate.json's bounds= for every structured output (numbers within int64...)
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
         if reasoning:  # the markers must exist: fail at start, not on every request
@@ -247,8 +249,16 @@ class Engine:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
-        """Counts a generation in :attr:`active` while it runs."""
+        """Counts a generation in :attr:`active` while it runs; refuses it (:class:`Overloaded`) when ``max_queue``
+        replies already wait: generating, but not among the model's decoding calls (parked, or not admitted yet,
+        for want of room in its KV pool)."""
         with self._lock:
+            if self.max_queue is not None:
+                stats = self.model.engine.stats()
+                waiting = self.active - (stats["running_calls"] - stats["parked_calls"])
+                if waiting > 0 and waiting >= self.max_queue:  # (calls wait: the pool is full)
+                    raise Overloaded(f"the server is busy: {waiting} replies are waiting for room in the model's KV pool "
+                                     f"(--max-queue {self.max_queue}); retry shortly")
             self.active += 1
         try:
             yield

@@ -25,24 +25,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextLengthError, ContinuumError
 
-__all__ = ["APIError", "Guard", "error_body", "from_exception", "install_handlers"]
+__all__ = ["APIError", "Overloaded", "Guard", "error_body", "from_exception", "install_handlers"]
 
 logger = logging.getLogger("continuum.serve")
+
+
+class Overloaded(Exception):
+    """More replies wait for room than the server queues (``--max-queue``): 503 with Retry-After, never a 4xx."""
 
 
 class APIError(Exception):
     """A refusal with an HTTP status and OpenAI's error fields."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -59,6 +64,8 @@ def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised while serving a request (never a traceback to the client)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, Overloaded):  # busy, not the client's fault: OpenAI's clients retry a 503 after Retry-After
+        return APIError(503, str(exc), type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, ContinuumError):  # continuum's errors say what was wrong and what to do
@@ -94,6 +101,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
         return _refused(request, exc)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded):
+        return _refused(request, from_exception(exc))
 
     @app.exception_handler(ContinuumError)
     async def _continuum(request: Request, exc: ContinuumError):

@@ -1,0 +1,63 @@
+"""``continuum serve model.gguf`` on a small KV pool (issue 42): requests beyond the pool's room wait (the engine
+parks and resumes calls) and are all answered 200; past ``--max-queue`` a new one gets 503 with ``Retry-After``
+(busy, not the client's fault), never a 4xx. Driven with the official ``openai`` client against a real process."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from llamacpp_support import gguf
+from serve_support import Server
+
+CLIENTS = 24
+
+
+def _ask(client, i: int, max_tokens: int = 80):
+    return client.completions.create(model="tiny", prompt=f"Once upon a time, a cat named {i}", max_tokens=max_tokens,
+                                     temperature=0)
+
+
+def _all(client, n: int, max_tokens: int = 80) -> list:
+    def one(i):
+        try:
+            return _ask(client, i, max_tokens)
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_24_clients_on_a_512_cell_pool_are_all_answered(tmp_path):
+    """24 x 80 tokens need ~2,300 cells; the pool has 512. Every reply is 200 and as long as asked (this model
+    never ends a story early); the engine parked and resumed calls to get there (its stats in /health)."""
+    srv = Server(str(gguf("f32")), tmp_path / "store", "--n-ctx", "512", "--threads", "2", "--batch-invariant")
+    try:
+        got = _all(srv.client(), CLIENTS)
+        assert not [g for g in got if isinstance(g, Exception)], [str(g) for g in got if isinstance(g, Exception)][:2]
+        assert all(g.usage.completion_tokens == 80 for g in got)
+        engine = srv.health()["engine"]
+        assert engine["parked"] > 0 and engine["resumed"] > 0
+        assert engine["parked_calls"] == engine["waiting_calls"] == 0
+    finally:
+        srv.stop()
+
+
+def test_past_max_queue_a_request_gets_503_with_retry_after(tmp_path):
+    srv = Server(str(gguf("f32")), tmp_path / "store", "--n-ctx", "256", "--threads", "2", "--max-queue", "1")
+    try:
+        got = _all(srv.client(), CLIENTS, max_tokens=60)
+        refused = [g for g in got if isinstance(g, Exception)]
+        assert refused and len(refused) < CLIENTS
+        for exc in refused:
+            assert exc.status_code == 503 and exc.response.headers["retry-after"] == "1"
+            assert "--max-queue 1" in exc.message
+        assert _ask(srv.client(), 0, 8).usage.completion_tokens == 8  # (once the load is gone, answered again)
+    finally:
+        srv.stop()
