@@ -288,3 +288,27 @@ def test_programs_with_chained_calls_join_and_leave_at_every_step(model):
     stats = model.scheduler.stats()
     assert stats["merged_forwards"] > 0 and stats["fallbacks"] == 0
 
+
+
+def test_a_kv_budget_on_transformers_bounds_the_running_calls_and_refuses_only_what_never_fits(gpt2_model):
+    """``models.transformers(..., kv_budget=...)``: run_batch beyond the budget completes, each program equal to
+    itself alone, the running calls' KV (each at its longest) never above the budget; a call that alone would
+    exceed it is refused before anything runs, and the model works after."""
+    from continuum import models, run_batch
+    from continuum.errors import KVCacheFullError
+    from continuum.models.memory import kv_bytes
+
+    one = kv_bytes(gpt2_model, len(gpt2_model.tokenizer.encode_prompts([PROMPTS[0]])[0]) + 8)
+    budget = int(2.5 * one)
+    model = models.Transformers(gpt2_model.model, gpt2_model.tokenizer, kv_budget=budget)
+    assert model.engine.max_kv_bytes == budget
+    gen = generate.text(model, samplers.greedy())
+    alone = [gen(p, max_tokens=8) for p in PROMPTS]
+    model.engine.reset_stats()
+    assert run_batch(lambda p: gen(p, max_tokens=8), PROMPTS * 2) == alone * 2
+    assert 0 < model.engine.stats()["peak_running_kv_bytes"] <= budget
+    with pytest.raises(KVCacheFullError, match="kv_budget"):
+        gen(PROMPTS[0], max_tokens=500)
+    assert gen(PROMPTS[0], max_tokens=8) == alone[0] and model.engine.stats()["running_kv_bytes"] == 0
+    with pytest.raises(ValueError, match="kv_budget"):
+        models.Transformers(gpt2_model.model, gpt2_model.tokenizer, kv_budget="lots")

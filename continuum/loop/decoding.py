@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import KVCacheFullError
 from ..guides import Guide
 from ..models import kv as kvcache
 from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
@@ -118,7 +119,14 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             engine.arrivals.arrived()
             raise
         rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
-        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=rows * kv_bytes(model, _longest(state, options)))
+        need = rows * kv_bytes(model, _longest(state, options))
+        if model.kv_budget is not None and need > model.kv_budget:  # (it could never run within the budget)
+            engine.arrivals.arrived()
+            loop.close()
+            raise KVCacheFullError(f"this call's {rows} rows may reach {need} bytes of KV cache (input plus max_tokens), "
+                                   f"more than the model's kv_budget of {model.kv_budget} bytes: lower max_tokens or "
+                                   "the rows, or raise kv_budget")
+        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=need)
         try:
             if call.queue is None:
                 return engine.wait(call)

@@ -323,6 +323,7 @@ class Engine:
             self._running.extend(calls)
             self._rows += sum(c.rows for c in calls)
             self._kv += sum(c.kv for c in calls)
+            self._stats["peak_running_kv_bytes"] = max(self._stats["peak_running_kv_bytes"], self._kv)
         return calls, [r for r in chosen if isinstance(r, Request)]
 
     @torch.inference_mode()  # (the loops' tensors and the merged forwards: no autograd, as in model.forward)

@@ -44,6 +44,7 @@ class Backend(Protocol):
     context_length: int | None  # positions a row may hold (None: unbounded)
     tokens_computed: int  # positions computed so far (the benchmarks and tests read it)
     prefix_cache: Any  # the automatic prefix cache (its reuse, remember and settle are what the loop calls), or None
+    kv_budget: int | None  # the most KV bytes running calls may reach (admission waits; a call beyond it alone is refused)
 
     @property
     def fingerprint(self) -> Any:

@@ -40,7 +40,8 @@ class Transformers:
         >>> model = Transformers(hf, AutoTokenizer.from_pretrained("gpt2"))  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, tokenizer: Any, prefix_cache: int | str | None = None):
+    def __init__(self, model: Any, tokenizer: Any, prefix_cache: int | str | None = None, kv_budget: int | str | None = None):
+        self.kv_budget: int | None = parse_budget(kv_budget, "kv_budget")  # (the engine's max_kv_bytes; checked first)
         self.model = model.eval()
         gen_cfg = getattr(model, "generation_config", None)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(
@@ -146,7 +147,7 @@ class Transformers:
                 if engine is None:
                     from ...loop.engine import Engine
 
-                    engine = self.__dict__["_engine"] = Engine(self)
+                    engine = self.__dict__["_engine"] = Engine(self, max_kv_bytes=self.kv_budget)
         return engine
 
     scheduler = engine  # (the name of earlier releases)
@@ -286,7 +287,7 @@ def _execution_device(module: torch.nn.Module, default: torch.device) -> torch.d
 
 
 def transformers(model_name: str, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None, *,
-                 prefix_cache: int | str | None = None, tp_plan: str | dict | None = None,
+                 prefix_cache: int | str | None = None, kv_budget: int | str | None = None, tp_plan: str | dict | None = None,
                  device_map: str | dict | None = None, **kwargs: Any) -> Transformers:
     """Load a causal LM and its tokenizer with ``from_pretrained`` and wrap them.
 
@@ -295,6 +296,9 @@ def transformers(model_name: str, device: str | torch.device | None = None, dtyp
         device: where to put the model (default: CPU). Not with ``tp_plan`` or ``device_map``.
         dtype: the weights' dtype (default: the checkpoint's).
         prefix_cache: byte budget of the automatic prefix cache (``"512MiB"``, ``"2GB"``, an int); off by default.
+        kv_budget: the most KV cache bytes the calls running at once may reach (``"4GiB"``, an int), each counted at
+            its longest (input plus ``max_tokens``): calls beyond it wait their turn (``run_batch`` of any size
+            completes), a call that alone would exceed it is refused with ``KVCacheFullError``. Unbounded by default.
         tp_plan: tensor parallelism (``"auto"``, or a plan dict): every process launched by ``torchrun``
             holds a slice of every layer's heads (gloo on CPU, NCCL on GPU). Every rank runs the same
             continuum program (same prompts, seeds and calls); see ``docs/distributed.md``.
@@ -313,7 +317,7 @@ def transformers(model_name: str, device: str | torch.device | None = None, dtyp
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    parse_budget(prefix_cache)  # a bad budget fails before anything is loaded
+    parse_budget(prefix_cache), parse_budget(kv_budget, "kv_budget")  # a bad budget fails before anything is loaded
     if tp_plan is not None or device_map is not None:
         kwargs.update(_parallel_kwargs(model_name, device, tp_plan, device_map, kwargs))
     try:
@@ -324,7 +328,7 @@ def transformers(model_name: str, device: str | torch.device | None = None, dtyp
     if device is not None:
         # PreTrainedModel.to is wrapped by functools.wraps, which mypy does not bind as a method (it wants `self`)
         model = model.to(device)  # type: ignore[arg-type]
-    return Transformers(model, tokenizer, prefix_cache=prefix_cache)
+    return Transformers(model, tokenizer, prefix_cache=prefix_cache, kv_budget=kv_budget)
 
 
 def _parallel_kwargs(model_name: str, device: Any, tp_plan: Any, device_map: Any, kwargs: dict) -> dict:

@@ -50,6 +50,8 @@ class LlamaCpp:
         n_ctx, n_threads, batch_invariant, ...: see :class:`~.model.LlamaCppModel`.
     """
 
+    kv_budget: int | None = None  # (the pool's own size bounds it: n_ctx cells; continuum.loop.room)
+
     def __init__(self, path: str | os.PathLike, *, prefix_cache: int | str | None = None, **options: Any):
         from ..hf.prefix_cache import parse_budget  # (the same budget syntax on both backends)
 
