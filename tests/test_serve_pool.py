@@ -12,6 +12,7 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from conftest import FIXTURES
 from llamacpp_support import gguf
 from serve_support import Server
 
@@ -59,5 +60,53 @@ def test_past_max_queue_a_request_gets_503_with_retry_after(tmp_path):
             assert exc.status_code == 503 and exc.response.headers["retry-after"] == "1"
             assert "--max-queue 1" in exc.message
         assert _ask(srv.client(), 0, 8).usage.completion_tokens == 8  # (once the load is gone, answered again)
+    finally:
+        srv.stop()
+
+
+def test_kill9_under_load_on_a_small_pool_loses_nothing_returned(tmp_path):
+    """24 clients x 3 stateful turns (Responses) on a 512-cell pool, the server killed (-9) once half the turns
+    were returned, then restarted: every returned response reads back as returned and continues (200)."""
+    import threading
+    import time
+
+    template = FIXTURES / "chat_templates" / "smollm2.jinja"
+    if not template.exists():
+        pytest.skip("chat template fixture not available")
+    srv = Server(str(gguf("f32")), tmp_path / "store", "--n-ctx", "512", "--threads", "2", "--batch-invariant",
+                 "--chat-template", str(template))
+    done: list = []
+
+    def conversation(i):
+        client, prev = srv.client(), None
+        try:
+            for t in range(3):
+                r = client.responses.create(model="tiny", input=f"Client {i} turn {t}: a story", max_output_tokens=30,
+                                            temperature=0, previous_response_id=prev)
+                done.append(r)
+                prev = r.id
+        except openai.APIConnectionError:
+            pass  # (the kill; any other error fails the count below)
+
+    try:
+        threads = [threading.Thread(target=conversation, args=(i,)) for i in range(CLIENTS)]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 120
+        while len(done) < CLIENTS * 3 // 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        srv.kill9()
+        returned = list(done)
+        for th in threads:
+            th.join(60)
+        assert CLIENTS * 3 // 2 <= len(returned) < CLIENTS * 3
+        srv.start()
+        client = srv.client()
+        for r in returned:
+            assert client.responses.retrieve(r.id).output_text == r.output_text
+        for r in returned[::4]:
+            more = client.responses.create(model="tiny", input="And then?", max_output_tokens=8, temperature=0,
+                                           previous_response_id=r.id)
+            assert more.usage.output_tokens == 8 and more.usage.input_tokens > r.usage.input_tokens
     finally:
         srv.stop()
