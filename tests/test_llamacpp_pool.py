@@ -73,3 +73,21 @@ def test_a_call_that_cannot_fit_alone_is_refused_clearly_and_the_model_works_aft
         gen(long, max_tokens=4)
     assert small.engine.stats()["parked_calls"] == 0
     assert gen(PROMPTS[0], max_tokens=8) == generate.text(small, samplers.greedy())(PROMPTS[0], max_tokens=8)
+
+
+def test_a_list_call_of_300_prompts_runs_in_turns():
+    """300 prompts are more rows than the pool's 256 sequence ids: the call runs as parts of at most that many
+    (``continuum.loop.turns``), stacked back in order; each row as the same prompt gives in a smaller call (texts),
+    llama.cpp's own greedy choice where the margin is clear."""
+    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=8192)
+    assert model.max_call_rows == 255
+    prompts = [f"Story {i}: once" for i in range(300)]
+    gen = continuous(generate.text(model, samplers.greedy()))
+    state = gen(prompts, max_tokens=6)
+    assert state.batch == 300 and [str(s) for s in state][:3] == [str(gen(p, max_tokens=6)) for p in prompts[:3]]
+    parts = [t for k in range(0, 300, 100) for t in list(gen(prompts[k:k + 100], max_tokens=6))]
+    assert sum(a == b for a, b in zip(list(state), parts)) >= 290  # (a near-tie may flip a row: placement, above)
+    for r in range(0, 300, 7):
+        ids = row_ids(state, r)
+        assert list(state)[r].startswith(prompts[r])
+        check_greedy_path(ids, len(ids) - 6)

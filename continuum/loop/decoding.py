@@ -40,6 +40,7 @@ from .fastforward import forced_runs, run_logprobs, step_marks
 from .healing import apply_heal_masks, heal
 from .parallel import check_seeded
 from .rows import Rows
+from .turns import in_turns, needs_turns
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "check_rng", "check_continuable", "positions"]
 
@@ -98,6 +99,8 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
     this yields nothing: the caller waits once for the final state. With it (a stream) the steps
     come through a queue; closing this generator takes the loop out at the engine's next step.
     """
+    if needs_turns(state, sampler, options):  # more rows than the backend decodes at once: prompts in turns
+        return in_turns(decode, state, sampler, options)
     model = state._model
     engine = model.engine
     loop = _decode(state, sampler, **options)

@@ -45,6 +45,8 @@ class Backend(Protocol):
     tokens_computed: int  # positions computed so far (the benchmarks and tests read it)
     prefix_cache: Any  # the automatic prefix cache (its reuse, remember and settle are what the loop calls), or None
     kv_budget: int | None  # the most KV bytes running calls may reach (admission waits; a call beyond it alone is refused)
+    max_call_rows: int | None  # the most rows one call decodes at once (llama.cpp: its sequence ids); a list call with
+    # more runs its prompts in turns (continuum.loop.turns); None: unbounded
 
     @property
     def fingerprint(self) -> Any:

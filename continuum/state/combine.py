@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -149,12 +150,13 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     last = None
     lasts = [s._last for s in states if s._last is not None]
     if len(lasts) == len(states) and len({x.kind for x in lasts}) == 1:
-        finishes = [x.finish for x in lasts if x.finish]
-        marks = [x.marks for x in lasts if x.marks]
-        last = lasts[0].edited(starts=sum((x.starts for x in lasts), ()), ends=sum((x.ends for x in lasts), ()),
-                               complete=sum((x.complete for x in lasts), ()),
-                               finish=sum(finishes, ()) if len(finishes) == len(lasts) else None,
-                               marks=sum(marks, ()) if len(marks) == len(lasts) else None)
+        def joined(name: str):  # a per-row field, kept when every state has it
+            parts = [getattr(x, name) for x in lasts if getattr(x, name)]
+            return sum(parts, ()) if len(parts) == len(lasts) else None
+
+        last = replace(lasts[0], starts=sum((x.starts for x in lasts), ()), ends=sum((x.ends for x in lasts), ()),
+                               complete=sum((x.complete for x in lasts), ()), finish=joined("finish"),
+                               marks=joined("marks"), guide_states=joined("guide_states"), thoughts=joined("thoughts"))
     return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
                          batch=sum(s.batch for s in states), samples=first.samples, last=last)
 

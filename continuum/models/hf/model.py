@@ -42,6 +42,7 @@ class Transformers:
 
     def __init__(self, model: Any, tokenizer: Any, prefix_cache: int | str | None = None, kv_budget: int | str | None = None):
         self.kv_budget: int | None = parse_budget(kv_budget, "kv_budget")  # (the engine's max_kv_bytes; checked first)
+        self.max_call_rows: int | None = None  # (rows are tensors: no bound of the backend's own)
         self.model = model.eval()
         gen_cfg = getattr(model, "generation_config", None)
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(

@@ -52,6 +52,11 @@ class LlamaCpp:
 
     kv_budget: int | None = None  # (the pool's own size bounds it: n_ctx cells; continuum.loop.room)
 
+    @property
+    def max_call_rows(self) -> int:
+        """The most rows one call decodes at once: the pool's sequence ids (a list call with more runs in turns)."""
+        return self.pool.n_ids
+
     def __init__(self, path: str | os.PathLike, *, prefix_cache: int | str | None = None, **options: Any):
         from ..hf.prefix_cache import parse_budget  # (the same budget syntax on both backends)
 
