@@ -58,10 +58,14 @@ def lib() -> Any:
         except ImportError as exc:
             raise ModelLoadError("GGUF models need llama-cpp-python: pip install 'continuum[llamacpp]' "
                                  f"(it builds llama.cpp from source, a few minutes) [{exc}]") from exc
-        # llama-cpp-python's log callback prints everything while its logger is unset: errors only, unless asked.
+        # llama-cpp-python's log callback prints everything while its logger is unset, so it is quieted unless asked
+        # (DEBUG shows all). Its level table is older than llama.cpp's (ggml.h now numbers DEBUG 1, INFO 2, WARN 3,
+        # ERROR 4): it prints llama.cpp's warnings as errors and its errors as debug. At ERROR the expected warning
+        # of a full pool ("failed to find a memory slot", the engine then parks a call) printed at every park;
+        # at CRITICAL none of those do (llama.cpp's errors surface as continuum's exceptions anyway).
         lcp_logger = logging.getLogger("llama-cpp-python")
         if lcp_logger.level == logging.NOTSET:
-            lcp_logger.setLevel(logging.ERROR)
+            lcp_logger.setLevel(logging.CRITICAL)
         del llama_cpp
         low.llama_backend_init()
         _LIB = low
