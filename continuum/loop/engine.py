@@ -9,7 +9,8 @@ Where things happen::
                                                         1. admit: new calls join (within max_rows,
                                                            max_kv_bytes; arrivals.py: setups waited for)
                                                         2. ONE merged forward per group (merge.py), every
-                                                           call's request, log-softmax over the whole group
+                                                           call's request, log-softmax over the whole group;
+                                                           no room in a fixed pool: park the newest (room.py)
                                                         3. each call's loop resumes with its result and
                                                            runs to its next forward request (or ends)
     the caller waits on ONE event (a stream reads a queue) ◀── its call ended: result or error
@@ -54,7 +55,7 @@ from .checks import engine_setting
 from .forwards import new_counters, report
 from .parallel import world_size
 from .ranks import Ranks, next_key
-from .room import Room, failed_for_room
+from .room import Room
 
 __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
@@ -342,7 +343,7 @@ class Engine:
                 c.gen.close()
                 self._end(c, None, None)
             live = [c for c in running if not c.closed and not c.parked]
-            live = self._run_with_room(live, oneoff)
+            live = self._room.run(live, oneoff, self._run_requests, self._model.hold, self._stats)
         except BaseException as exc:  # (the one-off requests left the inbox: _fail_all cannot see them)
             self._fail_oneoff(oneoff, exc)
             raise
@@ -362,31 +363,6 @@ class Engine:
         self._stats["steps"] += 1
         self._stats["busy_s"] += took
         self._step_s = took
-
-    def _run_with_room(self, live: list[Call], oneoff: list[Request]) -> list[Call]:
-        """Run the step's requests; while some find no room in the model's pool, park the most recently admitted
-        call and run the failed ones again (room.py). Returns the calls whose loops resume now: a parked call whose
-        request ran resumes once more and then waits; one whose request failed waits with it, run again later."""
-        todo = [c.pending for c in live] + oneoff
-        while True:
-            self._model.hold([c.pending for c in live if not c.parked] + oneoff)  # room is made from the others first
-            try:
-                self._run_requests(todo)
-            finally:
-                self._model.hold([])
-            failed = failed_for_room(todo)
-            victim = self._room.victim(live) if failed else None
-            if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
-                return live
-            victim.parked = True
-            self._stats["parked"] += 1
-            if victim.pending in failed:
-                live = [c for c in live if c is not victim]
-            for r in failed:
-                r.error = None
-            todo = [r for r in failed if r is not victim.pending]
-            if not todo:
-                return live
 
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""

@@ -20,6 +20,8 @@ Example (what a user sees: every program completes, whatever the pool's size)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import KVCacheFullError, SequencesExhaustedError
 from ..models.request import Request
 from .call import Call
@@ -53,6 +55,33 @@ class Room:
         candidates = [c for c in live if not c.parked]
         return max(candidates, key=lambda c: c.order) if len(candidates) > 1 else None
 
+    def run(self, live: list[Call], oneoff: list[Request], run: Callable[[list[Request]], None],
+            hold: Callable[[list[Request]], None], stats: dict) -> list[Call]:
+        """Run the step's requests (``run``: the backend's ``run_step``); while some find no room in the model's
+        pool, park the most recently admitted call and run the failed ones again. ``hold``: the backend keeps the
+        running calls' KV resident meanwhile. Returns the calls whose loops resume now: a parked call whose request
+        ran resumes once more and then waits; one whose request failed waits with it, run again when it is back."""
+        todo = [c.pending for c in live] + oneoff
+        while True:
+            hold([c.pending for c in live if not c.parked] + oneoff)  # room is made from everything else first
+            try:
+                run(todo)
+            finally:
+                hold([])
+            failed = [r for r in todo if no_room(r.error)]
+            victim = self.victim(live) if failed else None
+            if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
+                return live
+            victim.parked = True
+            stats["parked"] += 1
+            if victim.pending in failed:
+                live = [c for c in live if c is not victim]
+            for r in failed:
+                r.error = None
+            todo = [r for r in failed if r is not victim.pending]
+            if not todo:
+                return live
+
     def back(self, running: list[Call]) -> list[Call]:
         """The parked calls to run again now: oldest first, one per call ended since, all when nothing else runs."""
         parked = sorted(self.parked(running), key=lambda c: c.order)
@@ -64,7 +93,3 @@ class Room:
         for c in parked[:k]:
             c.parked = False
         return parked[:k]
-
-
-def failed_for_room(requests: list[Request]) -> list[Request]:
-    return [r for r in requests if no_room(r.error)]
