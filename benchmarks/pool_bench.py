@@ -1,0 +1,81 @@
+"""B26: any load on a fixed KV pool (llama.cpp): throughput as programs are added, and the cost of a small pool.
+
+The model: Gemma 3 270M Q4_K_M (registry package) when installed, else the stories260K f32 GGUF (noted); ``--smoke``
+takes the fixture at toy size. Greedy text under ``run_batch``; tokens/s counts generated tokens.
+
+* B26a: run_batch throughput at 1, 8, 32, 64, 128 programs (48 tokens each, a pool large enough for all): the
+  figure is the throughput at the most programs over the best at fewer (>= 1.0: it never falls as programs are
+  added). llama-server's own figures are measured outside this suite (it is a C++ build): see docs/benchmarks.md.
+* B26b: 128 programs x 200 tokens on a 4,096-cell pool vs a pool large enough for all: tokens/s ratio (>= 0.8x),
+  the calls parked and resumed counted in the notes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .common import Bench, Row
+from .llamacpp_bench import _gguf
+
+__all__ = ["POOL_SCENARIOS"]
+
+WORDS = ["cat", "dog", "bird", "king", "girl", "boy", "tree", "ship"]
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"Write a short story about a {WORDS[i % len(WORDS)]} number {i}." for i in range(n)]
+
+
+def _throughput(model, n: int, tokens: int) -> tuple[float, dict]:
+    """Generated tokens per second of ``n`` greedy programs under run_batch (all at once), and the engine's stats."""
+    from continuum import continuous, generate, run_batch, samplers
+
+    gen = continuous(generate.text(model, samplers.greedy()))
+    model.engine.reset_stats()
+    t = time.perf_counter()
+    out = run_batch(lambda p: gen(p, max_tokens=tokens), _prompts(n), concurrency=n)
+    took = time.perf_counter() - t
+    made = sum(int((~s.token_logprobs[0].isnan()).sum()) for s in out)
+    return made / took, model.engine.stats()
+
+
+def b26(bench: Bench, cfg) -> list[Row]:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        from .common import Skip
+
+        raise Skip("llama-cpp-python is not installed (pip install 'continuum[llamacpp]')") from exc
+    from continuum import models
+
+    path, name = _gguf(cfg)
+    threads = int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+    counts = [1, 2, 4] if cfg.smoke else [1, 8, 32, 64] if cfg.quick else [1, 8, 32, 64, 128]
+    n_a = 4 if cfg.smoke else 48
+    roomy_cells = 4096 if cfg.smoke else 16384
+    big = models.llamacpp(path, n_threads=threads, n_ctx=roomy_cells)
+    curve = [_throughput(big, n, n_a)[0] for n in counts]
+    best_before = max(curve[:-1])
+    rows = [Row("B26a", f"run_batch tokens/s at {counts[-1]} programs vs the best at fewer", "best at fewer programs",
+                curve[-1] / best_before, ">=", 1.0, "x throughput",
+                notes=[f"model: {name}; {n_a} greedy tokens a program, n_ctx {roomy_cells} (room for all)",
+                       "tokens/s at " + ", ".join(f"{n}: {t:.0f}" for n, t in zip(counts, curve))],
+                series={"title": "B26a: run_batch throughput", "x": counts, "xlabel": "programs",
+                        "ylabel": "tokens/s", "lines": {"continuum": curve}})]
+
+    n_b, tokens_b = (8, 8) if cfg.smoke else (64, 100) if cfg.quick else (128, 200)
+    roomy_tps, _ = _throughput(big, n_b, tokens_b)
+    big.llama.close()
+    cells = 256 if cfg.smoke else 4096
+    small = models.llamacpp(path, n_threads=threads, n_ctx=cells)
+    small_tps, stats = _throughput(small, n_b, tokens_b)
+    small.llama.close()
+    rows.append(Row("B26b", f"{n_b} programs x {tokens_b} tokens on a {cells}-cell pool",
+                    "a pool large enough for all", small_tps / roomy_tps, ">=", 0.8, "x throughput",
+                    base_tps=roomy_tps, cont_tps=small_tps,
+                    notes=[f"model: {name}", f"{stats['parked']} parks, {stats['resumed']} resumes, none failed"]))
+    return rows
+
+
+POOL_SCENARIOS = {"B26": b26}
