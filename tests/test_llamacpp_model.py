@@ -55,6 +55,8 @@ def _write(path, data: bytes):
     ({"kv_type": "q8_0"}, "flash_attn=True"),
     ({"n_ctx": -1}, "n_ctx"),
     ({"n_threads": True}, "n_threads"),
+    ({"n_ctx": 64}, "below n_seq_max"),  # (llama.cpp aborted the process: its batch must hold n_seq_max outputs)
+    ({"n_ctx": 200, "n_seq_max": 256}, "below n_seq_max"),
 ])
 def test_bad_settings(kwargs, match):
     with pytest.raises(ModelLoadError, match=match):
@@ -75,3 +77,16 @@ def test_version_is_recorded():
 
     model, _, _ = load("f32")
     assert fingerprint_of(model).llama_cpp == llama_cpp.__version__
+
+
+def test_the_default_pool_is_the_training_context_within_memory():
+    """Without n_ctx: the model's training context (at least 4096 cells), cut to what a quarter of the available
+    memory holds; the repr says which, and the cell size comes from the file's attention shape (stories260K: 5 layers,
+    4 KV heads of 8, f16: 640 bytes)."""
+    from continuum.models.llamacpp.model import default_n_ctx
+
+    model, _, _ = load("f32")
+    assert model.kv_bytes_per_cell() == 5 * 4 * (8 + 8) * 2 and model.kv_bytes_per_cell("f32") == 1280
+    assert model.n_ctx == 4096 and "(at least 4096)" in repr(model)
+    assert default_n_ctx(32768, None, 256) == (32768, "the model's training context")
+    assert default_n_ctx(32768, 1 << 40, 256) == (256, "a quarter of the memory available")  # (no room: the floor)

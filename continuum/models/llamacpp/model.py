@@ -96,8 +96,9 @@ class LlamaCppModel:
 
     Args:
         path: the .gguf file.
-        n_ctx: KV cells in the pool every live sequence shares (shared prefixes count once); default
-            ``min(n_ctx_train, 8192)`` rounded up to 256, at least 4096.
+        n_ctx: KV cells in the pool every live sequence shares (shared prefixes count once); default the model's
+            training context (at least 4096), cut to what a quarter of the available memory holds (``default_n_ctx``;
+            the repr says which). A small pool only costs time: calls wait for room (``continuum.loop.room``).
         n_threads: CPU threads (default: the cores this process may use).
         n_seq_max: sequence ids (1..256): the number of states whose KV can be resident at once.
         n_batch: the most tokens one ``llama_decode`` takes (default ``max(n_seq_max, n_ubatch)``); decodes
@@ -165,8 +166,13 @@ class LlamaCppModel:
                                  "encoder-decoder, recurrent, hybrid and diffusion models are not supported")
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         self.n_swa = int(L.llama_model_n_swa(model))
+        self.n_ctx_reason = "asked"
         if n_ctx is None:
-            n_ctx = max(4096, -(-min(self.n_ctx_train, 8192) // 256) * 256)
+            n_ctx, self.n_ctx_reason = default_n_ctx(self.n_ctx_train, self.kv_bytes_per_cell(kv_type), n_seq_max)
+        if n_ctx < n_seq_max:  # (llama.cpp aborts the process: its batch, clamped to n_ctx, must hold n_seq_max outputs)
+            self.close()
+            raise ModelLoadError(f"n_ctx={n_ctx} cells is below n_seq_max={n_seq_max}: llama.cpp needs room for a batch "
+                                 "of n_seq_max tokens; raise n_ctx or lower n_seq_max")
         n_batch = n_batch or max(n_seq_max, n_ubatch)
 
         cparams = L.llama_context_default_params()
@@ -240,6 +246,24 @@ class LlamaCppModel:
                     return buf.raw[:n].decode("utf-8", errors="replace")
                 size = n + 1
 
+    def kv_bytes_per_cell(self, kv_type: str | None = None) -> int | None:
+        """Bytes one KV cell takes over every layer (keys and values), from the GGUF's attention shape; None when
+        the file does not say."""
+        arch = self.architecture
+
+        def num(key: str) -> int | None:
+            value = self.metadata(f"{arch}.{key}")
+            return int(value) if value is not None and value.isdigit() else None
+
+        layers, heads_kv, heads, width = (num("block_count"), num("attention.head_count_kv"), num("attention.head_count"),
+                                          num("embedding_length"))
+        head = width // heads if width and heads else None
+        k_len, v_len = num("attention.key_length") or head, num("attention.value_length") or head
+        if not (layers and k_len and v_len):
+            return None
+        per = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}[kv_type or self.kv_type]
+        return int(layers * (heads_kv or heads or 1) * (k_len + v_len) * per)
+
     @property
     def chat_template(self) -> str | None:
         """The GGUF's own chat template (``tokenizer.chat_template``), or None."""
@@ -252,8 +276,33 @@ class LlamaCppModel:
     def __repr__(self) -> str:
         mode = (", batch_invariant" + ("" if self.pinned_kernels else " (tiled K-quant matmul on: see the warning)")
                 if self.batch_invariant else "")
-        return (f"LlamaCppModel({self.path.name!r}, n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, "
+        return (f"LlamaCppModel({self.path.name!r}, n_ctx={self.n_ctx} ({self.n_ctx_reason}), n_seq_max={self.n_seq_max}, "
                 f"n_threads={self.n_threads}{mode})")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_n_ctx(n_ctx_train: int, per_cell: int | None, n_seq_max: int) -> tuple[int, str]:
+    """The pool's cells when ``n_ctx`` is not given, and why: the model's training context (at least 4096), as
+    llama-server sizes its context, cut to what a quarter of the available memory holds; a multiple of 256, at least
+    ``n_seq_max``. A small pool only costs time (calls wait for room: ``continuum.loop.room``)."""
+    n, reason = max(4096, n_ctx_train), "the model's training context" if n_ctx_train >= 4096 else "at least 4096"
+    free = _available_memory()
+    if per_cell and free:
+        fits = free // 4 // per_cell
+        if fits < n:
+            n, reason = fits, "a quarter of the memory available"
+    return max(n_seq_max, n // 256 * 256, 256), reason
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
