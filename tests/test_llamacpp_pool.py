@@ -16,7 +16,7 @@ import pytest
 from continuum import continuous, generate, models, run_batch, samplers
 from continuum.errors import KVCacheFullError
 
-from llamacpp_support import check_greedy_path, gguf, row_ids
+from llamacpp_support import DECODE_TOL, check_greedy_path, gguf, row_ids
 
 WORDS = ["cat", "dog", "bird", "king", "girl", "boy", "tree", "ship", "sun", "moon", "fish", "frog"]
 PROMPTS = [f"Once upon a time, a {w} {i}" for i in range(4) for w in WORDS]  # 48
@@ -91,3 +91,30 @@ def test_a_list_call_of_300_prompts_runs_in_turns():
         ids = row_ids(state, r)
         assert list(state)[r].startswith(prompts[r])
         check_greedy_path(ids, len(ids) - 6)
+
+
+def test_multinomial_300_draws_its_samples_in_groups():
+    """300 independent samples of one prompt are more rows than sequence ids: they are drawn in two groups of 150,
+    each a call with its own generator seeded from the caller's, so the result is those two smaller calls (the same
+    rows; weights within the placement tolerance) and a seeded call is reproducible; beams, which must advance
+    together, are refused clearly."""
+    import torch
+
+    from continuum.errors import SequencesExhaustedError
+
+    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=8192)
+    gen = continuous(generate.text(model, samplers.multinomial(300)))
+    state = gen("Once upon a time", max_tokens=8, rng=torch.Generator().manual_seed(3))
+    assert (state.batch, state.samples) == (1, 300)
+    rng = torch.Generator().manual_seed(3)
+    seeds = [int(torch.randint(0, 2**62, (1,), generator=rng)) for _ in range(2)]
+    parts = [continuous(generate.text(model, samplers.multinomial(150)))("Once upon a time", max_tokens=8,
+                                                                          rng=torch.Generator().manual_seed(s))
+             for s in seeds]
+    assert list(state) == list(parts[0]) + list(parts[1])
+    # (the groups ran beside each other, the parts one after the other: cells placed otherwise, see the top)
+    assert torch.allclose(state.weights, torch.cat([p.weights for p in parts], 1), atol=DECODE_TOL["f32"])
+    assert len(set(state)) > 50  # (independent draws)
+    with pytest.raises(SequencesExhaustedError, match="sequence ids"):
+        generate.text(model, samplers.beam_search(300))("Once upon a time", max_tokens=2)
+    assert generate.text(model, samplers.greedy())("Once", max_tokens=3)  # (the model works after)

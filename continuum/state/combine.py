@@ -97,6 +97,20 @@ def check_compatible(state: SequenceState, other: SequenceState) -> None:
                              f"select one sample (state[:, i, :]) or continue with a {state.samples}-sample generator")
 
 
+def concat_samples(states: Sequence[SequenceState]) -> SequenceState:
+    """One prompt's samples drawn in groups (states of batch 1, any samples each) as one state of batch 1 whose
+    samples are all of theirs, in order (``continuum.loop.turns``)."""
+    if len(states) == 1:
+        return states[0]
+    assert all(s.batch == 1 for s in states)
+    rows = [s if s.samples == 1 else SequenceState(model=s._model, ids=s._ids, mask=s._mask, logprobs=s._logprobs,
+                                                    weights=s._weights, kv=s._kv, batch=s.samples, samples=1,
+                                                    last=s._last) for s in states]
+    out = stack(rows)
+    return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,
+                         kv=out._kv, batch=1, samples=out.batch, last=out._last)
+
+
 def stack(states: Sequence[SequenceState]) -> SequenceState:
     """Stack states along the batch axis (same tokenizer and samples), keeping their caches.
 
