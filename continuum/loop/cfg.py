@@ -29,7 +29,7 @@ import torch
 
 from ..errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
 from ..models import kv as kvcache
-from .rows import PREALLOCATED
+from .checks import PREALLOCATED
 
 __all__ = ["guided_logprobs", "guided_scores", "Guidance", "UnconditionalBranch"]
 

@@ -14,6 +14,10 @@ from ..state.text import token_char_spans
 
 __all__ = ["check_max_tokens", "check_rng", "check_continuable", "stop_list", "engine_setting"]
 
+# columns for generated tokens a loop's buffers (Rows, classifier-free guidance's branch) allocate up front; they
+# grow the rest as the call goes on (max_tokens=None on an unbounded context would be 2**31 columns)
+PREALLOCATED = 256
+
 
 def check_max_tokens(max_tokens: int | None) -> None:
     if max_tokens is None:

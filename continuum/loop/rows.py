@@ -6,7 +6,7 @@ search), classifier-free guidance's unconditional rows included.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,14 +14,11 @@ from ..guides import DEAD, Guide
 from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.text import detokenizer
+from .cfg import UnconditionalBranch
+from .checks import PREALLOCATED
 from .healing import Heal
 
-if TYPE_CHECKING:  # (cfg.py reads PREALLOCATED from here)
-    from .cfg import UnconditionalBranch
-
 __all__ = ["Rows"]
-
-PREALLOCATED = 256  # columns for generated tokens allocated up front; ensure() grows the rest as the call goes on
 
 
 class Rows:
