@@ -254,8 +254,7 @@ class Engine:
         for want of room in its KV pool)."""
         with self._lock:
             if self.max_queue is not None:
-                stats = self.model.engine.stats()
-                waiting = self.active - (stats["running_calls"] - stats["parked_calls"])
+                waiting = self.active - self.model.engine.decoding_calls()  # (not stats(): it sorts step times)
                 if waiting > 0 and waiting >= self.max_queue:  # (calls wait: the pool is full)
                     raise Overloaded(f"the server is busy: {waiting} replies are waiting for room in the model's KV pool "
                                      f"(--max-queue {self.max_queue}); retry shortly")

@@ -243,12 +243,9 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
         if rc != 1:
             raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); the states are "
                                "unchanged")
-        if attempt == 0:
-            idle = pool.idle([seq for seq, *_ in live] + [r.view._seq for r in rows if r.view._seq is not None])
-            if not idle:
-                break
-            for s in idle:
-                pool._spill(s)
+        if attempt == 0 and not pool.spill_idle_except([seq for seq, *_ in live] +
+                                                       [r.view._seq for r in rows if r.view._seq is not None]):
+            break
     raise KVCacheFullError(f"llama.cpp has no free KV cell for {len(token)} new tokens (n_ctx={model.n_ctx} cells shared "
                            "by every live state): load the model with a larger n_ctx, or keep fewer long states alive")
 

@@ -192,6 +192,13 @@ class SequencePool:
         keep = {id(s) for s in pinned} | self.held
         return [s for s in self._resident.values() if id(s) not in keep]
 
+    def spill_idle_except(self, pinned: Iterable[_Seq]) -> bool:
+        """Make room: spill every :meth:`idle` sequence (outside ``pinned``) to host bytes; False if there was none."""
+        idle = self.idle(pinned)
+        for s in idle:
+            self._spill(s)
+        return bool(idle)
+
     def _give_back(self, seq_id: int) -> None:
         """Return an id taken by :meth:`_acquire` that no sequence holds (a failed load): its cells cleared."""
         lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
@@ -223,10 +230,7 @@ class SequencePool:
                 try:
                     self._set_bytes(seq_id, seq.blob)
                 except BackendError:  # its own bytes, refused for want of cells: make room from idle ones, once
-                    idle = self.idle([seq, *pinned])
-                    for s in idle:
-                        self._spill(s)
-                    if not idle or not self._try_set_bytes(seq_id, seq.blob):
+                    if not self.spill_idle_except([seq, *pinned]) or not self._try_set_bytes(seq_id, seq.blob):
                         raise KVCacheFullError(
                             f"no room to restore a spilled state of {seq.extent} tokens (n_ctx={self.model.n_ctx} cells "
                             "shared by every live state): load the model with a larger n_ctx, or keep fewer states alive"
