@@ -75,7 +75,7 @@ def test_a_chat_equals_the_same_chat_on_transformers_and_follows_llama_cpp(stori
         if _ids(c2.state) == _ids(ref2.state):
             assert c2.value == ref2.value
     assert computed <= len(_ids(c2.state)) - len(_ids(c.state)) + 1  # the new turn only, never the history
-    check_greedy_path(_ids(c2.state), len(_ids(c2.state)) - 16, flash_attn=False)
+    check_greedy_path(_ids(c2.state), len(_ids(c2.state)) - 16)
 
 
 def test_json_and_choice_replies_on_llama_cpp(model):
@@ -119,7 +119,7 @@ def test_gemma3_chat_json_and_a_continuation_past_the_sliding_window():
     c = c.user(story + "\nWhat did the baker sell?").reply(generate.text(model, samplers.greedy()), max_tokens=12)
     ids = _ids(c.state)
     assert len(ids) > 600  # the window (512) is behind the reply
-    check_greedy_path(ids, len(ids) - 12, kind="gemma", flash_attn=False)
+    check_greedy_path(ids, len(ids) - 12, kind="gemma")
 
     text = str(c.state)
     cut = c.state[:text.index("Day 25:")]  # back behind the reply, past the window's first 512 positions
@@ -127,4 +127,4 @@ def test_gemma3_chat_json_and_a_continuation_past_the_sliding_window():
     resumed = generate.text(model, samplers.greedy())
     s = continuous(resumed)(cut + "Day 25: the baker", max_tokens=10)
     assert model.tokens_computed - before <= len(_ids(s)) - len(_ids(cut)) + 1  # the cut state's cells were reused
-    check_greedy_path(_ids(s), len(_ids(s)) - 10, kind="gemma", flash_attn=False)
+    check_greedy_path(_ids(s), len(_ids(s)) - 10, kind="gemma")

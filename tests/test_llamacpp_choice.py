@@ -35,9 +35,10 @@ def _ids(state, row: int = 0) -> list[int]:
 
 
 def reference_scores(model, prefix_ids: list[int], options: list[str], kind: str = "f32",
-                     flash_attn: bool = True) -> dict[str, float]:
+                     flash_attn: bool | None = None) -> dict[str, float]:
     """Each option's total log-prob after ``prefix_ids``, from llama-cpp-python's prefill of prefix + option."""
     out = {}
+    flash_attn = model.llama.flash_attn if flash_attn is None else flash_attn  # (the model's own setting)
     for o in options:
         oids = model.tokenizer.encode_continuation(o)
         lp = torch.log_softmax(torch.from_numpy(reference_logits(kind, prefix_ids + oids, flash_attn)), -1)
@@ -61,7 +62,7 @@ def test_every_option_scores_its_exact_log_prob(model):
 
 def test_default_mode_on_q8_0_within_the_stated_tolerance():
     q8 = models.llamacpp(gguf("q8_0"), n_threads=2)
-    ref = reference_scores(q8, q8.tokenizer.encode_prompts([PROMPT])[0], OPTIONS, kind="q8_0", flash_attn=False)
+    ref = reference_scores(q8, q8.tokenizer.encode_prompts([PROMPT])[0], OPTIONS, kind="q8_0")
     beams = continuous(generate.choice(q8, OPTIONS, samplers.beam_search(len(OPTIONS))))(PROMPT)
     got = dict(zip(beams.value, beams.weights[0].tolist()))
     assert max(abs(got[o] - ref[o]) for o in OPTIONS) < EXACT
@@ -130,7 +131,7 @@ def test_a_small_pool_refuses_too_many_option_paths_and_chunks_a_tree_longer_tha
         generate.choice(small, options, samplers.greedy())(PROMPT)
     long = [" big red dog", " big blue cat", " little bird that sang", " dragon"]  # 13+ nodes: two decodes
     assert 1 + sum(len(small.tokenizer.encode_continuation(o)) for o in long) > small.llama.n_batch
-    ref = reference_scores(small, small.tokenizer.encode_prompts([PROMPT])[0], long, flash_attn=False)
+    ref = reference_scores(small, small.tokenizer.encode_prompts([PROMPT])[0], long)
     out = continuous(generate.choice(small, long, samplers.beam_search(4)))(PROMPT)  # the refused call left it usable
     assert out.value == sorted(ref, key=lambda o: -ref[o])
     assert max(abs(w - ref[o]) for o, w in zip(out.value, out.weights[0].tolist())) < EXACT
@@ -158,12 +159,23 @@ def test_unchosen_option_sequences_are_released_and_continued_rows_score_exactly
 
 
 def test_gemma3_sliding_window_model_scores_its_options_exactly():
+    """Without flash attention the tree's scores equal a prefill of prompt + option (measured 7e-5 on Q4_K_M with
+    repacked weights). With it (the default) the CPU kernel accumulates V in f16, so a score depends on the batch it
+    was computed in: bounded by how far flash attention itself moves the same prefill (0.24 measured, 0.07 seen)."""
     path = gemma_path()
-    gemma = models.llamacpp(path, n_threads=2, n_ctx=2048)
     options, prompt = [" Paris", " Lyon", " a city"], "The capital of France is"
-    out = continuous(generate.choice(gemma, options, samplers.beam_search(3)))(prompt)
-    ids = gemma.tokenizer.encode_prompts([prompt])[0]
-    ref = reference_scores(gemma, ids, options, kind="gemma", flash_attn=False)
-    assert out.value == sorted(ref, key=lambda o: -ref[o])
-    # measured 7e-5 (Q4_K_M, repacked weights: the tree's batch is not the reference's, yet both are prefills)
-    assert max(abs(w - ref[o]) for o, w in zip(out.value, out.weights[0].tolist())) < 1e-3
+    scores = {}
+    for fa in (False, True):
+        gemma = models.llamacpp(path, n_threads=2, n_ctx=2048, flash_attn=fa)
+        out = continuous(generate.choice(gemma, options, samplers.beam_search(3)))(prompt)
+        ids = gemma.tokenizer.encode_prompts([prompt])[0]
+        ref = reference_scores(gemma, ids, options, kind="gemma")
+        assert out.value == sorted(ref, key=lambda o: -ref[o])
+        scores[fa] = ref, dict(zip(out.value, out.weights[0].tolist()))
+        del gemma, out
+    ref, got = scores[False]
+    assert max(abs(got[o] - ref[o]) for o in options) < 1e-3
+    ref_fa, got_fa = scores[True]
+    kernel = max(abs(ref_fa[o] - ref[o]) for o in options)  # flash attention vs not, on the same prefill
+    assert kernel > 1e-3  # (else the bound below would not be flash attention's)
+    assert max(abs(got_fa[o] - ref_fa[o]) for o in options) <= kernel + 1e-3

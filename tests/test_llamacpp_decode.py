@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.models.llamacpp import DecodeRow, decode
+from continuum.models.llamacpp.decode import FA_TILE_ROWS, chunks
 
 from llamacpp_support import DECODE_TOL, load, reference_logits
 
@@ -22,12 +25,12 @@ def _ids(tok, text):
 @pytest.mark.parametrize("invariant", [False, True])
 def test_prefill_equals_llama_cpp_python(kind, invariant):
     model, tok, pool = load(kind, batch_invariant=invariant)
-    assert model.flash_attn == invariant
+    assert model.flash_attn  # (the default in both modes)
     for text in PROMPTS:
         ids = _ids(tok, text)
         out = decode(pool, [DecodeRow(pool.empty(), ids, "all")])
         assert out.logits.shape == (len(ids), tok.n_vocab) and out.logits.dtype == np.float32
-        np.testing.assert_array_equal(out.logits, reference_logits(kind, ids, flash_attn=invariant))
+        np.testing.assert_array_equal(out.logits, reference_logits(kind, ids, flash_attn=True))
         assert out.views[0].n_tokens == len(ids)
 
 
@@ -190,3 +193,31 @@ def test_threads_share_one_model():
         top2 = np.sort(ref, axis=1)[:, -2:]
         sure = (top2[:, 1] - top2[:, 0]) > DECODE_TOL["q8_0"]
         np.testing.assert_array_equal(results[i].argmax(1)[sure], ref.argmax(1)[sure])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 150), min_size=1, max_size=40), st.sampled_from([8, 16, 63, 64, 255, 512]))
+def test_chunks_cover_the_batch_and_keep_rows_of_several_sequences_under_the_attention_tile(lengths, step):
+    ids = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
+    got = chunks(ids, step)
+    assert got[0][0] == 0 and got[-1][1] == len(ids)
+    assert all(a[1] == b[0] for a, b in zip(got, got[1:]))  # contiguous, in order: outputs stay in batch order
+    for s, e in got:
+        assert 0 < e - s <= step
+        assert len(set(ids[s:e].tolist())) == 1 or e - s < FA_TILE_ROWS
+    starts = {s for s, _ in got}
+    bounds = np.cumsum([0, *lengths])
+    for a, n in zip(bounds, lengths):  # a short run is never cut: its tokens decode together
+        if n < FA_TILE_ROWS and n <= step:
+            assert not any(a < s < a + n for s in starts)
+
+
+def test_a_step_of_more_rows_than_an_attention_tile_equals_each_row_alone_in_invariant_mode():
+    """100 one-token rows: the decode runs them in chunks under flash attention's 64-row tile, whose tiled kernel
+    would round differently (and walk every row's cells): each row equals itself decoded alone."""
+    _, tok, pool = load("f32", batch_invariant=True)
+    prompts = [_ids(tok, PROMPTS[i % len(PROMPTS)]) + [7 + i] for i in range(100)]
+    views = decode(pool, [DecodeRow(pool.empty(), p) for p in prompts]).views
+    step = decode(pool, [DecodeRow(v, [3]) for v in views])
+    for i in (0, 37, 63, 64, 99):
+        np.testing.assert_array_equal(step.row(i), decode(pool, [DecodeRow(views[i], [3])]).row(0))

@@ -52,7 +52,7 @@ def _write(path, data: bytes):
     ({"n_seq_max": 257}, "n_seq_max"),
     ({"n_batch": 8}, "n_batch"),
     ({"kv_type": "q4"}, "kv_type"),
-    ({"kv_type": "q8_0"}, "flash_attn=True"),
+    ({"kv_type": "q8_0", "flash_attn": False}, "flash_attn=True"),
     ({"n_ctx": -1}, "n_ctx"),
     ({"n_threads": True}, "n_threads"),
     ({"n_ctx": 64}, "below n_seq_max"),  # (llama.cpp aborted the process: its batch must hold n_seq_max outputs)

@@ -250,13 +250,56 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
                            "by every live state): load the model with a larger n_ctx, or keep fewer long states alive")
 
 
+# Query rows per tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q): a micro-batch of this many rows or more
+# takes the tiled kernel, which skips a block of cells only when every row of its tile masks it. Rows of different
+# sequences in one tile therefore attend (masked, but computed) over every live sequence's cells: in a unified pool a
+# step's cost grows as rows x all cells. Below it, the per-row kernel skips each masked cell. Measured on Gemma 3 270M,
+# 2 threads, a 128-row step over 128 x 61 cells: 1.45 s in one micro-batch, 0.95 s in chunks under 64 rows.
+FA_TILE_ROWS = 64
+
+
+def chunks(ids: np.ndarray, step: int) -> list[tuple[int, int]]:
+    """``(start, end)`` ranges of the batch, each one ``llama_decode`` of at most ``step`` tokens: a sequence's run of
+    ``FA_TILE_ROWS`` tokens or more (a prefill) goes alone, cut at ``step`` (its rows mask nothing but the causal future: the tiled kernel skips
+    other sequences' cells); shorter runs (one-token steps, short appends) are packed into balanced chunks of fewer
+    than ``FA_TILE_ROWS`` tokens, never cutting a run.
+
+    >>> chunks(np.array([0] * 70 + list(range(1, 101))), 512)
+    [(0, 70), (70, 120), (120, 170)]
+    """
+    n = len(ids)
+    if n == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(ids)) + 1
+    bounds = np.concatenate([[0], cuts, [n]]).tolist()
+    runs = list(zip(bounds[:-1], bounds[1:]))
+    small = sum(e - s for s, e in runs if e - s < FA_TILE_ROWS)
+    target = -(-small // -(-small // (FA_TILE_ROWS - 1))) if small else 0  # balanced: 128 rows -> 43, 43, 42
+    out: list[tuple[int, int]] = []
+    open_start: int | None = None
+    for s, e in runs:
+        if e - s >= FA_TILE_ROWS or e - s > step:
+            if open_start is not None:
+                out.append((open_start, s))
+                open_start = None
+            out.extend((a, min(a + step, e)) for a in range(s, e, step))
+            continue
+        if open_start is not None and (e - open_start > target or e - open_start > step):
+            out.append((open_start, s))
+            open_start = None
+        if open_start is None:
+            open_start = s
+    if open_start is not None:
+        out.append((open_start, n))
+    return out
+
+
 def _decode_chunks(pool: SequencePool, token: np.ndarray, pos: np.ndarray, ids: np.ndarray, out: np.ndarray,
                    logits: np.ndarray) -> int:
     L, model = lib(), pool.model
     buf, ctx, done = _buffers(pool), model.ctx, 0
     step = buf.capacity - (pool.scratch is not None)  # room for the scratch token
-    for start in range(0, len(token), step):
-        end = min(start + step, len(token))
+    for start, end in chunks(ids, step):
         k = end - start
         buf.token[:k], buf.pos[:k], buf.seq[:k], buf.out[:k] = token[start:end], pos[start:end], ids[start:end], out[start:end]
         m = int(out[start:end].sum())

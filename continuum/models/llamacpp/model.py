@@ -104,8 +104,9 @@ class LlamaCppModel:
         n_batch: the most tokens one ``llama_decode`` takes (default ``max(n_seq_max, n_ubatch)``); decodes
             are chunked at it.
         n_ubatch: the physical micro-batch, fixed (512).
-        flash_attn: flash attention on or off (it sets a saved blob's V layout); default: on exactly in the
-            batch-invariant mode (without it a row's logits depend on where its cells lie in the cache).
+        flash_attn: flash attention on (default) or off (it sets a saved blob's V layout). On is faster at every
+            size on the CPU, and its kernel skips other sequences' cells (``decode.py`` keeps merged steps on that
+            path); the batch-invariant mode needs it (without it a row's logits depend on where its cells lie).
         kv_type: the KV cache's type, one of :data:`KV_TYPES` (``"f16"``, llama.cpp's default).
         batch_invariant: load the weights without CPU repacking, so that a row's logits are the same whatever
             else its decode carries.
@@ -132,7 +133,7 @@ class LlamaCppModel:
         if kv_type not in KV_TYPES:
             raise ModelLoadError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         if flash_attn is None:
-            flash_attn = bool(batch_invariant)
+            flash_attn = True
         if kv_type not in ("f16", "f32", "bf16") and not flash_attn:
             raise ModelLoadError(f"a quantized KV cache (kv_type={kv_type!r}) needs flash_attn=True in llama.cpp")
         self.lock = threading.RLock()
@@ -184,7 +185,11 @@ class LlamaCppModel:
         with self.lock:
             ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
+            head = self._head_dims()
             self.close()
+            if kv_type == "q8_0" and head and any(d % 32 for d in head):  # (llama.cpp's q8_0 blocks hold 32 values)
+                raise ModelLoadError(f"kv_type='q8_0' needs attention heads of a multiple of 32 values; "
+                                     f"{self.path.name} has {head[0]}: use kv_type='f16' (the default) or 'f32'")
             raise ModelLoadError(f"llama.cpp could not create a context for {self.path.name} (n_ctx={n_ctx}, "
                                  f"n_batch={n_batch}, n_seq_max={n_seq_max}, kv_type={kv_type!r}): lower n_ctx if memory "
                                  "is short")
@@ -246,21 +251,26 @@ class LlamaCppModel:
                     return buf.raw[:n].decode("utf-8", errors="replace")
                 size = n + 1
 
+    def _num(self, key: str) -> int | None:
+        value = self.metadata(f"{self.architecture}.{key}")
+        return int(value) if value is not None and value.isdigit() else None
+
+    def _head_dims(self) -> tuple[int, int] | None:
+        """``(key, value)`` values per attention head, from the GGUF's metadata; None when it does not say."""
+        width, heads = self._num("embedding_length"), self._num("attention.head_count")
+        head = width // heads if width and heads else None
+        k_len, v_len = self._num("attention.key_length") or head, self._num("attention.value_length") or head
+        return (k_len, v_len) if k_len and v_len else None
+
     def kv_bytes_per_cell(self, kv_type: str | None = None) -> int | None:
         """Bytes one KV cell takes over every layer (keys and values), from the GGUF's attention shape; None when
         the file does not say."""
-        arch = self.architecture
-
-        def num(key: str) -> int | None:
-            value = self.metadata(f"{arch}.{key}")
-            return int(value) if value is not None and value.isdigit() else None
-
-        layers, heads_kv, heads, width = (num("block_count"), num("attention.head_count_kv"), num("attention.head_count"),
-                                          num("embedding_length"))
-        head = width // heads if width and heads else None
-        k_len, v_len = num("attention.key_length") or head, num("attention.value_length") or head
-        if not (layers and k_len and v_len):
+        layers, heads_kv, heads = self._num("block_count"), self._num("attention.head_count_kv"), \
+            self._num("attention.head_count")
+        dims = self._head_dims()
+        if not (layers and dims):
             return None
+        k_len, v_len = dims
         per = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}[kv_type or self.kv_type]
         return int(layers * (heads_kv or heads or 1) * (k_len + v_len) * per)
 
