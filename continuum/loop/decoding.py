@@ -8,16 +8,16 @@
            forward the new column ◀── append, advance guides ◀── sampler: ids, ancestors, scores
                                       check EOS / stop strings     reorder ALL per-row state (Rows.reorder)
 
-The loop (:func:`_decode`) is a Python generator run by the model's engine (:mod:`continuum.loop.engine`):
-it yields a :class:`~continuum.models.request.Request` wherever it needs the model (the engine resumes it
-with the result, merged with every running call's), a :class:`Step` after each step when it is streamed,
-and returns the final ``SequenceState``. When the guide forces the tokens after a sampled one, the whole
-run is appended and computed in the same next forward pass (:mod:`continuum.loop.fastforward`).
+The loop (:func:`_decode`: the setup here, the steps in :mod:`continuum.loop.steps`) is a Python generator run by
+the model's engine (:mod:`continuum.loop.engine`): it yields a :class:`~continuum.models.request.Request` wherever
+it needs the model (the engine resumes it with the result, merged with every running call's), a :class:`Step`
+after each step when it is streamed, and returns the final ``SequenceState``. When the guide forces the tokens
+after a sampled one, the whole run is appended and computed in the same next forward pass
+(:mod:`continuum.loop.fastforward`).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -30,16 +30,16 @@ from ..models import kv as kvcache
 from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
 from ..models.memory import kv_bytes
 from ..models.request import Request
-from ..samplers import GreedySampler, Sampler
+from ..samplers import Sampler
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
-from .cancel import check_cancelled
 from .cfg import Guidance, UnconditionalBranch
 from .checks import check_continuable, check_max_tokens, check_rng, stop_list
-from .fastforward import forced_runs, run_logprobs, step_marks
-from .healing import apply_heal_masks, heal
+from .fastforward import step_marks
+from .healing import heal
 from .parallel import check_seeded
 from .rows import Rows
+from .steps import CallLoop
 from .turns import in_turns, needs_turns
 
 __all__ = ["decode", "prefill", "Step", "check_max_tokens", "check_rng", "check_continuable", "positions"]
@@ -195,172 +195,21 @@ def _decode(
     if guidance is not None and steps > 0:  # a fresh unconditional branch per call: negative prompt + this call's tokens
         rows.branch = UnconditionalBranch(guidance, state, steps)
         steps = rows.branch.steps  # capped where the unconditional rows reach the context
-    C, W = kvcache.length(rows.kv), rows.width
+    C = kvcache.length(rows.kv)
     eos, pad = tok.eos_token_ids | frozenset(extra_eos), tok.pad_token_id
-    ff = fast_forward and guide is not None and rows.branch is None
-    owner = threading.get_ident()  # the caller's thread: prefixes it registered as being computed (in-batch sharing)
-    last: list[Request | None] = [None]  # the last forward request: its logits are log-probs when it has a `top`
-    lists = guide is None and rows.branch is None and type(sampler) is GreedySampler  # common steps as lists
-    reals: list[int] | None = None  # real tokens per row before the current column (common steps)
-
-    def forward(start: int, end: int, logits: str = "last"):
-        """The model on columns [start, end): a request the engine runs in its next step (merged with
-        every running call's); with guidance, the branch's own forwards (run by the engine's thread)."""
-        mask = rows.mask[:, :end]
-        if end - start == 1:  # one column: positions(mask)[:, -1:] without the cumsum (a pad column of a row
-            pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
-        else:
-            pos = positions(mask)[:, start:]
-        reserve = max(0, min(W + steps - end, kvcache.RESERVE_CAP))  # the columns still to come: KV storage allocated once
-        if rows.branch is not None:  # guidance: runs both branches
-            last[0] = None
-            return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
-        req = last[0] = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True)
-        yield req
-        return req.result
-
-    def column_forward(col: int, ids: list[int], pos: list[int]):
-        """:func:`forward` on the one column ``col`` in which every row is real, as lists (the engine's
-        common step: it builds the batch's tensors at once; ``source`` makes this call's if needed)."""
-        def source():
-            rows.flush()
-            mask = rows.mask[:, :col + 1]
-            return rows.ids[:, col:col + 1], mask, (mask.sum(1, keepdim=True) - 1).clamp(min=0)
-
-        reserve = max(0, min(W + steps - col - 1, kvcache.RESERVE_CAP))
-        req = last[0] = Request(None, None, None, rows.kv, "last", reserve, normalize=True,  # type: ignore[arg-type]
-                                column=(ids, pos), source=source)
-        yield req
-        return req.result
-
     if steps == 0:
         if n != group:  # fork: the samples share the prefilled cache
             fork = torch.arange(state.rows).repeat_interleave(n)
             rows.reorder(fork)
             rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
-
-    start = C  # a long prompt arriving while others run: chunks of it, one per step, so their next tokens do not wait
-    chunk = model.engine.chunk_for(W - C) if rows.branch is None else None
-    while chunk and W - start > chunk:
-        _, rows.kv = yield from forward(start, start + chunk, logits="none")
-        start += chunk
-    logits, rows.kv = yield from forward(start, W)
-    if getattr(model, "prefix_cache", None) is not None:  # what this prefill computed, for later calls
-        model.prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)
-    fed = col = W
-    while True:
-        check_cancelled(rows.finished.count(False))  # Ctrl-C / a closed stream: stop between two forwards
-        top = last[0].top if last[0] is not None else None
-        if lists and top is not None and not any(rows.finished) and eos.isdisjoint(top[0]) \
-                and all(h is None for h in rows.heal):  # the common step (greedy, no row ends on EOS): lists only
-            id_list, lp_list = top
-            for r, t in enumerate(id_list):
-                rows.accept(r, t)  # (no guide: always kept; a stop string may end the row after it)
-            rows.queue_column(id_list, lp_list)
-            rows.end_exhausted(steps, exhausted)
-            if track_text:  # (a stream's chunk)
-                yield _step(rows, False)
-            if all(rows.finished):
-                break
-            if reals is None:
-                rows.flush()
-                reals = rows.mask[:, :col].sum(1).tolist()
-            pos, reals = reals, [x + 1 for x in reals]
-            logits, rows.kv = yield from column_forward(col, id_list, pos)
-            col = fed = col + 1
-            continue
-        rows.flush()
-        reals = None
-        logprobs = raw = last[0].log_probs() if top is not None else torch.log_softmax(logits, dim=-1)  # type: ignore[union-attr]
-        if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
-            logprobs = rows.branch.guide(raw)
-        healing = any(h is not None for h in rows.heal)
-        if guide is not None:  # healed rows: their first token is masked by the heal plan instead
-            assert rows.guide_states is not None  # a guide gives every row a state
-            for r, s in enumerate(rows.guide_states):
-                if not rows.finished[r] and rows.heal[r] is None and guide.is_done(s):
-                    rows.finished[r] = rows.complete[r] = True
-                    rows.reason[r] = "pattern"
-            logprobs = guide.apply_mask(logprobs, [None if f or h else s for f, h, s in
-                                                   zip(rows.finished, rows.heal, rows.guide_states)])
-        if healing:
-            logprobs = apply_heal_masks(logprobs, rows.heal)
-        if all(rows.finished):
-            break
-        if any(rows.finished):
-            done = torch.tensor(rows.finished, device=logprobs.device)
-            logprobs = logprobs.masked_fill(done[:, None], float("-inf"))
-            logprobs[done, pad] = 0.0
-        ids, ancestors, rows.scores = sampler(logprobs, rows.scores, group, rng)
-        reordered = sampler.reorders(group)
-        if reordered:
-            rows.reorder(ancestors)
-            group = n
-        step_lp = logprobs[ancestors, ids]
-        if rows.branch is not None:  # -inf still marks a dead beam
-            step_lp = torch.where(step_lp == -math.inf, step_lp, raw[ancestors, ids])
-        id_list, lp_list = ids.tolist(), step_lp.tolist()
-        keep = [False] * len(id_list)
-        for r, (t, lp) in enumerate(zip(id_list, lp_list)):
-            if rows.finished[r]:
-                continue
-            if t in eos or lp == -math.inf:
-                rows.finished[r] = True
-                if lp == -math.inf:  # a beam with no allowed continuation: dead
-                    rows.weights[r] = -math.inf
-                elif rows.guide_states is not None and guide is not None:
-                    rows.complete[r] = guide.is_final(rows.guide_states[r])
-                rows.reason[r] = "pattern" if guide is not None and rows.complete[r] else "eos"
-                continue
-            keep[r] = rows.accept(r, t)
-        if healing:
-            rows.heal = [None] * len(keep)
-        runs = _forced(rows, keep, steps, group, sampler.is_beam_search) if ff else None
-        width = 1 + max(map(len, runs)) if runs else 1
-        rows.ensure(col + width)
-        if width == 1 and all(keep):  # the common step: one column, every row real
-            rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
-            rows.weights += torch.tensor(lp_list)
-            rows.width = col + 1
-        else:
-            rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
-        rows.end_exhausted(steps, exhausted)
-        if track_text:  # (a stream's chunk)
-            yield _step(rows, reordered)
-        if all(rows.finished):
-            if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
-                out, rows.kv = yield from forward(col, col + width - 1, logits="all")
-                rows.add_forced_logprobs(col, width, runs, run_logprobs(out, runs, width))
-                fed = col + width - 1
-            break
-        logits, rows.kv = yield from forward(col, col + width, logits="all" if runs else "last")
-        if runs:
-            rows.add_forced_logprobs(col, width, runs, run_logprobs(logits, runs, width))
-            logits = logits[:, -1]
-        col = fed = col + width
+    loop = CallLoop(rows, sampler, guide=guide, rng=rng, steps=steps, group=group, exhausted=exhausted, eos=eos,
+                    pad=pad, fast_forward=fast_forward, track_text=track_text, step=_step)
+    owner = threading.get_ident()  # the caller's thread: prefixes it registered as being computed (in-batch sharing)
+    fed, group = yield from loop.run(model, C, owner)
     if rows.branch is not None:
         rows.kv = rows.branch.release(rows.kv)
     return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted)
-
-
-def _forced(rows: Rows, keep: list[bool], steps: int, group: int, beams: bool) -> list[list[int]] | None:
-    """The forced run of every row after its sampled token, each already accepted by the row (a
-    run stops early where a stop string ends the row); ``None`` when no row has one."""
-    live = [k and not f for k, f in zip(keep, rows.finished)]
-    budget = [min(steps - g, room) for g, room in zip(rows.generated, rows.room)]
-    assert rows.guide_states is not None  # fast-forward runs only with a guide
-    runs = forced_runs(rows.guide, rows.guide_states, live, budget, group, beams)
-    for r, run in enumerate(runs):
-        for i, t in enumerate(run):
-            if not rows.accept(r, t):
-                del run[i:]
-                break
-            rows.forced[r] += (rows.generated[r] - 1,)  # a tuple, rebound: beam heirs never share it
-            if rows.finished[r]:
-                del run[i + 1:]
-                break
-    return runs if any(runs) else None
 
 
 def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,

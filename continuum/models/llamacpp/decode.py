@@ -260,9 +260,9 @@ FA_TILE_ROWS = 64
 
 def chunks(ids: np.ndarray, step: int) -> list[tuple[int, int]]:
     """``(start, end)`` ranges of the batch, each one ``llama_decode`` of at most ``step`` tokens: a sequence's run of
-    ``FA_TILE_ROWS`` tokens or more (a prefill) goes alone, cut at ``step`` (its rows mask nothing but the causal future: the tiled kernel skips
-    other sequences' cells); shorter runs (one-token steps, short appends) are packed into balanced chunks of fewer
-    than ``FA_TILE_ROWS`` tokens, never cutting a run.
+    ``FA_TILE_ROWS`` tokens or more (a prefill) goes alone, cut at ``step`` (its rows mask nothing but the causal
+    future: the tiled kernel skips other sequences' cells); shorter runs (one-token steps, short appends) are
+    packed into balanced chunks of fewer than ``FA_TILE_ROWS`` tokens, never cutting a run.
 
     >>> chunks(np.array([0] * 70 + list(range(1, 101))), 512)
     [(0, 70), (70, 120), (120, 170)]

@@ -1,0 +1,243 @@
+"""One call's decoding steps, after its setup (:func:`continuum.loop.decoding.decode`): the requests it hands the
+engine and its two kinds of step.
+
+* :meth:`CallLoop.common_step`: greedy, no guide, no row ending on EOS: the previous request's top-1 ids and
+  log-probs arrive as lists (the engine computed them for every row of the step at once), one column, every row
+  real; nothing here touches a tensor of the vocabulary's width.
+* :meth:`CallLoop.sampled_step`: every other step: log-softmax, classifier-free guidance, the guide's masks and
+  token healing, the sampler (which may reorder rows: beams), end of rows, and the tokens the guide forces after a
+  sampled one (fast-forward, computed in the same next forward).
+
+Both are generators: a :class:`~continuum.models.request.Request` is yielded wherever the model is needed (the
+engine resumes the loop with it run, merged with every running call's), a
+:class:`~continuum.loop.decoding.Step` after each step when the call is streamed.
+
+Example:
+    >>> loop = CallLoop(rows, sampler, guide=None, rng=None, steps=20, exhausted="length", eos={2}, pad=0)  # doctest: +SKIP
+    >>> fed, group = yield from loop.run(model, C, owner)                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from ..guides import Guide
+from ..models import kv as kvcache
+from ..models.kv import positions
+from ..models.request import Request
+from ..samplers import GreedySampler, Sampler
+from .cancel import check_cancelled
+from .fastforward import forced_runs, run_logprobs
+from .healing import apply_heal_masks
+from .rows import Rows
+
+__all__ = ["CallLoop"]
+
+
+class CallLoop:
+    """The steps of one call (see the module docstring); the state it carries between them.
+
+    Attributes:
+        rows: every per-row buffer (:class:`~continuum.loop.rows.Rows`: reordered in one place).
+        col: the next column to write; ``fed``: the columns whose KV the last forward computed.
+        group: samples per prompt now (a sampler that forks or reorders sets it to its own count).
+        last: the last request handed to the engine (its ``top`` lists feed the common step).
+    """
+
+    def __init__(self, rows: Rows, sampler: Sampler, *, guide: Guide | None, rng: torch.Generator | None, steps: int,
+                 group: int, exhausted: str, eos: frozenset, pad: int, fast_forward: bool, track_text: bool,
+                 step: Callable[[Rows, bool], Any]):
+        self.rows, self.sampler, self.guide, self.rng = rows, sampler, guide, rng
+        self.steps, self.group, self.exhausted, self.eos, self.pad = steps, group, exhausted, eos, pad
+        self.ff = fast_forward and guide is not None and rows.branch is None
+        self.lists = guide is None and rows.branch is None and type(sampler) is GreedySampler
+        self.track_text, self._chunk = track_text, step
+        self.W = rows.width
+        self.col = self.fed = self.W
+        self.last: Request | None = None
+        self.logits: torch.Tensor | None = None
+        self.reals: list[int] | None = None  # real tokens per row before the current column (common steps)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def forward(self, start: int, end: int, logits: str = "last"):
+        """The model on columns [start, end): a request the engine runs in its next step (merged with every running
+        call's); with guidance, the branch's own forwards (run by the engine's thread)."""
+        rows = self.rows
+        mask = rows.mask[:, :end]
+        if end - start == 1:  # one column: positions(mask)[:, -1:] without the cumsum (a pad column of a row
+            pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
+        else:
+            pos = positions(mask)[:, start:]
+        reserve = max(0, min(self.W + self.steps - end, kvcache.RESERVE_CAP))  # columns to come: KV storage once
+        if rows.branch is not None:  # guidance: runs both branches
+            self.last = None
+            return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
+        req = self.last = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True)
+        yield req
+        return req.result
+
+    def column_forward(self, col: int, ids: list[int], pos: list[int]):
+        """:meth:`forward` on the one column ``col`` in which every row is real, as lists (the engine's common
+        step: it builds the batch's tensors at once; ``source`` makes this call's if needed)."""
+        rows = self.rows
+
+        def source():
+            rows.flush()
+            mask = rows.mask[:, :col + 1]
+            return rows.ids[:, col:col + 1], mask, (mask.sum(1, keepdim=True) - 1).clamp(min=0)
+
+        reserve = max(0, min(self.W + self.steps - col - 1, kvcache.RESERVE_CAP))
+        req = self.last = Request(None, None, None, rows.kv, "last", reserve, normalize=True,  # type: ignore[arg-type]
+                                  column=(ids, pos), source=source)
+        yield req
+        return req.result
+
+    # -- the call ---------------------------------------------------------------------------------------------
+    def run(self, model: Any, C: int, owner: int) -> Generator[Any, Any, tuple[int, int]]:
+        """Prefill columns [C, W) (a long prompt in chunks while other calls run, so their next tokens do not wait),
+        then step until every row ended. Returns ``(fed, group)`` for the result state."""
+        rows, start = self.rows, C
+        chunk = model.engine.chunk_for(self.W - C) if rows.branch is None else None
+        while chunk and self.W - start > chunk:
+            _, rows.kv = yield from self.forward(start, start + chunk, logits="none")
+            start += chunk
+        self.logits, rows.kv = yield from self.forward(start, self.W)
+        if getattr(model, "prefix_cache", None) is not None:  # what this prefill computed, for later calls
+            model.prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)
+        while True:
+            check_cancelled(rows.finished.count(False))  # Ctrl-C / a closed stream: stop between two forwards
+            common = yield from (self.common_step() if self._common() else self.sampled_step())
+            if common:
+                break
+        return self.fed, self.group
+
+    def _common(self) -> bool:
+        top = self.last.top if self.last is not None else None
+        rows = self.rows
+        return self.lists and top is not None and not any(rows.finished) and self.eos.isdisjoint(top[0]) \
+            and all(h is None for h in rows.heal)
+
+    def common_step(self):
+        """Greedy, no guide, no row ends on EOS: the engine's top-1 lists, one column. Returns True when done."""
+        rows = self.rows
+        id_list, lp_list = self.last.top
+        for r, t in enumerate(id_list):
+            rows.accept(r, t)  # (no guide: always kept; a stop string may end the row after it)
+        rows.queue_column(id_list, lp_list)
+        rows.end_exhausted(self.steps, self.exhausted)
+        if self.track_text:  # (a stream's chunk)
+            yield self._chunk(rows, False)
+        if all(rows.finished):
+            return True
+        if self.reals is None:
+            rows.flush()
+            self.reals = rows.mask[:, :self.col].sum(1).tolist()
+        pos, self.reals = self.reals, [x + 1 for x in self.reals]
+        self.logits, rows.kv = yield from self.column_forward(self.col, id_list, pos)
+        self.col = self.fed = self.col + 1
+        return False
+
+    def _masked_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs, raw)``: the step's log-probs after guidance, the guide's masks and healing (rows the guide
+        completed are ended here), and the model's own (the weights)."""
+        rows, guide, last = self.rows, self.guide, self.last
+        top = last.top if last is not None else None
+        logprobs = raw = last.log_probs() if top is not None else torch.log_softmax(self.logits, dim=-1)  # type: ignore[union-attr, arg-type]
+        if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
+            logprobs = rows.branch.guide(raw)
+        if guide is not None:  # healed rows: their first token is masked by the heal plan instead
+            assert rows.guide_states is not None  # a guide gives every row a state
+            for r, s in enumerate(rows.guide_states):
+                if not rows.finished[r] and rows.heal[r] is None and guide.is_done(s):
+                    rows.finished[r] = rows.complete[r] = True
+                    rows.reason[r] = "pattern"
+            logprobs = guide.apply_mask(logprobs, [None if f or h else s for f, h, s in
+                                                   zip(rows.finished, rows.heal, rows.guide_states)])
+        if any(h is not None for h in rows.heal):
+            logprobs = apply_heal_masks(logprobs, rows.heal)
+        return logprobs, raw
+
+    def sampled_step(self):
+        """Any other step: mask, sample, reorder, end rows, fast-forward. Returns True when every row ended."""
+        rows, guide, sampler = self.rows, self.guide, self.sampler
+        self.rows.flush()
+        self.reals = None
+        healing = any(h is not None for h in rows.heal)
+        logprobs, raw = self._masked_logprobs()
+        if all(rows.finished):
+            return True
+        if any(rows.finished):
+            done = torch.tensor(rows.finished, device=logprobs.device)
+            logprobs = logprobs.masked_fill(done[:, None], float("-inf"))
+            logprobs[done, self.pad] = 0.0
+        ids, ancestors, rows.scores = sampler(logprobs, rows.scores, self.group, self.rng)
+        reordered = sampler.reorders(self.group)
+        if reordered:
+            rows.reorder(ancestors)
+            self.group = sampler.samples
+        step_lp = logprobs[ancestors, ids]
+        if rows.branch is not None:  # -inf still marks a dead beam
+            step_lp = torch.where(step_lp == -math.inf, step_lp, raw[ancestors, ids])
+        id_list, lp_list = ids.tolist(), step_lp.tolist()
+        keep = [False] * len(id_list)
+        for r, (t, lp) in enumerate(zip(id_list, lp_list)):
+            if rows.finished[r]:
+                continue
+            if t in self.eos or lp == -math.inf:
+                rows.finished[r] = True
+                if lp == -math.inf:  # a beam with no allowed continuation: dead
+                    rows.weights[r] = -math.inf
+                elif rows.guide_states is not None and guide is not None:
+                    rows.complete[r] = guide.is_final(rows.guide_states[r])
+                rows.reason[r] = "pattern" if guide is not None and rows.complete[r] else "eos"
+                continue
+            keep[r] = rows.accept(r, t)
+        if healing:
+            rows.heal = [None] * len(keep)
+        runs = self._forced(keep) if self.ff else None
+        col, width = self.col, 1 + max(map(len, runs)) if runs else 1
+        rows.ensure(col + width)
+        if width == 1 and all(keep):  # the common step's layout: one column, every row real
+            rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
+            rows.weights += torch.tensor(lp_list)
+            rows.width = col + 1
+        else:
+            rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
+        rows.end_exhausted(self.steps, self.exhausted)
+        if self.track_text:  # (a stream's chunk)
+            yield self._chunk(rows, reordered)
+        if all(rows.finished):
+            if runs:  # the forced tokens' log-probs: every column but the last (which stays uncached)
+                out, rows.kv = yield from self.forward(col, col + width - 1, logits="all")
+                rows.add_forced_logprobs(col, width, runs, run_logprobs(out, runs, width))
+                self.fed = col + width - 1
+            return True
+        self.logits, rows.kv = yield from self.forward(col, col + width, logits="all" if runs else "last")
+        if runs:
+            rows.add_forced_logprobs(col, width, runs, run_logprobs(self.logits, runs, width))
+            self.logits = self.logits[:, -1]
+        self.col = self.fed = col + width
+        return False
+
+    def _forced(self, keep: list[bool]) -> list[list[int]] | None:
+        """The forced run of every row after its sampled token, each already accepted by the row (a run stops early
+        where a stop string ends the row); ``None`` when no row has one."""
+        rows = self.rows
+        live = [k and not f for k, f in zip(keep, rows.finished)]
+        budget = [min(self.steps - g, room) for g, room in zip(rows.generated, rows.room)]
+        assert rows.guide_states is not None  # fast-forward runs only with a guide
+        runs = forced_runs(rows.guide, rows.guide_states, live, budget, self.group, self.sampler.is_beam_search)
+        for r, run in enumerate(runs):
+            for i, t in enumerate(run):
+                if not rows.accept(r, t):
+                    del run[i:]
+                    break
+                rows.forced[r] += (rows.generated[r] - 1,)  # a tuple, rebound: beam heirs never share it
+                if rows.finished[r]:
+                    del run[i + 1:]
+                    break
+        return runs if any(runs) else None
