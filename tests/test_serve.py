@@ -199,13 +199,13 @@ def test_tool_call_that_fits_max_tokens_is_never_cut(client, lib):
     fit and is cut as before. The budget is counted independently: the tokens of the shortest valid call's
     text. (Schemas outlines-core enforces exactly; ``get_time``'s enum is one.)"""
     from continuum.serve.closing import _distances
-    from continuum.serve.engine import Engine, Plan, Sampling
     from continuum.serve.messages import tool_call_schema
+    from continuum.serve.served import Plan, Sampling, ServedModel
 
     tools = [dict(TOOLS[1]["function"])]
     shortest_text = '{"name":"get_time","arguments":{"tz":"UTC"}}'
     fits = len(lib.tokenizer.hf(shortest_text, add_special_tokens=False)["input_ids"])
-    engine = Engine(lib)
+    engine = ServedModel(lib)
     gen, _ = engine.call_generator(tool_call_schema(tools, None), Sampling(temperature=0), False, fits)
     _, dist = _distances(gen.guide.inner)
     least = dist[gen.guide.inner.initial_state]
@@ -243,9 +243,9 @@ def test_tool_choice_auto_is_text_or_a_valid_call(client):
 def test_tool_choice_auto_continues_into_a_call_at_the_marker(lib):
     """In-process (a random model never writes the template's marker): pretend the marker is text the
     model writes, so the text phase stops there and the same state continues with a constrained call."""
-    from continuum.serve.engine import Engine, Plan, Sampling
+    from continuum.serve.served import Plan, Sampling, ServedModel
 
-    engine = Engine(lib)
+    engine = ServedModel(lib)
     tools = [dict(t["function"]) for t in TOOLS]
     chat_ = engine.chat([{"role": "user", "content": "Weather in Oslo?"}], tools)
     plan, sampling = Plan("tools", tools=tools, tool_choice="auto"), Sampling(temperature=0, max_tokens=120)

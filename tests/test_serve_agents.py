@@ -142,9 +142,9 @@ def test_responses_tools_in_auto_follow_text_format(client):
 def test_either_reaches_both_branches_in_process(lib):
     """In-process: the one grammar allows both branches (a seed for each is found), and the model's text
     decides: a call's JSON validates against the tool, an answer against the format."""
-    from continuum.serve.engine import Engine, Plan, Sampling
+    from continuum.serve.served import Plan, Sampling, ServedModel
 
-    engine = Engine(lib)
+    engine = ServedModel(lib)
     tools = [{"name": "get_time", "description": "The time", "parameters": CLOCK}]
     plan = Plan("tools", schema=Card.model_json_schema(), strict=True, tools=tools, tool_choice="auto")
     chat_ = engine.chat([{"role": "user", "content": "A card or the time"}], tools)

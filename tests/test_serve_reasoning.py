@@ -99,9 +99,9 @@ def test_a_slow_stream_reader_gets_the_reply_split_where_the_engine_split_it(lib
     text in the loop's thread (``Step.phases``). Read from the guide when the consumer got to the chunk, the phase
     was steps ahead: the answer's first text went into the thought, or the newlines after the end marker into the
     content (seen one run in two through the server, every time with a reader this slow)."""
-    from continuum.serve.engine import Engine, Plan, Sampling
+    from continuum.serve.served import Plan, Sampling, ServedModel
 
-    engine = Engine(lib, QWEN3.read_text(), reasoning=True)
+    engine = ServedModel(lib, QWEN3.read_text(), reasoning=True)
     plan, sampling = Plan(reasoning=True, thinking_budget=8), Sampling(temperature=0, max_tokens=48)
     chat = engine.chat([{"role": "user", "content": "What time is it?"}], reasoning=True)
     ref = engine.reply(chat, plan, sampling).rows[0]
@@ -180,12 +180,12 @@ def test_responses_reasoning_item_comes_before_the_message(client):
 
 def test_reasoning_on_a_tokenizer_without_markers_fails_at_start(bpe_tokenizer):
     from continuum.errors import ReasoningError
-    from continuum.serve.engine import Engine
+    from continuum.serve.served import ServedModel
 
     model = models.Transformers(tiny_llama(len(bpe_tokenizer), bos=0, eos=0), bpe_tokenizer)
     with pytest.raises(ReasoningError, match="no '<think>'/'</think>' tokens"):
-        Engine(model, reasoning=True)
-    Engine(model)  # (off: nothing is checked)
+        ServedModel(model, reasoning=True)
+    ServedModel(model)  # (off: nothing is checked)
 
 
 def test_a_text_end_marker_split_across_chunks_never_leaks(bpe_tokenizer):

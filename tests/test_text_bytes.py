@@ -187,10 +187,10 @@ def test_served_token_texts_join_to_the_row_text(tok_model):
     space and characters split over byte tokens included); a token's ``bytes`` are its own bytes (a ``<0xF0>``
     token's byte, not its U+FFFD's), and a later token's text keeps its leading space."""
     from continuum.serve.completions import _shares
-    from continuum.serve.engine import Engine
+    from continuum.serve.served import ServedModel
 
     name, model = tok_model
-    tok, engine = model.tokenizer, Engine(model)
+    tok, engine = model.tokenizer, ServedModel(model)
     s = dangling_state(model, "Once upon a time, État 東京", "😀", 2)
     ids = s._real_rows()[0][0]
     assert "".join(_shares(tok, ids)) == str(s) == reference_text(name, tok.hf, ids)

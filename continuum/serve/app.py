@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 
-from .engine import Engine
 from .errors import APIError, Guard, install_handlers
+from .served import ServedModel
 from .store import Store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
@@ -47,11 +47,11 @@ class ServeConfig:
 
 
 class Context:
-    """What every route needs: the engine, the store, the settings, and the caller's identity."""
+    """What every route needs: the served model, the store, the settings, and the caller's identity."""
 
     def __init__(self, model: Any, config: ServeConfig):
         self.model, self.config = model, config
-        self.engine = Engine(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning,
+        self.served = ServedModel(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning,
                              bounds=config.json_bounds, max_queue=config.max_queue)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
                            max_bytes=config.retention_bytes, kv=config.store_kv)
@@ -134,7 +134,7 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     async def health() -> dict:
         # the model's engine counters (steps, time in forwards, the engine's own share of a step): for operators
         engine = {k: v for k, v in model.engine.stats().items() if isinstance(v, (int, float))}
-        return {"status": "ok", "generating": ctx.engine.active, "engine": engine}
+        return {"status": "ok", "generating": ctx.served.active, "engine": engine}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:

@@ -14,11 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception
 from .messages import chat_messages, new_id, tool_call_schema
 from .reasoning import plan_reasoning
 from .schemas import ChatCompletionRequest
+from .served import Cancelled, Plan, Reply, Sampling
 from .sse import DONE, ThreadStream, sse
 
 __all__ = ["STREAM_HEADERS", "logprob_entries", "register", "stops"]
@@ -66,16 +66,16 @@ def _plan(req: ChatCompletionRequest) -> Plan:
 def check_plan(ctx, plan: Plan) -> None:
     """Compile the schemas now, so a refused schema is a 400 (with the engine's reason) before any streaming."""
     if plan.schema is not None and (plan.mode == "json" or plan.tool_choice == "auto"):
-        ctx.engine.check_schema(plan.schema, plan.strict)
+        ctx.served.check_schema(plan.schema, plan.strict)
     if plan.mode == "tools":
         for t in plan.tools:
             if t["parameters"] is not None:
-                ctx.engine.check_schema(t["parameters"], True)
+                ctx.served.check_schema(t["parameters"], True)
         # the envelope the calls are generated under (each tool's parameters embedded, their references rewritten)
         only = None if plan.tool_choice in ("auto", "required") else plan.tool_choice
-        ctx.engine.call_generator(tool_call_schema(plan.tools, only), Sampling(temperature=0), False, None)
+        ctx.served.call_generator(tool_call_schema(plan.tools, only), Sampling(temperature=0), False, None)
         if only is None and plan.tool_choice == "auto" and plan.schema is not None:  # the call-or-answer grammar
-            ctx.engine.either(plan, Sampling(temperature=0), False)
+            ctx.served.either(plan, Sampling(temperature=0), False)
 
 
 def logprob_entries(engine, row) -> list[dict]:
@@ -109,7 +109,7 @@ def _body(ctx, req: ChatCompletionRequest, cid: str, created: int, reply: Reply)
             message["tool_calls"] = _tool_calls(row)
         if row.reasoning is not None:  # (vLLM's and DeepSeek's field)
             message["reasoning_content"] = row.reasoning
-        lps = {"content": logprob_entries(ctx.engine, row), "refusal": None} if req.logprobs else None
+        lps = {"content": logprob_entries(ctx.served, row), "refusal": None} if req.logprobs else None
         choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": row.finish_reason})
     return {"id": cid, "object": "chat.completion", "created": created, "model": ctx.config.served_model_name,
             "choices": choices, "usage": _usage(reply), "system_fingerprint": None}
@@ -122,7 +122,7 @@ def register(app: FastAPI, ctx) -> None:
         ctx.check_model(req.model)
         plan = _plan(req)
         enable = (req.chat_template_kwargs or {}).get("enable_thinking")
-        plan.reasoning, plan.thinking_budget = plan_reasoning(ctx.engine.reasoning, enable if isinstance(enable, bool) else None,
+        plan.reasoning, plan.thinking_budget = plan_reasoning(ctx.served.reasoning, enable if isinstance(enable, bool) else None,
                                                               req.reasoning_effort, req.thinking_budget)
         plan.soft_budget = req.thinking_budget is None
         if req.top_logprobs and not req.logprobs:
@@ -136,15 +136,15 @@ def register(app: FastAPI, ctx) -> None:
 
         def build():
             check_plan(ctx, plan)
-            return ctx.engine.chat(messages, tools, template_kwargs=req.chat_template_kwargs, reasoning=plan.reasoning)
+            return ctx.served.chat(messages, tools, template_kwargs=req.chat_template_kwargs, reasoning=plan.reasoning)
 
         chat = await ctx.run(build)
         if not req.stream:
-            reply = await ctx.run(lambda: ctx.engine.reply(chat, plan, sampling))
+            reply = await ctx.run(lambda: ctx.served.reply(chat, plan, sampling))
             return _body(ctx, req, cid, created, reply)
 
         def work(emit, cancelled):
-            return ctx.engine.reply(chat, plan, sampling, on_delta=lambda r, t: emit((r, t)), cancelled=cancelled,
+            return ctx.served.reply(chat, plan, sampling, on_delta=lambda r, t: emit((r, t)), cancelled=cancelled,
                                     on_reasoning=lambda r, t: emit((r, t, "reasoning")))
 
         stream = ThreadStream(work)
@@ -194,7 +194,7 @@ async def _events(ctx, req, cid, created, stream: ThreadStream, first, include_u
                 rest = row.content[len(sent[i]):] if row.content.startswith(sent[i]) else ""
                 if rest:
                     delta["content"] = rest
-                lps = {"content": logprob_entries(ctx.engine, row), "refusal": None} if req.logprobs else None
+                lps = {"content": logprob_entries(ctx.served, row), "refusal": None} if req.logprobs else None
                 choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": row.finish_reason}
                 yield _chunk(ctx, cid, created, [choice])
             if include_usage:

@@ -14,10 +14,10 @@ from fastapi.responses import StreamingResponse
 from ..generate import continuous
 from .chat_completions import STREAM_HEADERS, stops
 from .echo import prompt_logprobs, prompt_state
-from .engine import Cancelled, Sampling
 from .errors import APIError, from_exception
 from .messages import new_id
 from .schemas import CompletionRequest
+from .served import Cancelled, Sampling
 from .sse import DONE, ThreadStream, sse
 from .tokens import generated_count, row_tokens, safe_length
 
@@ -26,12 +26,12 @@ __all__ = ["register"]
 
 def _run(ctx, prompts: list, sampling: Sampling, emit=None, cancelled=lambda: False) -> dict:
     """Generate; returns per row (batch-major): text, finish reason, tokens, log-probs, top log-probs; and usage."""
-    with ctx.engine.busy():
+    with ctx.served.busy():
         return _generate(ctx, prompts, sampling, emit, cancelled)
 
 
 def _generate(ctx, prompts: list, sampling: Sampling, emit, cancelled) -> dict:
-    gen, rec = ctx.engine.generator("text", None, False, sampling, sampling.top_logprobs is not None)
+    gen, rec = ctx.served.generator("text", None, False, sampling, sampling.top_logprobs is not None)
     cgen, rng = continuous(gen), sampling.rng()
     inputs: Any = prompts if all(isinstance(p, str) for p in prompts) else prompt_state(ctx.model, prompts)
     if emit is None:
@@ -96,7 +96,7 @@ def _logprobs(ctx, rows: list[dict], offset: int) -> dict:
     lps, tops, offsets, at = [], [], [], offset
     for row in rows:
         texts = (_shares(ctx.model.tokenizer, row["tokens"]) if row.get("special")
-                 else [ctx.engine.token_text(t) for t in row["tokens"]])
+                 else [ctx.served.token_text(t) for t in row["tokens"]])
         for i, t in enumerate(texts):
             offsets.append(at)
             at += len(t)
@@ -123,7 +123,7 @@ def _top(ctx, step: list[tuple[int, float]]) -> dict[str, float]:
     """Alternatives keyed by text (OpenAI's shape): of two tokens that decode alike, the likelier one."""
     out: dict[str, float] = {}
     for t, v in sorted(step, key=lambda tv: -tv[1]):
-        out.setdefault(ctx.engine.token_text(t), v)
+        out.setdefault(ctx.served.token_text(t), v)
     return out
 
 

@@ -18,11 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from .chat_completions import STREAM_HEADERS, check_plan
-from .engine import Cancelled, Plan, Reply, Sampling
 from .errors import APIError, from_exception, not_found
 from .messages import new_id, text_of
 from .reasoning import plan_reasoning
 from .schemas import ResponsesRequest
+from .served import Cancelled, Plan, Reply, Sampling
 from .sse import ThreadStream, sse
 
 __all__ = ["register"]
@@ -142,7 +142,7 @@ def register(app: FastAPI, ctx) -> None:
         owner = ctx.owner(request)
         ctx.check_model(req.model)
         plan = _plan(req)
-        plan.reasoning, plan.thinking_budget = plan_reasoning(ctx.engine.reasoning, None,
+        plan.reasoning, plan.thinking_budget = plan_reasoning(ctx.served.reasoning, None,
                                                               req.reasoning.effort if req.reasoning else None,
                                                               req.thinking_budget)
         plan.soft_budget = req.thinking_budget is None
@@ -160,7 +160,7 @@ def register(app: FastAPI, ctx) -> None:
                 previous, state = record.messages, ctx.store.state(record)
             conversation = previous + _input_messages(req, previous)
             system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-            chat = ctx.engine.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning)
+            chat = ctx.served.chat(system + conversation, plan.tools or None, state, reasoning=plan.reasoning)
             return chat, conversation, state
 
         def keep(reply: Reply, conversation: list, base) -> dict:
@@ -173,11 +173,11 @@ def register(app: FastAPI, ctx) -> None:
 
         chat, conversation, base = await ctx.run(build)
         if not req.stream:
-            return await ctx.run(lambda: keep(ctx.engine.reply(chat, plan, sampling), conversation, base))
+            return await ctx.run(lambda: keep(ctx.served.reply(chat, plan, sampling), conversation, base))
 
         def work(emit, cancelled):  # (with reasoning, the items are sent whole at the end: the thought comes first)
             live = None if plan.reasoning else (lambda r, t: emit(t))
-            reply = ctx.engine.reply(chat, plan, sampling, on_delta=live, cancelled=cancelled)
+            reply = ctx.served.reply(chat, plan, sampling, on_delta=live, cancelled=cancelled)
             return keep(reply, conversation, base)
 
         stream = ThreadStream(work)

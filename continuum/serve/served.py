@@ -46,7 +46,7 @@ from .tokens import common_prefix, generated_count, row_tokens, safe_length
 
 logger = logging.getLogger("continuum.serve")
 
-__all__ = ["Cancelled", "Engine", "Plan", "Reply", "RowReply", "Sampling"]
+__all__ = ["Cancelled", "ServedModel", "Plan", "Reply", "RowReply", "Sampling"]
 
 
 
@@ -136,8 +136,9 @@ def _finish(reason: str | None) -> str:
     return "length" if reason in ("length", "context") else "stop"
 
 
-class Engine:
-    """The model, its chat template, and the generators built for requests (cached by their settings)."""
+class ServedModel:
+    """The model as the server serves it: its chat template, and the generators built for requests (cached by their
+    settings). (Not the model's own engine, ``continuum.loop.engine``, which runs every call's steps.)"""
 
     def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None,
                  reasoning: bool = False, bounds: Any = "default", max_queue: int | None = None):
