@@ -75,7 +75,7 @@ class Engine:
     """The decode loop of every running call on one model (see the module docstring).
 
     Args:
-        model: the ``Transformers`` adapter (runs ``_forward_alone`` and ``_run``).
+        model: the ``Transformers`` adapter (runs ``forward_now`` and ``_run``).
         max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
             than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
         max_kv_bytes: the most KV bytes the running calls may reach, each at its longest (input plus
@@ -198,7 +198,7 @@ class Engine:
                 elif self._ranks is not None:
                     self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if alone:
-            return self._model._forward_alone(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
+            return self._model.forward_now(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
         try:
             with GATE.waiting():
                 self._until_done(req, drive)

@@ -45,22 +45,22 @@ def row_bytes(model, tokens: int) -> int:
 
 
 def kv_bytes(model, tokens: int) -> int:
-    """Bytes of one row's KV cache over ``tokens`` positions: the backend's own figure (``kv_bytes_per_token``)
-    or, on transformers, from the model's config (0 when it cannot tell)."""
-    per_token = getattr(model, "kv_bytes_per_token", None)
-    if per_token is not None:
-        return tokens * per_token
-    cfg: Any = getattr(getattr(model, "model", None), "config", None)  # None: AttributeError below, caught
+    """Bytes of one row's KV cache over ``tokens`` positions: the backend's ``kv_bytes_per_token`` (0: it cannot
+    tell)."""
+    return tokens * int(model.kv_bytes_per_token or 0)
+
+
+def config_kv_bytes_per_token(config: Any, itemsize: int) -> int:
+    """Keys and values of every layer for one position, from a transformers config (0 for an unusual one)."""
     try:
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = cfg.num_hidden_layers
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        itemsize = getattr(getattr(model, "dtype", None), "itemsize", 4)
-        return tokens * 2 * layers * kv_heads * head_dim * itemsize
+        return 2 * layers * kv_heads * head_dim * itemsize
     except (AttributeError, TypeError, ZeroDivisionError):
-        return 0  # an unusual config
+        return 0
 
 
 def check_rows_fit(model, batch: int, samples: int, tokens: int, device) -> None:

@@ -17,6 +17,10 @@ A backend provides:
   token's bytes, the end-of-generation ids, the outlines-core vocabulary and the llguidance tokenizer);
 * **an identity** (``fingerprint``, ``same_model``): a KV computed by another model is never used (invariant 5).
 
+A backend whose KV is a handle (not tensors) also provides ``save_kv(kv) -> (tensors, meta)`` and
+``load_kv(tensors, meta) -> kv`` for state files (``continuum.state.persistence``; a file whose KV no backend method
+reads is recomputed), and a token tree's KV its own ``gather_paths`` (:func:`continuum.models.kv.gather_paths`).
+
 Example:
     >>> from continuum.models.protocol import Backend
     >>> isinstance(models.transformers("gpt2"), Backend)             # doctest: +SKIP
@@ -76,6 +80,19 @@ class Backend(Protocol):
                 logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
         """The new columns ``input_ids`` on top of ``cache``: the float32 logits of the last column (``"last"``), of
         every new column (``"all"``) or none (``"none"``), and the KV of every column; ``cache`` is not changed."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one position of one row takes (admission counts calls in them; 0 when the backend cannot tell)."""
+        ...
+
+    def forward_now(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any,
+                    *, logits: str = "last", reserve: int = 0,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+        """:meth:`forward` at once, in this thread, alone: what the engine runs for a one-off forward its own
+        driver makes inside a step (classifier-free guidance's branch), and what :meth:`forward` is without an
+        engine."""
         ...
 
     def run_step(self, requests: list[Request], stats: dict) -> None:

@@ -105,6 +105,14 @@ class Transformers:
         return f"Transformers({type(self.model).__name__}, {self.tokenizer!r})"
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one position of one row takes (every layer's keys and values), from the config and the KV dtype
+        (0 when the config does not say)."""
+        from ..memory import config_kv_bytes_per_token
+
+        return config_kv_bytes_per_token(self.model.config, self.kv_dtype.itemsize)
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
@@ -183,7 +191,7 @@ class Transformers:
         engine = self.__dict__.get("_engine")
         if engine is not None:
             return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
-        return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
+        return self.forward_now(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
                                    allowed=allowed)
 
     def run_step(self, requests: list, stats: dict) -> None:
@@ -198,7 +206,7 @@ class Transformers:
         """Nothing to hold: the KV lives in tensors, not in a fixed pool (the backend protocol)."""
 
     @torch.inference_mode()
-    def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
+    def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""
         past = to_dynamic_cache(cache, self.config, reserve)
         out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed)

@@ -42,7 +42,7 @@ def run_requests(model, batch: list[Request], stats: dict) -> None:
         try:
             r.materialize()
             t = time.perf_counter()
-            lg, kv = model._forward_alone(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
+            lg, kv = model.forward_now(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
                                           allowed=r.allowed)
             stats["forward_s"] += time.perf_counter() - t
             if r.normalize and r.logits == "last":

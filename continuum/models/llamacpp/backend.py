@@ -142,10 +142,10 @@ class LlamaCpp:
         engine = self.__dict__.get("_engine")
         if engine is not None:
             return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
-        return self._forward_alone(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
+        return self.forward_now(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
                                    allowed=allowed)
 
-    def _forward_alone(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
+    def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         req = Request(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve, allowed=allowed)
         if allowed is None:
             self._run([req])
