@@ -78,10 +78,4 @@ def b26(bench: Bench, cfg) -> list[Row]:
     return rows
 
 
-def _b26_serve(bench: Bench, cfg) -> list[Row]:
-    from .server_pool_bench import b26_serve  # (its module imports this one's helpers)
-
-    return b26_serve(bench, cfg)
-
-
-POOL_SCENARIOS = {"B26": b26, "B26S": _b26_serve}
+POOL_SCENARIOS = {"B26": b26}

@@ -31,7 +31,7 @@ from .common import Bench, Row, Skip, log
 from .llamacpp_bench import _gguf
 from .pool_bench import _prompts, _throughput
 
-__all__ = ["b26_serve"]
+__all__ = ["b26_serve", "SERVER_POOL_SCENARIOS"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,3 +181,6 @@ def b26_serve(bench: Bench, cfg) -> list[Row]:
                     notes=[f"model: {name}; {tokens} tokens each; " + ", ".join(
                         f"{n}: {a:.0f} vs {b:.0f} tokens/s" for n, a, b in zip(counts, ours_e, theirs_e))]))
     return rows
+
+
+SERVER_POOL_SCENARIOS = {"B26S": b26_serve}

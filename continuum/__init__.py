@@ -4,7 +4,7 @@ Generate, slice, add, fork and resume token sequences without recomputing what t
 already seen. See ``docs/`` for the state model and ``README.md`` for a quick start.
 """
 
-from . import chat, generate, models, samplers
+from . import chat, generate, models, samplers, speculate
 from .errors import (
     BatchMismatch,
     ChatTemplateError,
@@ -28,6 +28,7 @@ __all__ = [
     "models",
     "generate",
     "samplers",
+    "speculate",
     "continuous",
     "run_batch",
     "SequenceState",

@@ -15,6 +15,7 @@ from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
 from ..loop.cfg import Guidance
 from ..samplers import Sampler
+from ..speculate import Lookup
 from .generator import ChoiceGenerator, Generator
 
 __all__ = ["text", "choice", "regex", "json", "cfg"]
@@ -52,6 +53,11 @@ _GUIDANCE_DOC = """
             template's newlines) is forced; ``finish_reason`` reads ``"thinking_budget"``.
             ``max_tokens`` counts thought, markers and answer: a budget that leaves the answer
             fewer than 8 tokens raises ``ReasoningError``.
+
+    Speculative decoding (text, regex, json, cfg; see docs/speculation.md):
+        speculate: a speculator, e.g. ``continuum.speculate.lookup()`` (drafts from the row's own tokens); drafted
+            tokens are verified in each step's one forward and kept where the sampler agrees, under the constraint:
+            greedy gives the same tokens, multinomial the same distribution. Not with beam search. Default None.
 """
 
 
@@ -65,7 +71,7 @@ def _check_model(model) -> None:
 def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0,
          negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
-         thinking_budget: int | None = None) -> Generator:
+         thinking_budget: int | None = None, speculate: Lookup | None = None) -> Generator:
     """Free text. Returns the continuation only (not the prompt).
 
     Example:
@@ -76,14 +82,15 @@ def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, 
     _check_model(model)
     return Generator(model, sampler, kind="text",
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
-                     token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget)
+                     token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget,
+                     speculate=speculate)
 
 
 def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str = "auto",
           fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
           negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
-         thinking_budget: int | None = None) -> Generator:
+         thinking_budget: int | None = None, speculate: Lookup | None = None) -> Generator:
     """Text matching ``pattern``; invalid patterns raise ``InvalidRegexError``.
 
     ``backend``: ``"auto"``/``"outlines"`` compile the pattern to an outlines-core index (its
@@ -106,7 +113,7 @@ def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str =
     return Generator(model, sampler, guide, kind="regex", description=repr(pattern),
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
-                     thinking_budget=thinking_budget)
+                     thinking_budget=thinking_budget, speculate=speculate)
 
 
 def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, method: str = "exact",
@@ -169,7 +176,7 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
          fast_forward: bool = True,
          token_healing: bool = False, guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
-         thinking_budget: int | None = None) -> Generator:
+         thinking_budget: int | None = None, speculate: Lookup | None = None) -> Generator:
     """JSON following ``schema``: a pydantic model class (returns instances), a JSON schema dict or string (returns dicts).
 
     The schema is normalised first (``prepare_json_schema``: references inlined, keywords the
@@ -232,7 +239,7 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
     gen = Generator(model, sampler, guide, kind="json", parse=prepared.parse, description=prepared.name,
                     guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                     fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
-                    thinking_budget=thinking_budget)
+                    thinking_budget=thinking_budget, speculate=speculate)
     gen.exact = prepared.exact
     gen.not_enforced = tuple(map(str, (*prepared.approximated, *prepared.engine_ignored)))
     return gen
@@ -242,7 +249,7 @@ def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "l
         fast_forward: bool = True, token_healing: bool = False,
         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
         guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
-         thinking_budget: int | None = None) -> Generator:
+         thinking_budget: int | None = None, speculate: Lookup | None = None) -> Generator:
     r"""Text generated by a context-free ``grammar``; returns the text.
 
     Args:
@@ -270,7 +277,7 @@ def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "l
     return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
-                     thinking_budget=thinking_budget)
+                     thinking_budget=thinking_budget, speculate=speculate)
 
 
 for _f in (text, regex, choice, json, cfg):

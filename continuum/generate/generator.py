@@ -17,6 +17,7 @@ from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..programs.aio import AsyncStream, to_thread
 from ..samplers import Sampler, multinomial
+from ..speculate import check_speculator
 from ..state import SequenceState
 from .reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 
@@ -116,7 +117,7 @@ class Generator:
     def __init__(self, model, sampler: Sampler | None = None, guide: Guide | None = None, *, kind: str = "text",
                  parse: Callable[[str], Any] | None = None, description: str = "", guidance: Guidance | None = None,
                  fast_forward: bool = True, token_healing: bool = False, reasoning: Any = False,
-                 thinking_budget: int | None = None):
+                 thinking_budget: int | None = None, speculate: Any = None):
         self.model = model
         self.sampler = sampler if sampler is not None else multinomial()
         if not isinstance(self.sampler, Sampler):
@@ -129,6 +130,10 @@ class Generator:
         if not isinstance(token_healing, bool):
             raise GeneratorArgumentError(f"token_healing must be True or False, got {token_healing!r}")
         self.fast_forward, self.token_healing = fast_forward, token_healing
+        self.speculate = check_speculator(speculate)
+        if self.speculate is not None and self.sampler.is_beam_search:
+            raise GeneratorArgumentError("speculate= does not combine with beam search (a beam's next tokens are not "
+                                         "one row's): use samplers.greedy() or multinomial(), or drop speculate")
         self._set_reasoning(reasoning, thinking_budget)
 
     def _set_reasoning(self, reasoning: Any, thinking_budget: int | None) -> None:
@@ -163,15 +168,16 @@ class Generator:
                 return think_then(self, state, max_tokens, rng, track_text, extra_eos, lambda st, left: decode(
                     st, self.sampler, guide=self.guide, max_tokens=left, stop_at=stop_at, rng=rng, kind=self.kind,
                     parse=self.parse, track_text=track_text, guidance=self.guidance, fast_forward=self.fast_forward,
-                    extra_eos=extra_eos))
+                    extra_eos=extra_eos, speculate=self.speculate))
             steps = decode(state, self.sampler, guide=guide, max_tokens=max_tokens, rng=rng,
                            kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
-                           fast_forward=self.fast_forward, extra_eos=extra_eos)
+                           fast_forward=self.fast_forward, extra_eos=extra_eos, speculate=self.speculate)
             markers, text_kind = self.markers, self.guide is None
             return Steps(steps, guide, lambda out: annotate(out, markers, guide, text_kind))
         return decode(state, self.sampler, guide=self.guide, max_tokens=max_tokens, stop_at=stop_at, rng=rng,
                       kind=self.kind, parse=self.parse, track_text=track_text, guidance=self.guidance,
-                      fast_forward=self.fast_forward, token_healing=self.token_healing, extra_eos=extra_eos)
+                      fast_forward=self.fast_forward, token_healing=self.token_healing, extra_eos=extra_eos,
+                      speculate=self.speculate)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)

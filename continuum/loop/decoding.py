@@ -24,13 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import KVCacheFullError
+from ..errors import GeneratorArgumentError, KVCacheFullError
 from ..guides import Guide
 from ..models import kv as kvcache
 from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
 from ..models.memory import kv_bytes
 from ..models.request import Request
 from ..samplers import Sampler
+from ..speculate import Lookup
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
 from .cfg import Guidance, UnconditionalBranch
@@ -163,6 +164,7 @@ def _decode(
     fast_forward: bool = True,
     token_healing: bool = False,
     extra_eos: frozenset = frozenset(),
+    speculate: Lookup | None = None,
 ) -> Generator[Step, None, SequenceState]:
     """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``guidance``); yields a
     :class:`Step` per forward pass, returns the new state.
@@ -172,9 +174,13 @@ def _decode(
     ``token_healing``: back up each row's last token and constrain the first generated token to
     re-cover its text (:mod:`continuum.loop.healing`); the output still starts after the input's text.
     ``extra_eos``: token ids that end a row like the tokenizer's EOS ids (a chat's end-of-turn token).
+    ``speculate``: a speculator (:mod:`continuum.speculate`): drafted tokens verified in each step's forward.
     With guidance the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
     """
     check_max_tokens(max_tokens)
+    if speculate is not None and sampler.is_beam_search:
+        raise GeneratorArgumentError("speculate= does not combine with beam search (a beam's next tokens are not one "
+                                     "row's): use greedy() or multinomial(), or drop speculate")
     stops = stop_list(stop_at)
     check_rng(rng)
     steps = check_continuable(state, sampler, max_tokens)
@@ -204,16 +210,17 @@ def _decode(
             rows.scores = rows.scores.index_select(0, fork.to(rows.scores.device))
         return _finish(state, rows, C, n, guide, kind, parse, max_tokens, sampler, exhausted)
     loop = CallLoop(rows, sampler, guide=guide, rng=rng, steps=steps, group=group, exhausted=exhausted, eos=eos,
-                    pad=pad, fast_forward=fast_forward, track_text=track_text, step=_step)
+                    pad=pad, fast_forward=fast_forward, track_text=track_text, step=_step, speculate=speculate)
     owner = threading.get_ident()  # the caller's thread: prefixes it registered as being computed (in-batch sharing)
     fed, group = yield from loop.run(model, C, owner)
     if rows.branch is not None:
         rows.kv = rows.branch.release(rows.kv)
-    return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted)
+    return _finish(state, rows, fed, group, guide, kind, parse, max_tokens, sampler, exhausted,
+                   loop.stats if loop.spec is not None else None)
 
 
 def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind, parse, max_tokens, sampler,
-            exhausted: str) -> SequenceState:
+            exhausted: str, speculation: dict | None = None) -> SequenceState:
     """Assemble the result state: normalise the layout, order beams, apply stop strings, record the step."""
     rows.flush()
     R, tok = rows.ids.shape[0], state._model.tokenizer
@@ -250,7 +257,8 @@ def _finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kin
                              starts[i]) for i, r in enumerate(order))
     last = LastStep(kind=kind, starts=tuple(starts), ends=tuple(ends), complete=complete, parse=parse,
                     max_tokens=max_tokens, guide_key=guide.key if guide is not None else None, guide_states=resumable,
-                    finish=tuple(rows.reason[r] or exhausted for r in order), marks=marks)  # (every row ended above)
+                    finish=tuple(rows.reason[r] or exhausted for r in order), marks=marks,  # (every row ended above)
+                    speculation=dict(speculation) if speculation is not None else None)
     if any(c is not None for c in cuts):
         out = out._truncate(ends)
     return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from ..guides import Guide
+from ..guides import DEAD, Guide
 from ..models import kv as kvcache
 from ..models.kv import positions
 from ..models.request import Request
 from ..samplers import GreedySampler, Sampler
+from ..speculate import Lookup
 from .cancel import check_cancelled
 from .fastforward import forced_runs, run_logprobs
 from .healing import apply_heal_masks
@@ -50,11 +51,17 @@ class CallLoop:
 
     def __init__(self, rows: Rows, sampler: Sampler, *, guide: Guide | None, rng: torch.Generator | None, steps: int,
                  group: int, exhausted: str, eos: frozenset, pad: int, fast_forward: bool, track_text: bool,
-                 step: Callable[[Rows, bool], Any]):
+                 step: Callable[[Rows, bool], Any], speculate: Lookup | None = None):
         self.rows, self.sampler, self.guide, self.rng = rows, sampler, guide, rng
         self.steps, self.group, self.exhausted, self.eos, self.pad = steps, group, exhausted, eos, pad
         self.ff = fast_forward and guide is not None and rows.branch is None
-        self.lists = guide is None and rows.branch is None and type(sampler) is GreedySampler
+        self.spec = speculate if rows.branch is None else None  # (guidance's branch decodes one column per step)
+        self.lists = guide is None and rows.branch is None and type(sampler) is GreedySampler and self.spec is None
+        self.drafts: list[list[int]] | None = None  # each row's drafted tokens in the last block (not yet accepted)
+        self.block: torch.Tensor | None = None  # that block's logits, (rows, width, vocab), for verification
+        self.k = speculate.max_draft if speculate is not None else 0  # the draft length now (adapted to acceptance)
+        self.stats = {"forwards": 0, "drafted": 0, "accepted": 0}
+        self.remask = False  # the next request's cached mask lost columns (rejected drafts): see Request.remask
         self.track_text, self._chunk = track_text, step
         self.W = rows.width
         self.col = self.fed = self.W
@@ -76,7 +83,9 @@ class CallLoop:
         if rows.branch is not None:  # guidance: runs both branches
             self.last = None
             return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
-        req = self.last = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True)
+        req = self.last = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True,
+                                  remask=self.remask)
+        self.remask = False
         yield req
         return req.result
 
@@ -141,12 +150,12 @@ class CallLoop:
         self.col = self.fed = self.col + 1
         return False
 
-    def _masked_logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masked_logprobs(self, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, raw)``: the step's log-probs after guidance, the guide's masks and healing (rows the guide
-        completed are ended here), and the model's own (the weights)."""
+        completed are ended here), and the model's own (the weights). ``logits`` None: the last request's."""
         rows, guide, last = self.rows, self.guide, self.last
-        top = last.top if last is not None else None
-        logprobs = raw = last.log_probs() if top is not None else torch.log_softmax(self.logits, dim=-1)  # type: ignore[union-attr, arg-type]
+        top = last.top if last is not None and logits is self.logits else None
+        logprobs = raw = last.log_probs() if top is not None else torch.log_softmax(logits, dim=-1)  # type: ignore[union-attr, arg-type]
         if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
             logprobs = rows.branch.guide(raw)
         if guide is not None:  # healed rows: their first token is masked by the heal plan instead
@@ -161,15 +170,12 @@ class CallLoop:
             logprobs = apply_heal_masks(logprobs, rows.heal)
         return logprobs, raw
 
-    def sampled_step(self):
-        """Any other step: mask, sample, reorder, end rows, fast-forward. Returns True when every row ended."""
-        rows, guide, sampler = self.rows, self.guide, self.sampler
-        self.rows.flush()
-        self.reals = None
-        healing = any(h is not None for h in rows.heal)
-        logprobs, raw = self._masked_logprobs()
+    def _draw(self, logprobs: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """The sampler on the masked log-probs: ``(ids, their log-probs, reordered)``; rows follow their ancestors
+        (:meth:`Rows.reorder`). None when every row has ended."""
+        rows, sampler = self.rows, self.sampler
         if all(rows.finished):
-            return True
+            return None
         if any(rows.finished):
             done = torch.tensor(rows.finished, device=logprobs.device)
             logprobs = logprobs.masked_fill(done[:, None], float("-inf"))
@@ -182,6 +188,103 @@ class CallLoop:
         step_lp = logprobs[ancestors, ids]
         if rows.branch is not None:  # -inf still marks a dead beam
             step_lp = torch.where(step_lp == -math.inf, step_lp, raw[ancestors, ids])
+        return ids, step_lp, reordered
+
+    def _verify(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """Speculation: walk each row's drafted tokens with the logits the block computed at their positions. At
+        position ``i`` the sampler draws from the row's masked log-probs (the guide advanced over the drafts kept so
+        far); the draft's token is kept while the draw equals it, and the first draw that differs (or the one after
+        the last draft) is the row's token of this step. Kept drafts are accepted into the row (guide, text, stop
+        strings, weights); the others' columns become holes and their KV is cut."""
+        rows, drafts, block = self.rows, self.drafts, self.block
+        assert drafts is not None and block is not None
+        self.drafts = self.block = None
+        R, width = block.shape[0], block.shape[1]
+        cols = [self.col - width + (width - 1 - len(d)) for d in drafts]  # each row's column before its first draft
+        kept = [0] * R
+        decided: list[bool] = list(rows.finished)
+        final_ids, final_lp = torch.zeros(R, dtype=torch.long), torch.zeros(R)
+        for i in range(max(map(len, drafts)) + 1):
+            at = torch.tensor([width - 1 - len(d) + min(i, len(d)) for d in drafts])
+            drawn = self._draw(*self._masked_logprobs(block[torch.arange(R), at]))
+            if drawn is None:
+                break
+            ids, lp, reordered = drawn
+            assert not reordered, "speculation runs only where the sampler keeps its rows (not beams, not a fork)"
+            for r, (t, x) in enumerate(zip(ids.tolist(), lp.tolist())):
+                if decided[r] or rows.finished[r]:
+                    decided[r] = True
+                    continue
+                if i < len(drafts[r]) and t == drafts[r][i] and x != -math.inf:
+                    kept[r] += 1
+                    c = cols[r] + 1 + i
+                    rows.lp[r, c] = x
+                    rows.weights[r] += x
+                    if not rows.accept(r, t) or rows.finished[r]:  # a stop string or the guide ended it
+                        decided[r] = True
+                else:
+                    final_ids[r], final_lp[r], decided[r] = t, x, True
+            if all(decided):
+                break
+        drafted = sum(map(len, drafts))
+        self.stats["drafted"] += drafted
+        self.stats["accepted"] += sum(kept)
+        holes = [(r, cols[r] + 1 + kept[r], cols[r] + 1 + len(d)) for r, d in enumerate(drafts) if kept[r] < len(d)]
+        for r, a, b in holes:
+            rows.ids[r, a:b], rows.mask[r, a:b], rows.lp[r, a:b] = self.pad, 0, float("nan")
+        if holes:  # (llama.cpp: each row's view cut to what it kept; transformers attends by the mask, and the
+            rows.kv = kvcache.keep(rows.kv, rows.mask[:, :kvcache.length(rows.kv)])  # engine's merged storage
+            self.remask = True  # keeps its own copy of the cached mask: the next request says to rewrite it)
+        if drafted and self.spec is not None:  # draft longer while drafts are kept, shorter when they are not
+            rate = sum(kept) / drafted
+            self.k = min(self.spec.max_draft, self.k + 2) if rate >= 0.8 else max(1, self.k // 2) if rate < 0.3 else self.k
+        if all(rows.finished):
+            return None
+        for r in range(R):
+            if rows.finished[r]:
+                final_ids[r], final_lp[r] = self.pad, 0.0
+        return final_ids, final_lp, False
+
+    def _draft(self, keep: list[bool], ids: list[int], runs: list[list[int]] | None) -> list[list[int]]:
+        """Each live row's draft after its sampled token (none for a row with a forced run: it already computes
+        several tokens), cut where the guide refuses a token or after it completes, before any EOS, and within the
+        row's ``max_tokens`` and context."""
+        rows, guide, spec = self.rows, self.guide, self.spec
+        assert spec is not None
+        out: list[list[int]] = []
+        for r, t in enumerate(ids):
+            limit = int(min(self.k, self.steps - rows.generated[r] - 1, rows.room[r] - 1))  # (room: inf unbounded)
+            if not keep[r] or rows.finished[r] or (runs and runs[r]) or limit <= 0:
+                out.append([])
+                continue
+            real = rows.ids[r, :self.col][rows.mask[r, :self.col].bool()]
+            history = torch.cat([real.cpu(), torch.tensor([t])]).numpy()
+            d = spec.draft(history, limit)
+            cut = next((j for j, x in enumerate(d) if x in self.eos), len(d))
+            d = d[:cut]
+            if d and guide is not None and rows.guide_states is not None:
+                state = guide.copy(rows.guide_states[r])
+                for j, x in enumerate(d):
+                    state = guide.advance(state, x)
+                    if state is DEAD:
+                        d = d[:j]
+                        break
+                    if guide.is_done(state):
+                        d = d[:j + 1]
+                        break
+            out.append(d)
+        return out
+
+    def sampled_step(self):
+        """Any other step: mask, sample, reorder, end rows, fast-forward. Returns True when every row ended."""
+        rows, guide = self.rows, self.guide
+        self.rows.flush()
+        self.reals = None
+        healing = any(h is not None for h in rows.heal)
+        drawn = self._verify() if self.drafts is not None else self._draw(*self._masked_logprobs(self.logits))
+        if drawn is None:
+            return True
+        ids, step_lp, reordered = drawn
         id_list, lp_list = ids.tolist(), step_lp.tolist()
         keep = [False] * len(id_list)
         for r, (t, lp) in enumerate(zip(id_list, lp_list)):
@@ -199,14 +302,19 @@ class CallLoop:
         if healing:
             rows.heal = [None] * len(keep)
         runs = self._forced(keep) if self.ff else None
-        col, width = self.col, 1 + max(map(len, runs)) if runs else 1
+        drafts = self._draft(keep, id_list, runs) if self.spec is not None else None
+        if drafts is not None and not any(drafts):
+            drafts = None
+        block = [(f or []) + d for f, d in zip(runs or [[]] * len(keep), drafts or [[]] * len(keep))] \
+            if drafts is not None else runs
+        col, width = self.col, 1 + max(map(len, block)) if block else 1
         rows.ensure(col + width)
         if width == 1 and all(keep):  # the common step's layout: one column, every row real
             rows.ids[:, col], rows.mask[:, col], rows.lp[:, col] = ids, 1, step_lp
             rows.weights += torch.tensor(lp_list)
             rows.width = col + 1
         else:
-            rows.write_block(col, id_list, lp_list, keep, runs or [[]] * len(keep), width)
+            rows.write_block(col, id_list, lp_list, keep, block or [[]] * len(keep), width)
         rows.end_exhausted(self.steps, self.exhausted)
         if self.track_text:  # (a stream's chunk)
             yield self._chunk(rows, reordered)
@@ -216,9 +324,13 @@ class CallLoop:
                 rows.add_forced_logprobs(col, width, runs, run_logprobs(out, runs, width))
                 self.fed = col + width - 1
             return True
-        self.logits, rows.kv = yield from self.forward(col, col + width, logits="all" if runs else "last")
+        self.logits, rows.kv = yield from self.forward(col, col + width, logits="all" if block else "last")
+        self.stats["forwards"] += 1
         if runs:
             rows.add_forced_logprobs(col, width, runs, run_logprobs(self.logits, runs, width))
+        if drafts is not None:
+            self.drafts, self.block = drafts, self.logits
+        if block:
             self.logits = self.logits[:, -1]
         self.col = self.fed = col + width
         return False

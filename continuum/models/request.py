@@ -34,6 +34,7 @@ class Request:
     normalize: bool = False  # a decoding step: hand back log-probs (log-softmax over the group at once) and `top`
     column: tuple[list[int], list[int]] | None = None  # a decode step as lists: each row's new token and its position
     source: Any = None  # with `column`: makes ids, mask, pos as tensors, when a layout needs them (materialize)
+    remask: bool = False  # cached columns were masked out since the last step (speculation's rejected drafts)
     result: Any = None
     top: tuple[list[int], list[float]] | None = None  # with normalize: each row's most likely token and its log-prob
     error: BaseException | None = None

@@ -35,6 +35,9 @@ class LastStep:
     # Reasoning (continuum.generate.reasoning): per row ``(step start, thought start, thought end, thought tokens)``,
     # characters and the tokens spent thinking; ``starts`` is then where the answer begins.
     thoughts: tuple[tuple[int, int, int, int], ...] | None = None
+    # Speculative decoding (continuum.speculate): the call's ``forwards`` (after the prefill), tokens ``drafted`` and
+    # ``accepted``, for all its rows together; None without speculation.
+    speculation: dict[str, int] | None = None
 
     def select(self, rows: Sequence[int]) -> LastStep:
         def pick(t: Any) -> Any:  # any per-row tuple field, or None

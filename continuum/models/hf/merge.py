@@ -244,9 +244,10 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
     if slab.mask is None:
         slab.mask = torch.zeros((slab.rows_cap, slab.cols_cap), dtype=torch.long, device=device)
     mask = slab.mask
-    joining = {id(r) for r in p.joiners}
-    for r in p.joiners:
-        r.materialize()
+    joining = {id(r) for r in p.joiners} | {id(r) for r in p.requests if r.remask}  # (remask: holes since the
+    for r in p.requests:  # last step, e.g. speculation's rejected drafts, whose cells the slab's mask still shows)
+        if id(r) in joining:
+            r.materialize()
     for r, row in zip(p.requests, p.first_rows):  # joiners' cached columns, right-aligned at C
         if id(r) in joining:
             c = r.cached
