@@ -168,3 +168,18 @@ def test_on_llama_cpp_greedy_and_json_equal_the_call_without_speculation():
     s = gen(COPY, max_tokens=30)
     assert str(gen(s + " Then", max_tokens=20)) == str(continuous(generate.text(model, samplers.greedy()))(
         s + " Then", max_tokens=20))
+
+
+def test_the_server_speculates_text_and_json_replies_but_not_recorded_ones(stories):
+    """``continuum serve --speculate lookup``: its text and JSON generators draft; a request that records log-probs
+    decodes one token per step (its records follow the steps)."""
+    from continuum.serve.served import Sampling, ServedModel
+
+    served = ServedModel(stories, speculate="lookup")
+    greedy = Sampling(temperature=0)
+    text, _ = served.generator("text", None, False, greedy, False)
+    js, _ = served.generator("json", SCHEMA, True, greedy, False)
+    recorded, _ = served.generator("text", None, False, greedy, True)
+    assert text.speculate is not None and js.speculate is not None and recorded.speculate is None
+    plain = ServedModel(stories).generator("text", None, False, greedy, False)[0]
+    _same(continuous(plain)(COPY, max_tokens=40), continuous(text)(COPY, max_tokens=40))

@@ -44,6 +44,7 @@ class ServeConfig:
     reasoning: bool = False  # --reasoning: requests think first unless they say otherwise (docs/reasoning.md)
     json_bounds: str | None = "default"  # generate.json's bounds= ("default", "small", None)
     max_queue: int | None = 256  # replies waiting for room in the KV pool before a new one gets 503 (None: no bound)
+    speculate: str | None = None  # --speculate lookup: text and JSON replies drafted and verified (continuum.speculate)
 
 
 class Context:
@@ -52,7 +53,7 @@ class Context:
     def __init__(self, model: Any, config: ServeConfig):
         self.model, self.config = model, config
         self.served = ServedModel(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning,
-                             bounds=config.json_bounds, max_queue=config.max_queue)
+                             bounds=config.json_bounds, max_queue=config.max_queue, speculate=config.speculate)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
                            max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)

@@ -81,6 +81,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256,
                    help="replies waiting for room in the model's KV pool before a new request gets 503 with Retry-After "
                         "(default 256; 0: refuse whenever replies already wait)")
+    p.add_argument("--speculate", default="none", choices=["none", "lookup"],
+                   help="speculative decoding of text and JSON replies: 'lookup' drafts from each conversation's own "
+                        "tokens and verifies the drafts in the step's one forward (same tokens when greedy; "
+                        "docs/speculation.md). Default none")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
                          max_string_length=args.max_string_length, reasoning=args.reasoning,
-                         store_kv=args.store_kv == "full", json_bounds=args.json_bounds, max_queue=args.max_queue)
+                         store_kv=args.store_kv == "full", json_bounds=args.json_bounds, max_queue=args.max_queue,
+                         speculate=None if args.speculate == "none" else args.speculate)
     from ..errors import ReasoningError
     from .store import StoreLockedError
 

@@ -35,6 +35,7 @@ from ..chat.session import Chat
 from ..errors import ContinuumError
 from ..generate.reasoning import MIN_ANSWER_TOKENS, reasoning_tokens, resolve_markers
 from ..samplers import Sampler
+from ..speculate import lookup as speculate_lookup
 from ..state import SequenceState
 from .closing import closing
 from .either import Either, read_trigger
@@ -141,8 +142,10 @@ class ServedModel:
     settings). (Not the model's own engine, ``continuum.loop.engine``, which runs every call's steps.)"""
 
     def __init__(self, model, template: str | None = None, *, max_string_length: int | None = None,
-                 reasoning: bool = False, bounds: Any = "default", max_queue: int | None = None):
+                 reasoning: bool = False, bounds: Any = "default", max_queue: int | None = None,
+                 speculate: str | None = None):
         self.model, self.template, self.max_string_length = model, template, max_string_length
+        self.speculator = speculate_lookup() if speculate == "lookup" else None  # (--speculate: text and JSON replies)
         self.max_queue = max_queue  # replies waiting for room (not decoding) beyond which a new one is refused (503)
         self.bounds = bounds  # generate.json's bounds= for every structured output (numbers within int64...)
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
@@ -184,14 +187,15 @@ class ServedModel:
                     self._generators.move_to_end(key)
                     return hit, None
         use = recorder or sampler
+        spec = self.speculator if recorder is None else None  # (recorded log-probs: one token per step)
         if kind == "text":
-            gen = generate.text(self.model, use)
+            gen = generate.text(self.model, use, speculate=spec)
         else:  # one token per step when log-probs are recorded, so steps and tokens align
             gen = generate.json(self.model, schema, use, on_unsupported="raise" if strict else "approximate",
                                 additional_properties=schema == {"type": "object"}, max_string_length=self.max_string_length,
                                 bounds=self.bounds,
                                 whitespace_pattern="" if compact else r"[ ]?",
-                                fast_forward=recorder is None, backend=backend)
+                                fast_forward=recorder is None, backend=backend, speculate=spec)
         if recorder is None:
             with self._lock:
                 self._generators[key] = gen
