@@ -423,6 +423,12 @@ class Engine:
         out["max_rows"], out["max_kv_bytes"] = self.max_rows, self.max_kv_bytes
         return out
 
+    @property
+    def running_hint(self) -> int:
+        """Calls in the engine's steps now, read without the lock (a loop running inside a step may ask; the count
+        may be one step old): speculation drafts only while few calls share a step."""
+        return len(self._running)
+
     def decoding_calls(self) -> int:
         """Calls taking part in the steps now (running, not parked): cheap, unlike :meth:`stats`, for a server's
         per-request queue check."""

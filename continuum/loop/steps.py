@@ -62,6 +62,7 @@ class CallLoop:
         self.k = speculate.max_draft if speculate is not None else 0  # the draft length now (adapted to acceptance)
         self.stats = {"forwards": 0, "drafted": 0, "accepted": 0}
         self.remask = False  # the next request's cached mask lost columns (rejected drafts): see Request.remask
+        self.engine: Any = None  # the model's engine (run): how many calls share its steps
         self.track_text, self._chunk = track_text, step
         self.W = rows.width
         self.col = self.fed = self.W
@@ -110,6 +111,7 @@ class CallLoop:
         """Prefill columns [C, W) (a long prompt in chunks while other calls run, so their next tokens do not wait),
         then step until every row ended. Returns ``(fed, group)`` for the result state."""
         rows, start = self.rows, C
+        self.engine = model.engine
         chunk = model.engine.chunk_for(self.W - C) if rows.branch is None else None
         while chunk and self.W - start > chunk:
             _, rows.kv = yield from self.forward(start, start + chunk, logits="none")
@@ -302,7 +304,8 @@ class CallLoop:
         if healing:
             rows.heal = [None] * len(keep)
         runs = self._forced(keep) if self.ff else None
-        drafts = self._draft(keep, id_list, runs) if self.spec is not None else None
+        busy = self.spec is not None and self.engine is not None and self.engine.running_hint > self.spec.max_calls
+        drafts = self._draft(keep, id_list, runs) if self.spec is not None and not busy else None
         if drafts is not None and not any(drafts):
             drafts = None
         block = [(f or []) + d for f, d in zip(runs or [[]] * len(keep), drafts or [[]] * len(keep))] \
