@@ -56,7 +56,7 @@ class CallLoop:
         self.steps, self.group, self.exhausted, self.eos, self.pad = steps, group, exhausted, eos, pad
         self.ff = fast_forward and guide is not None and rows.branch is None
         self.spec = speculate if rows.branch is None else None  # (guidance's branch decodes one column per step)
-        self.lists = guide is None and rows.branch is None and type(sampler) is GreedySampler and self.spec is None
+        self.lists = guide is None and rows.branch is None and type(sampler) is GreedySampler
         self.drafts: list[list[int]] | None = None  # each row's drafted tokens in the last block (not yet accepted)
         self.block: torch.Tensor | None = None  # that block's logits, (rows, width, vocab), for verification
         self.k = speculate.max_draft if speculate is not None else 0  # the draft length now (adapted to acceptance)
@@ -126,11 +126,15 @@ class CallLoop:
                 break
         return self.fed, self.group
 
+    def _busy(self) -> bool:
+        """Speculation rests while more than ``max_calls`` calls share the step (compute-bound: see speculate.py)."""
+        return self.spec is not None and self.engine is not None and self.engine.running_hint > self.spec.max_calls
+
     def _common(self) -> bool:
         top = self.last.top if self.last is not None else None
         rows = self.rows
         return self.lists and top is not None and not any(rows.finished) and self.eos.isdisjoint(top[0]) \
-            and all(h is None for h in rows.heal)
+            and all(h is None for h in rows.heal) and self.drafts is None and (self.spec is None or self._busy())
 
     def common_step(self):
         """Greedy, no guide, no row ends on EOS: the engine's top-1 lists, one column. Returns True when done."""
@@ -304,8 +308,7 @@ class CallLoop:
         if healing:
             rows.heal = [None] * len(keep)
         runs = self._forced(keep) if self.ff else None
-        busy = self.spec is not None and self.engine is not None and self.engine.running_hint > self.spec.max_calls
-        drafts = self._draft(keep, id_list, runs) if self.spec is not None and not busy else None
+        drafts = self._draft(keep, id_list, runs) if self.spec is not None and not self._busy() else None
         if drafts is not None and not any(drafts):
             drafts = None
         block = [(f or []) + d for f, d in zip(runs or [[]] * len(keep), drafts or [[]] * len(keep))] \
