@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -99,9 +100,15 @@ def lookup(ngram: int = 3, max_draft: int = 8, min_ngram: int = 2, max_calls: in
     return Lookup(ngram=ngram, max_draft=max_draft, min_ngram=min_ngram, max_calls=max_calls)
 
 
-def check_speculator(speculate: object) -> Lookup | None:
-    """``speculate=`` as a generator takes it: None or a speculator (else a clear error)."""
-    if speculate is None or isinstance(speculate, Lookup):
-        return speculate
-    raise GeneratorArgumentError(f"speculate must be None or a speculator such as continuum.speculate.lookup(), "
-                                 f"got {type(speculate).__name__}")
+def check_speculator(speculate: object, sampler: Any) -> Lookup | None:
+    """``speculate=`` as a generator (and the loop) takes it with ``sampler``: None or a speculator, never with beam
+    search (else a clear error)."""
+    if speculate is None:
+        return None
+    if not isinstance(speculate, Lookup):
+        raise GeneratorArgumentError(f"speculate must be None or a speculator such as continuum.speculate.lookup(), "
+                                     f"got {type(speculate).__name__}")
+    if sampler.is_beam_search:
+        raise GeneratorArgumentError("speculate= does not combine with beam search (a beam's next tokens are not one "
+                                     "row's): use samplers.greedy() or multinomial(), or drop speculate")
+    return speculate

@@ -130,10 +130,7 @@ class Generator:
         if not isinstance(token_healing, bool):
             raise GeneratorArgumentError(f"token_healing must be True or False, got {token_healing!r}")
         self.fast_forward, self.token_healing = fast_forward, token_healing
-        self.speculate = check_speculator(speculate)
-        if self.speculate is not None and self.sampler.is_beam_search:
-            raise GeneratorArgumentError("speculate= does not combine with beam search (a beam's next tokens are not "
-                                         "one row's): use samplers.greedy() or multinomial(), or drop speculate")
+        self.speculate = check_speculator(speculate, self.sampler)
         self._set_reasoning(reasoning, thinking_budget)
 
     def _set_reasoning(self, reasoning: Any, thinking_budget: int | None) -> None:

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import GeneratorArgumentError, KVCacheFullError
+from ..errors import KVCacheFullError
 from ..guides import Guide
 from ..models import kv as kvcache
 from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
 from ..models.memory import kv_bytes
 from ..models.request import Request
 from ..samplers import Sampler
-from ..speculate import Lookup
+from ..speculate import Lookup, check_speculator
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
 from .cfg import Guidance, UnconditionalBranch
@@ -178,9 +178,7 @@ def _decode(
     With guidance the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
     """
     check_max_tokens(max_tokens)
-    if speculate is not None and sampler.is_beam_search:
-        raise GeneratorArgumentError("speculate= does not combine with beam search (a beam's next tokens are not one "
-                                     "row's): use greedy() or multinomial(), or drop speculate")
+    check_speculator(speculate, sampler)
     stops = stop_list(stop_at)
     check_rng(rng)
     steps = check_continuable(state, sampler, max_tokens)

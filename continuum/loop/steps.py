@@ -153,15 +153,19 @@ class CallLoop:
             self.reals = rows.mask[:, :self.col].sum(1).tolist()
         pos, self.reals = self.reals, [x + 1 for x in self.reals]
         self.logits, rows.kv = yield from self.column_forward(self.col, id_list, pos)
+        self.stats["forwards"] += 1
         self.col = self.fed = self.col + 1
         return False
 
-    def _masked_logprobs(self, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masked_logprobs(self, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logprobs, raw)``: the step's log-probs after guidance, the guide's masks and healing (rows the guide
-        completed are ended here), and the model's own (the weights). ``logits`` None: the last request's."""
+        completed are ended here), and the model's own (the weights). ``logits`` None: the last request's (its
+        log-probs when the engine normalized them); else these (a drafted position's, speculation)."""
         rows, guide, last = self.rows, self.guide, self.last
-        top = last.top if last is not None and logits is self.logits else None
-        logprobs = raw = last.log_probs() if top is not None else torch.log_softmax(logits, dim=-1)  # type: ignore[union-attr, arg-type]
+        if logits is None and last is not None and last.top is not None:
+            logprobs = raw = last.log_probs()
+        else:
+            logprobs = raw = torch.log_softmax(self.logits if logits is None else logits, dim=-1)  # type: ignore[arg-type]
         if rows.branch is not None:  # guidance before sampling and masks; the weights stay the raw log-probs
             logprobs = rows.branch.guide(raw)
         if guide is not None:  # healed rows: their first token is masked by the heal plan instead
@@ -284,10 +288,10 @@ class CallLoop:
     def sampled_step(self):
         """Any other step: mask, sample, reorder, end rows, fast-forward. Returns True when every row ended."""
         rows, guide = self.rows, self.guide
-        self.rows.flush()
+        rows.flush()
         self.reals = None
         healing = any(h is not None for h in rows.heal)
-        drawn = self._verify() if self.drafts is not None else self._draw(*self._masked_logprobs(self.logits))
+        drawn = self._verify() if self.drafts is not None else self._draw(*self._masked_logprobs())
         if drawn is None:
             return True
         ids, step_lp, reordered = drawn

@@ -52,8 +52,9 @@ class Context:
 
     def __init__(self, model: Any, config: ServeConfig):
         self.model, self.config = model, config
-        self.served = ServedModel(model, config.template, max_string_length=config.max_string_length, reasoning=config.reasoning,
-                             bounds=config.json_bounds, max_queue=config.max_queue, speculate=config.speculate)
+        self.served = ServedModel(model, config.template, max_string_length=config.max_string_length,
+                                  reasoning=config.reasoning, bounds=config.json_bounds, max_queue=config.max_queue,
+                                  speculate=config.speculate)
         self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
                            max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,7 +275,8 @@ def chunks(ids: np.ndarray, step: int) -> list[tuple[int, int]]:
     bounds = np.concatenate([[0], cuts, [n]]).tolist()
     runs = list(zip(bounds[:-1], bounds[1:]))
     small = sum(e - s for s, e in runs if e - s < FA_TILE_ROWS)
-    target = -(-small // -(-small // (FA_TILE_ROWS - 1))) if small else 0  # balanced: 128 rows -> 43, 43, 42
+    parts = math.ceil(small / (FA_TILE_ROWS - 1))  # the fewest chunks under the tile, then balanced:
+    target = math.ceil(small / parts) if parts else 0  # 128 rows -> 43, 43, 42
     out: list[tuple[int, int]] = []
     open_start: int | None = None
     for s, e in runs:
