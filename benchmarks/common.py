@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -453,3 +454,31 @@ def write_json(path: str, meta: dict, rows: list[Row]) -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a scenario starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300) -> None:
+    """Wait until ``url``/health answers 200; raise (with the process's last output) if ``proc`` exits or
+    ``timeout`` seconds pass."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"{what} did not start in {timeout:g} s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,15 +45,21 @@ def _gguf(cfg) -> tuple[Path, str]:
     return path, "stories260K f32 (Gemma 3 270M not installed)" if not cfg.smoke else "stories260K f32"
 
 
-def _setup(cfg):
+def gguf_bench(cfg) -> tuple[Any, Path, str, int]:
+    """What every llama.cpp scenario starts from: the ``llama_cpp`` module (Skip without it), the GGUF and its name
+    (:func:`_gguf`), and the threads (``CONTINUUM_BENCH_THREADS``, default 2)."""
     try:
         import llama_cpp
     except ImportError as exc:
         raise Skip("llama-cpp-python is not installed (pip install 'continuum[llamacpp]')") from exc
+    path, name = _gguf(cfg)
+    return llama_cpp, path, name, int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+
+
+def _setup(cfg):
     from continuum import models
 
-    path, name = _gguf(cfg)
-    threads = int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+    llama_cpp, path, name, threads = gguf_bench(cfg)
     ours = models.llamacpp(path, n_threads=threads)
     ref = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=2048, verbose=False)
     return ours, ref, name

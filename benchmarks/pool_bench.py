@@ -12,11 +12,10 @@ takes the fixture at toy size. Greedy text under ``run_batch``; tokens/s counts 
 
 from __future__ import annotations
 
-import os
 import time
 
 from .common import Bench, Row
-from .llamacpp_bench import _gguf
+from .llamacpp_bench import gguf_bench
 
 __all__ = ["POOL_SCENARIOS"]
 
@@ -41,16 +40,9 @@ def _throughput(model, n: int, tokens: int) -> tuple[float, dict]:
 
 
 def b26(bench: Bench, cfg) -> list[Row]:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as exc:
-        from .common import Skip
-
-        raise Skip("llama-cpp-python is not installed (pip install 'continuum[llamacpp]')") from exc
     from continuum import models
 
-    path, name = _gguf(cfg)
-    threads = int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+    _, path, name, threads = gguf_bench(cfg)
     counts = [1, 2, 4] if cfg.smoke else [1, 8, 32, 64] if cfg.quick else [1, 8, 32, 64, 128]
     n_a = 4 if cfg.smoke else 48
     roomy_cells = 4096 if cfg.smoke else 16384

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .chat_bench import chat_bench_model, smollm2_template
-from .common import Bench, Row, Skip, log, make_text
+from .common import Bench, Row, Skip, free_port, log, make_text, wait_healthy
 
 __all__ = ["b21"]
 
@@ -39,28 +39,13 @@ TURNS = 4
 
 
 def _start_server(folder: str, store: str, threads: int) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "continuum", "serve", folder, "--port", str(port), "--store", store,
                              "--served-model-name", "bench", "--log-level", "warning"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}/v1"
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the server did not start in 300 s")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", "the server")
+    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def _in_threads(n: int, fn: Callable[[int], list]) -> tuple[list, float]:

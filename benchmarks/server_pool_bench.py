@@ -19,7 +19,6 @@ the counted tokens account for.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from .common import Bench, Row, Skip, log
-from .llamacpp_bench import _gguf
+from .common import Bench, Row, Skip, free_port, log, wait_healthy
+from .llamacpp_bench import gguf_bench
 from .pool_bench import _prompts, _throughput
 
 __all__ = ["b26_serve", "SERVER_POOL_SCENARIOS"]
@@ -36,45 +35,22 @@ __all__ = ["b26_serve", "SERVER_POOL_SCENARIOS"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(proc: subprocess.Popen, url: str, what: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"{what} did not start in 300 s")
-
-
 def _continuum(path: str, threads: int, n_ctx: int, store: str) -> tuple[subprocess.Popen, str]:
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "continuum", "serve", path, "--port", str(port), "--store", store,
                              "--n-ctx", str(n_ctx), "--threads", str(threads), "--served-model-name", "bench",
                              "--log-level", "warning"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait(proc, f"http://127.0.0.1:{port}", "continuum serve")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", "continuum serve")
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def _llama_server(binary: str, path: str, threads: int, slots: int, cells_per_slot: int) -> tuple[subprocess.Popen, str]:
-    port = _port()
+    port = free_port()
     proc = subprocess.Popen([binary, "-m", path, "--port", str(port), "-t", str(threads), "-tb", str(threads),
                              "-np", str(slots), "-c", str(slots * cells_per_slot), "--no-webui"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait(proc, f"http://127.0.0.1:{port}", "llama-server")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", "llama-server")
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
@@ -116,17 +92,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def b26_serve(bench: Bench, cfg) -> list[Row]:
-    try:
-        import llama_cpp  # noqa: F401
-        import openai  # noqa: F401
-    except ImportError as exc:
-        raise Skip("llama-cpp-python and openai are needed (pip install 'continuum[llamacpp,test]')") from exc
     import tempfile
 
     if cfg.smoke or cfg.quick:  # (servers started and driven by 64 clients: minutes, not a smoke or quick check)
         raise Skip("server scenarios run in full mode only")
-    path, name = _gguf(cfg)
-    threads = int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+    try:
+        import openai  # noqa: F401
+    except ImportError as exc:
+        raise Skip("the openai client is needed (pip install 'continuum[test]')") from exc
+    _, path, name, threads = gguf_bench(cfg)
     binary = os.environ.get("LLAMA_SERVER")
     rows: list[Row] = []
     n_c, tok = (4, 8) if cfg.smoke else (64, 64)

@@ -14,11 +14,10 @@ The notes give the target forwards per generated token (``state._last.speculatio
 
 from __future__ import annotations
 
-import os
 import time
 
-from .common import Bench, Row, Skip, log
-from .llamacpp_bench import _gguf
+from .common import Bench, Row, log
+from .llamacpp_bench import gguf_bench
 
 __all__ = ["SPECULATION_SCENARIOS"]
 
@@ -70,14 +69,9 @@ def _row(id_: str, title: str, base: float, cont: float, threshold: float, stats
 
 
 def b25(bench: Bench, cfg) -> list[Row]:
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise Skip("llama-cpp-python is not installed (pip install 'continuum[llamacpp]')") from exc
     from continuum import continuous, generate, models, run_batch, samplers, speculate
 
-    path, name = _gguf(cfg)
-    threads = int(os.environ.get("CONTINUUM_BENCH_THREADS", "2"))
+    llama_cpp, path, name, threads = gguf_bench(cfg)
     model = models.llamacpp(path, n_threads=threads)
     tokens = 16 if cfg.smoke else 60 if cfg.quick else 120
     reps = 1 if cfg.smoke else max(2, cfg.reps)
