@@ -50,6 +50,9 @@ def check_speculator(speculate: object, sampler: Any, model: Any = None) -> Spec
     if sampler.is_beam_search:
         raise GeneratorArgumentError("speculate= does not combine with beam search (a beam's next tokens are not one "
                                      "row's): use samplers.greedy() or multinomial(), or drop speculate")
+    if model is not None and getattr(model, "hybrid", None):
+        raise GeneratorArgumentError("speculate= is not supported on models with recurrent layers yet (a rejected "
+                                     "draft would need the recurrent summary rolled back: docs/hybrid.md): drop speculate")
     if isinstance(speculate, Draft) and model is not None:
         speculate.check_target(model)
     return speculate
