@@ -14,6 +14,7 @@ import torch
 
 from continuum import SequenceState, continuous, generate, models, run_batch, samplers, speculate
 from continuum.errors import GeneratorArgumentError, ModelLoadError
+from continuum.models import kv as kvcache
 
 from conftest import FIXTURES
 
@@ -92,6 +93,8 @@ def test_rolling_back_to_a_call_end_reuses_its_snapshot(lfm, ref):
     restores, before = lfm.pool.restores_recurrent, lfm.tokens_computed
     b = gen(base + " A cat", max_tokens=8)
     assert lfm.pool.restores_recurrent > restores
+    snaps = base._kv.views[0]._seq.snaps
+    assert snaps and kvcache.nbytes(base._kv) >= sum(map(len, snaps.values()))  # (its bytes count its snapshots)
     added = b._mask[0].sum().item() - base._mask[0].sum().item() - 8
     assert lfm.tokens_computed - before == added + 8  # base's last token, the added text, 7 more steps
     for s in (a, b, gen(base + " The dog", max_tokens=8)):

@@ -110,7 +110,9 @@ class SeqKV:
             if s is not None and id(s) not in seen:
                 longest[id(s)] = max(longest.get(id(s), 0), v.n_tokens)
         seen.update(longest)
-        return per_token * sum(longest.values())
+        seqs = {id(v._seq): v._seq for v in self.views if v._seq is not None and id(v._seq) in longest}
+        snaps = sum(len(b) for q in seqs.values() for b in q.snaps.values())  # (a hybrid's recurrent snapshots)
+        return per_token * sum(longest.values()) + snaps
 
     @classmethod
     def stack(cls, kvs: list, width: int, reserve: int = 0) -> SeqKV:
