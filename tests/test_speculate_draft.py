@@ -115,3 +115,20 @@ def test_a_draft_model_of_another_vocabulary_or_with_beams_is_refused(stories, t
         speculate.draft("a small model")
     with pytest.raises(GeneratorArgumentError, match="max_draft"):
         speculate.draft(twin, max_draft=0)
+
+
+def test_on_llama_cpp_a_draft_gguf_with_the_targets_weights_has_every_draft_kept():
+    """Both backends take any backend's draft model: the stories260K GGUF drafting for itself (a second load)."""
+    pytest.importorskip("llama_cpp")
+    path = str(fixture_path("models", "stories260K-gguf", "stories260K-f32.gguf"))
+    # (the batch-invariant mode: a token's logits do not depend on how it was batched, so the draft's one-token
+    # steps equal the target's verify block)
+    target, draft = (models.llamacpp(path, n_threads=1, batch_invariant=True) for _ in range(2))
+    plain = continuous(generate.text(target, samplers.greedy()))
+    spec = continuous(generate.text(target, samplers.greedy(), speculate=speculate.draft(draft, max_draft=4)))
+    a, b = plain(PROMPT, max_tokens=31), spec(PROMPT, max_tokens=31)
+    assert list(a) == list(b)
+    stats = b._last.speculation
+    assert stats["accepted"] == stats["drafted"] > 0 and stats["forwards"] + stats["accepted"] == 30
+    again = spec(b + " Then", max_tokens=9)  # (the draft's sequences are reused by prefix: still every draft kept)
+    assert list(again) == list(plain(a + " Then", max_tokens=9))

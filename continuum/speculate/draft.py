@@ -103,7 +103,8 @@ class Draft:
         tokens, kv = self._entries[at]
         if best == len(tokens):  # this row's own entry: it is replaced by what this draft leaves
             del self._entries[at]
-        return best, kvcache.crop(kv, best) if best < kvcache.length(kv) else kv
+        kv = kvcache.crop(kv, best) if best < kvcache.length(kv) else kv
+        return kvcache.length(kv), kv  # (a hybrid model's crop may reach back further: to a recurrent snapshot)
 
     def _store(self, tokens: np.ndarray, kv: Any) -> None:
         self._entries.append((tokens, kv))
