@@ -211,8 +211,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     L.llama_memory_seq_cp(mem, src.id, seq.id, 0, view.n_tokens)
                     seq.extent = view.n_tokens
                     if hybrid:  # (seq_cp copied src's latest summary: the one at the view's end replaces it)
-                        recurrent.restore_at(pool, src, seq.id, view.n_tokens)  # type: ignore[arg-type]
-                        seq.snaps = {p: b for p, b in src.snaps.items() if p <= view.n_tokens}
+                        recurrent.forked(pool, src, seq, view.n_tokens)
             claimed.add(id(seq))
             pinned.append(seq)
             targets.append(seq)

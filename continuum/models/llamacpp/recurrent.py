@@ -28,15 +28,16 @@ Example:
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ...errors import BackendError
 from ._lib import lib
 
 if TYPE_CHECKING:
-    from .sequences import SequencePool, _Seq
+    from .sequences import KVView, SequencePool, _Seq
 
-__all__ = ["snapshot", "keep_end", "usable", "restore_at", "rewind", "undo"]
+__all__ = ["snapshot", "keep_end", "keep_ends", "forked", "usable", "restore_at", "rewind", "undo"]
 
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (alias SWA_ONLY): the recurrent part of a hybrid's memory
 
@@ -57,6 +58,22 @@ def keep_end(pool: SequencePool, seq: _Seq) -> None:
     if seq.extent and seq.extent not in seq.snaps:
         assert seq.id is not None
         seq.snaps[seq.extent] = snapshot(pool, seq.id)
+
+
+def keep_ends(pool: SequencePool, views: Iterable[KVView]) -> None:
+    """Snapshot the summary of each view's sequence that ends where the view does (a call's result: ``settle``)."""
+    with pool.model.lock:
+        pool._collect()
+        for v in views:
+            seq = v._seq
+            if seq is not None and seq.id is not None and v.n_tokens == seq.extent:
+                keep_end(pool, seq)
+
+
+def forked(pool: SequencePool, src: _Seq, dst: _Seq, n: int) -> None:
+    """After ``seq_cp(src, dst, 0, n)``: ``dst``'s summary put at ``n`` and the snapshots before it shared."""
+    restore_at(pool, src, dst.id, n)  # type: ignore[arg-type]
+    dst.snaps = {p: b for p, b in src.snaps.items() if p <= n}
 
 
 def usable(seq: _Seq | None, n: int) -> int:

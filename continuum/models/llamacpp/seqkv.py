@@ -96,7 +96,7 @@ class SeqKV:
         state's end (a snapshot, once per position), so continuing the state twice, or after its sequence moved
         on, restores it instead of recomputing."""
         if self.views and self.views[0].pool.model.hybrid:
-            self.views[0].pool.keep_ends(self.views)
+            recurrent.keep_ends(self.views[0].pool, self.views)
         return self
 
     def nbytes(self, seen: set | None = None) -> int:

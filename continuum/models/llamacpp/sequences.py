@@ -291,26 +291,10 @@ class SequencePool:
             dst = self._new_seq([src, *pinned])
             lib().llama_memory_seq_cp(self.model.memory, src.id, dst.id, 0, n)
             dst.extent = n
+            view = KVView(self, dst, n)  # (held: a failed restore below releases it)
             if self.model.hybrid:  # (seq_cp copied src's latest recurrent summary: the one at n replaces it)
-                try:
-                    recurrent.restore_at(self, src, dst.id, n)  # type: ignore[arg-type]
-                except BaseException:
-                    lib().llama_memory_seq_rm(self.model.memory, dst.id, -1, -1)
-                    del self._resident[dst.id]  # type: ignore[arg-type]
-                    self._free.append(dst.id)  # type: ignore[arg-type]
-                    raise
-                dst.snaps = {p: b for p, b in src.snaps.items() if p <= n}
-            return KVView(self, dst, n)
-
-    def keep_ends(self, views: Iterable[KVView]) -> None:
-        """A hybrid model: snapshot the recurrent summary of each view's sequence that ends where the view does
-        (:func:`.recurrent.keep_end`)."""
-        with self.model.lock:
-            self._collect()
-            for v in views:
-                seq = v._seq
-                if seq is not None and seq.id is not None and v.n_tokens == seq.extent:
-                    recurrent.keep_end(self, seq)
+                recurrent.forked(self, src, dst, n)
+            return view
 
     # -- sliding window ------------------------------------------------------------------------------
     def _window_ok(self, seq_id: int, n: int) -> bool:

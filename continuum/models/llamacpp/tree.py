@@ -201,7 +201,7 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
                 if row.view._seq is not None:
                     L.llama_memory_seq_cp(mem, row.view._seq.id, seq.id, 0, row.view.n_tokens)
                     if pool.model.hybrid:  # (the summary at the context's end, not the source's latest)
-                        recurrent.restore_at(pool, row.view._seq, seq.id, row.view.n_tokens)  # type: ignore[arg-type]
+                        recurrent.forked(pool, row.view._seq, seq, row.view.n_tokens)
                 seq.extent = row.view.n_tokens
             out.append(seqs)
     except BaseException:
