@@ -45,19 +45,21 @@ def _logprobs(ref, ids: list[int]) -> np.ndarray:
     return x - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) - x.max(1, keepdims=True)
 
 
-def _check_row(ref, state: SequenceState, row: int = 0, greedy: bool = True) -> int:
+def _check_row(ref, state: SequenceState, row: int = 0, greedy: bool | int = True) -> int:
     """Every generated token's weight in ``state`` equals llama.cpp's log-prob of it after the ids before it, and
-    (greedy) it is llama.cpp's argmax wherever the margin is clear. Returns the tokens checked."""
+    (greedy: all, or the last ``greedy`` tokens) it is llama.cpp's argmax wherever the margin is clear. Returns the
+    tokens checked."""
     mask = state._mask[row].bool()
     ids = state._ids[row][mask].tolist()
     lps = state._logprobs[row][mask]
     gen = (~lps.isnan()).nonzero().flatten().tolist()
     assert gen, "no generated tokens to check"
     ref_lp = _logprobs(ref, ids)
+    argmax = set(gen if greedy is True else gen[-greedy:] if greedy else [])  # (tokens a greedy step chose)
     for t in gen:
         assert abs(float(lps[t]) - ref_lp[t - 1, ids[t]]) < TOL, f"token {t}: weight {float(lps[t])} vs {ref_lp[t - 1, ids[t]]}"
         top2 = np.sort(ref_lp[t - 1])[-2:]
-        if greedy and top2[1] - top2[0] > TOL:
+        if t in argmax and top2[1] - top2[0] > TOL:
             assert ids[t] == int(ref_lp[t - 1].argmax())
     return len(gen)
 
@@ -169,16 +171,21 @@ def test_json_under_a_schema_and_choice(lfm, ref):
               "required": ["a", "b"]}
     out = continuous(generate.json(lfm, schema, samplers.greedy()))(PROMPT + " JSON: ", max_tokens=60)
     jsonschema.validate(out.value, schema)
-    options = [" yes", " no", " maybe so"]
-    picked = continuous(generate.choice(lfm, options))(PROMPT)
+    # options sharing tokens: a tree node of several sequences (llama.cpp gives them one summary, copied where the
+    options = [" the cat", " the dog", " the cat sat", " a"]  # paths diverge)
     ids = lfm.tokenizer.encode_prompts([PROMPT])[0]
     totals = []
     for o in options:
         cont = lfm.tokenizer.encode_continuation(o)
         lp = _logprobs(ref, ids + cont)
         totals.append(sum(lp[len(ids) - 1 + i, t] for i, t in enumerate(cont)))
+    picked = continuous(generate.choice(lfm, options, samplers.greedy()))(PROMPT)
     assert picked.value == options[int(np.argmax(totals))]
-    assert abs(float(picked.weights[0, 0]) - max(totals)) < TOL  # (the token tree: one sequence per leaf)
+    assert abs(float(picked.weights[0, 0]) - max(totals)) < TOL
+    beams = continuous(generate.choice(lfm, options, samplers.beam_search(3)))(PROMPT)
+    best = sorted(totals, reverse=True)
+    assert all(abs(float(beams.weights[0, i]) - best[i]) < TOL for i in range(3))
+    _check_row(ref, continuous(generate.text(lfm, samplers.greedy()))(picked, max_tokens=5), greedy=5)
 
 
 def test_what_a_recurrent_layer_cannot_do_is_refused_clearly(lfm):

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any, TypeAlias
 
 from ...errors import BackendError
 from ._lib import lib
 
-if TYPE_CHECKING:
-    from .sequences import KVView, SequencePool, _Seq
+# (the pool, its sequences and views are sequences.py's SequencePool, _Seq and KVView, typed Any here: sequences.py
+SequencePool: TypeAlias = Any  # imports this module, and a typing import back would be a circle)
+_Seq: TypeAlias = Any
+KVView: TypeAlias = Any
 
 __all__ = ["snapshot", "keep_end", "keep_ends", "forked", "usable", "restore_at", "rewind", "undo"]
 
@@ -71,8 +73,11 @@ def keep_ends(pool: SequencePool, views: Iterable[KVView]) -> None:
 
 
 def forked(pool: SequencePool, src: _Seq, dst: _Seq, n: int) -> None:
-    """After ``seq_cp(src, dst, 0, n)``: ``dst``'s summary put at ``n`` and the snapshots before it shared."""
-    restore_at(pool, src, dst.id, n)  # type: ignore[arg-type]
+    """After ``seq_cp(src, dst, 0, n)``: ``dst``'s summary put at ``n`` and the snapshots before it shared (one is
+    taken at ``n`` when ``src`` ends there: a fork's rows, samples or options, can then be cut back to it)."""
+    if n == src.extent:
+        keep_end(pool, src)
+    restore_at(pool, src, dst.id, n)
     dst.snaps = {p: b for p, b in src.snaps.items() if p <= n}
 
 

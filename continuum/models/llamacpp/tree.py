@@ -218,21 +218,14 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -
     leaves hold only the context again (llama.cpp found no free cell: idle sequences are spilled and the tree is
     decoded again, once)."""
     L, model = lib(), pool.model
-    # A hybrid model's recurrent summary is one per sequence: a node shared by several leaves cannot be one token
-    # of several sequences (their summaries would be one), so each leaf decodes its whole path (nodes repeated).
-    per_leaf = model.hybrid
-    items = sorted((row.depth[node], k, node, li) for k, row in enumerate(rows) for node in row.nodes
-                   for li in (row.below[node] if per_leaf else (-1,)))
-    token = np.array([rows[k].tokens[node] for _, k, node, _ in items], np.int32)
-    pos = np.array([rows[k].view.n_tokens + d for d, k, node, _ in items], np.int32)
-    order: dict[tuple[int, int], int] = {}
-    for j, (_, k, node, _) in enumerate(items):
-        order.setdefault((k, node), j)
+    items = sorted(((row.depth[node], k, node) for k, row in enumerate(rows) for node in row.nodes))
+    token = np.array([rows[k].tokens[node] for _, k, node in items], np.int32)
+    pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
+    order = {(k, node): j for j, (_, k, node) in enumerate(items)}
     logits = np.empty((len(items), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
     for attempt in range(2):
-        sets = [[int(leaf_seqs[k][li].id)] if li >= 0 else  # type: ignore[arg-type]
-                [int(leaf_seqs[k][x].id) for x in rows[k].below[node]] for _, k, node, li in items]  # type: ignore[arg-type]
+        sets = [[int(leaf_seqs[k][li].id) for li in rows[k].below[node]] for _, k, node in items]  # type: ignore[arg-type]
         rc = 0
         for start in range(0, len(items), step):
             end = min(start + step, len(items))
@@ -330,7 +323,9 @@ class TreeKV:
             if int(cols[j].sum()) != view.n_tokens:
                 raise BackendError(f"row {j}: its mask covers {int(cols[j].sum())} tokens, its path {view.n_tokens}")
             views.append(view)
-        return SeqKV(views, cols)
+        out = SeqKV(views, cols)
+        # (a hybrid: an option that is a prefix of another ends inside a leaf's sequence, where no recurrent summary
+        return out._cut(cols) if self.rows and self.rows[0].view.pool.model.hybrid else out  # is kept: cut back)
 
     def nbytes(self, seen: set | None = None) -> int:
         from .seqkv import SeqKV
