@@ -45,7 +45,14 @@ def runs(tmp_path_factory, llama_dir):
 
     model_dir = llama_dir
     out = tmp_path_factory.mktemp("tp-out")
-    single = distributed_script.main(str(model_dir), out, model=models.transformers(str(model_dir)))
+    # one torch thread, as each rank has (OMP_NUM_THREADS=1 below): the tiny model gains nothing from two, and two
+    # OpenMP threads stall at every op's barrier on a loaded 2-core machine (this run: 22 s with two, measured)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = distributed_script.main(str(model_dir), out, model=models.transformers(str(model_dir)))
+    finally:
+        torch.set_num_threads(threads)
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("WORLD_SIZE", None)

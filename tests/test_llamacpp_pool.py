@@ -20,16 +20,20 @@ from llamacpp_support import DECODE_TOL, check_greedy_path, gguf, row_ids
 
 WORDS = ["cat", "dog", "bird", "king", "girl", "boy", "tree", "ship", "sun", "moon", "fish", "frog"]
 PROMPTS = [f"Once upon a time, a {w} {i}" for i in range(4) for w in WORDS]  # 48
+# One llama.cpp thread: stories260K gains nothing from two, and two OpenMP threads meet at a barrier after every
+# graph node, which on a loaded 2-core machine stalls (a 60-token call: 0.1 s with one thread, 0.5-8 s with two,
+# measured). Results do not depend on the thread count (each thread computes whole rows).
+THREADS = 1
 
 
 @pytest.fixture(scope="module")
 def small():
-    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=512)
+    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=THREADS, n_ctx=512)
 
 
 @pytest.fixture(scope="module")
 def roomy():
-    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=8192)
+    return models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=THREADS, n_ctx=8192)
 
 
 def test_run_batch_of_48_programs_on_a_512_cell_pool_completes(small, roomy):
@@ -79,7 +83,7 @@ def test_a_list_call_of_300_prompts_runs_in_turns():
     """300 prompts are more rows than the pool's 256 sequence ids: the call runs as parts of at most that many
     (``continuum.loop.turns``), stacked back in order; each row as the same prompt gives in a smaller call (texts),
     llama.cpp's own greedy choice where the margin is clear."""
-    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=8192)
+    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=THREADS, n_ctx=8192)
     assert model.max_call_rows == 255
     prompts = [f"Story {i}: once" for i in range(300)]
     gen = continuous(generate.text(model, samplers.greedy()))
@@ -102,7 +106,7 @@ def test_multinomial_300_draws_its_samples_in_groups():
 
     from continuum.errors import SequencesExhaustedError
 
-    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=8192)
+    model = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=THREADS, n_ctx=8192)
     gen = continuous(generate.text(model, samplers.multinomial(300)))
     state = gen("Once upon a time", max_tokens=8, rng=torch.Generator().manual_seed(3))
     assert (state.batch, state.samples) == (1, 300)

@@ -474,7 +474,7 @@ class Program:
         return state
 
 
-@settings(max_examples=200, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(data=st.data())
 def test_random_programs_keep_every_invariant(model, data):
     prog = Program(model, data)
