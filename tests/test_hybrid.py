@@ -1,0 +1,225 @@
+"""Hybrid and recurrent models on transformers (issue 44): LFM2 (short convolutions + attention, the ``lfm2-tiny``
+fixture) and Mamba (a tiny random ``MambaConfig`` model built here), states by snapshots.
+
+Every check compares against an independent reference: transformers' own ``generate``, or one full forward of the
+model over a row's real token ids (no cache), never a recorded output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FIXTURES
+
+LFM2 = FIXTURES / "models" / "lfm2-tiny"
+pytestmark = pytest.mark.skipif(not (LFM2 / "config.json").exists(), reason="lfm2-tiny fixture absent")
+
+from continuum import continuous, generate, run_batch
+from continuum.errors import RecurrentStateError
+from continuum.models import Transformers
+from continuum.models.hf.recurrent import HybridKV
+from continuum.samplers import beam_search, greedy, multinomial
+from continuum.state import SequenceState
+
+PROMPTS = ["Once upon a time", "The dog sat by the"]
+
+
+def _scaled(model: torch.nn.Module, seed: int) -> None:
+    """Weights redrawn from N(0, (1.5 / fan_in ** 0.5) ** 2), as the LFM2 fixture's: every token depends on its
+    context (default initialisations leave a tiny model's recurrent state nearly constant)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "A_log" not in name:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) * 1.5 / fan_in ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def lfm2() -> Transformers:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return Transformers(AutoModelForCausalLM.from_pretrained(LFM2), AutoTokenizer.from_pretrained(LFM2))
+
+
+@pytest.fixture(scope="module")
+def mamba() -> Transformers:
+    from transformers import AutoTokenizer, MambaConfig, MambaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(LFM2)  # stories260K's vocabulary (512 tokens)
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=512, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = MambaForCausalLM(cfg)
+    _scaled(model, 0)
+    with torch.no_grad():
+        model.lm_head.weight[2] = 0  # no early </s>: greedy runs its whole length
+    model.generation_config.eos_token_id = 2
+    return Transformers(model.eval(), tok)
+
+
+@pytest.fixture(params=["lfm2", "mamba"])
+def model(request) -> Transformers:
+    return request.getfixturevalue(request.param)
+
+
+def _reference_logits(model: Transformers, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def _assert_exact(model: Transformers, state: SequenceState) -> None:
+    """The logits of the state's uncached suffix, computed on its KV (reused, sliced, forked...), equal one fresh
+    forward of each row's real ids (invariant: reuse never changes results)."""
+    kv, C = state._kv, (state._kv.length() if state._kv is not None else 0)
+    mask = state._mask
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    logits, _ = model.forward_now(state._ids[:, C:], mask, pos[:, C:], kv, logits="all")
+    for r, (ids, _) in enumerate(state._real_rows()):
+        ref = _reference_logits(model, ids)
+        real = mask[r, C:].bool()
+        n = int(real.sum())
+        assert n >= 1
+        torch.testing.assert_close(logits[r, real], ref[len(ids) - n:], atol=1e-4, rtol=1e-4)
+
+
+def _hf_greedy(model: Transformers, ids: list[int], n: int) -> list[int]:
+    out = model.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0].tolist()
+
+
+def _ids(state: SequenceState, row: int = 0) -> list[int]:
+    return state._real_rows()[row][0]
+
+
+def test_is_hybrid(lfm2, mamba):
+    assert lfm2.hybrid is not None and lfm2.hybrid.rec == (0, 2) and lfm2.hybrid.attn == (1, 3)
+    assert mamba.hybrid is not None and mamba.hybrid.attn == () and not mamba.hybrid.chunked
+
+
+def test_greedy_equals_transformers_generate(model):
+    """A batch of prompts of different lengths (left padding: rows run by padding pattern) equals transformers'
+    generate on each prompt alone."""
+    s = continuous(generate.text(model, greedy()))(PROMPTS, max_tokens=10)
+    assert isinstance(s._kv, HybridKV)
+    for r, p in enumerate(PROMPTS):
+        prompt = model.tokenizer.encode_prompts([p])[0]
+        assert _ids(s, r) == _hf_greedy(model, prompt, 10)
+
+
+def test_continuing_computes_only_new_tokens(model):
+    g = continuous(generate.text(model, greedy()))
+    s = g(PROMPTS[0], max_tokens=6)
+    before = model.tokens_computed
+    s2 = g(s, max_tokens=5)
+    assert model.tokens_computed - before == 5  # the last token (never cached) + 4 fed back
+    prompt = model.tokenizer.encode_prompts([PROMPTS[0]])[0]
+    assert _ids(s2) == _hf_greedy(model, prompt, 11)
+    before = model.tokens_computed
+    s3 = g(s2 + " and then", max_tokens=4)
+    added = len(_ids(s3)) - len(_ids(s2)) - 4
+    assert model.tokens_computed - before == added + 1 + 3  # the appended text, the last token, 3 fed back
+    _assert_exact(model, s3 + " more")
+
+
+def test_slicing_back_to_a_call_end_recomputes_nothing(model):
+    g = continuous(generate.text(model, greedy()))
+    s1 = g(PROMPTS[0], max_tokens=6)
+    s2 = g(s1, max_tokens=6)
+    cut = s2[:len(list(s1)[0])]
+    assert _ids(cut) == _ids(s1)
+    assert cut.cached_tokens.tolist() == s1.cached_tokens.tolist() == [[len(_ids(s1)) - 1]]
+    before = model.tokens_computed
+    again = g(cut, max_tokens=6)
+    assert model.tokens_computed - before == 6
+    assert _ids(again) == _ids(s2)
+
+
+def test_slicing_anywhere_is_exact(model):
+    g = continuous(generate.text(model, greedy()))
+    s1 = g(PROMPTS[0], max_tokens=5)
+    s = g(s1, max_tokens=7)
+    text, end1 = list(s)[0], len(list(s1)[0])
+    for k in (3, 9, end1 + 3, len(text) - 2):
+        cut = s[:k]
+        assert list(cut)[0] == text[:k]
+        assert int(cut.cached_tokens) <= len(_ids(cut)) - 1
+        if k > end1:  # recomputed from the snapshot at the first call's end (or a later one), not from scratch
+            assert int(cut.cached_tokens) >= len(_ids(s1)) - 1
+        _assert_exact(model, cut)
+        cont = g(cut, max_tokens=4)
+        assert _ids(cont) == _hf_greedy(model, _ids(cut), 4)
+
+
+def test_batch_cut_at_different_places(model):
+    """Rows cut at different columns: the summary goes back to a snapshot valid for every row (exact)."""
+    g = continuous(generate.text(model, greedy()))
+    s = g(g(PROMPTS, max_tokens=4), max_tokens=6)
+    for k in (12, 20, 25):
+        cut = s[:, :k]
+        assert list(cut) == [t[:k] for t in s]
+        _assert_exact(model, cut)
+        cont = g(cut, max_tokens=3)
+        for r in range(2):
+            assert _ids(cont, r) == _hf_greedy(model, _ids(cut, r), 3)
+
+
+def test_forked_samples_and_beams_continue_their_own_states(model):
+    g = continuous(generate.text(model, greedy()))
+    base = g(PROMPTS[0], max_tokens=4)
+    rng = torch.Generator().manual_seed(3)
+    forks = continuous(generate.text(model, multinomial(3)))(base, max_tokens=5, rng=rng)
+    assert forks.shape == (1, 3)
+    for r in range(3):  # each sample alone, continued from its own state
+        one = forks[0, r, :]
+        assert _ids(one) == _ids(forks, r)
+        assert _ids(g(one, max_tokens=4)) == _hf_greedy(model, _ids(forks, r), 4)
+    cont = continuous(generate.text(model, multinomial(3)))(forks, max_tokens=3, rng=rng)  # all three at once
+    _assert_exact(model, cont + " x")
+    beams = continuous(generate.text(model, beam_search(2)))(base, max_tokens=4)
+    _assert_exact(model, beams + " y")
+
+
+def test_run_batch_equals_each_program_alone(model):
+    g = continuous(generate.text(model, greedy()))
+
+    def program(prompt):
+        s = g(prompt, max_tokens=5)
+        return _ids(g(s + " then", max_tokens=4))
+
+    alone = [program(p) for p in PROMPTS + ["A cat"]]
+    assert run_batch(program, PROMPTS + ["A cat"], concurrency=3) == alone
+
+
+def test_save_load_continues_exactly(model, tmp_path):
+    g = continuous(generate.text(model, greedy()))
+    s = g(PROMPTS[1], max_tokens=6)
+    s.save(tmp_path / "s.safetensors")
+    loaded = SequenceState.load(tmp_path / "s.safetensors", model)
+    assert isinstance(loaded._kv, HybridKV) and loaded.cached_tokens.tolist() == s.cached_tokens.tolist()
+    before = model.tokens_computed
+    a = g(loaded, max_tokens=5)
+    assert model.tokens_computed - before == 5
+    assert _ids(a) == _ids(g(s, max_tokens=5))
+
+
+def test_json_under_a_schema(model):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+              "required": ["ok", "n"]}
+    s = continuous(generate.json(model, schema, greedy()))(PROMPTS[0] + ": ", max_tokens=40)
+    value = s.value
+    assert set(value) == {"ok", "n"}
+    _assert_exact(model, s + " ok")
+
+
+def test_refusals_are_clear(lfm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with pytest.raises(RecurrentStateError, match="prefix_cache"):
+        Transformers(AutoModelForCausalLM.from_pretrained(LFM2), AutoTokenizer.from_pretrained(LFM2),
+                     prefix_cache="1MiB")
+    state = continuous(generate.text(lfm2, greedy()))(PROMPTS[0], max_tokens=3)
+    with pytest.raises(RecurrentStateError, match="token tree"):
+        continuous(generate.choice(lfm2, ["yes", "no"]))(state)
