@@ -97,6 +97,9 @@ def _ids(state: SequenceState, row: int = 0) -> list[int]:
 def test_is_hybrid(lfm2, mamba):
     assert lfm2.hybrid is not None and lfm2.hybrid.rec == (0, 2) and lfm2.hybrid.attn == (1, 3)
     assert mamba.hybrid is not None and mamba.hybrid.attn == () and not mamba.hybrid.chunked
+    for m in (lfm2, mamba):  # every token depends on its context: the first token moves the last logits
+        a, b = _reference_logits(m, [1, 403, 407, 261, 378, 300])[-1], _reference_logits(m, [1, 50, 407, 261, 378, 300])[-1]
+        assert (a - b).abs().max() > 0.1
 
 
 def test_greedy_equals_transformers_generate(model):

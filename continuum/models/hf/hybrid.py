@@ -48,11 +48,12 @@ class HybridSpec:
     chunked: bool
 
 
-def spec_of(config: Any) -> HybridSpec | None:
+def spec_of(config: Any, prefix_cache: Any = None) -> HybridSpec | None:
     """The model's :class:`HybridSpec`, None for a model without recurrent layers.
 
     Raises:
-        RecurrentStateError: recurrent layers of a family continuum does not support yet (the message names them).
+        RecurrentStateError: recurrent layers of a family continuum does not support yet (the message names them;
+            sliding-window attention beside recurrent layers is one), or with a ``prefix_cache`` budget.
     """
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
@@ -70,6 +71,9 @@ def spec_of(config: Any) -> HybridSpec | None:
             f"{kind!r} has recurrent layers (layer types {sorted({type(x).__name__ for x in layers})}); continuum "
             f"supports the recurrent families {sorted(SUPPORTED)} on transformers so far (docs/hybrid.md). Use one "
             f"of those, or an attention-only model")
+    if prefix_cache:
+        raise RecurrentStateError(f"{kind!r} has recurrent layers: drop prefix_cache= (the prefix cache holds attention "
+                                  f"KV only; a state keeps its own recurrent snapshots, docs/hybrid.md)")
     return HybridSpec(kind, attn, rec, SUPPORTED[kind])
 
 

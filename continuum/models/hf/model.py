@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import ModelLoadError, RecurrentStateError
+from ...errors import ModelLoadError
 from ..identity import ModelFingerprint, fingerprint_of
 from ..tokenizer import Tokenizer
 from . import hybrid
@@ -56,15 +56,10 @@ class Transformers:
             text_cfg, "n_positions", None
         )
         # Recurrent layers (LFM2, Mamba): the KV is a HybridKV and forwards go through hybrid.py (docs/hybrid.md).
-        self.hybrid: HybridSpec | None = spec_of(text_cfg)
+        self.hybrid: HybridSpec | None = spec_of(text_cfg, prefix_cache=prefix_cache)
         # Sliding-window layers: the window must be measured in positions, not columns (a state's
         # cached layout has holes where text was cut), so such models get explicit 4-D masks.
         _, sliding = layer_kinds(self.config)
-        if self.hybrid is not None and (sliding or prefix_cache):
-            raise RecurrentStateError(f"{self.hybrid.model_type!r} has recurrent layers: "
-                                      + ("sliding-window attention beside them is not supported yet" if sliding else
-                                         "drop prefix_cache= (the prefix cache holds attention KV only; a state keeps "
-                                         "its own recurrent snapshots)"))
         self._window: int | None = getattr(text_cfg, "sliding_window", None) if sliding else None
         self._per_layer_masks = sliding and bool(getattr(text_cfg, "layer_types", None))
         self.tokens_computed = 0  # total positions passed to forward: benchmarks read it

@@ -152,7 +152,12 @@ class HybridKV:
         """The KV a call hands to its result: its summary marked as a call end (kept by the policy), the attention
         storage compacted (:func:`~continuum.models.hf.cache.compact`)."""
         attn = _hf.compact(self.attn) if self.attn else self.attn
-        return HybridKV(attn, self.mask, replace(self.current, end=True), self.snaps)
+        # snapshots of selected rows get their own storage: one sample of many must not pin all rows' summaries
+        own = tuple(s if s.rows is None else replace(s, states=s.take(), rows=None) for s in self.snaps)
+        current = replace(self.current, end=True)
+        if current.rows is not None:
+            current = replace(current, states=current.take(), rows=None)
+        return HybridKV(attn, self.mask, current, own)
 
     def advanced(self, attn: _hf.KV, mask: torch.Tensor, states: States) -> HybridKV:
         """This KV after a forward over more columns: ``attn`` and ``mask`` cover them all, ``states`` is the summary
