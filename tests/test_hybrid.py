@@ -226,3 +226,24 @@ def test_refusals_are_clear(lfm2):
     state = continuous(generate.text(lfm2, greedy()))(PROMPTS[0], max_tokens=3)
     with pytest.raises(RecurrentStateError, match="token tree"):
         continuous(generate.choice(lfm2, ["yes", "no"]))(state)
+
+
+def test_chat_turns_compute_only_new_tokens(lfm2):
+    """A chat re-renders its history every turn: the reply's end and the prompt's end are snapshots, so each turn
+    computes its own tokens only, and the state stays exact."""
+    from continuum.chat import Chat
+
+    template = ("{% for message in messages %}{{ message['role'][0] + ':\\n' + message['content'] + '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ 'a:\\n' }}{% endif %}")
+    reply = generate.regex(lfm2, r"[a-z]{1,4}( [a-z]{1,4}){1,3}\.", greedy())
+    chat = Chat(lfm2, template=template)
+    length = 0
+    for user in ("Tell me about the dog", "What did the cat say", "Where is the ship"):
+        chat = chat.user(user)
+        before = lfm2.tokens_computed
+        chat = chat.reply(reply, max_tokens=16)
+        total = len(_ids(chat.state))
+        # this turn's tokens, and the previous turn's last one (never cached, on any model): nothing before it
+        assert lfm2.tokens_computed - before <= total - length + 1
+        length = total
+    _assert_exact(lfm2, chat.state + "\nu:\nmore")

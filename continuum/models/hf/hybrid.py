@@ -167,9 +167,12 @@ def forward(adapter: Any, spec: HybridSpec, input_ids, attention_mask, position_
     attn = _assemble_attn(attn_parts, R, C, N, spec)
     states = _assemble_states(state_parts, R, adapter, spec)
     mask = attention_mask.bool()
+    # The first forward of a call (on nothing, or on a state a call or a slice settled) prefills its prompt: the
+    # summary at the prompt's end is kept like a call's end (regenerating a reply, a chat re-rendering it, go back there)
+    start = kv is None or kv.settled
     if kv is None:
-        return out, HybridKV(attn, mask, Snapshot(C + N, states))
-    return out, kv.advanced(attn, mask, states)
+        return out, HybridKV(attn, mask, Snapshot(C + N, states, end=True))
+    return out, kv.advanced(attn, mask, states, end=start)
 
 
 def _assemble_attn(parts, R: int, C: int, N: int, spec: HybridSpec) -> _hf.KV:
@@ -247,4 +250,4 @@ def load_kv(tensors: dict[str, torch.Tensor], meta: dict, device: torch.device) 
     attn = tuple((on[f"hyb_k{i}"], on[f"hyb_v{i}"]) for i in range(meta["attn"]))
     states = tuple(tuple(on[f"hyb_s{i}_{j}"] for j in range(n)) for i, n in enumerate(meta["states"]))
     mask = on["hyb_mask"].bool()
-    return HybridKV(attn, mask, Snapshot(int(mask.shape[1]), states, end=True))
+    return HybridKV(attn, mask, Snapshot(int(mask.shape[1]), states, end=True), settled=True)

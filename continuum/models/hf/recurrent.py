@@ -13,11 +13,12 @@ transformers KV, :mod:`continuum.models.hf.cache`):
 
 Snapshot policy (bounded; docs/hybrid.md): every forward pushes the summary it continued from, as a *recent*
 snapshot (the last :data:`RECENT` are kept: a call's final crop drops an end-of-sequence token, a stop string cuts
-a few tokens back); a call's end (:meth:`HybridKV.settle`) marks its summary as an *end* snapshot (the last
-:data:`ENDS` are kept: slicing back whole turns of a chat). :meth:`HybridKV.crop` to a column that is no snapshot
-goes back to the nearest snapshot before it: the columns after it become the state's uncached suffix and are
-recomputed exactly, never approximated. Forks share snapshots: a snapshot holds its base tensors and a row index
-(``rows``), so selecting rows (forks, beam reorders) copies nothing until a snapshot is used.
+a few tokens back); a call's end (:meth:`HybridKV.settle`) and its prompt's end (its first forward) are *end*
+snapshots (the last :data:`ENDS` are kept: slicing back whole turns of a chat, regenerating a reply).
+:meth:`HybridKV.crop` to a column that is no snapshot goes back to the nearest snapshot before it: the columns
+after it become the state's uncached suffix and are recomputed exactly, never approximated. Forks share
+snapshots: a snapshot holds its base tensors and a row index (``rows``), so selecting rows (forks, beam reorders)
+copies nothing until a snapshot is used.
 
 Example:
     >>> kv = state._kv                           # on a models.transformers LFM2 state     # doctest: +SKIP
@@ -93,11 +94,13 @@ class HybridKV:
     Every method returns a new handle and never writes a tensor this one holds.
     """
 
-    __slots__ = ("attn", "mask", "current", "snaps")
+    __slots__ = ("attn", "mask", "current", "snaps", "settled")
 
-    def __init__(self, attn: _hf.KV | None, mask: torch.Tensor, current: Snapshot, snaps: tuple[Snapshot, ...] = ()):
+    def __init__(self, attn: _hf.KV | None, mask: torch.Tensor, current: Snapshot, snaps: tuple[Snapshot, ...] = (),
+                 settled: bool = False):
         self.attn: _hf.KV = attn or ()
         self.mask, self.current, self.snaps = mask.bool(), current, snaps
+        self.settled = settled  # a state's KV (settle), not a running call's: the next forward starts a call
 
     def __repr__(self) -> str:
         return (f"HybridKV(rows={self.mask.shape[0]}, columns={self.length()}, "
@@ -157,13 +160,14 @@ class HybridKV:
         current = replace(self.current, end=True)
         if current.rows is not None:
             current = replace(current, states=current.take(), rows=None)
-        return HybridKV(attn, self.mask, current, own)
+        return HybridKV(attn, self.mask, current, own, settled=True)
 
-    def advanced(self, attn: _hf.KV, mask: torch.Tensor, states: States) -> HybridKV:
+    def advanced(self, attn: _hf.KV, mask: torch.Tensor, states: States, end: bool = False) -> HybridKV:
         """This KV after a forward over more columns: ``attn`` and ``mask`` cover them all, ``states`` is the summary
-        at the new end; the summary it continued from becomes a recent snapshot."""
+        at the new end (``end``: kept like a call's end, see :func:`~.hybrid.forward`); the summary it continued
+        from becomes a snapshot."""
         snaps = self.snaps + ((self.current,) if self.length() > 0 else ())
-        return HybridKV(attn, mask, Snapshot(mask.shape[1], states), _prune(snaps))
+        return HybridKV(attn, mask, Snapshot(mask.shape[1], states, end=end), _prune(snaps))
 
     def nbytes(self, seen: set | None = None) -> int:
         """Bytes of the attention KV and of every snapshot's tensors, storage shared counted once."""
