@@ -247,3 +247,18 @@ def test_chat_turns_compute_only_new_tokens(lfm2):
         assert lfm2.tokens_computed - before <= total - length + 1
         length = total
     _assert_exact(lfm2, chat.state + "\nu:\nmore")
+
+
+def test_other_state_operations_stay_exact(model):
+    """stop strings, one row selected, state + state, text + state, CFG (stacked and narrowed KVs), token healing,
+    stacking states, beams continued by beams: every result's KV reproduces a fresh forward."""
+    g = continuous(generate.text(model, greedy()))
+    s = g(PROMPTS, max_tokens=6)
+    results = [g(s, max_tokens=10, stop_at=["a", "e"]), s[1, :], s[0, :] + s[1, :], "Hello " + s[0, :],
+               continuous(generate.text(model, greedy(), guidance_scale=2.0, negative_prompt="bad"))(s, max_tokens=4),
+               continuous(generate.text(model, greedy(), token_healing=True))(s + " the", max_tokens=4),
+               SequenceState.stack([s[0, :], g(s[1, :], max_tokens=3)])]
+    beams = continuous(generate.text(model, beam_search(3)))
+    results.append(beams(beams(s, max_tokens=4), max_tokens=3))
+    for r in results:
+        _assert_exact(model, r + " z")
