@@ -250,6 +250,6 @@ class ForeignStateError(StateFileError):
 
 
 class RecurrentStateError(ContinuumError, ValueError):
-    """An operation a recurrent layer (a convolution or SSM state: LFM2, Mamba) cannot do exactly: a token tree
-    (options side by side need one state each), masking out cached tokens without slicing the state, or a
-    hybrid family continuum does not support yet. The message says what to do instead (see docs/hybrid.md)."""
+    """An operation a recurrent layer (a convolution or SSM state: LFM2, Mamba) cannot do exactly: masking out
+    cached tokens without slicing the state, a hybrid family continuum does not support yet, a prefix cache on
+    such a model. The message says what to do instead (see docs/hybrid.md)."""

@@ -224,8 +224,37 @@ def test_refusals_are_clear(lfm2):
         Transformers(AutoModelForCausalLM.from_pretrained(LFM2), AutoTokenizer.from_pretrained(LFM2),
                      prefix_cache="1MiB")
     state = continuous(generate.text(lfm2, greedy()))(PROMPTS[0], max_tokens=3)
-    with pytest.raises(RecurrentStateError, match="token tree"):
-        continuous(generate.choice(lfm2, ["yes", "no"]))(state)
+    kv, C = state._kv, state._kv.length()
+    mask = state._mask.clone()
+    mask[0, C - 2] = 0  # a cached token masked out behind the summary's back (what a rejected draft would do)
+    with pytest.raises(RecurrentStateError, match="cannot forget a token"):
+        lfm2.forward_now(state._ids[:, C:], mask, (mask.cumsum(1) - 1)[:, C:], kv)
+
+
+def test_choice_scores_exactly(model):
+    """Choice scoring's token tree runs level by level on a recurrent model: each option's score is its log-prob
+    after the context in one fresh forward, greedy picks the best, beams the best pairs, and the chosen states
+    continue exactly."""
+    s = continuous(generate.text(model, greedy()))(PROMPTS, max_tokens=3)
+    options = [" happy", " sad", " happy dog", " x"]
+    scores = []
+    for r in range(2):
+        ctx, row = _ids(s, r), []
+        for o in options:
+            ids = model.tokenizer.encode_continuation(o)
+            lp = torch.log_softmax(_reference_logits(model, ctx + ids), -1)
+            row.append(sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(ids)))
+        scores.append(row)
+    for sampler in (greedy(), beam_search(2)):
+        out = continuous(generate.choice(model, options, sampler))(s)
+        picked = [[options.index(list(out)[b * out.samples + i][len(list(s)[b]):]) for i in range(out.samples)]
+                  for b in range(2)]
+        for b in range(2):
+            assert picked[b] == sorted(range(4), key=lambda k: -scores[b][k])[:out.samples]  # the best, best first
+            for i, k in enumerate(picked[b]):
+                gain = float(out.weights[b, i] - s.weights[b, 0])
+                assert abs(gain - scores[b][k]) < 1e-3
+        _assert_exact(model, out + " z")
 
 
 def test_chat_turns_compute_only_new_tokens(lfm2):

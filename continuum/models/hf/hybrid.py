@@ -29,6 +29,7 @@ import torch
 
 from ...errors import RecurrentStateError
 from . import cache as _hf
+from .hybrid_tree import TreeKV, tree_forward
 from .recurrent import HybridKV, Snapshot, States
 
 __all__ = ["HybridSpec", "SUPPORTED", "spec_of", "forward", "save_kv", "load_kv"]
@@ -121,13 +122,11 @@ def _run_group(adapter: Any, spec: HybridSpec, ids, mask, pos, kv: HybridKV | No
 
 
 def forward(adapter: Any, spec: HybridSpec, input_ids, attention_mask, position_ids, kv: HybridKV | None, *,
-            logits: str = "last", reserve: int = 0, allowed=None) -> tuple[torch.Tensor | None, HybridKV]:
+            logits: str = "last", reserve: int = 0, allowed=None) -> tuple[torch.Tensor | None, HybridKV | TreeKV]:
     """:meth:`Transformers.forward_now <continuum.models.hf.Transformers.forward_now>` on a hybrid model: the same
     contract (logits of the new columns, a KV over all columns; ``kv`` unchanged), rows grouped by the pattern of
-    their new columns' real tokens, each group on those tokens only (see the module docstring)."""
-    if allowed is not None:
-        raise RecurrentStateError("a token tree (options scored side by side) needs one recurrent state per option, "
-                                  "which a convolution or SSM layer cannot share: score options one call each")
+    their new columns' real tokens, each group on those tokens only (see the module docstring); a token tree
+    (``allowed``) level by level (:mod:`continuum.models.hf.hybrid_tree`)."""
     R, N = input_ids.shape
     C = attention_mask.shape[1] - N
     if (kv.length() if kv is not None else 0) != C:
@@ -137,6 +136,11 @@ def forward(adapter: Any, spec: HybridSpec, input_ids, attention_mask, position_
             "the attention mask masks out cached tokens that the recurrent state already summarizes (a recurrent "
             "layer cannot forget a token): slice the state instead (state[..., :n] goes back to a snapshot and "
             "recomputes the rest); speculative decoding is not supported on recurrent models")
+    if allowed is not None:  # choice scoring's token tree: level by level (hybrid_tree.py)
+        def level(ids, mask, pos, sub):
+            return _run_group(adapter, spec, ids, mask, pos, sub, "last", 0)
+
+        return tree_forward(adapter, spec, level, input_ids, attention_mask, position_ids, kv, allowed, logits)
     new = attention_mask[:, C:].bool()
     patterns, which = torch.unique(new.cpu(), dim=0, return_inverse=True)
     vocab = adapter.vocab_size

@@ -195,7 +195,5 @@ class HybridKV:
         return cls(attn, mask, Snapshot(width, states))
 
     def gather_paths(self, rows, start, split, index, mask):
-        raise RecurrentStateError(
-            "choice scoring lays options side by side in a token tree, which a recurrent layer (convolution or SSM "
-            "state) cannot do: each option would need its own copy of the state. Use sampler=greedy with "
-            "generate.choice(..., method='greedy'), or score options one call each on this model")
+        raise RecurrentStateError("a token tree's paths are read from the tree forward's KV (hybrid_tree.TreeKV), "
+                                  "not from a state's: run the tree with model.forward(..., allowed=...) first")
