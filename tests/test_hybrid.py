@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FIXTURES
+from hybrid_support import LFM2, PROMPTS, assert_exact, hf_greedy, ids_of, reference_logits, scaled
 
-LFM2 = FIXTURES / "models" / "lfm2-tiny"
 pytestmark = pytest.mark.skipif(not (LFM2 / "config.json").exists(), reason="lfm2-tiny fixture absent")
 
 from continuum import continuous, generate, run_batch
@@ -21,19 +20,6 @@ from continuum.models import Transformers
 from continuum.models.hf.recurrent import HybridKV
 from continuum.samplers import beam_search, greedy, multinomial
 from continuum.state import SequenceState
-
-PROMPTS = ["Once upon a time", "The dog sat by the"]
-
-
-def _scaled(model: torch.nn.Module, seed: int) -> None:
-    """Weights redrawn from N(0, (1.5 / fan_in ** 0.5) ** 2), as the LFM2 fixture's: every token depends on its
-    context (default initialisations leave a tiny model's recurrent state nearly constant)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "A_log" not in name:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=g) * 1.5 / fan_in ** 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +38,7 @@ def mamba() -> Transformers:
     cfg = MambaConfig(vocab_size=512, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     model = MambaForCausalLM(cfg)
-    _scaled(model, 0)
+    scaled(model, 0)
     with torch.no_grad():
         model.lm_head.weight[2] = 0  # no early </s>: greedy runs its whole length
     model.generation_config.eos_token_id = 2
@@ -64,41 +50,11 @@ def model(request) -> Transformers:
     return request.getfixturevalue(request.param)
 
 
-def _reference_logits(model: Transformers, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model.model(input_ids=torch.tensor([ids])).logits[0].float()
-
-
-def _assert_exact(model: Transformers, state: SequenceState) -> None:
-    """The logits of the state's uncached suffix, computed on its KV (reused, sliced, forked...), equal one fresh
-    forward of each row's real ids (invariant: reuse never changes results)."""
-    kv, C = state._kv, (state._kv.length() if state._kv is not None else 0)
-    mask = state._mask
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    logits, _ = model.forward_now(state._ids[:, C:], mask, pos[:, C:], kv, logits="all")
-    for r, (ids, _) in enumerate(state._real_rows()):
-        ref = _reference_logits(model, ids)
-        real = mask[r, C:].bool()
-        n = int(real.sum())
-        assert n >= 1
-        torch.testing.assert_close(logits[r, real], ref[len(ids) - n:], atol=1e-4, rtol=1e-4)
-
-
-def _hf_greedy(model: Transformers, ids: list[int], n: int) -> list[int]:
-    out = model.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0].tolist()
-
-
-def _ids(state: SequenceState, row: int = 0) -> list[int]:
-    return state._real_rows()[row][0]
-
-
 def test_is_hybrid(lfm2, mamba):
     assert lfm2.hybrid is not None and lfm2.hybrid.rec == (0, 2) and lfm2.hybrid.attn == (1, 3)
     assert mamba.hybrid is not None and mamba.hybrid.attn == () and not mamba.hybrid.chunked
     for m in (lfm2, mamba):  # every token depends on its context: the first token moves the last logits
-        a, b = _reference_logits(m, [1, 403, 407, 261, 378, 300])[-1], _reference_logits(m, [1, 50, 407, 261, 378, 300])[-1]
+        a, b = reference_logits(m, [1, 403, 407, 261, 378, 300])[-1], reference_logits(m, [1, 50, 407, 261, 378, 300])[-1]
         assert (a - b).abs().max() > 0.1
 
 
@@ -109,7 +65,7 @@ def test_greedy_equals_transformers_generate(model):
     assert isinstance(s._kv, HybridKV)
     for r, p in enumerate(PROMPTS):
         prompt = model.tokenizer.encode_prompts([p])[0]
-        assert _ids(s, r) == _hf_greedy(model, prompt, 10)
+        assert ids_of(s, r) == hf_greedy(model, prompt, 10)
 
 
 def test_continuing_computes_only_new_tokens(model):
@@ -119,12 +75,12 @@ def test_continuing_computes_only_new_tokens(model):
     s2 = g(s, max_tokens=5)
     assert model.tokens_computed - before == 5  # the last token (never cached) + 4 fed back
     prompt = model.tokenizer.encode_prompts([PROMPTS[0]])[0]
-    assert _ids(s2) == _hf_greedy(model, prompt, 11)
+    assert ids_of(s2) == hf_greedy(model, prompt, 11)
     before = model.tokens_computed
     s3 = g(s2 + " and then", max_tokens=4)
-    added = len(_ids(s3)) - len(_ids(s2)) - 4
+    added = len(ids_of(s3)) - len(ids_of(s2)) - 4
     assert model.tokens_computed - before == added + 1 + 3  # the appended text, the last token, 3 fed back
-    _assert_exact(model, s3 + " more")
+    assert_exact(model, s3 + " more")
 
 
 def test_slicing_back_to_a_call_end_recomputes_nothing(model):
@@ -132,12 +88,12 @@ def test_slicing_back_to_a_call_end_recomputes_nothing(model):
     s1 = g(PROMPTS[0], max_tokens=6)
     s2 = g(s1, max_tokens=6)
     cut = s2[:len(list(s1)[0])]
-    assert _ids(cut) == _ids(s1)
-    assert cut.cached_tokens.tolist() == s1.cached_tokens.tolist() == [[len(_ids(s1)) - 1]]
+    assert ids_of(cut) == ids_of(s1)
+    assert cut.cached_tokens.tolist() == s1.cached_tokens.tolist() == [[len(ids_of(s1)) - 1]]
     before = model.tokens_computed
     again = g(cut, max_tokens=6)
     assert model.tokens_computed - before == 6
-    assert _ids(again) == _ids(s2)
+    assert ids_of(again) == ids_of(s2)
 
 
 def test_slicing_anywhere_is_exact(model):
@@ -148,12 +104,12 @@ def test_slicing_anywhere_is_exact(model):
     for k in (3, 9, end1 + 3, len(text) - 2):
         cut = s[:k]
         assert list(cut)[0] == text[:k]
-        assert int(cut.cached_tokens) <= len(_ids(cut)) - 1
+        assert int(cut.cached_tokens) <= len(ids_of(cut)) - 1
         if k > end1:  # recomputed from the snapshot at the first call's end (or a later one), not from scratch
-            assert int(cut.cached_tokens) >= len(_ids(s1)) - 1
-        _assert_exact(model, cut)
+            assert int(cut.cached_tokens) >= len(ids_of(s1)) - 1
+        assert_exact(model, cut)
         cont = g(cut, max_tokens=4)
-        assert _ids(cont) == _hf_greedy(model, _ids(cut), 4)
+        assert ids_of(cont) == hf_greedy(model, ids_of(cut), 4)
 
 
 def test_batch_cut_at_different_places(model):
@@ -163,10 +119,10 @@ def test_batch_cut_at_different_places(model):
     for k in (12, 20, 25):
         cut = s[:, :k]
         assert list(cut) == [t[:k] for t in s]
-        _assert_exact(model, cut)
+        assert_exact(model, cut)
         cont = g(cut, max_tokens=3)
         for r in range(2):
-            assert _ids(cont, r) == _hf_greedy(model, _ids(cut, r), 3)
+            assert ids_of(cont, r) == hf_greedy(model, ids_of(cut, r), 3)
 
 
 def test_forked_samples_and_beams_continue_their_own_states(model):
@@ -177,12 +133,12 @@ def test_forked_samples_and_beams_continue_their_own_states(model):
     assert forks.shape == (1, 3)
     for r in range(3):  # each sample alone, continued from its own state
         one = forks[0, r, :]
-        assert _ids(one) == _ids(forks, r)
-        assert _ids(g(one, max_tokens=4)) == _hf_greedy(model, _ids(forks, r), 4)
+        assert ids_of(one) == ids_of(forks, r)
+        assert ids_of(g(one, max_tokens=4)) == hf_greedy(model, ids_of(forks, r), 4)
     cont = continuous(generate.text(model, multinomial(3)))(forks, max_tokens=3, rng=rng)  # all three at once
-    _assert_exact(model, cont + " x")
+    assert_exact(model, cont + " x")
     beams = continuous(generate.text(model, beam_search(2)))(base, max_tokens=4)
-    _assert_exact(model, beams + " y")
+    assert_exact(model, beams + " y")
 
 
 def test_run_batch_equals_each_program_alone(model):
@@ -190,7 +146,7 @@ def test_run_batch_equals_each_program_alone(model):
 
     def program(prompt):
         s = g(prompt, max_tokens=5)
-        return _ids(g(s + " then", max_tokens=4))
+        return ids_of(g(s + " then", max_tokens=4))
 
     alone = [program(p) for p in PROMPTS + ["A cat"]]
     assert run_batch(program, PROMPTS + ["A cat"], concurrency=3) == alone
@@ -205,7 +161,7 @@ def test_save_load_continues_exactly(model, tmp_path):
     before = model.tokens_computed
     a = g(loaded, max_tokens=5)
     assert model.tokens_computed - before == 5
-    assert _ids(a) == _ids(g(s, max_tokens=5))
+    assert ids_of(a) == ids_of(g(s, max_tokens=5))
 
 
 def test_json_under_a_schema(model):
@@ -214,7 +170,7 @@ def test_json_under_a_schema(model):
     s = continuous(generate.json(model, schema, greedy()))(PROMPTS[0] + ": ", max_tokens=40)
     value = s.value
     assert set(value) == {"ok", "n"}
-    _assert_exact(model, s + " ok")
+    assert_exact(model, s + " ok")
 
 
 def test_refusals_are_clear(lfm2):
@@ -239,10 +195,10 @@ def test_choice_scores_exactly(model):
     options = [" happy", " sad", " happy dog", " x"]
     scores = []
     for r in range(2):
-        ctx, row = _ids(s, r), []
+        ctx, row = ids_of(s, r), []
         for o in options:
             ids = model.tokenizer.encode_continuation(o)
-            lp = torch.log_softmax(_reference_logits(model, ctx + ids), -1)
+            lp = torch.log_softmax(reference_logits(model, ctx + ids), -1)
             row.append(sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(ids)))
         scores.append(row)
     for sampler in (greedy(), beam_search(2)):
@@ -254,7 +210,7 @@ def test_choice_scores_exactly(model):
             for i, k in enumerate(picked[b]):
                 gain = float(out.weights[b, i] - s.weights[b, 0])
                 assert abs(gain - scores[b][k]) < 1e-3
-        _assert_exact(model, out + " z")
+        assert_exact(model, out + " z")
 
 
 def test_chat_turns_compute_only_new_tokens(lfm2):
@@ -271,11 +227,11 @@ def test_chat_turns_compute_only_new_tokens(lfm2):
         chat = chat.user(user)
         before = lfm2.tokens_computed
         chat = chat.reply(reply, max_tokens=16)
-        total = len(_ids(chat.state))
+        total = len(ids_of(chat.state))
         # this turn's tokens, and the previous turn's last one (never cached, on any model): nothing before it
         assert lfm2.tokens_computed - before <= total - length + 1
         length = total
-    _assert_exact(lfm2, chat.state + "\nu:\nmore")
+    assert_exact(lfm2, chat.state + "\nu:\nmore")
 
 
 def test_other_state_operations_stay_exact(model):
@@ -290,4 +246,5 @@ def test_other_state_operations_stay_exact(model):
     beams = continuous(generate.text(model, beam_search(3)))
     results.append(beams(beams(s, max_tokens=4), max_tokens=3))
     for r in results:
-        _assert_exact(model, r + " z")
+        assert_exact(model, r + " z")
+

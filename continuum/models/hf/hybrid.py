@@ -9,10 +9,11 @@ skipped, so the layout stays column for column the state's. Rows of different pa
 forwards (the same positions computed, more calls), and the engine runs each call's forward alone (no merged slabs:
 :func:`continuum.models.hf.step.run_requests`).
 
-Families (:data:`SUPPORTED`): LFM2 continues a state over many tokens in one forward (transformers concatenates its
-convolution state); Mamba's forward ignores the SSM state it is given when it runs more than one token (its scan
-starts from zero), so a Mamba row with a summary is continued one token per forward (exact; a prompt from scratch
-is still one forward). Other families are refused at load with :class:`~continuum.errors.RecurrentStateError`.
+Families (:data:`SUPPORTED`): LFM2, Mamba-2, Granite 4 (granitemoehybrid), Qwen3-Next and Falcon-H1 continue a
+state over many tokens in one forward; Mamba's and Jamba's forwards ignore the SSM state they are given when they
+run more than one token (their scan starts from zero), so such a row with a summary is continued one token per
+forward (exact; a prompt from scratch is still one forward). Other families are refused at load with
+:class:`~continuum.errors.RecurrentStateError`.
 
 Example:
     >>> model = models.transformers("../shared/fixtures/models/lfm2-tiny")            # doctest: +SKIP
@@ -34,8 +35,11 @@ from .recurrent import HybridKV, Snapshot, States
 
 __all__ = ["HybridSpec", "SUPPORTED", "spec_of", "forward", "save_kv", "load_kv"]
 
-# model_type -> whether one forward may continue a recurrent summary over several tokens (see the module docstring)
-SUPPORTED = {"lfm2": True, "mamba": False}
+# model_type -> whether one forward may continue a recurrent summary over several tokens (see the module docstring).
+# Each family is checked by tests/test_hybrid.py on a tiny random model. Refused: zamba2 and nemotron_h, whose
+# one-token decode step in transformers 5.24 disagrees with their full forward (3e-2 and 7e-3 on tiny models).
+SUPPORTED = {"lfm2": True, "mamba": False, "mamba2": True, "granitemoehybrid": True, "qwen3_next": True,
+             "jamba": False, "falcon_h1": True}
 
 
 @dataclass(frozen=True)
@@ -57,16 +61,24 @@ def spec_of(config: Any, prefix_cache: Any = None) -> HybridSpec | None:
             sliding-window attention beside recurrent layers is one), or with a ``prefix_cache`` budget.
     """
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import (
+        DynamicLayer,
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionCacheLayerMixin,
+        LinearAttentionLayer,
+    )
 
     layers = DynamicCache(config=config).layers
     rec = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
     if not rec:
         return None
     kind = getattr(config, "model_type", "?")
-    attn = tuple(i for i, layer in enumerate(layers) if i not in rec)
-    odd = sorted({type(layers[i]).__name__ for i in attn if type(layers[i]) is not DynamicLayer}
-                 | {type(layers[i]).__name__ for i in rec if type(layers[i]).__name__ != "LinearAttentionLayer"})
+    # a layer may hold both (Falcon-H1: attention and Mamba side by side): it is in both lists
+    attn = tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer))
+    known = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttentionLayer)
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in known})
+    if any(getattr(layers[i], "number_of_states", 1) != 1 for i in rec):  # (one conv + one SSM state per layer here)
+        odd.append("several states in one layer")
     if kind not in SUPPORTED or odd:
         raise RecurrentStateError(
             f"{kind!r} has recurrent layers (layer types {sorted({type(x).__name__ for x in layers})}); continuum "
@@ -86,7 +98,12 @@ def _cache(model: Any, spec: HybridSpec, kv: HybridKV | None, reserve: int):
     cache: Any = DynamicCache(config=model.config)  # (its layers' union type has no conv_states: spec_of checked)
     attn = _hf.append_layers(kv.attn if kv is not None and kv.attn else None, len(spec.attn), reserve)
     for i, append in zip(spec.attn, attn):
-        cache.layers[i] = append
+        if i not in spec.rec:
+            cache.layers[i] = append
+        elif append.keys is not None:  # a layer of both kinds keeps its class; its update concatenates (a copy)
+            layer = cache.layers[i]
+            layer.keys, layer.values, layer.dtype, layer.device = append.keys, append.values, append.dtype, append.device
+            layer.is_initialized = True
     if kv is not None:
         for i, states in zip(spec.rec, kv.states()):
             layer = cache.layers[i]  # a LinearAttentionLayer (spec_of checked)
