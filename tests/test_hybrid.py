@@ -248,3 +248,22 @@ def test_other_state_operations_stay_exact(model):
     for r in results:
         assert_exact(model, r + " z")
 
+
+
+def test_snapshot_interval(lfm2):
+    """``model.snapshot_interval = N`` keeps a summary every N decoded columns: a cut in the middle of a long
+    generation recomputes fewer than about N tokens, exactly."""
+    g = continuous(generate.text(lfm2, greedy()))
+    lfm2.snapshot_interval = 4
+    try:
+        s = g(PROMPTS[0], max_tokens=24)
+    finally:
+        lfm2.snapshot_interval = None
+    columns = [snap.column for snap in s._kv.snaps if snap.every]
+    assert len(columns) >= 4 and all(b - a >= 4 for a, b in zip(columns, columns[1:]))
+    text = list(s)[0]
+    for k in (len(text) // 2, len(text) * 2 // 3):
+        cut = s[:k]
+        kept = len(ids_of(cut))
+        assert kept - 1 - int(cut.cached_tokens) <= 5  # at most the interval (+ the uncached last token) recomputed
+        assert_exact(lfm2, cut)

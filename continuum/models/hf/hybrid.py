@@ -193,7 +193,7 @@ def forward(adapter: Any, spec: HybridSpec, input_ids, attention_mask, position_
     start = kv is None or kv.settled
     if kv is None:
         return out, HybridKV(attn, mask, Snapshot(C + N, states, end=True))
-    return out, kv.advanced(attn, mask, states, end=start)
+    return out, kv.advanced(attn, mask, states, end=start, interval=getattr(adapter, "snapshot_interval", None))
 
 
 def _assemble_attn(parts, R: int, C: int, N: int, spec: HybridSpec) -> _hf.KV:

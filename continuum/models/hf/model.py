@@ -57,6 +57,7 @@ class Transformers:
         )
         # Recurrent layers (LFM2, Mamba): the KV is a HybridKV and forwards go through hybrid.py (docs/hybrid.md).
         self.hybrid: HybridSpec | None = spec_of(text_cfg, prefix_cache=prefix_cache)
+        self.snapshot_interval: int | None = None  # hybrid models: a summary kept every N decoded columns too
         # Sliding-window layers: the window must be measured in positions, not columns (a state's
         # cached layout has holes where text was cut), so such models get explicit 4-D masks.
         _, sliding = layer_kinds(self.config)

@@ -14,7 +14,9 @@ transformers KV, :mod:`continuum.models.hf.cache`):
 Snapshot policy (bounded; docs/hybrid.md): every forward pushes the summary it continued from, as a *recent*
 snapshot (the last :data:`RECENT` are kept: a call's final crop drops an end-of-sequence token, a stop string cuts
 a few tokens back); a call's end (:meth:`HybridKV.settle`) and its prompt's end (its first forward) are *end*
-snapshots (the last :data:`ENDS` are kept: slicing back whole turns of a chat, regenerating a reply).
+snapshots (the last :data:`ENDS` are kept: slicing back whole turns of a chat, regenerating a reply); with
+``model.snapshot_interval = N``, one summary at least every ``N`` columns a call decodes through is kept too
+(the last :data:`EVERY`: slicing into a long generation recomputes at most about ``N`` tokens).
 :meth:`HybridKV.crop` to a column that is no snapshot goes back to the nearest snapshot before it: the columns
 after it become the state's uncached suffix and are recomputed exactly, never approximated. Forks share
 snapshots: a snapshot holds its base tensors and a row index (``rows``), so selecting rows (forks, beam reorders)
@@ -37,10 +39,11 @@ import torch
 from ...errors import RecurrentStateError
 from . import cache as _hf
 
-__all__ = ["Snapshot", "HybridKV", "States", "RECENT", "ENDS"]
+__all__ = ["Snapshot", "HybridKV", "States", "RECENT", "ENDS", "EVERY"]
 
 RECENT = 4  # summaries of the last forwards kept (the final crop of a call, a stop string a few tokens back)
 ENDS = 32  # call-end summaries kept (slicing back turns); older ones are dropped: a slice before them recomputes more
+EVERY = 32  # interval summaries kept (model.snapshot_interval: one every N columns of a long generation)
 
 States = tuple[tuple[torch.Tensor, ...], ...]  # per recurrent layer: its tensors (conv state[, SSM state]), rows first
 
@@ -48,12 +51,14 @@ States = tuple[tuple[torch.Tensor, ...], ...]  # per recurrent layer: its tensor
 @dataclass(frozen=True)
 class Snapshot:
     """The recurrent summary of every row at ``column``: row ``r`` is row ``rows[r]`` of ``states`` (``rows`` None:
-    the identity). ``end``: a call ended here (kept longer, see the module docstring)."""
+    the identity). ``end``: a call (or its prompt) ended here; ``every``: kept by the interval (both kept longer
+    than the recent ones, see the module docstring)."""
 
     column: int
     states: States
     rows: torch.Tensor | None = None
     end: bool = False
+    every: bool = False
 
     def take(self) -> States:
         """The states of this snapshot's rows (a copy only when rows were selected)."""
@@ -78,10 +83,12 @@ class Snapshot:
 
 
 def _prune(snaps: tuple[Snapshot, ...]) -> tuple[Snapshot, ...]:
-    """The snapshots the policy keeps: the last :data:`ENDS` call ends and the last :data:`RECENT` others."""
+    """The snapshots the policy keeps: the last :data:`ENDS` call ends, :data:`EVERY` interval ones and :data:`RECENT`
+    others."""
     ends = [s for s in snaps if s.end][-ENDS:]
-    recent = [s for s in snaps if not s.end][-RECENT:]
-    keep = {id(s) for s in ends + recent}
+    every = [s for s in snaps if s.every and not s.end][-EVERY:]
+    recent = [s for s in snaps if not s.end and not s.every][-RECENT:]
+    keep = {id(s) for s in ends + every + recent}
     return tuple(s for s in snaps if id(s) in keep)
 
 
@@ -162,11 +169,17 @@ class HybridKV:
             current = replace(current, states=current.take(), rows=None)
         return HybridKV(attn, self.mask, current, own, settled=True)
 
-    def advanced(self, attn: _hf.KV, mask: torch.Tensor, states: States, end: bool = False) -> HybridKV:
+    def advanced(self, attn: _hf.KV, mask: torch.Tensor, states: States, end: bool = False,
+                 interval: int | None = None) -> HybridKV:
         """This KV after a forward over more columns: ``attn`` and ``mask`` cover them all, ``states`` is the summary
         at the new end (``end``: kept like a call's end, see :func:`~.hybrid.forward`); the summary it continued
-        from becomes a snapshot."""
-        snaps = self.snaps + ((self.current,) if self.length() > 0 else ())
+        from becomes a snapshot, kept by the interval when the last kept one is ``interval`` columns back or more."""
+        old = self.current
+        if interval and not old.end:
+            kept = [s.column for s in self.snaps if s.end or s.every]
+            if old.column - (kept[-1] if kept else 0) >= interval:
+                old = replace(old, every=True)
+        snaps = self.snaps + ((old,) if self.length() > 0 else ())
         return HybridKV(attn, mask, Snapshot(mask.shape[1], states, end=end), _prune(snaps))
 
     def nbytes(self, seen: set | None = None) -> int:
