@@ -203,7 +203,10 @@ def _assemble_attn(parts, R: int, C: int, N: int, spec: HybridSpec) -> _hf.KV:
         return ()
     if len(parts) == 1 and parts[0][1].numel() == N and parts[0][2] is not None:
         return parts[0][2]  # the usual case: every row, every column (the storage appends in place next time)
-    like = next(a for _, _, a in parts if a)
+    like = next((a for _, _, a in parts if a), None)
+    if like is None:
+        raise ValueError("a forward with no real token and no KV: there is nothing to compute (a state holds a real "
+                         "token in every row)")
     out = []
     for layer in range(len(spec.attn)):
         k0 = like[layer][0]
