@@ -8,6 +8,9 @@ Greedy; tokens/s counts generated tokens; each pair runs the same call with and 
 * B25c: short prose continuations (nothing to look up): tokens/s ratio (>= 0.95x: never slower);
 * B25d: the re-statement vs llama-cpp-python's ``LlamaPromptLookupDecoding`` (its own prompt lookup): (>= 1.2x);
 * B25e: 32 programs under ``run_batch`` (compute-bound steps): tokens/s ratio (>= 1.0x).
+* B25f: a draft model on transformers (``speculate.draft``): the stories260K target with its own weights as the
+  draft, greedy: target forwards per generated token (<= 0.25 with ``max_draft=4``: every draft kept is 0.2 plus
+  the prefill's).
 
 The notes give the target forwards per generated token (``state._last.speculation``).
 """
@@ -124,4 +127,29 @@ def b25(bench: Bench, cfg) -> list[Row]:
     return rows
 
 
-SPECULATION_SCENARIOS = {"B25": b25}
+def b25f(bench: Bench, cfg) -> list[Row]:
+    from continuum import continuous, generate, models, samplers, speculate
+
+    from .common import FIXTURES
+
+    path = FIXTURES / "models" / "stories260K"
+    if not path.exists():
+        log("B25f: skipped (the stories260K fixture is absent)")
+        return []
+    target, twin = models.transformers(str(path)), models.transformers(str(path))
+    tokens = 24 if cfg.smoke else 120
+    plain = continuous(generate.text(target, samplers.greedy()))
+    spec = continuous(generate.text(target, samplers.greedy(), speculate=speculate.draft(twin, max_draft=4)))
+    prompt = "Once upon a time, there was a little girl named Lily."
+    base_s, a = _timed(lambda: plain(prompt, max_tokens=tokens))
+    cont_s, b = _timed(lambda: spec(prompt, max_tokens=tokens))
+    st = b._last.speculation or {}
+    per = (st.get("forwards", 0) + 1) / max(1, _new(b, 0))
+    return [Row("B25f", "a draft model (the target's own weights) on transformers", "one forward per token", per, "<=",
+                0.25, "target forwards per token", base_s=base_s, cont_s=cont_s,
+                notes=["model: stories260K (fp32, transformers)", f"drafted {st.get('drafted')}, kept "
+                       f"{st.get('accepted')}, draft-model forwards {st.get('draft_forwards')}; same text: "
+                       f"{str(a) == str(b)}"])]
+
+
+SPECULATION_SCENARIOS = {"B25": b25, "B25F": b25f}

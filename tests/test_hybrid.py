@@ -14,8 +14,8 @@ from hybrid_support import LFM2, PROMPTS, assert_exact, hf_greedy, ids_of, refer
 
 pytestmark = pytest.mark.skipif(not (LFM2 / "config.json").exists(), reason="lfm2-tiny fixture absent")
 
-from continuum import continuous, generate, run_batch
-from continuum.errors import RecurrentStateError
+from continuum import continuous, generate, run_batch, speculate
+from continuum.errors import GeneratorArgumentError, RecurrentStateError
 from continuum.models import Transformers
 from continuum.models.hf.recurrent import HybridKV
 from continuum.samplers import beam_search, greedy, multinomial
@@ -185,6 +185,8 @@ def test_refusals_are_clear(lfm2):
     mask[0, C - 2] = 0  # a cached token masked out behind the summary's back (what a rejected draft would do)
     with pytest.raises(RecurrentStateError, match="cannot forget a token"):
         lfm2.forward_now(state._ids[:, C:], mask, (mask.cumsum(1) - 1)[:, C:], kv)
+    with pytest.raises(GeneratorArgumentError, match="recurrent"):  # (refused before any draft is rejected)
+        continuous(generate.text(lfm2, greedy(), speculate=speculate.lookup()))(state, max_tokens=3)
 
 
 def test_choice_scores_exactly(model):

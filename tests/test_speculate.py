@@ -183,3 +183,26 @@ def test_the_server_speculates_text_and_json_replies_but_not_recorded_ones(stori
     assert text.speculate is not None and js.speculate is not None and recorded.speculate is None
     plain = ServedModel(stories).generator("text", None, False, greedy, False)[0]
     _same(continuous(plain)(COPY, max_tokens=40), continuous(text)(COPY, max_tokens=40))
+
+
+def test_a_speculating_server_reports_kept_and_rejected_drafts_in_its_usage(tmp_path_factory):
+    """``continuum serve --speculate lookup`` (a real process, the openai client): OpenAI's
+    ``completion_tokens_details.accepted/rejected_prediction_tokens`` count the drafts; the reply is the one a server
+    without speculation gives (greedy)."""
+    from serve_support import Server, shared_model_dir, shared_server
+
+    model_dir = shared_model_dir(tmp_path_factory)
+    spec = Server(model_dir, tmp_path_factory.mktemp("spec") / "store", "--speculate", "lookup")
+    try:
+        messages = [{"role": "user", "content": "Say it again: " + DOC}]
+        got = spec.client().chat.completions.create(model="tiny", messages=messages, max_tokens=48, temperature=0)
+        want = shared_server(tmp_path_factory, model_dir).client().chat.completions.create(
+            model="tiny", messages=messages, max_tokens=48, temperature=0)
+        details = got.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert want.usage.completion_tokens_details.accepted_prediction_tokens is None
+        text = spec.client().completions.create(model="tiny", prompt=COPY, max_tokens=32, temperature=0)
+        assert text.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    finally:
+        spec.stop()

@@ -130,7 +130,7 @@ class Generator:
         if not isinstance(token_healing, bool):
             raise GeneratorArgumentError(f"token_healing must be True or False, got {token_healing!r}")
         self.fast_forward, self.token_healing = fast_forward, token_healing
-        self.speculate = check_speculator(speculate, self.sampler)
+        self.speculate = check_speculator(speculate, self.sampler, model)
         self._set_reasoning(reasoning, thinking_budget)
 
     def _set_reasoning(self, reasoning: Any, thinking_budget: int | None) -> None:

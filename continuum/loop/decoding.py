@@ -31,7 +31,7 @@ from ..models.kv import positions  # (re-exported: it lives with the cache's col
 from ..models.memory import kv_bytes
 from ..models.request import Request
 from ..samplers import Sampler
-from ..speculate import Lookup, check_speculator
+from ..speculate import Speculator, check_speculator
 from ..state import LastStep, SequenceState
 from .arrivals import GATE
 from .cfg import Guidance, UnconditionalBranch
@@ -164,7 +164,7 @@ def _decode(
     fast_forward: bool = True,
     token_healing: bool = False,
     extra_eos: frozenset = frozenset(),
-    speculate: Lookup | None = None,
+    speculate: Speculator | None = None,
 ) -> Generator[Step, None, SequenceState]:
     """Continue ``state`` with ``sampler`` (and ``guide``, and classifier-free guidance ``guidance``); yields a
     :class:`Step` per forward pass, returns the new state.
@@ -178,7 +178,7 @@ def _decode(
     With guidance the unconditional branch runs one column per step, so forced runs are not fast-forwarded.
     """
     check_max_tokens(max_tokens)
-    check_speculator(speculate, sampler)
+    check_speculator(speculate, sampler, state._model)
     stops = stop_list(stop_at)
     check_rng(rng)
     steps = check_continuable(state, sampler, max_tokens)

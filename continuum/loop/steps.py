@@ -30,7 +30,7 @@ from ..models import kv as kvcache
 from ..models.kv import positions
 from ..models.request import Request
 from ..samplers import GreedySampler, Sampler
-from ..speculate import Lookup
+from ..speculate import Speculator
 from .cancel import check_cancelled
 from .fastforward import forced_runs, run_logprobs
 from .healing import apply_heal_masks
@@ -51,7 +51,7 @@ class CallLoop:
 
     def __init__(self, rows: Rows, sampler: Sampler, *, guide: Guide | None, rng: torch.Generator | None, steps: int,
                  group: int, exhausted: str, eos: frozenset, pad: int, fast_forward: bool, track_text: bool,
-                 step: Callable[[Rows, bool], Any], speculate: Lookup | None = None):
+                 step: Callable[[Rows, bool], Any], speculate: Speculator | None = None):
         self.rows, self.sampler, self.guide, self.rng = rows, sampler, guide, rng
         self.steps, self.group, self.exhausted, self.eos, self.pad = steps, group, exhausted, eos, pad
         self.ff = fast_forward and guide is not None and rows.branch is None
@@ -269,7 +269,8 @@ class CallLoop:
                 continue
             real = rows.ids[r, :self.col][rows.mask[r, :self.col].bool()]
             history = torch.cat([real.cpu(), torch.tensor([t])]).numpy()
-            d = spec.draft(history, limit)
+            state = guide.copy(rows.guide_states[r]) if guide is not None and rows.guide_states is not None else None
+            d = spec.draft(history, limit, guide=guide, state=state, stats=self.stats)
             cut = next((j for j, x in enumerate(d) if x in self.eos), len(d))
             d = d[:cut]
             if d and guide is not None and rows.guide_states is not None:

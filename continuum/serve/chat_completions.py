@@ -92,7 +92,8 @@ def _usage(reply: Reply) -> dict:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
             "total_tokens": reply.prompt_tokens + reply.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": reply.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": sum(r.reasoning_tokens for r in reply.rows)}}
+            "completion_tokens_details": {"reasoning_tokens": sum(r.reasoning_tokens for r in reply.rows),
+                                          **reply.predictions}}
 
 
 def _tool_calls(row) -> list[dict]:

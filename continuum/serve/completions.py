@@ -19,7 +19,7 @@ from .messages import new_id
 from .schemas import CompletionRequest
 from .served import Cancelled, Sampling
 from .sse import DONE, ThreadStream, sse
-from .tokens import generated_count, row_tokens, safe_length
+from .tokens import generated_count, prediction_tokens, row_tokens, safe_length
 
 __all__ = ["register"]
 
@@ -74,8 +74,11 @@ def _generate(ctx, prompts: list, sampling: Sampling, emit, cancelled) -> dict:
         rows.append({"text": out, "finish": "length" if finish[r] in ("length", "context") else "stop",
                      "tokens": ids[len(ids) - g:], "logprobs": lps[len(lps) - g:], "top": top})
     completion = sum(len(r["tokens"]) for r in rows)
-    return {"rows": rows, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                    "total_tokens": prompt_tokens + completion}}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                             "total_tokens": prompt_tokens + completion}
+    if predictions := prediction_tokens(state):  # (--speculate: drafted tokens kept and rejected)
+        usage["completion_tokens_details"] = predictions
+    return {"rows": rows, "usage": usage}
 
 
 def _echoed(ctx, prompts: list, k: int) -> list[dict]:

@@ -43,7 +43,7 @@ from .errors import Overloaded
 from .messages import new_id, template_message, tool_call_schema
 from .reasoning import Splitter
 from .tokens import Recording as _Recording
-from .tokens import common_prefix, generated_count, row_tokens, safe_length
+from .tokens import common_prefix, generated_count, prediction_tokens, row_tokens, safe_length
 
 logger = logging.getLogger("continuum.serve")
 
@@ -120,6 +120,7 @@ class Reply:
     rows: list[RowReply]
     prompt_tokens: int
     cached_tokens: int
+    predictions: dict[str, int] = field(default_factory=dict)  # drafted tokens kept and rejected (prediction_tokens)
 
     @property
     def completion_tokens(self) -> int:
@@ -333,7 +334,7 @@ class ServedModel:
             toks, tlps = ids[len(ids) - gen_n:], lps[len(lps) - gen_n:]
             top = self._top(rec, r, first.rows, gen_n) if rec is not None else None
             rows.append(RowReply(content, calls, finish, toks, tlps, top, c, *thought))
-        return Reply(rows, prompt_tokens, cached)
+        return Reply(rows, prompt_tokens, cached, prediction_tokens(first.state))
 
     def _run(self, chat: Chat, gen, max_tokens, stops, rng, on_delta, cancelled, on_reasoning=None) -> Chat:
         if on_delta is None:

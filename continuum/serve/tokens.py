@@ -8,7 +8,7 @@ from ..chat.reuse import common_prefix
 from ..samplers import Sampler
 from ..state import SequenceState
 
-__all__ = ["Recording", "common_prefix", "generated_count", "row_tokens", "safe_length"]
+__all__ = ["Recording", "common_prefix", "generated_count", "prediction_tokens", "row_tokens", "safe_length"]
 
 
 def row_tokens(state: SequenceState, r: int) -> tuple[list[int], list[float]]:
@@ -58,3 +58,12 @@ class Recording(Sampler):
 
     def reorders(self, group: int) -> bool:
         return self.inner.reorders(group)
+
+
+def prediction_tokens(state: SequenceState | None) -> dict[str, int]:
+    """OpenAI's ``completion_tokens_details`` counts of drafted tokens (``--speculate``): kept and rejected ones of
+    the state's last call; empty without speculation."""
+    stats = state._last.speculation if state is not None and state._last is not None else None
+    if not stats:
+        return {}
+    return {"accepted_prediction_tokens": stats["accepted"], "rejected_prediction_tokens": stats["drafted"] - stats["accepted"]}

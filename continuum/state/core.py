@@ -123,7 +123,8 @@ class SequenceState:
                                                       self._model.tokenizer.pad_token_id, device)
         kv = kvcache.crop(self._kv, C2)
         if C2:
-            kv = kvcache.keep(kv, kept[:, :C2])  # (a backend whose views attend to every cell must drop the cut ones)
+            # (a backend whose views attend to every cell must drop the cut ones; a hybrid's may have cut further
+            kv = kvcache.keep(kv, kept[:, :kvcache.length(kv)])  # back, to a recurrent snapshot: it covers less)
             ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
             mask = torch.cat([kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
             lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)

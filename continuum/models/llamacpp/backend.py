@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import KVCacheFullError, SequencesExhaustedError
+from ...errors import KVCacheFullError, ModelLoadError, SequencesExhaustedError
 from ..request import Request
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
@@ -62,6 +62,12 @@ class LlamaCpp:
 
         budget = parse_budget(prefix_cache)  # a bad budget fails before the GGUF is loaded
         self.llama = LlamaCppModel(path, **options)
+        self.hybrid = self.llama.hybrid  # attention + recurrent layers: recurrent.py keeps the summaries' snapshots
+        if self.hybrid and budget:
+            self.llama.close()
+            raise ModelLoadError(f"{self.llama.path.name} has recurrent layers: drop prefix_cache= (a donor's prefix "
+                                 "of any length would need a recurrent snapshot there; a state keeps its own: "
+                                 "docs/hybrid.md)")
         self.tokenizer = LlamaTokenizer(self.llama)
         self.pool = SequencePool.of(self.llama)
         self.pool.kv_bytes_per_token = self.kv_bytes_per_token  # type: ignore[attr-defined]  # (read by SeqKV.nbytes)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
+from . import recurrent
 from ._lib import lib, mark_decoded
 from .sequences import KVView, SequencePool, _Seq
 
@@ -175,7 +176,7 @@ def _discard(pool: SequencePool, seq: _Seq) -> None:
 def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | None], list[_Seq]]:
     """The sequence each row decodes into: its own (in place) when no live view of it is longer and no earlier
     row took it, else a fork. Raises StaleWindowError (after undoing the forks) for rows missing window cells."""
-    L, mem = lib(), pool.model.memory
+    L, mem, hybrid = lib(), pool.model.memory, pool.model.hybrid
     pinned: list[_Seq] = [r.view._seq for r in rows if r.view._seq is not None]
     targets: list[_Seq | None] = []
     forks: list[_Seq] = []
@@ -198,7 +199,10 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     continue
                 if id(src) not in claimed and src.longest <= view.n_tokens:
                     if src.extent > view.n_tokens:  # a dead tail no live view reaches
-                        L.llama_memory_seq_rm(mem, src.id, view.n_tokens, -1)
+                        if hybrid:  # (llama.cpp cannot cut a recurrent summary back: restore the snapshot)
+                            recurrent.rewind(pool, src, view.n_tokens)
+                        else:
+                            L.llama_memory_seq_rm(mem, src.id, view.n_tokens, -1)
                         src.extent = view.n_tokens
                     seq = src
                 else:
@@ -206,6 +210,8 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     forks.append(seq)
                     L.llama_memory_seq_cp(mem, src.id, seq.id, 0, view.n_tokens)
                     seq.extent = view.n_tokens
+                    if hybrid:  # (seq_cp copied src's latest summary: the one at the view's end replaces it)
+                        recurrent.forked(pool, src, seq, view.n_tokens)
             claimed.add(id(seq))
             pinned.append(seq)
             targets.append(seq)
@@ -240,7 +246,8 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
         if rc == 0:
             return logits
         for seq, n, _, _ in live:  # undo: cells beyond each row's old length belong to no live view
-            L.llama_memory_seq_rm(model.memory, seq.id, n, -1)
+            if not L.llama_memory_seq_rm(model.memory, seq.id, n, -1):  # a hybrid's summary moved on (an abort)
+                recurrent.undo(pool, seq, n)
         if rc != 1:
             raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); the states are "
                                "unchanged")

@@ -160,11 +160,13 @@ class LlamaCppModel:
                                  "logging.getLogger('llama-cpp-python').setLevel(logging.DEBUG) to see llama.cpp's log")
         self._model, self._ctx = model, None
         self._finalizer = weakref.finalize(self, _free, L, model, None)
-        if L.llama_model_has_encoder(model) or L.llama_model_is_recurrent(model) or L.llama_model_is_hybrid(model) \
-                or L.llama_model_is_diffusion(model):
+        if L.llama_model_has_encoder(model) or L.llama_model_is_recurrent(model) or L.llama_model_is_diffusion(model):
             self.close()
-            raise ModelLoadError(f"{self.path.name}: continuum runs decoder-only transformer GGUFs on llama.cpp; "
-                                 "encoder-decoder, recurrent, hybrid and diffusion models are not supported")
+            raise ModelLoadError(f"{self.path.name}: continuum runs decoder-only GGUFs on llama.cpp, attention or hybrid "
+                                 "(attention + recurrent layers, e.g. LFM2); encoder-decoder, pure recurrent (Mamba, "
+                                 "RWKV) and diffusion models are not supported (docs/hybrid.md)")
+        # a hybrid's recurrent part (one summary per sequence) cannot be cut back: sequences.py keeps snapshots
+        self.hybrid = bool(L.llama_model_is_hybrid(model))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         self.n_swa = int(L.llama_model_n_swa(model))
         self.n_ctx_reason = "asked"

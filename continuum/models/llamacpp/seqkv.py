@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import BackendError, ContinuumError
+from . import recurrent
 from .sequences import KVView
 
 __all__ = ["SeqKV"]
@@ -45,7 +46,8 @@ class SeqKV:
             return None
         if columns >= self.length():
             return self
-        return self._cut(self.cols[:, :columns])
+        out = self._cut(self.cols[:, :columns])
+        return out if out.length() else None  # (a hybrid's rows with no usable summary: recompute from the start)
 
     def keep(self, mask: torch.Tensor) -> SeqKV:
         """Only the columns ``mask`` (``(rows, columns)``) marks real: each row's view cut where its real columns
@@ -66,7 +68,11 @@ class SeqKV:
         return self._cut(self.cols & (torch.arange(width)[None, :] < first[:, None]))
 
     def _cut(self, cols: torch.Tensor) -> SeqKV:
-        """The KV of ``cols`` (each row's real columns a prefix of its own): each view shortened to its row's count."""
+        """The KV of ``cols`` (each row's real columns a prefix of its own): each view shortened to its row's count.
+        On a hybrid model, cut further back (every row) to where each row's recurrent summary can be had
+        (:func:`.recurrent.usable`): the state recomputes the columns after it."""
+        if self.views and self.views[0].pool.model.hybrid:
+            cols = _recurrent_cut(self.views, cols)
         keep = cols.sum(1).tolist()
         return SeqKV([v if n == v.n_tokens else v.slice(int(n)) for v, n in zip(self.views, keep)], cols)
 
@@ -86,6 +92,11 @@ class SeqKV:
         return SeqKV(self.views[:rows], self.cols[:rows, lead:])
 
     def settle(self) -> SeqKV:
+        """The KV a call hands to its result state. On a hybrid model each row's recurrent summary is kept at the
+        state's end (a snapshot, once per position), so continuing the state twice, or after its sequence moved
+        on, restores it instead of recomputing."""
+        if self.views and self.views[0].pool.model.hybrid:
+            recurrent.keep_ends(self.views[0].pool, self.views)
         return self
 
     def nbytes(self, seen: set | None = None) -> int:
@@ -99,7 +110,9 @@ class SeqKV:
             if s is not None and id(s) not in seen:
                 longest[id(s)] = max(longest.get(id(s), 0), v.n_tokens)
         seen.update(longest)
-        return per_token * sum(longest.values())
+        seqs = {id(v._seq): v._seq for v in self.views if v._seq is not None and id(v._seq) in longest}
+        snaps = sum(len(b) for q in seqs.values() for b in q.snaps.values())  # (a hybrid's recurrent snapshots)
+        return per_token * sum(longest.values()) + snaps
 
     @classmethod
     def stack(cls, kvs: list, width: int, reserve: int = 0) -> SeqKV:
@@ -112,3 +125,17 @@ class SeqKV:
             parts.append(torch.nn.functional.pad(kv.cols, (pad, 0)))
             views.extend(kv.views)
         return SeqKV(views, torch.cat(parts))
+
+
+def _recurrent_cut(views: list[KVView], cols: torch.Tensor) -> torch.Tensor:
+    """``cols`` cut (at one column for every row: the layout stays a rectangle) until each row's real count is a
+    position where its recurrent summary can be had (its sequence's end or a snapshot)."""
+    while cols.shape[1]:
+        counts = cols.sum(1).tolist()
+        use = [recurrent.usable(v._seq, int(n)) for v, n in zip(views, counts)]
+        if use == counts:
+            break
+        ranks = cols.long().cumsum(1)  # the column holding each row's u-th real token, plus one (0 for u = 0)
+        ends = [0 if u == 0 else int((ranks[r] < u).sum()) + 1 for r, u in enumerate(use)]
+        cols = cols[:, :min(ends)]
+    return cols

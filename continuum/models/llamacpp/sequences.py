@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
+from . import recurrent
 from ._lib import lib
 from .model import LlamaCppModel
 
@@ -44,7 +45,7 @@ __all__ = ["SequencePool", "KVView"]
 class _Seq:
     """One llama.cpp sequence's content, shared by the views that hold it: resident under an id, or spilled."""
 
-    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use")
+    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps")
 
     def __init__(self, pool: SequencePool, seq_id: int | None):
         self.pool, self.id = pool, seq_id
@@ -52,6 +53,7 @@ class _Seq:
         self.holders: Counter[int] = Counter()  # live views by length
         self.blob: bytes | None = None  # the spilled sequence's bytes when id is None
         self.last_use = 0
+        self.snaps: dict[int, bytes] = {}  # a hybrid model's recurrent summaries at earlier positions (recurrent.py)
 
     @property
     def longest(self) -> int:
@@ -127,6 +129,7 @@ class SequencePool:
         self._dropped: deque[tuple[_Seq, int]] = deque()  # filled by view finalizers, applied under the lock
         self._clock = itertools.count(1)
         self.spills = self.restores = 0  # counters, for tests and benchmarks
+        self.snapshots = self.restores_recurrent = 0  # a hybrid model's recurrent snapshots taken and restored
         with model.lock:
             lib().llama_memory_clear(model.memory, True)
 
@@ -153,7 +156,7 @@ class SequencePool:
                     del self._resident[seq.id]
                     self._free.append(seq.id)
                     seq.id = None
-                seq.blob, seq.extent = None, 0
+                seq.blob, seq.extent, seq.snaps = None, 0, {}
 
     def _touch(self, seq: _Seq) -> None:
         seq.last_use = next(self._clock)
@@ -288,7 +291,10 @@ class SequencePool:
             dst = self._new_seq([src, *pinned])
             lib().llama_memory_seq_cp(self.model.memory, src.id, dst.id, 0, n)
             dst.extent = n
-            return KVView(self, dst, n)
+            view = KVView(self, dst, n)  # (held: a failed restore below releases it)
+            if self.model.hybrid:  # (seq_cp copied src's latest recurrent summary: the one at n replaces it)
+                recurrent.forked(self, src, dst, n)
+            return view
 
     # -- sliding window ------------------------------------------------------------------------------
     def _window_ok(self, seq_id: int, n: int) -> bool:
@@ -297,6 +303,8 @@ class SequencePool:
             return True
         L, mem = lib(), self.model.memory
         lo, hi = int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
+        if self.model.hybrid:  # (its pos_min is the recurrent summary's position; no window: recurrent.py)
+            return hi >= n - 1
         need = max(0, n - self.model.n_swa + 1) if self.model.n_swa > 0 else 0
         return 0 <= lo <= need and hi >= n - 1
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
+from . import recurrent
 from ._lib import lib, mark_decoded
 from .decode import _discard
 from .sequences import KVView, SequencePool, _Seq
@@ -199,6 +200,8 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
                 pinned.append(seq)
                 if row.view._seq is not None:
                     L.llama_memory_seq_cp(mem, row.view._seq.id, seq.id, 0, row.view.n_tokens)
+                    if pool.model.hybrid:  # (the summary at the context's end, not the source's latest)
+                        recurrent.forked(pool, row.view._seq, seq, row.view.n_tokens)
                 seq.extent = row.view.n_tokens
             out.append(seqs)
     except BaseException:
@@ -215,14 +218,21 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -
     leaves hold only the context again (llama.cpp found no free cell: idle sequences are spilled and the tree is
     decoded again, once)."""
     L, model = lib(), pool.model
-    items = sorted(((row.depth[node], k, node) for k, row in enumerate(rows) for node in row.nodes))
-    token = np.array([rows[k].tokens[node] for _, k, node in items], np.int32)
-    pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
-    order = {(k, node): j for j, (_, k, node) in enumerate(items)}
+    # A hybrid model's recurrent summary is one per sequence: a node shared by several leaves cannot be one token
+    # of several sequences (their summaries would be one), so each leaf decodes its whole path (nodes repeated).
+    per_leaf = model.hybrid
+    items = sorted((row.depth[node], k, node, li) for k, row in enumerate(rows) for node in row.nodes
+                   for li in (row.below[node] if per_leaf else (-1,)))
+    token = np.array([rows[k].tokens[node] for _, k, node, _ in items], np.int32)
+    pos = np.array([rows[k].view.n_tokens + d for d, k, node, _ in items], np.int32)
+    order: dict[tuple[int, int], int] = {}
+    for j, (_, k, node, _) in enumerate(items):
+        order.setdefault((k, node), j)
     logits = np.empty((len(items), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
     for attempt in range(2):
-        sets = [[int(leaf_seqs[k][li].id) for li in rows[k].below[node]] for _, k, node in items]  # type: ignore[arg-type]
+        sets = [[int(leaf_seqs[k][li].id)] if li >= 0 else  # type: ignore[arg-type]
+                [int(leaf_seqs[k][x].id) for x in rows[k].below[node]] for _, k, node, li in items]  # type: ignore[arg-type]
         rc = 0
         for start in range(0, len(items), step):
             end = min(start + step, len(items))

@@ -1,0 +1,188 @@
+"""A hybrid GGUF (LFM2: short convolutions + attention) on llama.cpp: states continue, fork, slice and save exactly.
+
+The reference is llama.cpp's own evaluation (llama-cpp-python's ``Llama`` over the same ids, one prefill, every
+position's logits), within ``TOL`` (llama.cpp's logits depend on how tokens were batched); greedy paths are
+compared where the reference's top-2 margin is clear of it. The fixture's weights are random (the text is noise):
+exactness is the point, never quality."""
+
+from __future__ import annotations
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from continuum import SequenceState, continuous, generate, models, run_batch, samplers, speculate
+from continuum.errors import GeneratorArgumentError, ModelLoadError
+from continuum.models import kv as kvcache
+
+from conftest import FIXTURES
+
+GGUF = FIXTURES / "models" / "lfm2-tiny-gguf" / "lfm2-tiny-f32.gguf"
+TOL = 2e-3  # f32 weights and KV: one prefill vs the same tokens decoded in steps (measured below 1e-4)
+PROMPT = "Once upon a time"
+
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason=f"fixture {GGUF} not available")
+
+
+@pytest.fixture(scope="module")
+def lfm():
+    return models.llamacpp(str(GGUF), n_threads=2, n_ctx=2048, n_seq_max=32)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(GGUF), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, verbose=False)
+
+
+def _logprobs(ref, ids: list[int]) -> np.ndarray:
+    """llama.cpp's log-probs at every position of ``ids`` (row t: the distribution of token t + 1)."""
+    ref.reset()
+    ref.eval(ids)
+    x = np.array(ref.scores[:len(ids)], dtype=np.float64)
+    return x - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) - x.max(1, keepdims=True)
+
+
+def _check_row(ref, state: SequenceState, row: int = 0, greedy: bool = True) -> int:
+    """Every generated token's weight in ``state`` equals llama.cpp's log-prob of it after the ids before it, and
+    (greedy) it is llama.cpp's argmax wherever the margin is clear. Returns the tokens checked."""
+    mask = state._mask[row].bool()
+    ids = state._ids[row][mask].tolist()
+    lps = state._logprobs[row][mask]
+    gen = (~lps.isnan()).nonzero().flatten().tolist()
+    assert gen, "no generated tokens to check"
+    ref_lp = _logprobs(ref, ids)
+    for t in gen:
+        assert abs(float(lps[t]) - ref_lp[t - 1, ids[t]]) < TOL, f"token {t}: weight {float(lps[t])} vs {ref_lp[t - 1, ids[t]]}"
+        top2 = np.sort(ref_lp[t - 1])[-2:]
+        if greedy and top2[1] - top2[0] > TOL:
+            assert ids[t] == int(ref_lp[t - 1].argmax())
+    return len(gen)
+
+
+def test_greedy_equals_transformers_generate_and_llama_cpps_evaluation(lfm, ref):
+    from transformers import AutoModelForCausalLM
+
+    out = continuous(generate.text(lfm, samplers.greedy()))(PROMPT, max_tokens=24)
+    assert _check_row(ref, out) == 24
+    hf = AutoModelForCausalLM.from_pretrained(str(FIXTURES / "models" / "lfm2-tiny"))
+    prompt = torch.tensor([lfm.tokenizer.encode_prompts([PROMPT])[0]])
+    want = hf.generate(prompt, max_new_tokens=24, do_sample=False)[0].tolist()
+    assert out._ids[0][out._mask[0].bool()].tolist() == want
+
+
+def test_continuing_computes_only_the_new_tokens_and_equals_one_call(lfm, ref):
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    one = gen(PROMPT, max_tokens=24)
+    first = gen(PROMPT, max_tokens=12)
+    before = lfm.tokens_computed
+    second = gen(first, max_tokens=12)
+    assert lfm.tokens_computed - before == 12  # the first call's last token, then 11 decoded steps
+    assert list(second) == list(one)
+    _check_row(ref, second)
+
+
+def test_rolling_back_to_a_call_end_reuses_its_snapshot(lfm, ref):
+    """Two continuations of one state: the second finds the sequence moved on, and restores the summary kept at
+    the state's end (no recomputation of the history)."""
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    base = gen(PROMPT, max_tokens=10)
+    a = gen(base + " The dog", max_tokens=8)
+    restores, before = lfm.pool.restores_recurrent, lfm.tokens_computed
+    b = gen(base + " A cat", max_tokens=8)
+    assert lfm.pool.restores_recurrent > restores
+    snaps = base._kv.views[0]._seq.snaps
+    assert snaps and kvcache.nbytes(base._kv) >= sum(map(len, snaps.values()))  # (its bytes count its snapshots)
+    added = b._mask[0].sum().item() - base._mask[0].sum().item() - 8
+    assert lfm.tokens_computed - before == added + 8  # base's last token, the added text, 7 more steps
+    for s in (a, b, gen(base + " The dog", max_tokens=8)):
+        _check_row(ref, s)
+    assert list(gen(base + " The dog", max_tokens=8)) == list(a)
+
+
+@pytest.mark.parametrize("cut", [3, 17, 30])
+def test_slicing_anywhere_is_exact(lfm, ref, cut):
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    long = gen(PROMPT, max_tokens=30)
+    text = str(long)
+    back = long[:len(text) - cut]
+    again = gen(back, max_tokens=10)  # (cut inside the call: recomputed from the last usable summary)
+    _check_row(ref, again)  # every weight and greedy token: llama.cpp's over the sliced state's own ids
+
+
+def test_a_cut_inside_a_later_call_recomputes_from_the_snapshot_before_it(lfm, ref):
+    """The state after call 1 keeps a snapshot; call 2 extends its sequence; a cut inside call 2's tokens resumes
+    from call 1's end: only the tokens after it are computed again."""
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    base = gen(PROMPT, max_tokens=10)
+    long = gen(base, max_tokens=20)
+    cut = long[:len(str(base)) + 4]  # (a few characters into call 2)
+    before = lfm.tokens_computed
+    again = gen(cut, max_tokens=5)
+    kept = int(base._mask[0].sum()) - 1  # base's cached positions (its last token is never cached)
+    real = int(cut._mask[0].sum())
+    assert lfm.tokens_computed - before == (real - kept) + 4  # from base's end to the cut, then 4 steps
+    _check_row(ref, again)
+
+
+def test_forked_samples_and_beams_continue_their_own_states(lfm, ref):
+    sampled = continuous(generate.text(lfm, samplers.multinomial(3)))(PROMPT, max_tokens=12,
+                                                                      rng=torch.Generator().manual_seed(0))
+    assert len(set(sampled)) > 1
+    for r in range(3):
+        _check_row(ref, sampled, r, greedy=False)
+    beams = continuous(generate.text(lfm, samplers.beam_search(3)))(PROMPT, max_tokens=8)
+    for r in range(3):
+        _check_row(ref, beams, r, greedy=False)
+    more = continuous(generate.text(lfm, samplers.beam_search(3)))(beams, max_tokens=6)
+    on = continuous(generate.text(lfm, samplers.multinomial(3)))(sampled, max_tokens=6,
+                                                                rng=torch.Generator().manual_seed(1))
+    for r in range(3):
+        _check_row(ref, more, r, greedy=False)
+        _check_row(ref, on, r, greedy=False)
+
+
+def test_run_batch_equals_each_program_alone(lfm):
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    prompts = [PROMPT, "The little dog", "One day"]
+    together = run_batch(lambda p: gen(gen(p, max_tokens=6) + " and", max_tokens=6), prompts)
+    for p, got in zip(prompts, together):
+        assert list(got) == list(gen(gen(p, max_tokens=6) + " and", max_tokens=6))
+
+
+def test_save_and_load_continue_exactly(lfm, ref, tmp_path):
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    s = gen(PROMPT, max_tokens=10)
+    s.save(tmp_path / "s.safetensors")
+    back = SequenceState.load(tmp_path / "s.safetensors", lfm)
+    before = lfm.tokens_computed
+    out = gen(back, max_tokens=8)
+    assert lfm.tokens_computed - before == 8
+    assert list(out) == list(gen(s, max_tokens=8))
+    _check_row(ref, out)
+
+
+def test_json_under_a_schema_and_choice(lfm, ref):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
+              "required": ["a", "b"]}
+    out = continuous(generate.json(lfm, schema, samplers.greedy()))(PROMPT + " JSON: ", max_tokens=60)
+    jsonschema.validate(out.value, schema)
+    options = [" yes", " no", " maybe so"]
+    picked = continuous(generate.choice(lfm, options))(PROMPT)
+    ids = lfm.tokenizer.encode_prompts([PROMPT])[0]
+    totals = []
+    for o in options:
+        cont = lfm.tokenizer.encode_continuation(o)
+        lp = _logprobs(ref, ids + cont)
+        totals.append(sum(lp[len(ids) - 1 + i, t] for i, t in enumerate(cont)))
+    assert picked.value == options[int(np.argmax(totals))]
+    assert abs(float(picked.weights[0, 0]) - max(totals)) < TOL  # (the token tree: one sequence per leaf)
+
+
+def test_what_a_recurrent_layer_cannot_do_is_refused_clearly(lfm):
+    with pytest.raises(GeneratorArgumentError, match="recurrent"):
+        generate.text(lfm, samplers.greedy(), speculate=speculate.lookup())
+    with pytest.raises(ModelLoadError, match="prefix_cache"):
+        models.llamacpp(str(GGUF), n_threads=2, prefix_cache="16MB")
