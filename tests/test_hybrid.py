@@ -269,3 +269,17 @@ def test_snapshot_interval(lfm2):
         kept = len(ids_of(cut))
         assert kept - 1 - int(cut.cached_tokens) <= 5  # at most the interval (+ the uncached last token) recomputed
         assert_exact(lfm2, cut)
+
+
+def test_rows_that_finish_early_keep_their_states(model):
+    """A row stopped early is fed pads while the others decode: it runs in the same forward (its summary put back
+    after it), and every row ends as it would alone, exactly."""
+    g = continuous(generate.text(model, greedy()))
+    free = g(PROMPTS, max_tokens=10)
+    text0, text1 = (t[len(p):] for t, p in zip(free, PROMPTS))
+    stop = next(text0[i:i + 2] for i in range(2, len(text0) - 1) if text0[i:i + 2] not in text1)
+    s = g(PROMPTS, max_tokens=10, stop_at=stop)
+    assert list(s)[0].endswith(stop) and len(list(s)[0]) < len(list(free)[0]) and list(s)[1] == list(free)[1]
+    for r, p in enumerate(PROMPTS):
+        assert list(g(p, max_tokens=10, stop_at=stop))[0] == list(s)[r]
+    assert_exact(model, s + " z")

@@ -160,6 +160,13 @@ def forward(adapter: Any, spec: HybridSpec, input_ids, attention_mask, position_
         return tree_forward(adapter, spec, level, input_ids, attention_mask, position_ids, kv, allowed, logits)
     new = attention_mask[:, C:].bool()
     patterns, which = torch.unique(new.cpu(), dim=0, return_inverse=True)
+    idle = None
+    if kv is not None and len(patterns) == 2 and not bool(patterns[0].any()):
+        # Rows fed only pads (finished rows of a running call) beside one busy group: they run WITH it, so the step
+        # stays one forward appending in place; their new columns stay masked in the KV, and their summaries are
+        # put back after the forward (a recurrent layer must not consume a pad). Their logits are not read.
+        idle = (which == 0).nonzero().flatten()
+        patterns, which = patterns[1:], torch.zeros_like(which)
     vocab = adapter.vocab_size
     shape = {"last": (R, vocab), "all": (R, N, vocab)}.get(logits)
     out = None if shape is None else torch.zeros(shape, device=input_ids.device)
@@ -176,8 +183,12 @@ def forward(adapter: Any, spec: HybridSpec, input_ids, attention_mask, position_
         ids, pos = input_ids[dev_rows][:, dev_cols], position_ids[dev_rows][:, dev_cols]
         mask = torch.cat([attention_mask[dev_rows, :C], torch.ones_like(ids, dtype=attention_mask.dtype)], 1)
         lg, attn, states = _run_group(adapter, spec, ids, mask, pos, sub, logits, reserve)
+        if idle is not None and kv is not None:  # (see above: the idle rows' summaries put back)
+            before = kv.select_rows(idle).states()
+            states = tuple(tuple(t.index_copy(0, idle.to(t.device), b) for t, b in zip(layer, old))
+                           for layer, old in zip(states, before))
         with adapter._count_lock:
-            adapter.tokens_computed += ids.numel()
+            adapter.tokens_computed += (ids.shape[0] - (idle.numel() if idle is not None else 0)) * ids.shape[1]
         if out is not None:
             if logits == "all":
                 out[dev_rows[:, None], dev_cols[None, :]] = lg
