@@ -52,8 +52,9 @@ def test_other_recurrent_families(kind):
     computes only new tokens, slicing stays exact (the rest runs the same code as LFM2's and Mamba's tests)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(_family_config(kind)).eval()
+    with torch.random.fork_rng():  # (a fixed initialisation without moving the global generator other tests draw from)
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(_family_config(kind)).eval()
     scaled(hf, 0)
     with torch.no_grad():
         hf.get_output_embeddings().weight[2] = 0  # no early </s>
