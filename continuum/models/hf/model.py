@@ -112,10 +112,11 @@ class Transformers:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one position of one row takes (every layer's keys and values), from the config and the KV dtype
-        (0 when the config does not say)."""
+        (0 when the config does not say; a hybrid model's attention layers only: its snapshots are per row)."""
         from ..memory import config_kv_bytes_per_token
 
-        return config_kv_bytes_per_token(self.model.config, self.kv_dtype.itemsize)
+        per = config_kv_bytes_per_token(self.model.config, self.kv_dtype.itemsize)
+        return per if self.hybrid is None else per * len(self.hybrid.attn) // max(self._layers, 1)
 
     @property
     def device(self) -> torch.device:
