@@ -1,7 +1,7 @@
 """Benchmark scenarios B1-B22 (B10 in fastforward.py, B11 guidance_bench.py, B12 chat_bench.py, B13 prefix_bench.py,
 B14 distributed_bench.py, B15-B20 programs_bench.py, B18b choice_bench.py,
 B21 serve_bench.py, B22 engine_bench.py, B23 reasoning_bench.py,
-B24 llamacpp_bench.py; see docs/benchmarks.md). Each returns a list of checked
+B24 llamacpp_bench.py, B27 hybrid_bench.py; see docs/benchmarks.md). Each returns a list of checked
 :class:`Row`."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .engine_bench import ENGINE_SCENARIOS
 from .fastforward import b10
 from .guidance_bench import b11
 from .helpers import compare_with_hf, complete, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns
+from .hybrid_bench import HYBRID_SCENARIOS
 from .llamacpp_bench import LLAMACPP_SCENARIOS
 from .pool_bench import POOL_SCENARIOS
 from .prefix_bench import b13
@@ -488,5 +489,6 @@ SCENARIOS: dict[str, Callable[[Bench, Config], list[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B10": b10, "B11": b11,
     "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21, "B18B": b18b, **ENGINE_SCENARIOS, "B23": b23,
     **LLAMACPP_SCENARIOS, **POOL_SCENARIOS, **SERVER_POOL_SCENARIOS, **SPECULATION_SCENARIOS,
+    **HYBRID_SCENARIOS,
 }
 ALIASES = {"B2": "B1"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ContinuumError",
+    "RecurrentStateError",
     "SampleMismatch",
     "BatchMismatch",
     "SlicingError",
@@ -246,3 +247,9 @@ class StaleWindowError(ContinuumError, RuntimeError):
 class ForeignStateError(StateFileError):
     """A saved llama.cpp KV blob was made by another GGUF, KV type, flash-attention setting or llama.cpp
     version: its bytes would load and give wrong logits. Recompute the state from its tokens instead."""
+
+
+class RecurrentStateError(ContinuumError, ValueError):
+    """An operation a recurrent layer (a convolution or SSM state: LFM2, Mamba) cannot do exactly: masking out
+    cached tokens without slicing the state, a hybrid family continuum does not support yet, a prefix cache on
+    such a model. The message says what to do instead (see docs/hybrid.md)."""

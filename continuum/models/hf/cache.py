@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # for the annotation only: the functions import it where they
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
-__all__ = ["KV", "positions", "layer_kinds", "to_dynamic_cache", "from_dynamic_cache", "select_rows", "crop", "shrink", "compact",
+__all__ = ["KV", "positions", "layer_kinds", "to_dynamic_cache", "append_layers", "from_dynamic_cache",
+           "select_rows", "crop", "shrink", "compact",
            "gather_columns", "gather_paths", "nbytes", "length", "stack_rows", "assemble", "devices", "to_devices"]
 
 
@@ -135,15 +136,18 @@ def layer_kinds(config) -> tuple[int, bool]:
     """(number of layers, whether any is a sliding-window layer), from one ``DynamicCache(config=...)``
     per config. Sliding-window layers are served by full ones: every column stays cached (slicing
     back needs them) and the model adapter masks what lies outside the window. Other kinds (linear
-    attention, recurrent state) would need another cache layout and are refused."""
+    attention) would need another cache layout and are refused; recurrent layers (convolution, SSM state) are
+    counted: :mod:`continuum.models.hf.hybrid` serves them."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
     seen = _CHECKED_CONFIGS.get(id(config))
     if seen is not None and seen[0]() is config:  # ids are reused once a config is freed
         return seen[1], seen[2]
     layers = DynamicCache(config=config).layers
-    bad = {type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)}
+    # (recurrent layers are hybrid.py's: its HybridKV carries them; spec_of refuses the families it cannot serve)
+    bad = {type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)
+           and not isinstance(layer, LinearAttentionCacheLayerMixin)}
     if bad:
         raise NotImplementedError(f"continuum supports attention KV caches (full or sliding window), not {sorted(bad)}")
     sliding = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
@@ -183,10 +187,17 @@ def to_dynamic_cache(kv: KV | None, config, reserve: int = 0) -> DynamicCache:
     from transformers import DynamicCache
 
     n, _ = layer_kinds(config)
+    cache = DynamicCache()
+    cache.layers = append_layers(kv, n, reserve)
+    return cache
+
+
+def append_layers(kv: KV | None, n: int, reserve: int = 0) -> list:
+    """``n`` cache layers that append into arenas (see the module docstring), holding ``kv``'s tensors (no copy):
+    the layers of :func:`to_dynamic_cache`, and the attention layers of a hybrid model's cache."""
     if kv is not None and len(kv) != n:
         raise ValueError(f"cache has {len(kv)} layers, the model {n}")
     layer_cls = _append_layer()
-    cache = DynamicCache()
     layers = []
     for i in range(n):
         layer = layer_cls()
@@ -197,8 +208,7 @@ def to_dynamic_cache(kv: KV | None, config, reserve: int = 0) -> DynamicCache:
             layer.keys, layer.values = k, v
             layer.is_initialized = True
         layers.append(layer)
-    cache.layers = layers
-    return cache
+    return layers
 
 
 def from_dynamic_cache(cache) -> KV:

@@ -16,7 +16,9 @@ import torch
 from ...errors import ModelLoadError
 from ..identity import ModelFingerprint, fingerprint_of
 from ..tokenizer import Tokenizer
+from . import hybrid
 from .cache import KV, cache_kwargs, from_dynamic_cache, layer_kinds, to_dynamic_cache
+from .hybrid import HybridSpec, spec_of
 from .prefix_cache import PrefixCache, parse_budget
 
 if TYPE_CHECKING:
@@ -53,6 +55,9 @@ class Transformers:
         self.context_length: int | None = getattr(text_cfg, "max_position_embeddings", None) or getattr(
             text_cfg, "n_positions", None
         )
+        # Recurrent layers (LFM2, Mamba): the KV is a HybridKV and forwards go through hybrid.py (docs/hybrid.md).
+        self.hybrid: HybridSpec | None = spec_of(text_cfg, prefix_cache=prefix_cache)
+        self.snapshot_interval: int | None = None  # hybrid models: a summary kept every N decoded columns too
         # Sliding-window layers: the window must be measured in positions, not columns (a state's
         # cached layout has holes where text was cut), so such models get explicit 4-D masks.
         _, sliding = layer_kinds(self.config)
@@ -107,10 +112,11 @@ class Transformers:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one position of one row takes (every layer's keys and values), from the config and the KV dtype
-        (0 when the config does not say)."""
+        (0 when the config does not say; a hybrid model's attention layers only: its snapshots are per row)."""
         from ..memory import config_kv_bytes_per_token
 
-        return config_kv_bytes_per_token(self.model.config, self.kv_dtype.itemsize)
+        per = config_kv_bytes_per_token(self.model.config, self.kv_dtype.itemsize)
+        return per if self.hybrid is None else per * len(self.hybrid.attn) // max(self._layers, 1)
 
     @property
     def device(self) -> torch.device:
@@ -208,6 +214,9 @@ class Transformers:
     @torch.inference_mode()
     def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""
+        if self.hybrid is not None:
+            return hybrid.forward(self, self.hybrid, input_ids, attention_mask, position_ids, cache, logits=logits,
+                                  reserve=reserve, allowed=allowed)
         past = to_dynamic_cache(cache, self.config, reserve)
         out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed)
         with self._count_lock:
@@ -217,6 +226,14 @@ class Transformers:
         if cache is None and kv:  # a cache computed from scratch: remember what dtype these weights produce
             self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
         return result, kv
+
+    def save_kv(self, kv) -> tuple[dict, dict]:
+        """A hybrid model's KV for a state file (:func:`continuum.models.hf.hybrid.save_kv`)."""
+        return hybrid.save_kv(kv)
+
+    def load_kv(self, tensors: dict, meta: dict):
+        """The KV :meth:`save_kv` wrote, on this model's device."""
+        return hybrid.load_kv(tensors, meta, self.device)
 
     def _run(self, input_ids, attention_mask, position_ids, past, logits: str, allowed=None) -> torch.Tensor:
         """One model forward on the ``Cache`` object ``past``; the float32 logits of the last column

@@ -14,8 +14,10 @@ __all__ = ["run_requests"]
 
 def run_requests(model, batch: list[Request], stats: dict) -> None:
     """Run every request of the step: merged forwards by group, the rest alone; errors to their owners."""
-    alone = [r for r in batch if not r.mergeable]
-    merged = [r for r in batch if r.mergeable]
+    # A hybrid model's rows run alone: merged slabs hold attention KV only, and hybrid.py groups rows by padding.
+    recurrent = getattr(model, "hybrid", None) is not None
+    alone = [r for r in batch if recurrent or not r.mergeable]
+    merged = [] if recurrent else [r for r in batch if r.mergeable]
     for group in merge.groups(merged):
         if len(group) == 1 and merge.slot_of(group[0].kv) is None:
             alone.append(group[0])
