@@ -34,7 +34,8 @@ def _parse(argv):
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default: 2)")
     p.add_argument("--omp-active", action="store_true",
                    help="keep OpenMP's default busy-waiting (default here: OMP_WAIT_POLICY=PASSIVE, which keeps a "
-                        "loaded machine from stalling 2-thread runs; it applies to both sides)")
+                        "loaded machine from stalling 2-thread runs; it applies to both sides; --only of llama.cpp "
+                        "scenarios B24, B25, B26, B26S always keeps the default: PASSIVE halves llama.cpp's speed)")
     p.add_argument("--reps", type=int, default=None, help="override the repetitions of every scenario")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=None,
@@ -47,8 +48,14 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
+LLAMACPP_ONLY = {"B24", "B25", "B26", "B26S"}  # scenarios that run llama.cpp only: OpenMP's default waiting
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
+    only = {x.strip().upper() for x in args.only.split(",") if x.strip()}
+    if only and only <= LLAMACPP_ONLY:  # (PASSIVE halves llama.cpp's speed on an idle machine: 24 vs 50 tokens/s on
+        args.omp_active = True  # Gemma 3 270M, its OpenMP threads sleep at every graph node's barrier)
     if not args.omp_active:
         if "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
             print("note: torch was imported before the runner; OMP_WAIT_POLICY could not be set", file=sys.stderr)

@@ -60,6 +60,7 @@ class CallLoop:
         self.drafts: list[list[int]] | None = None  # each row's drafted tokens in the last block (not yet accepted)
         self.block: torch.Tensor | None = None  # that block's logits, (rows, width, vocab), for verification
         self.k = speculate.max_draft if speculate is not None else 0  # the draft length now (adapted to acceptance)
+        self.rest, self.pause = 0, 0  # steps left without drafting, and the next pause's length (drafts kept rarely)
         self.stats = {"forwards": 0, "drafted": 0, "accepted": 0}
         self.remask = False  # the next request's cached mask lost columns (rejected drafts): see Request.remask
         self.engine: Any = None  # the model's engine (run): how many calls share its steps
@@ -130,16 +131,24 @@ class CallLoop:
         """Speculation rests while more than ``max_calls`` calls share the step (compute-bound: see speculate.py)."""
         return self.spec is not None and self.engine is not None and self.engine.running_hint > self.spec.max_calls
 
+    def _resting(self) -> bool:
+        """Drafting paused after drafts were rejected at the shortest length (counts the steps down)."""
+        if self.rest > 0:
+            self.rest -= 1
+            return True
+        return False
+
     def _common(self) -> bool:
         top = self.last.top if self.last is not None else None
         rows = self.rows
         return self.lists and top is not None and not any(rows.finished) and self.eos.isdisjoint(top[0]) \
-            and all(h is None for h in rows.heal) and self.drafts is None and (self.spec is None or self._busy())
+            and all(h is None for h in rows.heal) and self.drafts is None and (self.spec is None or self._busy() or self.rest > 0)
 
     def common_step(self):
         """Greedy, no guide, no row ends on EOS: the engine's top-1 lists, one column. Returns True when done."""
         rows = self.rows
         id_list, lp_list = self.last.top
+        self.rest = max(0, self.rest - 1)  # (a paused speculation rests on this step too)
         for r, t in enumerate(id_list):
             rows.accept(r, t)  # (no guide: always kept; a stop string may end the row after it)
         rows.queue_column(id_list, lp_list)
@@ -248,6 +257,11 @@ class CallLoop:
         if drafted and self.spec is not None:  # draft longer while drafts are kept, shorter when they are not
             rate = sum(kept) / drafted
             self.k = min(self.spec.max_draft, self.k + 2) if rate >= 0.8 else max(1, self.k // 2) if rate < 0.3 else self.k
+            if rate < 0.3 and self.k == 1:  # drafts of one token still mostly rejected: each costs a position in the
+                self.pause = min(2 * self.pause or 4, 64)  # forward (on a CPU, Gemma's output layer: half a step),
+                self.rest = self.pause  # so pause drafting, longer each time (JSON values rarely repeat their text)
+            elif rate >= 0.8:
+                self.pause = 0
         if all(rows.finished):
             return None
         for r in range(R):
@@ -313,7 +327,8 @@ class CallLoop:
         if healing:
             rows.heal = [None] * len(keep)
         runs = self._forced(keep) if self.ff else None
-        drafts = self._draft(keep, id_list, runs) if self.spec is not None and not self._busy() else None
+        drafts = self._draft(keep, id_list, runs) if self.spec is not None and not self._busy() and not self._resting() \
+            else None
         if drafts is not None and not any(drafts):
             drafts = None
         block = [(f or []) + d for f, d in zip(runs or [[]] * len(keep), drafts or [[]] * len(keep))] \
