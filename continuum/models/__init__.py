@@ -1,6 +1,7 @@
 """Model and tokenizer adapters."""
 
-from .hf.model import Transformers, transformers
+from .hf.load import transformers
+from .hf.model import Transformers
 from .identity import ModelFingerprint
 from .llamacpp.backend import LlamaCpp, llamacpp
 from .tokenizer import Tokenizer

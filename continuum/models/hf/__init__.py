@@ -11,6 +11,7 @@
   level); docs/hybrid.md.
 """
 
-from .model import Transformers, transformers
+from .load import transformers
+from .model import Transformers
 
 __all__ = ["Transformers", "transformers"]
