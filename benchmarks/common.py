@@ -465,15 +465,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300) -> None:
-    """Wait until ``url``/health answers 200; raise (with the process's last output) if ``proc`` exits or
-    ``timeout`` seconds pass."""
+def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: Callable[[], str] | None = None) -> None:
+    """Wait until ``url``/health answers 200; raise (with the process's last output: ``output()``, default its
+    piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed). The server tests use it too."""
     import httpx
+
+    def tail() -> str:
+        return output() if output is not None else proc.stderr.read().decode()[-2000:] if proc.stderr else ""
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{tail()}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return
@@ -481,4 +484,4 @@ def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300) -> None:
             pass
         time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"{what} did not start in {timeout:g} s")
+    raise RuntimeError(f"{what} did not start in {timeout:g} s" + (f":\n{output()}" if output is not None else ""))

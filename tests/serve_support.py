@@ -10,15 +10,15 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Literal
 
 import httpx
 from pydantic import BaseModel, Field
+
+from benchmarks.common import free_port, wait_healthy  # (one server start-up wait for benchmarks and tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "qwen2.5-instruct.jinja"  # renders tools and <tool_call> blocks
@@ -78,12 +78,6 @@ def shared_server(tmp_path_factory, model_dir: str) -> Server:
     return _SERVERS["server"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """``continuum serve`` in a subprocess; ``url`` is its ``/v1`` base."""
 
@@ -101,18 +95,12 @@ class Server:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         self._log = open(self.log, "ab")  # noqa: SIM115 - the server's output, open while it runs
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the server did not start in {timeout} s:\n{self.log.read_text()[-3000:]}")
+        try:
+            wait_healthy(self.proc, f"http://127.0.0.1:{self.port}", "the server", timeout,
+                         output=lambda: self.log.read_text()[-3000:])
+        except RuntimeError:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
