@@ -283,8 +283,8 @@ class CallLoop:
                 continue
             real = rows.ids[r, :self.col][rows.mask[r, :self.col].bool()]
             history = torch.cat([real.cpu(), torch.tensor([t])]).numpy()
-            state = guide.copy(rows.guide_states[r]) if guide is not None and rows.guide_states is not None else None
-            d = spec.draft(history, limit, guide=guide, state=state, stats=self.stats)
+            state = rows.guide_states[r] if rows.guide_states is not None else None  # (the row's own: a speculator
+            d = spec.draft(history, limit, guide=guide, state=state, stats=self.stats)  # that walks it copies it)
             cut = next((j for j, x in enumerate(d) if x in self.eos), len(d))
             d = d[:cut]
             if d and guide is not None and rows.guide_states is not None:

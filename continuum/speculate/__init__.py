@@ -36,7 +36,8 @@ from .lookup import Lookup, lookup
 
 __all__ = ["Draft", "Lookup", "Speculator", "check_speculator", "draft", "lookup"]
 
-Speculator = Lookup | Draft  # what speculate= takes: draft(history, limit, guide, state, stats) -> tokens
+Speculator = Lookup | Draft  # what speculate= takes: draft(history, limit, guide, state, stats) -> tokens (state: the
+# row's own guide state, copied by a speculator that walks it)
 
 
 def check_speculator(speculate: object, sampler: Any, model: Any = None) -> Speculator | None:

@@ -60,11 +60,13 @@ class Draft:
 
     def draft(self, history: np.ndarray, limit: int, guide: Any = None, state: Any = None,
               stats: dict | None = None) -> list[int]:
-        """At most ``limit`` tokens the draft model writes greedily after ``history`` (masked by ``guide`` from
-        ``state``, a copy the draft may advance); ``stats["draft_forwards"]`` counts its forwards."""
+        """At most ``limit`` tokens the draft model writes greedily after ``history`` (masked by ``guide`` from the
+        row's ``state``, walked on a copy); ``stats["draft_forwards"]`` counts its forwards."""
         limit = min(limit, self.max_draft)
         if limit <= 0 or len(history) == 0:
             return []
+        if guide is not None:
+            state = guide.copy(state)
         out: list[int]
         with self._lock:
             done, kv = self._reuse(history)

@@ -165,7 +165,7 @@ class LlamaCppModel:
             raise ModelLoadError(f"{self.path.name}: continuum runs decoder-only GGUFs on llama.cpp, attention or hybrid "
                                  "(attention + recurrent layers, e.g. LFM2); encoder-decoder, pure recurrent (Mamba, "
                                  "RWKV) and diffusion models are not supported (docs/hybrid.md)")
-        # a hybrid's recurrent part (one summary per sequence) cannot be cut back: sequences.py keeps snapshots
+        # a hybrid's recurrent part (one summary per sequence) cannot be cut back: recurrent.py keeps snapshots
         self.hybrid = bool(L.llama_model_is_hybrid(model))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
         self.n_swa = int(L.llama_model_n_swa(model))
