@@ -84,6 +84,16 @@ def _too_long(state: SequenceState, ctx: int) -> str:
             f"state[..., -{chars}:] (or prompt[-{chars}:]) keeps about {keep} tokens of every row")
 
 
+def checked_setting(name: str, value, allow_none: bool):
+    """``value`` if it is a positive int (or None where allowed), else a continuum error naming the setting."""
+    ok = value is None if allow_none else False
+    ok = ok or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    if not ok:
+        raise GeneratorArgumentError(f"model.engine.{name} must be a positive int{' or None' if allow_none else ''}, "
+                                     f"got {value!r}")
+    return value
+
+
 def engine_setting(name: str, allow_none: bool) -> property:
     """A setting of ``model.engine`` (``max_rows``, ``max_kv_bytes``, ``prefill_chunk``) checked when it is set: a
     positive int (or None where allowed), else a continuum error naming it (never a raw error inside a step)."""
@@ -93,11 +103,6 @@ def engine_setting(name: str, allow_none: bool) -> property:
         return getattr(self, attr)
 
     def set_(self, value) -> None:
-        ok = value is None if allow_none else False
-        ok = ok or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
-        if not ok:
-            raise GeneratorArgumentError(f"model.engine.{name} must be a positive int{' or None' if allow_none else ''}, "
-                                         f"got {value!r}")
-        setattr(self, attr, value)
+        setattr(self, attr, checked_setting(name, value, allow_none))
 
     return property(get, set_, doc=f"``{name}``: see :class:`Engine` (checked when set).")

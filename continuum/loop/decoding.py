@@ -130,7 +130,8 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             raise KVCacheFullError(f"this call's {rows} rows may reach {need} bytes of KV cache (input plus max_tokens), "
                                    f"more than the model's kv_budget of {model.kv_budget} bytes: lower max_tokens or "
                                    "the rows, or raise kv_budget")
-        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=need)
+        new = options.get("max_tokens")
+        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=need, grow=rows * new if new is not None else None)
         try:
             if call.queue is None:
                 return engine.wait(call)

@@ -37,41 +37,30 @@ join at each step (``Ranks.admit``), so every rank runs the same steps.
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
-import weakref
 from collections.abc import Generator
 from typing import Any
 
 import torch
 
-from ..errors import ContinuumError
 from ..models.request import Request
 from . import cancel
 from .arrivals import ARRIVALS, GATE
 from .call import END, Call
-from .checks import engine_setting
+from .checks import checked_setting, engine_setting
+from .driving import Driving
 from .forwards import new_counters, report
 from .parallel import world_size
 from .ranks import Ranks, next_key
-from .room import Room
+from .scheduler import DEFAULT_MAX_ROWS, Plan, Scheduler, no_room
 
 __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
-DEFAULT_MAX_ROWS = 256
 DEFAULT_PREFILL_CHUNK = 512  # columns of a long prefill per step while other calls run (see Engine.prefill_chunk)
 
 
-_ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
-
-
-def _stop_all() -> None:
-    for engine in list(_ENGINES):
-        engine._stop()
-
-
-class Engine:
+class Engine(Driving):
     """The decode loop of every running call on one model (see the module docstring).
 
     Args:
@@ -85,19 +74,19 @@ class Engine:
         Each is checked when set (a positive int; a continuum error otherwise).
     """
 
-    max_rows = engine_setting("max_rows", allow_none=False)
-    max_kv_bytes = engine_setting("max_kv_bytes", allow_none=True)
     prefill_chunk = engine_setting("prefill_chunk", allow_none=True)
 
     def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS, max_kv_bytes: int | None = None,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         self._model = model
-        self.max_rows, self.max_kv_bytes = max_rows, max_kv_bytes
+        self.scheduler = Scheduler(model)  # the decision: what runs, parks, resumes, waits (scheduler.py)
+        self.max_rows = max_rows
+        if max_kv_bytes is not None:
+            self.max_kv_bytes = max_kv_bytes
         self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition(threading.Lock())
         self._inbox: list[Call | Request] = []
         self._running: list[Call] = []
-        self._rows = self._kv = 0  # the running calls' rows and KV bytes (at their longest)
         self._driver: int | None = None  # the thread running steps
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -105,10 +94,27 @@ class Engine:
         self.arrivals = ARRIVALS  # calls on their way (set up in their callers' threads): the next step waits for them
         self._step_s = 0.0  # the last step's duration: how long the next step may wait for them
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
-        self._room = Room()  # parked calls: the pool had no room for them (room.py)
         self._stats: dict[str, Any] = {}
         self._steps: list[float] = []  # seconds per step while several calls ran (bounded sample)
         self.reset_stats()
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows of running calls at once (see :class:`Engine`; checked when set)."""
+        return self.scheduler.max_rows
+
+    @max_rows.setter
+    def max_rows(self, value: int) -> None:
+        self.scheduler.max_rows = checked_setting("max_rows", value, allow_none=False)
+
+    @property
+    def max_kv_bytes(self) -> int | None:
+        """The running calls' KV bytes bound: the model's ``kv_budget`` (one source of truth; checked when set)."""
+        return self.scheduler.kv_budget
+
+    @max_kv_bytes.setter
+    def max_kv_bytes(self, value: int | None) -> None:
+        self._model.kv_budget = checked_setting("max_kv_bytes", value, allow_none=True)
 
     def chunk_for(self, width: int) -> int | None:
         """Columns per step for a prefill of ``width`` new columns set up now: ``prefill_chunk`` while other calls
@@ -124,11 +130,12 @@ class Engine:
         return self._ranks is not None
 
     # -- calls ---------------------------------------------------------------------------
-    def submit(self, gen: Generator, first: Request, rows: int, stream: bool = False, kv_bytes: int = 0) -> Call:
+    def submit(self, gen: Generator, first: Request, rows: int, stream: bool = False, kv_bytes: int = 0,
+               grow: int | None = None) -> Call:
         """Hand a decoding loop (suspended at its first forward request ``first``) to the engine; ``kv_bytes``:
-        the KV it may reach (for ``max_kv_bytes``)."""
+        the KV it may reach (for ``max_kv_bytes``); ``grow``: the most positions its rows may add (None: unbounded)."""
         key = next_key() if self._ranks is not None else None
-        call = Call(gen, first, rows, stream, key, kv_bytes)
+        call = Call(gen, first, rows, stream, key, kv_bytes, grow)
         with self._cond:
             self._inbox.append(call)  # (a driver admits it at its next step, or the caller drives in wait())
             if self._ranks is not None:
@@ -161,6 +168,14 @@ class Engine:
         """The caller is gone (a closed stream, an interrupt): the loop is closed at the next step;
         returns once it has left (at once when called by the driver itself)."""
         if not call.done:
+            with self._cond:
+                waiting = call in self._inbox
+                if waiting:  # (never admitted: it leaves now, its place in the queue freed, no step waited for)
+                    self._inbox.remove(call)
+            if waiting:
+                call.gen.close()
+                self._end(call, None, None)
+                return
             call.closed = True
             self._wake()
             if self._driver != threading.get_ident():
@@ -208,124 +223,18 @@ class Engine:
             raise req.error
         return req.result
 
-    # -- driving -------------------------------------------------------------------------
-    def _until_done(self, item: Call | Request, drive: bool) -> None:
-        """Run steps until ``item`` is done (this thread drives), or sleep on its event until it is."""
-        if not drive:
-            item.event.wait()
-            return
-        try:
-            while not item.done:
-                self._step()
-        finally:
-            self._release()
-
-    def _has_work(self) -> bool:
-        return bool(self._running or self._inbox)
-
-    def _release(self) -> None:
-        """The inline driver stops; the engine's thread takes over if calls remain."""
-        with self._cond:
-            self._driver = None
-            more = self._has_work()
-            self._cond.notify_all()
-        if more:
-            self._wake()
-
-    def _stop(self) -> None:
-        """At interpreter exit: let the engine's thread finish its step and leave (a daemon thread killed
-        inside a torch op aborts the process)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10)
-
-    def _wake(self) -> None:
-        with self._cond:
-            if self._thread is None or not self._thread.is_alive():
-                if not _ENGINES:
-                    atexit.register(_stop_all)
-                _ENGINES.add(self)
-                self._thread = threading.Thread(target=self._serve, name="continuum-engine", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def _serve(self) -> None:
-        """The engine's thread: drive while calls run and nobody else drives; sleep otherwise."""
-        me = threading.get_ident()
-        while True:
-            with self._cond:
-                while not (self._has_work() and self._driver is None):
-                    if self._closing:
-                        return
-                    self._cond.wait()
-                self._driver = me
-            try:
-                while True:
-                    self._step()
-                    with self._cond:
-                        if not self._has_work():
-                            break
-            except BaseException as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, keep serving)
-                self._fail_all(exc)
-            finally:
-                with self._cond:
-                    self._driver = None
-                    self._cond.notify_all()
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._cond:
-            calls, self._running = self._running, []
-            pending, self._inbox = self._inbox, []
-            self._rows = self._kv = 0
-        for c in calls + [c for c in pending if isinstance(c, Call)]:
-            c.gen.close()
-            self._end(c, None, ContinuumError(f"the engine failed while running this call: {exc!r}"))
-        for r in pending:
-            if isinstance(r, Request):
-                r.error, r.done = ContinuumError(f"the engine failed: {exc!r}"), True
-                r.event.set()
-
-    @staticmethod
-    def _fail_oneoff(requests: list[Request], exc: BaseException) -> None:
-        """Wake the one-off requests a failed step admitted, each with an error (their callers wait on them)."""
-        for r in requests:
-            if not r.done:
-                err = ContinuumError(f"the engine failed while running this request: {exc!r}")
-                err.__cause__ = exc
-                r.error, r.done = err, True
-                r.event.set()
-
     # -- one step ------------------------------------------------------------------------
-    def _admit(self) -> tuple[list[Call], list[Request]]:
-        """Take the inbox's calls that fit (``max_rows``, ``max_kv_bytes``) and every one-off request."""
-        chosen: list[Call | Request] = []
-        rest: list[Call | Request] = []
+    def _schedule(self) -> list[Request]:
+        """The scheduler's plan for this step, applied: calls admitted, parked, resumed; the one-offs to run now."""
         with self._cond:
-            if self._ranks is not None:
+            if self._ranks is not None:  # (rank 0 decides the admissions; every rank runs them)
                 chosen = self._ranks.admit(self._cond, self._inbox)
+                plan = Plan(admit=[c for c in chosen if isinstance(c, Call)],
+                            oneoff=[r for r in chosen if isinstance(r, Request)])
             else:
-                rows, kv, budget = self._rows, self._kv, self.max_kv_bytes
-                wait = any(c.parked for c in self._running)  # parked calls are older: new ones wait behind them
-                for item in self._inbox:
-                    if isinstance(item, Call):
-                        wait = wait or bool(rows and (rows + item.rows > self.max_rows or
-                                                      (budget is not None and kv + item.kv > budget)))
-                        if wait:  # (in arrival order: a call that waits keeps the later ones waiting; alone, it runs)
-                            rest.append(item)
-                            continue
-                        rows, kv = rows + item.rows, kv + item.kv
-                    chosen.append(item)
-                self._inbox = rest
-            calls = [c for c in chosen if isinstance(c, Call)]
-            self._room.number(calls)
-            self._running.extend(calls)
-            self._rows += sum(c.rows for c in calls)
-            self._kv += sum(c.kv for c in calls)
-            self._stats["peak_running_kv_bytes"] = max(self._stats["peak_running_kv_bytes"], self._kv)
-        return calls, [r for r in chosen if isinstance(r, Request)]
+                plan = self.scheduler.plan(self._running, self._inbox)
+            self._inbox = self.scheduler.apply(plan, self._running, self._inbox, self._stats)
+        return plan.oneoff
 
     @torch.inference_mode()  # (the loops' tensors and the merged forwards: no autograd, as in model.forward)
     def _step(self) -> None:
@@ -333,17 +242,13 @@ class Engine:
         # calls being set up join this step, not a later one (under torchrun rank 0 decides the admissions: no wait)
         self.arrivals.gather(self._step_s if self._ranks is None else 0.0)
         t0 = time.perf_counter()
-        with self._cond:
-            self._stats["resumed"] += len(self._room.back(self._running))  # parked calls whose turn has come
-        _, oneoff = self._admit()
+        for c in [c for c in self._running if c.closed]:  # (before the plan: their room is free for it)
+            c.gen.close()
+            self._end(c, None, None)
+        oneoff = self._schedule()
         try:
-            running = list(self._running)
-            closed = [c for c in running if c.closed]
-            for c in closed:
-                c.gen.close()
-                self._end(c, None, None)
-            live = [c for c in running if not c.closed and not c.parked]
-            live = self._room.run(live, oneoff, self._run_requests, self._model.hold, self._stats)
+            live = [c for c in self._running if not c.parked]
+            live = self._execute(live, oneoff)
         except BaseException as exc:  # (the one-off requests left the inbox: _fail_all cannot see them)
             self._fail_oneoff(oneoff, exc)
             raise
@@ -364,9 +269,37 @@ class Engine:
         self._stats["busy_s"] += took
         self._step_s = took
 
+    def _execute(self, live: list[Call], oneoff: list[Request]) -> list[Call]:
+        """Run the plan's requests (``model.run_step``), the running calls' KV held resident meanwhile. The exception
+        path: where a request still finds no room (the count said it fitted), the newest running call is parked
+        (:meth:`Scheduler.victim`) and the failed requests run again. Returns the calls whose loops resume now."""
+        todo = [c.pending for c in live] + oneoff
+        while True:
+            self._model.hold([c.pending for c in live if not c.parked] + oneoff)  # room is made from the rest
+            try:
+                self._run_requests(todo)
+            finally:
+                self._model.hold([])
+            failed = [r for r in todo if no_room(r.error)]
+            if failed:
+                self._stats["no_room"] += 1
+            victim = self.scheduler.victim(live) if failed else None
+            if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
+                return live
+            victim.parked = True
+            self._stats["parked"] += 1
+            if victim.pending in failed:
+                live = [c for c in live if c is not victim]
+            for r in failed:
+                r.error = None
+            todo = [r for r in failed if r is not victim.pending]
+            if not todo:
+                return live
+
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""
         req, saved = call.pending, cancel.current()
+        call.steps += 1
         cancel._local.token = call.token  # the call's own cancellation and progress count, as in its thread
         try:
             item = call.gen.throw(req.error) if req.error is not None else call.gen.send(None)
@@ -387,10 +320,8 @@ class Engine:
         that callers taking up their results do not compete with the rest of the step for the GIL."""
         with self._cond:
             if call in self._running:
-                self._room.ended += 1  # (its cells are free: a parked call may come back)
                 self._running.remove(call)
-                self._rows -= call.rows
-                self._kv -= call.kv
+                self.scheduler.ended(call)
             call.result, call.error, call.done = result, error, True
         if wake:
             self._wake_caller(call)
@@ -417,7 +348,8 @@ class Engine:
         time while several calls ran (the wait between two tokens of one call)."""
         with self._cond:
             out = report(self._stats, self._steps)
-            out["running_calls"], out["running_rows"], out["running_kv_bytes"] = len(self._running), self._rows, self._kv
+            out["running_calls"], out["running_rows"] = len(self._running), self.scheduler.rows
+            out["running_kv_bytes"] = self.scheduler.kv
             out["parked_calls"] = sum(c.parked for c in self._running)
             out["waiting_calls"] = sum(isinstance(c, Call) for c in self._inbox)
         out["max_rows"], out["max_kv_bytes"] = self.max_rows, self.max_kv_bytes

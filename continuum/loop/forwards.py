@@ -11,7 +11,7 @@ def new_counters() -> dict:
     """The engine's counters, zeroed (``Engine.stats()`` names them)."""
     return {"steps": 0, "busy_s": 0.0, "forward_s": 0.0, "merged_forwards": 0, "requests_merged": 0, "alone": 0,
             "fallbacks": 0, "new_slabs": 0, "joins_copied": 0, "wakeups": 0, "peak_rows": 0, "peak_padding": 1.0,
-            "peak_kv_bytes": 0, "_peak_cells": 0, "parked": 0, "resumed": 0,
+            "peak_kv_bytes": 0, "_peak_cells": 0, "parked": 0, "resumed": 0, "no_room": 0,
             "peak_running_kv_bytes": 0}
 
 

@@ -35,6 +35,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..loop.engine import Engine
+    from .capacity import Capacity
     from .request import Request
 
 __all__ = ["Backend"]
@@ -99,7 +100,18 @@ class Backend(Protocol):
         """Run one engine step's requests; set each one's ``result`` (logits, KV) or ``error``; move ``stats``. A
         request that finds no room in a fixed pool fails with ``KVCacheFullError`` or ``SequencesExhaustedError``
         (after the backend made what room it could from idle states): the engine then parks a call and runs it
-        again (``continuum.loop.room``)."""
+        again (the scheduler's exception path, ``continuum.loop.scheduler``)."""
+        ...
+
+    def capacity(self, requests: list[Request]) -> Capacity | None:
+        """A fixed KV pool's room now, ``requests``' KV held (:class:`~continuum.models.capacity.Capacity`: cells
+        total, in use, held; ids), or None without one (transformers: ``kv_budget`` bounds admission instead). The
+        scheduler plans every step from it (``continuum.loop.scheduler``)."""
+        ...
+
+    def step_need(self, request: Request) -> int:
+        """Cells ``request`` adds to the pool in its step (its rows' new tokens, a tree's nodes, spilled states it
+        continues, restored); 0 without a fixed pool."""
         ...
 
     def hold(self, requests: list[Request]) -> None:

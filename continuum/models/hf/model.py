@@ -108,6 +108,13 @@ class Transformers:
     def __repr__(self) -> str:
         return f"Transformers({type(self.model).__name__}, {self.tokenizer!r})"
 
+    def capacity(self, requests: list) -> None:
+        """No fixed pool (tensors are allocated as needed): the scheduler admits by rows and ``kv_budget`` alone."""
+        return None
+
+    def step_need(self, request: Any) -> int:
+        return 0
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one position of one row takes (every layer's keys and values), from the config and the KV dtype

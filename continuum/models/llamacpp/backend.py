@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...errors import KVCacheFullError, ModelLoadError, SequencesExhaustedError
+from ..capacity import Capacity
 from ..request import Request
+from . import capacity
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
 from .gather import RowPlan, fill_results, plan_rows
@@ -50,7 +52,7 @@ class LlamaCpp:
         n_ctx, n_threads, batch_invariant, ...: see :class:`~.model.LlamaCppModel`.
     """
 
-    kv_budget: int | None = None  # (the pool's own size bounds it: n_ctx cells; continuum.loop.room)
+    kv_budget: int | None = None  # (the pool's own size bounds it: n_ctx cells, planned by continuum.loop.scheduler)
 
     @property
     def max_call_rows(self) -> int:
@@ -176,11 +178,19 @@ class LlamaCpp:
                 self._run(group, stats)
         elif ok or not trees:
             self._run(ok, stats)
-        if trees:
-            run_trees(self, trees)
+        for group in ([[t] for t in trees] if self.llama.batch_invariant else [trees] if trees else []):
+            run_trees(self, group)  # (a tree is a multi-token decode: in the invariant mode each runs alone, as above)
         stats["forward_s"] += time.perf_counter() - t
         stats["merged_forwards"] += 1
         stats["requests_merged"] += len(requests)
+
+    def capacity(self, requests: list[Request]) -> Capacity:
+        """The pool's cells and ids now, ``requests``' KV held (the capacity model: ``continuum.models.capacity``)."""
+        return capacity.capacity(self.pool, requests)
+
+    def step_need(self, request: Request) -> int:
+        """Cells ``request`` adds in its step (new tokens, tree nodes, spilled states restored)."""
+        return capacity.step_need(request)
 
     def hold(self, requests: list[Request]) -> None:
         """Keep the sequences of ``requests`` (their KV, and their new KV once run) resident through the next step:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
-from . import recurrent
+from . import cells, recurrent
 from ._lib import lib, mark_decoded
 from .sequences import KVView, SequencePool, _Seq
 
@@ -199,6 +199,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     continue
                 if id(src) not in claimed and src.longest <= view.n_tokens:
                     if src.extent > view.n_tokens:  # a dead tail no live view reaches
+                        cells.cut(src, view.n_tokens)
                         if hybrid:  # (llama.cpp cannot cut a recurrent summary back: restore the snapshot)
                             recurrent.rewind(pool, src, view.n_tokens)
                         else:
@@ -210,6 +211,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     forks.append(seq)
                     L.llama_memory_seq_cp(mem, src.id, seq.id, 0, view.n_tokens)
                     seq.extent = view.n_tokens
+                    cells.forked(src, seq, view.n_tokens)
                     if hybrid:  # (seq_cp copied src's latest summary: the one at the view's end replaces it)
                         recurrent.forked(pool, src, seq, view.n_tokens)
             claimed.add(id(seq))
@@ -240,6 +242,13 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
     pos = np.concatenate([np.arange(n, n + len(t), dtype=np.int32) for _, n, t, _ in live])
     out = np.concatenate([f for _, _, _, f in live])
     logits = np.empty((n_out, model.n_vocab), np.float32)
+    pinned = [seq for seq, *_ in live] + [r.view._seq for r in rows if r.view._seq is not None]
+    cells.make_room(pool, len(token), pinned)  # (room before the decode: a failed decode is the exception path)
+    if model.hybrid and len(chunks(np.concatenate([np.full(len(t), s.id, np.int32) for s, _, t, _ in live]),
+                                   _buffers(pool).capacity)) > 1:
+        for seq, n, _, _ in live:  # (a later chunk may fail after earlier ones committed: undo needs each row's summary)
+            if n == seq.extent:
+                recurrent.keep_end(pool, seq)
     for attempt in range(2):
         ids = np.concatenate([np.full(len(t), seq.id, np.int32) for seq, _, t, _ in live])
         rc = _decode_chunks(pool, token, pos, ids, out, logits)
@@ -251,8 +260,7 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
         if rc != 1:
             raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); the states are "
                                "unchanged")
-        if attempt == 0 and not pool.spill_idle_except([seq for seq, *_ in live] +
-                                                       [r.view._seq for r in rows if r.view._seq is not None]):
+        if attempt == 0 and not cells.spill_every_idle(pool, pinned):
             break
     raise KVCacheFullError(f"llama.cpp has no free KV cell for {len(token)} new tokens (n_ctx={model.n_ctx} cells shared "
                            "by every live state): load the model with a larger n_ctx, or keep fewer long states alive")

@@ -98,7 +98,7 @@ class LlamaCppModel:
         path: the .gguf file.
         n_ctx: KV cells in the pool every live sequence shares (shared prefixes count once); default the model's
             training context (at least 4096), cut to what a quarter of the available memory holds (``default_n_ctx``;
-            the repr says which). A small pool only costs time: calls wait for room (``continuum.loop.room``).
+            the repr says which). A small pool only costs time: calls wait for room (``continuum.loop.scheduler``).
         n_threads: CPU threads (default: the cores this process may use).
         n_seq_max: sequence ids (1..256): the number of states whose KV can be resident at once.
         n_batch: the most tokens one ``llama_decode`` takes (default ``max(n_seq_max, n_ubatch)``); decodes
@@ -307,7 +307,7 @@ def _available_memory() -> int | None:
 def default_n_ctx(n_ctx_train: int, per_cell: int | None, n_seq_max: int) -> tuple[int, str]:
     """The pool's cells when ``n_ctx`` is not given, and why: the model's training context (at least 4096), as
     llama-server sizes its context, cut to what a quarter of the available memory holds; a multiple of 256, at least
-    ``n_seq_max``. A small pool only costs time (calls wait for room: ``continuum.loop.room``)."""
+    ``n_seq_max``. A small pool only costs time (calls wait for room: ``continuum.loop.scheduler``)."""
     n, reason = max(4096, n_ctx_train), "the model's training context" if n_ctx_train >= 4096 else "at least 4096"
     free = _available_memory()
     if per_cell and free:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any, TypeAlias
 
 from ...errors import BackendError
+from . import cells
 from ._lib import lib
 
 # (the pool, its sequences and views are sequences.py's SequencePool, _Seq and KVView, typed Any here: sequences.py
@@ -55,11 +56,23 @@ def snapshot(pool: SequencePool, seq_id: int) -> bytes:
     return bytes(buf)
 
 
+MAX_SNAPSHOTS = 32  # per sequence, as transformers' HybridKV keeps (a long chat of many calls must not grow unbounded)
+
+
 def keep_end(pool: SequencePool, seq: _Seq) -> None:
-    """Snapshot ``seq`` at its end unless one is kept there (before it is extended or cut in place)."""
+    """Snapshot ``seq`` at its end unless one is kept there (before it is extended or cut in place); at most
+    ``MAX_SNAPSHOTS`` are kept, the oldest dropped first, except where a live view ends (a state the user holds
+    must stay continuable without a recompute)."""
     if seq.extent and seq.extent not in seq.snaps:
         assert seq.id is not None
         seq.snaps[seq.extent] = snapshot(pool, seq.id)
+        if len(seq.snaps) > MAX_SNAPSHOTS:
+            held = set(seq.holders)
+            for p in sorted(seq.snaps):
+                if len(seq.snaps) <= MAX_SNAPSHOTS:
+                    break
+                if p not in held:  # (a view ending at p still needs it; a dropped one is recomputed: usable())
+                    del seq.snaps[p]
 
 
 def keep_ends(pool: SequencePool, views: Iterable[KVView]) -> None:
@@ -117,6 +130,7 @@ def rewind(pool: SequencePool, seq: _Seq, n: int) -> None:
     restore_at(pool, seq, seq.id, n)
     if not lib().llama_memory_seq_rm(pool.model.memory, seq.id, n, -1):
         raise BackendError(f"llama.cpp refused to cut a hybrid sequence back to {n} positions")
+    cells.cut(seq, n)
     seq.extent = n
     for p in [p for p in seq.snaps if p > n]:
         del seq.snaps[p]

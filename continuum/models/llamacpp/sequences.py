@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
-from . import recurrent
+from . import cells, recurrent
 from ._lib import lib
 from .model import LlamaCppModel
 
@@ -45,7 +45,7 @@ __all__ = ["SequencePool", "KVView"]
 class _Seq:
     """One llama.cpp sequence's content, shared by the views that hold it: resident under an id, or spilled."""
 
-    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps")
+    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps", "key", "own_lo", "inherit")
 
     def __init__(self, pool: SequencePool, seq_id: int | None):
         self.pool, self.id = pool, seq_id
@@ -54,6 +54,8 @@ class _Seq:
         self.blob: bytes | None = None  # the spilled sequence's bytes when id is None
         self.last_use = 0
         self.snaps: dict[int, bytes] = {}  # a hybrid model's recurrent summaries at earlier positions (recurrent.py)
+        self.key, self.own_lo, self.inherit = 0, 0, ()  # where its cells came from (cells.py: shared cells once)
+        cells.fresh(self)
 
     @property
     def longest(self) -> int:
@@ -195,13 +197,6 @@ class SequencePool:
         keep = {id(s) for s in pinned} | self.held
         return [s for s in self._resident.values() if id(s) not in keep]
 
-    def spill_idle_except(self, pinned: Iterable[_Seq]) -> bool:
-        """Make room: spill every :meth:`idle` sequence (outside ``pinned``) to host bytes; False if there was none."""
-        idle = self.idle(pinned)
-        for s in idle:
-            self._spill(s)
-        return bool(idle)
-
     def _give_back(self, seq_id: int) -> None:
         """Return an id taken by :meth:`_acquire` that no sequence holds (a failed load): its cells cleared."""
         lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
@@ -230,10 +225,13 @@ class SequencePool:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
             try:
+                # room first (least recently used idle families, only as much as it takes), then the bytes; a refusal
+                # anyway (fragmentation) makes room once more
+                cells.make_room(self, cells.spill_cost(seq), [seq, *pinned])
                 try:
                     self._set_bytes(seq_id, seq.blob)
-                except BackendError:  # its own bytes, refused for want of cells: make room from idle ones, once
-                    if not self.spill_idle_except([seq, *pinned]) or not self._try_set_bytes(seq_id, seq.blob):
+                except BackendError:
+                    if not cells.spill_every_idle(self, [seq, *pinned]) or not self._try_set_bytes(seq_id, seq.blob):
                         raise KVCacheFullError(
                             f"no room to restore a spilled state of {seq.extent} tokens (n_ctx={self.model.n_ctx} cells "
                             "shared by every live state): load the model with a larger n_ctx, or keep fewer states alive"
@@ -242,6 +240,7 @@ class SequencePool:
                 self._give_back(seq_id)  # (otherwise every refused restore leaks an id, until none is left)
                 raise
             seq.id, seq.blob = seq_id, None
+            cells.fresh(seq)  # (fresh cells: its prefix is no longer shared with its family)
             self._resident[seq_id] = seq
             self.restores += 1
         self._touch(seq)
@@ -291,6 +290,7 @@ class SequencePool:
             dst = self._new_seq([src, *pinned])
             lib().llama_memory_seq_cp(self.model.memory, src.id, dst.id, 0, n)
             dst.extent = n
+            cells.forked(src, dst, n)
             view = KVView(self, dst, n)  # (held: a failed restore below releases it)
             if self.model.hybrid:  # (seq_cp copied src's latest recurrent summary: the one at n replaces it)
                 recurrent.forked(self, src, dst, n)

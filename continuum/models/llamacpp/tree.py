@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
-from . import recurrent
+from . import cells, recurrent
 from ._lib import lib, mark_decoded
 from .decode import _discard
 from .sequences import KVView, SequencePool, _Seq
@@ -200,6 +200,7 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
                 pinned.append(seq)
                 if row.view._seq is not None:
                     L.llama_memory_seq_cp(mem, row.view._seq.id, seq.id, 0, row.view.n_tokens)
+                    cells.forked(row.view._seq, seq, row.view.n_tokens)
                     if pool.model.hybrid:  # (the summary at the context's end, not the source's latest)
                         recurrent.forked(pool, row.view._seq, seq, row.view.n_tokens)
                 seq.extent = row.view.n_tokens

@@ -1,0 +1,132 @@
+"""Who runs the engine's steps (a mixin of :class:`~continuum.loop.engine.Engine`): the caller's own thread while it
+is the only one (a lone call costs no thread hop), else the engine's daemon thread, which sleeps on a condition while
+nothing runs; and failing every call when the engine itself breaks. The step itself is ``Engine._step``."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Any
+
+from ..errors import ContinuumError
+from ..models.request import Request
+from .call import Call
+
+__all__ = ["Driving"]
+
+_ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
+
+
+def _stop_all() -> None:
+    for engine in list(_ENGINES):
+        engine._stop()
+
+
+class Driving:
+    """The driving half of the engine (its attributes are the engine's: ``_cond``, ``_driver``, ``_thread``,
+    ``_running``, ``_inbox``, ``_closing``, ``scheduler``; its steps ``_step``; its calls' ends ``_end``)."""
+
+    _cond: threading.Condition
+    _driver: int | None
+    _thread: threading.Thread | None
+    _running: list[Call]
+    _inbox: list[Call | Request]
+    _closing: bool
+    scheduler: Any
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _end(self, call: Call, result: Any, error: BaseException | None, wake: bool = True) -> None:
+        raise NotImplementedError
+
+    def _until_done(self, item: Call | Request, drive: bool) -> None:
+        """Run steps until ``item`` is done (this thread drives), or sleep on its event until it is."""
+        if not drive:
+            item.event.wait()
+            return
+        try:
+            while not item.done:
+                self._step()
+        finally:
+            self._release()
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._inbox)
+
+    def _release(self) -> None:
+        """The inline driver stops; the engine's thread takes over if calls remain."""
+        with self._cond:
+            self._driver = None
+            more = self._has_work()
+            self._cond.notify_all()
+        if more:
+            self._wake()
+
+    def _stop(self) -> None:
+        """At interpreter exit: let the engine's thread finish its step and leave (a daemon thread killed
+        inside a torch op aborts the process)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+
+    def _wake(self) -> None:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                if not _ENGINES:
+                    atexit.register(_stop_all)
+                _ENGINES.add(self)
+                self._thread = threading.Thread(target=self._serve, name="continuum-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        """The engine's thread: drive while calls run and nobody else drives; sleep otherwise."""
+        me = threading.get_ident()
+        while True:
+            with self._cond:
+                while not (self._has_work() and self._driver is None):
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                self._driver = me
+            try:
+                while True:
+                    self._step()
+                    with self._cond:
+                        if not self._has_work():
+                            break
+            except BaseException as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, keep serving)
+                self._fail_all(exc)
+            finally:
+                with self._cond:
+                    self._driver = None
+                    self._cond.notify_all()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            calls, self._running = self._running, []
+            pending, self._inbox = self._inbox, []
+            self.scheduler.rows = self.scheduler.kv = 0
+        for c in calls + [c for c in pending if isinstance(c, Call)]:
+            c.gen.close()
+            self._end(c, None, ContinuumError(f"the engine failed while running this call: {exc!r}"))
+        for r in pending:
+            if isinstance(r, Request):
+                r.error, r.done = ContinuumError(f"the engine failed: {exc!r}"), True
+                r.event.set()
+
+    @staticmethod
+    def _fail_oneoff(requests: list[Request], exc: BaseException) -> None:
+        """Wake the one-off requests a failed step admitted, each with an error (their callers wait on them)."""
+        for r in requests:
+            if not r.done:
+                err = ContinuumError(f"the engine failed while running this request: {exc!r}")
+                err.__cause__ = exc
+                r.error, r.done = err, True
+                r.event.set()
+

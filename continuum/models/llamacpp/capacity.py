@@ -1,0 +1,43 @@
+"""The llama.cpp pool's side of the capacity model (``continuum.models.capacity``): its cells and ids now, and what
+one engine request adds in its step. Read by the scheduler before every step under the model's lock (cheap: one
+pass over the resident sequences)."""
+
+from __future__ import annotations
+
+from ..capacity import Capacity
+from ..request import Request
+from . import cells
+from .sequences import SequencePool, _Seq
+
+__all__ = ["capacity", "step_need", "request_seqs"]
+
+
+def request_seqs(requests: list[Request]) -> dict[int, _Seq]:
+    """The sequences the requests' KV views are on (by identity)."""
+    out: dict[int, _Seq] = {}
+    for r in requests:
+        for v in getattr(r.kv, "views", None) or ():
+            seq = getattr(v, "_seq", None)
+            if seq is not None:
+                out[id(seq)] = seq
+    return out
+
+
+def capacity(pool: SequencePool, requests: list[Request]) -> Capacity:
+    """The pool's cells and ids, ``requests``' sequences counted as held (the running calls' KV: never spilled)."""
+    with pool.model.lock:
+        pool._collect()
+        held = [s for s in request_seqs(requests).values() if s.id is not None]
+        return Capacity(total=pool.model.n_ctx, used=cells.used(pool), held=cells._count(held),
+                        ids_total=pool.n_ids, ids_held=len(held))
+
+
+def step_need(request: Request) -> int:
+    """Cells ``request`` adds to the pool in its step: each row's new tokens (a token tree's nodes), and the
+    positions of every spilled sequence it continues (restored into fresh cells). Forks add no cells (shared)."""
+    new = request.rows * request.new
+    if request.allowed is not None and request.ids is not None:
+        new = int(request.ids.numel())  # (a tree's nodes, padded: an upper bound)
+    restore = sum(cells.spill_cost(s) for s in request_seqs([request]).values() if s.id is None and s.blob is not None)
+    return new + restore
+

@@ -1,0 +1,153 @@
+"""The pool's cells as the scheduler sees them: how many are in use (shared cells once), what a spill frees, and
+making room by spilling only what must go.
+
+llama.cpp does not say how many of its ``n_ctx`` cells are used, and a fork shares its parent's cells (``seq_cp``
+sets a bit per cell), so "cells in use" is not the sum of the sequences' lengths. Each sequence therefore records
+where its cells came from, as *segments*: ``(origin, lo, hi)``, positions ``lo .. hi-1`` written by the sequence
+``origin`` (a key, not the object: a sequence cut back and extended again writes new cells under a new key). A
+sequence's own cells are ``(key, own_lo, extent)``; a fork at ``n`` inherits its source's segments clipped at
+``n``. Every segment of one origin starts at the same position (that origin's ``own_lo``), so the cells in use are,
+per origin, ``max(hi) - lo`` over the resident sequences' segments. A restored sequence (written back from host
+bytes into fresh cells) owns all its cells again: its prefix is no longer shared.
+
+Making room (:func:`make_room`) spills the least recently used idle sequences, a family (sequences sharing cells)
+as one unit, and only until the cells asked for are free, instead of every idle sequence: states a program holds
+between two calls stay resident while there is room, and a spill that frees no cell (a sequence whose cells live
+on in its forks) never happens.
+
+Example:
+    >>> used(pool), free(pool)                               # doctest: +SKIP
+    (410, 102)
+    >>> make_room(pool, 150, pinned=step_seqs)               # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sequences import SequencePool, _Seq
+
+__all__ = ["forked", "cut", "fresh", "segments", "used", "free", "make_room", "spill_cost", "spill_every_idle"]
+
+_KEYS = itertools.count(1)
+
+
+def fresh(seq: _Seq, own_lo: int = 0) -> None:
+    """``seq`` writes its own cells from position ``own_lo`` (a new sequence, a restore, a load)."""
+    seq.key, seq.own_lo, seq.inherit = next(_KEYS), own_lo, ()
+
+
+def segments(seq: _Seq) -> list[tuple[int, int, int]]:
+    """``(origin, lo, hi)`` for every run of cells ``seq`` holds (empty runs left out)."""
+    out = [(o, lo, min(hi, seq.extent)) for o, lo, hi in seq.inherit if lo < min(hi, seq.extent)]
+    if seq.extent > seq.own_lo:
+        out.append((seq.key, seq.own_lo, seq.extent))
+    return out
+
+
+def forked(src: _Seq, dst: _Seq, n: int) -> None:
+    """After ``seq_cp(src, dst, 0, n)``: ``dst`` shares ``src``'s cells below ``n`` and writes its own from ``n``."""
+    dst.key, dst.own_lo = next(_KEYS), n
+    dst.inherit = tuple((o, lo, min(hi, n)) for o, lo, hi in segments(src) if lo < n)
+
+
+def cut(seq: _Seq, n: int) -> None:
+    """Before ``seq`` is cut back to ``n`` positions (``seq_rm(seq, n, -1)``): cells it writes from ``n`` on are new
+    cells, not the ones its forks may still share, so they get a new key."""
+    if n >= seq.extent:
+        return
+    kept = tuple((o, lo, min(hi, n)) for o, lo, hi in seq.inherit if lo < min(hi, n))
+    if n > seq.own_lo:
+        kept += ((seq.key, seq.own_lo, n),)
+    seq.inherit, seq.key, seq.own_lo = kept, next(_KEYS), n
+
+
+def _count(seqs: Iterable[_Seq]) -> int:
+    top: dict[int, tuple[int, int]] = {}
+    for s in seqs:
+        for o, lo, hi in segments(s):
+            prev = top.get(o)
+            top[o] = (lo, hi if prev is None else max(prev[1], hi))
+    return sum(hi - lo for lo, hi in top.values())
+
+
+def used(pool: SequencePool) -> int:
+    """Cells the resident sequences hold (shared cells once)."""
+    return _count(pool._resident.values())
+
+
+def free(pool: SequencePool) -> int:
+    """Cells free now: ``n_ctx`` less those in use (llama.cpp may lose a few to fragmentation: the decode's own
+    failure stays the exception path)."""
+    return max(0, pool.model.n_ctx - used(pool))
+
+
+def spill_cost(seq: _Seq) -> int:
+    """Cells a spilled sequence takes when it is restored: all of its positions (host bytes go into fresh cells)."""
+    return seq.extent
+
+
+def _families(seqs: list[_Seq]) -> list[list[_Seq]]:
+    """Groups of sequences that share cells (a common origin), each group as one unit."""
+    parent = list(range(len(seqs)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[int, int] = {}
+    for i, s in enumerate(seqs):
+        for o, _, _ in segments(s):
+            j = first.setdefault(o, i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list[_Seq]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(root(i), []).append(s)
+    return list(groups.values())
+
+
+def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = ()) -> bool:
+    """Spill idle sequences (least recently used family first) until ``cells`` cells are free; False if even every
+    idle family spilled would not free them (then nothing is spilled: the caller parks or fails)."""
+    have = free(pool)
+    if have >= cells:
+        return True
+    idle = pool.idle(pinned)
+    if not idle:
+        return False
+    families = sorted(_families(idle), key=lambda fam: max(s.last_use for s in fam))
+    resident = set(map(id, pool._resident.values()))
+    gone: set[int] = set()
+    chosen: list[list[_Seq]] = []
+    for fam in families:  # (plan first: spilling is a copy of every cell, never done for nothing)
+        before = have
+        gone.update(map(id, fam))
+        have = pool.model.n_ctx - _count(s for s in pool._resident.values() if id(s) not in gone)
+        if have > before:  # (a family whose cells live on in a held sequence frees nothing: keep it resident)
+            chosen.append(fam)
+        else:
+            gone.difference_update(map(id, fam))
+        if have >= cells:
+            break
+    if have < cells:
+        return False
+    for fam in chosen:
+        for s in fam:
+            if id(s) in resident and s.id is not None:
+                pool._spill(s)
+    return True
+
+
+def spill_every_idle(pool: SequencePool, pinned: Iterable[_Seq]) -> bool:
+    """The exception path, when llama.cpp found no cell although the count said there was room (fragmentation):
+    spill every idle sequence outside ``pinned``; False if there was none."""
+    idle = pool.idle(pinned)
+    for s in idle:
+        pool._spill(s)
+    return bool(idle)
