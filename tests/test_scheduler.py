@@ -14,7 +14,7 @@ import torch
 from test_threads import comparable
 
 from continuum import SequenceState, continuous, generate, samplers
-from continuum.errors import GeneratorArgumentError
+from continuum.errors import GeneratorArgumentError, KVCacheFullError
 from continuum.models.hf.cache import positions
 
 from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
@@ -170,8 +170,9 @@ def test_admission_bound_makes_calls_wait_not_fail(gpt2_model):
 
 
 def test_kv_budget_makes_calls_wait_not_fail(gpt2_model):
-    """``engine.max_kv_bytes``: calls whose KV (at their longest) would exceed the budget wait for room; a call
-    larger than the budget runs alone; results equal solo runs; nothing is left counted."""
+    """``engine.max_kv_bytes`` (the model's ``kv_budget``: one setting): calls whose KV (at their longest) would exceed
+    the budget wait for room; a call larger than the budget alone is refused before it runs; results equal solo
+    runs; nothing is left counted."""
     from continuum.models.memory import kv_bytes
 
     engine = gpt2_model.engine
@@ -185,8 +186,10 @@ def test_kv_budget_makes_calls_wait_not_fail(gpt2_model):
         solo, together, _ = solo_and_concurrent(gpt2_model, jobs)
         assert together == solo
         assert engine.stats()["peak_rows"] <= 3
-        engine.max_kv_bytes = one // 2  # smaller than any call: each runs alone
-        assert gen(PROMPTS[1], max_tokens=4) == solo[1]
+        engine.max_kv_bytes = one // 2  # smaller than any call: refused at once, the model's kv_budget says so
+        assert gpt2_model.kv_budget == one // 2
+        with pytest.raises(KVCacheFullError, match="kv_budget"):
+            gen(PROMPTS[1], max_tokens=4)
         assert engine.stats()["running_kv_bytes"] == 0
     finally:
         engine.max_kv_bytes = saved

@@ -361,11 +361,11 @@ class Engine(Driving):
         may be one step old): speculation drafts only while few calls share a step."""
         return len(self._running)
 
-    def decoding_calls(self) -> int:
-        """Calls taking part in the steps now (running, not parked): cheap, unlike :meth:`stats`, for a server's
-        per-request queue check."""
+    def waiting_calls(self) -> int:
+        """Calls submitted and not decoding now: in the inbox (not admitted yet) or parked. Cheap, unlike
+        :meth:`stats`, for a server's per-request queue check; a call still being set up is not counted."""
         with self._cond:
-            return sum(not c.parked for c in self._running)
+            return sum(isinstance(c, Call) for c in self._inbox) + sum(c.parked for c in self._running)
 
     def reset_stats(self) -> None:
         with self._cond:

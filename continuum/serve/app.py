@@ -76,9 +76,26 @@ class Context:
             raise APIError(404, f"The model {name!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r} (GET /v1/models).", param="model", code="model_not_found")
 
-    async def run(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` in a worker thread (generation never blocks the event loop)."""
-        return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+    async def run(self, fn: Callable[[], Any], reply: bool = False) -> Any:
+        """``fn()`` in a worker thread (generation never blocks the event loop). ``reply``: a generation, counted as
+        waiting for the model while it waits for a thread (``--max-queue``: 503 past it), and no longer once the
+        thread starts it or its client leaves (a cancelled wait frees its place at once)."""
+        if not reply:
+            return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+        self.served.enter_queue()
+        started = False
+
+        def work() -> Any:
+            nonlocal started
+            started = True
+            self.served.leave_queue()
+            return fn()
+
+        try:
+            return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+        finally:
+            if not started:
+                self.served.leave_queue()
 
 
 class _BodyLimit:

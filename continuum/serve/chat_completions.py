@@ -141,7 +141,7 @@ def register(app: FastAPI, ctx) -> None:
 
         chat = await ctx.run(build)
         if not req.stream:
-            reply = await ctx.run(lambda: ctx.served.reply(chat, plan, sampling))
+            reply = await ctx.run(lambda: ctx.served.reply(chat, plan, sampling), reply=True)
             return _body(ctx, req, cid, created, reply)
 
         def work(emit, cancelled):

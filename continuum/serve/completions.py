@@ -172,7 +172,7 @@ def register(app: FastAPI, ctx) -> None:
             return _echoed(ctx, prompts, k) if req.echo and k is not None else None
 
         if not req.stream:
-            return body(*await ctx.run(lambda: (_run(ctx, prompts, sampling), echo())))
+            return body(*await ctx.run(lambda: (_run(ctx, prompts, sampling), echo()), reply=True))
         echoed = await ctx.run(echo)
         stream = ThreadStream(lambda emit, cancelled: _run(ctx, prompts, sampling, emit, cancelled))
         first = await stream.get()

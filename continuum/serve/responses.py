@@ -173,7 +173,7 @@ def register(app: FastAPI, ctx) -> None:
 
         chat, conversation, base = await ctx.run(build)
         if not req.stream:
-            return await ctx.run(lambda: keep(ctx.served.reply(chat, plan, sampling), conversation, base))
+            return await ctx.run(lambda: keep(ctx.served.reply(chat, plan, sampling), conversation, base), reply=True)
 
         def work(emit, cancelled):  # (with reasoning, the items are sent whole at the end: the thought comes first)
             live = None if plan.reasoning else (lambda r, t: emit(t))

@@ -147,7 +147,8 @@ class ServedModel:
                  speculate: str | None = None):
         self.model, self.template, self.max_string_length = model, template, max_string_length
         self.speculator = speculate_lookup() if speculate == "lookup" else None  # (--speculate: text and JSON replies)
-        self.max_queue = max_queue  # replies waiting for room (not decoding) beyond which a new one is refused (503)
+        self.max_queue = max_queue  # replies waiting for the model beyond which a new one is refused (503)
+        self.queued = 0  # replies waiting for a worker thread (Context.run(..., reply=True))
         self.bounds = bounds  # generate.json's bounds= for every structured output (numbers within int64...)
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
         if reasoning:  # the markers must exist: fail at start, not on every request
@@ -253,17 +254,36 @@ class ServedModel:
         with self.busy():
             return self._reply(chat, plan, sampling, on_delta, cancelled, on_reasoning)
 
+    def enter_queue(self) -> None:
+        """A reply is about to wait for a worker thread: counted as waiting from now on (:meth:`waiting`); refused
+        (:class:`Overloaded`: 503 with Retry-After) when ``max_queue`` replies already wait."""
+        with self._lock:
+            self._refuse_if_full()
+            self.queued += 1
+
+    def leave_queue(self) -> None:
+        """The reply got its worker thread (or its client left before it did)."""
+        with self._lock:
+            self.queued -= 1
+
+    def waiting(self) -> int:
+        """Replies waiting for the model: for a worker thread (the server's own queue) or in the engine (not
+        admitted yet, or parked for want of room); a reply being set up (rendered, its schema compiled) is not."""
+        return self.queued + self.model.engine.waiting_calls()
+
+    def _refuse_if_full(self) -> None:
+        if self.max_queue is not None:
+            waiting = self.waiting()
+            if waiting >= self.max_queue:
+                raise Overloaded(f"the server is busy: {waiting} replies are waiting for the model (--max-queue "
+                                 f"{self.max_queue}); retry shortly")
+
     @contextmanager
     def busy(self) -> Iterator[None]:
         """Counts a generation in :attr:`active` while it runs; refuses it (:class:`Overloaded`) when ``max_queue``
-        replies already wait: generating, but not among the model's decoding calls (parked, or not admitted yet,
-        for want of room in its KV pool)."""
+        replies already wait (:meth:`waiting`)."""
         with self._lock:
-            if self.max_queue is not None:
-                waiting = self.active - self.model.engine.decoding_calls()  # (not stats(): it sorts step times)
-                if waiting > 0 and waiting >= self.max_queue:  # (calls wait: the pool is full)
-                    raise Overloaded(f"the server is busy: {waiting} replies are waiting for room in the model's KV pool "
-                                     f"(--max-queue {self.max_queue}); retry shortly")
+            self._refuse_if_full()
             self.active += 1
         try:
             yield
