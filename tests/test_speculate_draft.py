@@ -132,3 +132,18 @@ def test_on_llama_cpp_a_draft_gguf_with_the_targets_weights_has_every_draft_kept
     assert stats["accepted"] == stats["drafted"] > 0 and stats["forwards"] + stats["accepted"] == 30
     again = spec(b + " Then", max_tokens=9)  # (the draft's sequences are reused by prefix: still every draft kept)
     assert list(again) == list(plain(a + " Then", max_tokens=9))
+
+
+def test_a_list_call_of_more_rows_than_keep_does_not_prefill_every_step(stories, twin):
+    """Before: a list call of more rows than the draft table's ``keep`` dropped each row's draft KV before its next
+    step, so the draft model prefilled every row's whole history at every step. Now the table holds one KV per row of
+    the call: the draft model computes about what it drafts plus each prompt once."""
+    prompts = [f"Once upon a time, a {w} named {n}" for w in ("cat", "dog", "bird") for n in ("Tom", "Sue", "Max")]
+    spec = continuous(generate.text(stories, samplers.greedy(), speculate=speculate.draft(twin, keep=2)))
+    before = twin.tokens_computed
+    state = spec(prompts, max_tokens=24)
+    computed = twin.tokens_computed - before
+    prompt_tokens = int(state._mask[:, :-24].sum())
+    assert computed <= prompt_tokens + len(prompts) * 24  # (each prompt once, then about one position per token)
+    plain = continuous(generate.text(stories, samplers.greedy()))(prompts, max_tokens=24)
+    assert list(state) == list(plain)

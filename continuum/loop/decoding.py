@@ -131,7 +131,9 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
                                    f"more than the model's kv_budget of {model.kv_budget} bytes: lower max_tokens or "
                                    "the rows, or raise kv_budget")
         new = options.get("max_tokens")
-        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=need, grow=rows * new if new is not None else None)
+        spec = options.get("speculate")  # (a step's drafts take cells too, until the rejected ones are cut)
+        grow = rows * (new + (spec.max_draft if spec is not None else 0)) if new is not None else None
+        call = engine.submit(loop, first, rows, stream=stream, kv_bytes=need, grow=grow)
         try:
             if call.queue is None:
                 return engine.wait(call)

@@ -221,6 +221,7 @@ class CallLoop:
         R, width = block.shape[0], block.shape[1]
         cols = [self.col - width + (width - 1 - len(d)) for d in drafts]  # each row's column before its first draft
         kept = [0] * R
+        accepted = 0
         decided: list[bool] = list(rows.finished)
         final_ids, final_lp = torch.zeros(R, dtype=torch.long), torch.zeros(R)
         for i in range(max(map(len, drafts)) + 1):
@@ -235,11 +236,13 @@ class CallLoop:
                     decided[r] = True
                     continue
                 if i < len(drafts[r]) and t == drafts[r][i] and x != -math.inf:
-                    kept[r] += 1
+                    kept[r] += 1  # (its column stays, as a sampled token's would)
                     c = cols[r] + 1 + i
                     rows.lp[r, c] = x
                     rows.weights[r] += x
-                    if not rows.accept(r, t) or rows.finished[r]:  # a stop string or the guide ended it
+                    ok = rows.accept(r, t)
+                    accepted += ok  # (counted once the row took it: a guide that refuses it ends the row instead)
+                    if not ok or rows.finished[r]:  # a stop string or the guide ended it
                         decided[r] = True
                 else:
                     final_ids[r], final_lp[r], decided[r] = t, x, True
@@ -247,7 +250,7 @@ class CallLoop:
                 break
         drafted = sum(map(len, drafts))
         self.stats["drafted"] += drafted
-        self.stats["accepted"] += sum(kept)
+        self.stats["accepted"] += accepted
         holes = [(r, cols[r] + 1 + kept[r], cols[r] + 1 + len(d)) for r, d in enumerate(drafts) if kept[r] < len(d)]
         for r, a, b in holes:
             rows.ids[r, a:b], rows.mask[r, a:b], rows.lp[r, a:b] = self.pad, 0, float("nan")
@@ -275,6 +278,9 @@ class CallLoop:
         row's ``max_tokens`` and context."""
         rows, guide, spec = self.rows, self.guide, self.spec
         assert spec is not None
+        expect = getattr(spec, "expect", None)
+        if expect is not None:  # (a draft model keeps one KV per row: room for every row of this call)
+            expect(len(ids))
         out: list[list[int]] = []
         for r, t in enumerate(ids):
             limit = int(min(self.k, self.steps - rows.generated[r] - 1, rows.room[r] - 1))  # (room: inf unbounded)

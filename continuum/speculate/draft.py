@@ -34,7 +34,8 @@ class Draft:
         model: the draft model (any continuum backend); its tokenizer must give every id the target's meaning.
         max_draft: the most tokens drafted per row and step (each costs the draft model one forward).
         max_calls: draft only while at most this many calls share the engine's step (see ``speculate.lookup``).
-        keep: draft KVs kept (one per row being drafted for, least recently used dropped first).
+        keep: draft KVs kept (one per row being drafted for, least recently used dropped first); at least as many as
+            the most rows one call drafts for.
     """
 
     def __init__(self, model: Any, max_draft: int = 4, max_calls: int = 4, keep: int = 16):
@@ -47,6 +48,7 @@ class Draft:
         self.model, self.max_draft, self.max_calls, self.keep = model, max_draft, max_calls, keep
         self._eos = frozenset(model.tokenizer.eos_token_ids)
         self._entries: list[tuple[np.ndarray, Any]] = []  # (tokens the KV covers, the KV), most recent last
+        self._room = keep  # entries kept: ``keep``, or the most rows one call drafted for (expect)
         self._lock = threading.Lock()  # (calls on two target models may share one speculator)
 
     def check_target(self, target: Any) -> None:
@@ -108,9 +110,14 @@ class Draft:
         kv = kvcache.crop(kv, best) if best < kvcache.length(kv) else kv
         return kvcache.length(kv), kv  # (a hybrid model's crop may reach back further: to a recurrent snapshot)
 
+    def expect(self, rows: int) -> None:
+        """A call drafts for ``rows`` rows: keep at least that many KVs, or each row's would be dropped before its
+        next step needs it (a list call of more rows than ``keep`` prefilled every row's history at every step)."""
+        self._room = max(self._room, rows)
+
     def _store(self, tokens: np.ndarray, kv: Any) -> None:
         self._entries.append((tokens, kv))
-        del self._entries[:-self.keep]
+        del self._entries[:-self._room]
 
     def _forward(self, ids: list[int], done: int, kv: Any) -> tuple[torch.Tensor, Any]:
         device = self.model.device
