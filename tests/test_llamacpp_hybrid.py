@@ -193,3 +193,17 @@ def test_what_a_recurrent_layer_cannot_do_is_refused_clearly(lfm):
         generate.text(lfm, samplers.greedy(), speculate=speculate.lookup())
     with pytest.raises(ModelLoadError, match="prefix_cache"):
         models.llamacpp(str(GGUF), n_threads=2, prefix_cache="16MB")
+
+
+def test_recurrent_snapshots_stay_bounded_over_a_long_chain_of_calls(lfm):
+    """Before: a snapshot per call end, unbounded (a long chat of many calls grew without end). Now at most
+    ``MAX_SNAPSHOTS`` per sequence (as transformers keeps), and the state in hand still continues from its own end."""
+    from continuum.models.llamacpp.recurrent import MAX_SNAPSHOTS
+
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    state = gen("a b c", max_tokens=2)
+    for _ in range(MAX_SNAPSHOTS + 8):
+        state = gen(state, max_tokens=2)
+    seq = state._kv.views[0]._seq
+    assert len(seq.snaps) <= MAX_SNAPSHOTS
+    assert gen(state, max_tokens=3)._ids.shape[1] == state._ids.shape[1] + 3

@@ -199,3 +199,23 @@ def test_the_plan_parks_newest_first_and_resumes_oldest_first():
     c.parked = b.parked = True
     plan = sched.plan([a, b, c], [])
     assert plan.resume == [b] and not plan.park  # (the oldest parked first; the newest waits for more room)
+
+
+def test_a_failed_part_of_a_list_call_in_turns_stops_the_others():
+    """Before: a list call run in parts (more rows than the pool decodes at once) went on with every other part after
+    one failed, and the caller's Ctrl-C did not reach them. Now the first failure cancels the others at their next
+    step, and the caller gets that error at once."""
+    from continuum.errors import ContextLengthError
+
+    m = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=1, n_ctx=1024, n_seq_max=4)
+    gen = generate.text(m, samplers.greedy())
+    prompts = [f"Once upon a time, a cat {i}" for i in range(12)]
+    prompts[-1] = "the cat sat " * 400  # (longer than the context: its part fails in its setup)
+    m.engine.reset_stats()
+    with pytest.raises(ContextLengthError):
+        gen(prompts, max_tokens=200)
+    assert m.engine.stats()["steps"] < 100  # (the other parts left within a few steps, not after 200)
+    deadline = time.time() + 10
+    while m.engine.stats()["running_calls"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert m.engine.stats()["running_calls"] == 0 and m.engine.stats()["waiting_calls"] == 0
