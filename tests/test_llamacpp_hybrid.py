@@ -207,3 +207,17 @@ def test_recurrent_snapshots_stay_bounded_over_a_long_chain_of_calls(lfm):
     seq = state._kv.views[0]._seq
     assert len(seq.snaps) <= MAX_SNAPSHOTS
     assert gen(state, max_tokens=3)._ids.shape[1] == state._ids.shape[1] + 3
+
+
+def test_under_pressure_each_program_is_what_llama_cpp_computes_alone(ref):
+    """Before: a step whose later chunk found no room undid the rows an earlier chunk had committed, and on a hybrid
+    that wiped their recurrent summaries (no snapshot mid-call). Now the scheduler plans each step within the pool,
+    room is made before the decode, and a row about to be decoded in a multi-chunk step keeps a snapshot at its end:
+    every program on a 256-cell pool (programs need ~880) gets llama.cpp's own log-probs, token by token."""
+    small = models.llamacpp(str(GGUF), n_threads=2, n_ctx=256, n_seq_max=32)
+    gen = continuous(generate.text(small, samplers.greedy()))
+    prompts = [" ".join(f"w{i}{j}" for j in range(24)) for i in range(8)]  # (~70 tokens each: one chunk per prefill)
+    got = run_batch(lambda p: gen(p, max_tokens=40), prompts)
+    for state in got:
+        assert _check_row(ref, state) == 40
+    assert small.engine.stats()["no_room"] == 0
