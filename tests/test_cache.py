@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from continuum.models.hf import cache as kvcache
+from continuum.models.hf import dynamic
 from continuum.models.hf.cache import positions
 
 
@@ -165,7 +166,7 @@ def test_forward_passes_the_cache_under_the_keyword_the_model_takes(gpt2_model, 
 
     for model in (gpt2_model, llama_model):
         expected = "cache" if "cache" in inspect.signature(type(model.model).forward).parameters else "past_key_values"
-        assert kvcache.cache_kwargs(model.model, None) == {expected: None}
+        assert dynamic.cache_kwargs(model.model, None) == {expected: None}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             s = continuous(generate.text(model, samplers.greedy()))("Hello", max_tokens=3)

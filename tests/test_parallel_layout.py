@@ -124,6 +124,7 @@ def _two_device_kv(rows: int = 3, columns: int = 5):
 
 def test_cache_operations_keep_each_layer_on_its_device():
     from continuum.models.hf import cache as kvcache
+    from continuum.models.hf import dynamic
 
     where = (torch.device("cpu"), torch.device("meta"))
     plain, arena = _two_device_kv()
@@ -143,11 +144,11 @@ def test_cache_operations_keep_each_layer_on_its_device():
     for name, kv in cases.items():
         assert kvcache.devices(kv) == where, name
     # a forward's append (what the model's attention calls on each layer's cache) stays there too
-    cache = kvcache.to_dynamic_cache(arena, _two_layer_config())
+    cache = dynamic.to_dynamic_cache(arena, _two_layer_config())
     for i, device in enumerate(where):
         k, v = cache.layers[i].update(torch.zeros(3, 2, 2, 4, device=device), torch.zeros(3, 2, 2, 4, device=device))
         assert k.device == device and k.shape[2] == 7
-    assert kvcache.devices(kvcache.from_dynamic_cache(cache)) == where
+    assert kvcache.devices(dynamic.from_dynamic_cache(cache)) == where
     # moving a cache to a layout moves only the layers that are elsewhere
     on_cpu = (plain[0], plain[0])  # both layers on the CPU, as a file is read
     moved = kvcache.to_devices(on_cpu, where)

@@ -90,7 +90,7 @@ class Scheduler:
         parked = sorted((c for c in running if c.parked and not c.closed), key=lambda c: c.order)
         calls = [c for c in inbox if isinstance(c, Call)]
         oneoffs = [r for r in inbox if isinstance(r, Request)]
-        measure = getattr(self.model, "capacity", None)
+        measure: Any = getattr(self.model, "capacity", None)
         cap = measure([c.pending for c in live]) if measure is not None else None
         if cap is None:  # no fixed pool: rows and the byte budget, nothing parks
             plan.oneoff = oneoffs

@@ -13,6 +13,7 @@ import torch
 from transformers import LogitsProcessor
 
 from ..models.hf import cache as kvcache
+from ..models.hf import dynamic
 from ..models.tokenizer import Tokenizer
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Tokenizer] = weakref.WeakKeyDictionary()
@@ -277,11 +278,11 @@ class GuidanceLogitsProcessor(LogitsProcessor):
 
     def _forward(self, new: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         pos = kvcache.positions(mask)[:, -new.shape[1]:]
-        past = kvcache.to_dynamic_cache(self._kv, self.model.config)
+        past = dynamic.to_dynamic_cache(self._kv, self.model.config)
         with torch.inference_mode():
-            out = self.model(input_ids=new, attention_mask=mask, position_ids=pos, **kvcache.cache_kwargs(self.model, past),
+            out = self.model(input_ids=new, attention_mask=mask, position_ids=pos, **dynamic.cache_kwargs(self.model, past),
                              use_cache=True, logits_to_keep=1)
-        self._kv, self._mask = kvcache.from_dynamic_cache(past), mask  # (forward appends to the Cache passed in)
+        self._kv, self._mask = dynamic.from_dynamic_cache(past), mask  # (forward appends to the Cache passed in)
         return out.logits[:, -1].float()
 
     def _unconditional(self, ids: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ class SequenceState:
         """
         if self._kv is None or isinstance(self._kv, kvcache.KVHandle):
             return self._kv
-        from ..models.hf.cache import to_dynamic_cache
+        from ..models.hf.dynamic import to_dynamic_cache
 
         return to_dynamic_cache(self._kv, self._model.config)
 

@@ -30,6 +30,7 @@ import torch
 
 from ...errors import RecurrentStateError
 from . import cache as _hf
+from . import dynamic
 from .hybrid_tree import TreeKV, tree_forward
 from .recurrent import HybridKV, Snapshot, States
 
@@ -96,7 +97,7 @@ def _cache(model: Any, spec: HybridSpec, kv: HybridKV | None, reserve: int):
     from transformers import DynamicCache
 
     cache: Any = DynamicCache(config=model.config)  # (its layers' union type has no conv_states: spec_of checked)
-    attn = _hf.append_layers(kv.attn if kv is not None and kv.attn else None, len(spec.attn), reserve)
+    attn = dynamic.append_layers(kv.attn if kv is not None and kv.attn else None, len(spec.attn), reserve)
     for i, append in zip(spec.attn, attn):
         if i not in spec.rec:
             cache.layers[i] = append
@@ -258,7 +259,7 @@ def _zero_states(adapter: Any, spec: HybridSpec) -> States:
         cache = _cache(adapter.model, spec, None, 0)
         one = torch.ones((1, 1), dtype=torch.long, device=adapter.device)
         with torch.inference_mode():
-            adapter.model(input_ids=one, position_ids=one - 1, **_hf.cache_kwargs(adapter.model, cache), use_cache=True)
+            adapter.model(input_ids=one, position_ids=one - 1, **dynamic.cache_kwargs(adapter.model, cache), use_cache=True)
         zero = adapter.__dict__["_zero_states"] = tuple(tuple(torch.zeros_like(t) for t in s) for s in _read(cache, spec)[1])
     return zero
 

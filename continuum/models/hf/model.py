@@ -16,7 +16,8 @@ import torch
 from ..identity import ModelFingerprint, fingerprint_of
 from ..tokenizer import Tokenizer
 from . import hybrid
-from .cache import KV, cache_kwargs, from_dynamic_cache, layer_kinds, to_dynamic_cache
+from .cache import KV
+from .dynamic import cache_kwargs, from_dynamic_cache, layer_kinds, to_dynamic_cache
 from .hybrid import HybridSpec, spec_of
 from .prefix_cache import PrefixCache, parse_budget
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any, TypeAlias
 
-if TYPE_CHECKING:
-    from .sequences import SequencePool, _Seq
+SequencePool: TypeAlias = Any  # (sequences.py imports this module: a typing import back would be a circle)
+_Seq: TypeAlias = Any
 
 __all__ = ["forked", "cut", "fresh", "segments", "used", "free", "make_room", "spill_cost", "spill_every_idle"]
 

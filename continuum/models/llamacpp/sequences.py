@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import weakref
 from collections import Counter, deque
@@ -35,7 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
-from . import cells, recurrent
+from . import cells, recurrent, seqbytes
 from ._lib import lib
 from .model import LlamaCppModel
 
@@ -54,7 +53,8 @@ class _Seq:
         self.blob: bytes | None = None  # the spilled sequence's bytes when id is None
         self.last_use = 0
         self.snaps: dict[int, bytes] = {}  # a hybrid model's recurrent summaries at earlier positions (recurrent.py)
-        self.key, self.own_lo, self.inherit = 0, 0, ()  # where its cells came from (cells.py: shared cells once)
+        self.key, self.own_lo = 0, 0  # where its cells came from (cells.py: shared cells once)
+        self.inherit: tuple[tuple[int, int, int], ...] = ()
         cells.fresh(self)
 
     @property
@@ -210,7 +210,7 @@ class SequencePool:
 
     def _spill(self, seq: _Seq) -> None:
         assert seq.id is not None
-        seq.blob = self._get_bytes(seq.id)
+        seq.blob = seqbytes.get(self.model, seq.id)
         lib().llama_memory_seq_rm(self.model.memory, seq.id, -1, -1)
         del self._resident[seq.id]
         self._free.append(seq.id)
@@ -229,9 +229,9 @@ class SequencePool:
                 # anyway (fragmentation) makes room once more
                 cells.make_room(self, cells.spill_cost(seq), [seq, *pinned])
                 try:
-                    self._set_bytes(seq_id, seq.blob)
+                    seqbytes.set_(self.model, seq_id, seq.blob)
                 except BackendError:
-                    if not cells.spill_every_idle(self, [seq, *pinned]) or not self._try_set_bytes(seq_id, seq.blob):
+                    if not cells.spill_every_idle(self, [seq, *pinned]) or not seqbytes.try_set(self.model, seq_id, seq.blob):
                         raise KVCacheFullError(
                             f"no room to restore a spilled state of {seq.extent} tokens (n_ctx={self.model.n_ctx} cells "
                             "shared by every live state): load the model with a larger n_ctx, or keep fewer states alive"
@@ -330,30 +330,6 @@ class SequencePool:
                 int(L.llama_memory_seq_pos_max(self.model.memory, seq_id))
 
     # -- bytes -------------------------------------------------------------------------------------
-    def _get_bytes(self, seq_id: int) -> bytes:
-        L, ctx = lib(), self.model.ctx
-        size = int(L.llama_state_seq_get_size(ctx, seq_id))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(L.llama_state_seq_get_data(ctx, buf, size, seq_id))
-        if n != size:
-            raise BackendError(f"llama_state_seq_get_data wrote {n} bytes, expected {size}")
-        return bytes(buf)
-
-    def _try_set_bytes(self, seq_id: int, blob: bytes) -> bool:
-        try:
-            self._set_bytes(seq_id, blob)
-        except BackendError:
-            return False
-        return True
-
-    def _set_bytes(self, seq_id: int, blob: bytes) -> None:
-        L = lib()
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        if int(L.llama_state_seq_set_data(self.model.ctx, buf, len(blob), seq_id)) == 0:
-            L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
-            raise BackendError("llama.cpp refused the sequence bytes (another model, KV type or flash-attention "
-                               "setting, or no room in the KV cache): recompute the state from its tokens")
-
     def to_bytes(self, view: KVView) -> bytes:
         """llama.cpp's bytes of exactly the view's positions (``llama_state_seq_get_data``). Shared cells are
         written out; a sliding-window model writes only the window behind the end (the state can be extended
@@ -368,10 +344,10 @@ class SequencePool:
                 return seq.blob
             self._ensure_resident(seq)
             if seq.extent == view.n_tokens:
-                return self._get_bytes(seq.id)  # type: ignore[arg-type]
+                return seqbytes.get(self.model, seq.id)  # type: ignore[arg-type]
             tmp = self.fork(view, pinned=[seq])
             try:
-                return self._get_bytes(tmp._seq.id)  # type: ignore[union-attr, arg-type]
+                return seqbytes.get(self.model, tmp._seq.id)  # type: ignore[union-attr, arg-type]
             finally:
                 tmp.release()
                 self._collect()
@@ -387,7 +363,7 @@ class SequencePool:
             self._collect()
             seq_id = self._acquire()
             try:
-                self._set_bytes(seq_id, blob)
+                seqbytes.set_(self.model, seq_id, blob)
             except BaseException:
                 self._give_back(seq_id)
                 raise
