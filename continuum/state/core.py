@@ -25,10 +25,9 @@ from typing import Any
 
 import torch
 
-from ..errors import BatchMismatch, ContinuumTypeError, IncompleteGenerationError, SchemaViolationError
+from ..errors import BatchMismatch, ContinuumTypeError
 from ..models import kv as kvcache
-from .completion import Completion
-from .laststep import LastStep
+from .laststep import LastStep, read_values
 
 __all__ = ["SequenceState", "LastStep"]
 
@@ -263,41 +262,7 @@ class SequenceState:
         Raises :class:`~continuum.errors.SchemaViolationError` (naming the row, JSON path and rule)
         when a JSON output fails its schema.
         """
-        last, texts = self._last_step(), self.texts
-        out, bad = [], []
-        for r, (s, e) in enumerate(zip(last.starts, last.ends)):
-            text = texts[r][s:e]
-            if last.kind != "text" and not last.complete[r]:
-                bad.append(r)
-            elif last.kind == "text" and last.finish is not None:
-                out.append(Completion(text, last.finish[r]))
-            else:
-                out.append(self._parse_row(r, text))
-        if bad:
-            where = ", ".join(f"row {r} (batch {r // self.samples}, sample {r % self.samples})" for r in bad)
-            if last.finish is not None and any(last.finish[r] == "context" for r in bad):
-                why = (f"the model's context length ({self._model.context_length} tokens). Shorten the input, e.g. "
-                       f"state[..., -N:] to keep its last N characters, and generate again.")
-            else:
-                why = (f"{'max_tokens=' + str(last.max_tokens) if last.max_tokens is not None else 'the context length'}. "
-                       f"Raise max_tokens, or continue this state with the same generator (it resumes the pattern "
-                       f"where it stopped).")
-            raise IncompleteGenerationError(f"the {last.kind} output of {where} is incomplete: generation stopped before "
-                                            f"the pattern was matched, at {why}", rows=bad, max_tokens=last.max_tokens)
-        return self._shape_output(out)
-
-    def _parse_row(self, r: int, text: str) -> Any:
-        """Row ``r``'s value; a schema violation is re-raised naming the row."""
-        assert self._last is not None  # called only for a state with a last step
-        if not self._last.parse:
-            return text
-        try:
-            return self._last.parse(text)
-        except SchemaViolationError as exc:
-            b, s = divmod(r, self.samples)
-            raise SchemaViolationError(f"row {r} (batch {b}, sample {s}): {exc} -- the engine did not enforce this "
-                                       f"rule; output: {text[:200]!r}", path=exc.path, rule=exc.rule, value=exc.value,
-                                       row=r, batch=b, sample=s) from exc
+        return self._shape_output(read_values(self, self._last_step()))
 
     def _shape_output(self, flat: list) -> Any:
         if self.samples == 1:

@@ -6,7 +6,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["LastStep"]
+from ..errors import IncompleteGenerationError, SchemaViolationError
+from .completion import Completion
+
+__all__ = ["LastStep", "read_values"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +53,44 @@ class LastStep:
     def edited(self, **changes) -> LastStep:
         """The same step after the text was edited: resumable guide states are dropped."""
         return replace(self, guide_states=None, **changes)
+
+
+def read_values(state: Any, last: LastStep) -> list:
+    """Every row's value of ``state``'s last step (``SequenceState.value`` before shaping): its text (text/regex),
+    the option (choice) or the parsed JSON. Raises :class:`~continuum.errors.IncompleteGenerationError` naming the
+    rows a constrained step left incomplete, :class:`~continuum.errors.SchemaViolationError` naming the row."""
+    texts, samples = state.texts, state.samples
+    out, bad = [], []
+    for r, (s, e) in enumerate(zip(last.starts, last.ends)):
+        text = texts[r][s:e]
+        if last.kind != "text" and not last.complete[r]:
+            bad.append(r)
+        elif last.kind == "text" and last.finish is not None:
+            out.append(Completion(text, last.finish[r]))
+        else:
+            out.append(_parse_row(last, r, samples, text))
+    if bad:
+        where = ", ".join(f"row {r} (batch {r // samples}, sample {r % samples})" for r in bad)
+        if last.finish is not None and any(last.finish[r] == "context" for r in bad):
+            why = (f"the model's context length ({state._model.context_length} tokens). Shorten the input, e.g. "
+                   f"state[..., -N:] to keep its last N characters, and generate again.")
+        else:
+            why = (f"{'max_tokens=' + str(last.max_tokens) if last.max_tokens is not None else 'the context length'}. "
+                   f"Raise max_tokens, or continue this state with the same generator (it resumes the pattern "
+                   f"where it stopped).")
+        raise IncompleteGenerationError(f"the {last.kind} output of {where} is incomplete: generation stopped before "
+                                        f"the pattern was matched, at {why}", rows=bad, max_tokens=last.max_tokens)
+    return out
+
+
+def _parse_row(last: LastStep, r: int, samples: int, text: str) -> Any:
+    """Row ``r``'s value; a schema violation is re-raised naming the row."""
+    if not last.parse:
+        return text
+    try:
+        return last.parse(text)
+    except SchemaViolationError as exc:
+        b, s = divmod(r, samples)
+        raise SchemaViolationError(f"row {r} (batch {b}, sample {s}): {exc} -- the engine did not enforce this "
+                                   f"rule; output: {text[:200]!r}", path=exc.path, rule=exc.rule, value=exc.value,
+                                   row=r, batch=b, sample=s) from exc
