@@ -121,25 +121,38 @@ class LlamaCppModel:
                  kv_type: str = "f16", batch_invariant: bool = False):
         L = lib()
         self.path = check_gguf(path)
-        limit = int(L.llama_max_parallel_sequences())
-        _check_int("n_seq_max", n_seq_max, 1, limit)
-        _check_int("n_ubatch", n_ubatch, 1, 1 << 20)
-        if n_ctx is not None:
-            _check_int("n_ctx", n_ctx, 1, 1 << 24)
-        if n_threads is not None:
-            _check_int("n_threads", n_threads, 1, 1024)
-        if n_batch is not None:
-            _check_int("n_batch", n_batch, max(n_seq_max, 1), 1 << 20)
-        if kv_type not in KV_TYPES:
-            raise ModelLoadError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
-        if flash_attn is None:
-            flash_attn = True
-        if kv_type not in ("f16", "f32", "bf16") and not flash_attn:
-            raise ModelLoadError(f"a quantized KV cache (kv_type={kv_type!r}) needs flash_attn=True in llama.cpp")
+        flash_attn = _check_options(n_ctx, n_threads, n_seq_max, n_batch, n_ubatch, flash_attn, kv_type)
         self.lock = threading.RLock()
         self.flash_attn, self.kv_type, self.batch_invariant = bool(flash_attn), kv_type, bool(batch_invariant)
         self.n_threads = n_threads or _cores()
-        # (before anything computes: ggml reads the variable once, at the process's first matmul)
+        self._pin_kernels()
+        model = self._load()
+        # a hybrid's recurrent part (one summary per sequence) cannot be cut back: recurrent.py keeps snapshots
+        self.hybrid = bool(L.llama_model_is_hybrid(model))
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
+        self.n_swa = int(L.llama_model_n_swa(model))
+        self.n_ctx_reason = "asked"
+        if n_ctx is None:
+            n_ctx, self.n_ctx_reason = default_n_ctx(self.n_ctx_train, self.kv_bytes_per_cell(kv_type), n_seq_max)
+        if n_ctx < n_seq_max:  # (llama.cpp aborts the process: its batch, clamped to n_ctx, must hold n_seq_max outputs)
+            self.close()
+            raise ModelLoadError(f"n_ctx={n_ctx} cells is below n_seq_max={n_seq_max}: llama.cpp needs room for a batch "
+                                 "of n_seq_max tokens; raise n_ctx or lower n_seq_max")
+        ctx = self._context(model, n_ctx, n_batch or max(n_seq_max, n_ubatch), n_ubatch, n_seq_max)
+        self.n_ctx = int(L.llama_n_ctx(ctx))
+        # llama.cpp clamps n_batch to n_ctx: read back what it runs (a decode over n_batch aborts the process)
+        self.n_batch, self.n_ubatch, self.n_seq_max = int(L.llama_n_batch(ctx)), int(L.llama_n_ubatch(ctx)), n_seq_max
+        if self.n_batch < n_seq_max:
+            self.close()
+            raise ModelLoadError(f"n_ctx={self.n_ctx} cells is below n_seq_max={n_seq_max}: llama.cpp needs a batch of "
+                                 "n_seq_max tokens; raise n_ctx or lower n_seq_max")
+        self.vocab_ptr = L.llama_model_get_vocab(model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab_ptr))
+        self.memory = L.llama_get_memory(ctx)
+
+    def _pin_kernels(self) -> None:
+        """The batch-invariant mode turns the tiled K-quant matmul off (before anything computes: ggml reads the
+        variable once, at the process's first matmul); a warning where it cannot."""
         self.pinned_kernels = pin_kernels() if self.batch_invariant else os.environ.get(TILED_MM) == "0"
         if self.batch_invariant and not self.pinned_kernels:
             why = (f"{TILED_MM}={os.environ[TILED_MM]} is set" if TILED_MM in os.environ else
@@ -147,8 +160,11 @@ class LlamaCppModel:
             warnings.warn(f"{self.path.name}: the batch-invariant mode cannot turn llama.cpp's tiled K-quant matmul off: "
                           f"{why}. Rows of K-quant weights decoded beside 8+ others may differ from each alone. Make the "
                           f"invariant model first, or start the process with {TILED_MM}=0 (f32, f16 and q8_0 files are "
-                          "unaffected)", RuntimeWarning, stacklevel=3)
+                          "unaffected)", RuntimeWarning, stacklevel=4)
 
+    def _load(self) -> Any:
+        """The ``llama_model`` (CPU), refused clearly where continuum cannot run it."""
+        L = lib()
         mparams = L.llama_model_default_params()
         mparams.use_extra_bufts = not self.batch_invariant
         mparams.n_gpu_layers = 0
@@ -165,49 +181,32 @@ class LlamaCppModel:
             raise ModelLoadError(f"{self.path.name}: continuum runs decoder-only GGUFs on llama.cpp, attention or hybrid "
                                  "(attention + recurrent layers, e.g. LFM2); encoder-decoder, pure recurrent (Mamba, "
                                  "RWKV) and diffusion models are not supported (docs/hybrid.md)")
-        # a hybrid's recurrent part (one summary per sequence) cannot be cut back: recurrent.py keeps snapshots
-        self.hybrid = bool(L.llama_model_is_hybrid(model))
-        self.n_ctx_train = int(L.llama_model_n_ctx_train(model))
-        self.n_swa = int(L.llama_model_n_swa(model))
-        self.n_ctx_reason = "asked"
-        if n_ctx is None:
-            n_ctx, self.n_ctx_reason = default_n_ctx(self.n_ctx_train, self.kv_bytes_per_cell(kv_type), n_seq_max)
-        if n_ctx < n_seq_max:  # (llama.cpp aborts the process: its batch, clamped to n_ctx, must hold n_seq_max outputs)
-            self.close()
-            raise ModelLoadError(f"n_ctx={n_ctx} cells is below n_seq_max={n_seq_max}: llama.cpp needs room for a batch "
-                                 "of n_seq_max tokens; raise n_ctx or lower n_seq_max")
-        n_batch = n_batch or max(n_seq_max, n_ubatch)
+        return model
 
+    def _context(self, model: Any, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int) -> Any:
+        """The one ``llama_context`` (unified KV of ``n_ctx`` cells, every cell kept: ``swa_full``)."""
+        L = lib()
         cparams = L.llama_context_default_params()
         cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = n_ctx, n_batch, min(n_ubatch, n_batch), n_seq_max
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
-        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.type_k = cparams.type_v = KV_TYPES[kv_type]
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.type_k = cparams.type_v = KV_TYPES[self.kv_type]
         cparams.kv_unified, cparams.swa_full, cparams.embeddings, cparams.no_perf = True, True, False, True
         with self.lock:
             ctx = L.llama_init_from_model(model, cparams)
         if not ctx:
             head = self._head_dims()
             self.close()
-            if kv_type == "q8_0" and head and any(d % 32 for d in head):  # (llama.cpp's q8_0 blocks hold 32 values)
+            if self.kv_type == "q8_0" and head and any(d % 32 for d in head):  # (llama.cpp's q8_0 blocks hold 32 values)
                 raise ModelLoadError(f"kv_type='q8_0' needs attention heads of a multiple of 32 values; "
                                      f"{self.path.name} has {head[0]}: use kv_type='f16' (the default) or 'f32'")
             raise ModelLoadError(f"llama.cpp could not create a context for {self.path.name} (n_ctx={n_ctx}, "
-                                 f"n_batch={n_batch}, n_seq_max={n_seq_max}, kv_type={kv_type!r}): lower n_ctx if memory "
-                                 "is short")
+                                 f"n_batch={n_batch}, n_seq_max={n_seq_max}, kv_type={self.kv_type!r}): lower n_ctx if "
+                                 "memory is short")
         self._finalizer.detach()
         self._ctx = ctx
         self._finalizer = weakref.finalize(self, _free, L, model, ctx)
-        self.n_ctx = int(L.llama_n_ctx(ctx))
-        # llama.cpp clamps n_batch to n_ctx: read back what it runs (a decode over n_batch aborts the process)
-        self.n_batch, self.n_ubatch, self.n_seq_max = int(L.llama_n_batch(ctx)), int(L.llama_n_ubatch(ctx)), n_seq_max
-        if self.n_batch < n_seq_max:
-            self.close()
-            raise ModelLoadError(f"n_ctx={self.n_ctx} cells is below n_seq_max={n_seq_max}: llama.cpp needs a batch of "
-                                 "n_seq_max tokens; raise n_ctx or lower n_seq_max")
-        self.vocab_ptr = L.llama_model_get_vocab(model)
-        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab_ptr))
-        self.memory = L.llama_get_memory(ctx)
+        return ctx
 
     # -- pointers ---------------------------------------------------------------------------
     @property
@@ -320,3 +319,22 @@ def default_n_ctx(n_ctx_train: int, per_cell: int | None, n_seq_max: int) -> tup
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ModelLoadError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+def _check_options(n_ctx: int | None, n_threads: int | None, n_seq_max: int, n_batch: int | None, n_ubatch: int,
+                   flash_attn: bool | None, kv_type: str) -> bool:
+    """The options checked before anything loads (a ModelLoadError naming the bad one); the flash-attention flag."""
+    _check_int("n_seq_max", n_seq_max, 1, int(lib().llama_max_parallel_sequences()))
+    _check_int("n_ubatch", n_ubatch, 1, 1 << 20)
+    if n_ctx is not None:
+        _check_int("n_ctx", n_ctx, 1, 1 << 24)
+    if n_threads is not None:
+        _check_int("n_threads", n_threads, 1, 1024)
+    if n_batch is not None:
+        _check_int("n_batch", n_batch, max(n_seq_max, 1), 1 << 20)
+    if kv_type not in KV_TYPES:
+        raise ModelLoadError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+    flash_attn = True if flash_attn is None else flash_attn
+    if kv_type not in ("f16", "f32", "bf16") and not flash_attn:
+        raise ModelLoadError(f"a quantized KV cache (kv_type={kv_type!r}) needs flash_attn=True in llama.cpp")
+    return flash_attn
