@@ -11,8 +11,7 @@ import torch
 
 from continuum import continuous, generate, models, samplers
 from continuum.errors import ContextLengthError, StaleWindowError
-from continuum.models import kv
-from continuum.models.hf import token_tree
+from continuum.models import kv, token_tree
 from continuum.models.request import Request
 
 from llamacpp_support import DECODE_TOL, gguf, reference_logits

@@ -64,7 +64,7 @@ class Engine(Driving):
     """The decode loop of every running call on one model (see the module docstring).
 
     Args:
-        model: the ``Transformers`` adapter (runs ``forward_now`` and ``_run``).
+        model: the backend (``models/protocol.py``): it runs a step's requests (``run_step``), says its capacity.
         max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
             than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
         max_kv_bytes: the most KV bytes the running calls may reach, each at its longest (input plus

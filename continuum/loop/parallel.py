@@ -22,9 +22,9 @@ _warned = False
 
 
 def world_size(model: Any) -> int:
-    """How many tensor-parallel processes share ``model`` (1 without ``tp_plan``); no communication."""
-    hf = getattr(model, "model", None)
-    return getattr(hf, "_tp_size", None) or 1
+    """How many tensor-parallel processes share ``model`` (the backend says: 1 without ``tp_plan``); no
+    communication."""
+    return int(getattr(model, "world_size", 1) or 1)
 
 
 def check_seeded(model: Any, sampler: Any, rng: torch.Generator | None) -> None:

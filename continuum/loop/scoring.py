@@ -2,7 +2,7 @@
 
 Options are tokenized as ``state + option`` would tokenize them. After the usual prefill (every
 column but each row's last token cached; the prefix cache applies there), all options of a row
-run in ONE row after its context: a token tree (:mod:`continuum.models.hf.token_tree`) rooted at the row's
+run in ONE row after its context: a token tree (:mod:`continuum.models.token_tree`) rooted at the row's
 last token, options sharing a prefix sharing its nodes, each node attending to the row's context
 and its own ancestors only, at the positions it would have alone. Every row of the batch is in
 the same forward, which holds ``context + tree`` KV columns per row (never ``options x context``).
@@ -35,7 +35,7 @@ import torch
 
 from ..errors import ContextLengthError
 from ..models import kv as kvcache
-from ..models.hf import token_tree
+from ..models import token_tree
 from ..models.kv import positions
 from ..samplers import Sampler
 from ..state import LastStep, SequenceState

@@ -50,6 +50,7 @@ class Backend(Protocol):
     tokens_computed: int  # positions computed so far (the benchmarks and tests read it)
     prefix_cache: Any  # the automatic prefix cache (its reuse, remember and settle are what the loop calls), or None
     kv_budget: int | None  # the most KV bytes running calls may reach (admission waits; a call beyond it alone is refused)
+    world_size: int  # processes running this model together (tensor parallelism; 1 otherwise): every rank steps alike
     max_call_rows: int | None  # the most rows one call decodes at once (llama.cpp: its sequence ids); a list call with
     # more runs its prompts in turns (continuum.loop.turns); None: unbounded
 

@@ -5,7 +5,7 @@
 * ``cache``: the KV cache as plain per-layer tensor tuples and its functional operations (select rows, crop,
   compact, stack), never writing where another state can look;
 * ``prefix_cache``: the automatic prefix cache (KV blocks keyed by a chain of token ids, LRU under a byte budget);
-* ``token_tree``: the attention mask and positions of a token tree (choice scoring in one forward);
+* (token trees, choice scoring's one forward, are backend-neutral: ``continuum.models.token_tree``);
 * ``recurrent``, ``hybrid``, ``hybrid_tree``: hybrid and recurrent models (LFM2, Mamba...): the KV with recurrent
   snapshots (:class:`~.recurrent.HybridKV`), their forwards (rows grouped by padding), their token trees (level by
   level); docs/hybrid.md.

@@ -1,6 +1,6 @@
 """Choice scoring's token tree on a hybrid or recurrent model (LFM2, Mamba): the tree run level by level.
 
-On attention models a token tree (:mod:`continuum.models.hf.token_tree`) is one forward: each node attends to the
+On attention models a token tree (:mod:`continuum.models.token_tree`) is one forward: each node attends to the
 row's context and its own ancestors. A recurrent layer has no such mask: a node's summary is its parent's summary
 updated by its token, so the tree runs **one level per forward**: level ``d``'s nodes, every row's at once, each
 as a one-token row on its parent's summary and its ancestors' attention columns. The nodes computed are the tree's

@@ -79,6 +79,11 @@ class Transformers:
         """
         return fingerprint_of(self.model)
 
+    @property
+    def world_size(self) -> int:
+        """Tensor-parallel processes sharing this model (transformers' ``tp_plan``; 1 without one)."""
+        return getattr(self.model, "_tp_size", None) or 1
+
     def same_model(self, other: Any) -> bool:
         """Whether a KV cache computed by ``other`` is valid for this model.
 

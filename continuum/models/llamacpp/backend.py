@@ -109,6 +109,8 @@ class LlamaCpp:
     def fingerprint(self) -> Any:
         return fingerprint_of(self.llama)
 
+    world_size = 1  # (one process: llama.cpp's own threads are inside it)
+
     def same_model(self, other: Any) -> bool:
         return other is self or (isinstance(other, LlamaCpp) and other.fingerprint == self.fingerprint)
 

@@ -2,7 +2,7 @@
 once, the way llama.cpp does tree (speculative) decoding.
 
 A tree request (:class:`~continuum.models.request.Request` with ``allowed``, built by
-:mod:`continuum.models.hf.token_tree`) holds, per row, a root (the row's last token) and the trie of its options.
+:mod:`continuum.models.token_tree`) holds, per row, a root (the row's last token) and the trie of its options.
 llama.cpp's batch lets one token belong to several sequences (``llama_batch.seq_id[i]`` is an array). So each row
 gets one sequence per *leaf* of its trie (a fork of the row's view, ``seq_cp``: cells shared, nothing copied), and
 each node is decoded once, at its position, with the ids of every leaf below it: a node attends to the row's
@@ -76,7 +76,7 @@ def _read_tree(i: int, ids: np.ndarray, real: np.ndarray, anc: np.ndarray, pos: 
     n = view.n_tokens
     if not ok or not (pos[nodes] == n + depth_of).all():
         raise BackendError(f"row {i}: the attention matrix is not a token tree over positions {n}.. after the row's "
-                           f"{n} cached tokens (llama.cpp decodes trees only; continuum.models.hf.token_tree builds them)")
+                           f"{n} cached tokens (llama.cpp decodes trees only; continuum.models.token_tree builds them)")
     is_leaf = sub.sum(0) == 1  # a node no other node sees
     leaf_at = np.flatnonzero(is_leaf)
     below = {v: np.flatnonzero(sub[leaf_at, k]).tolist() for k, v in enumerate(nodes)}
