@@ -203,7 +203,7 @@ class Engine(Driving):
         with self._cond:
             alone = self._driver == me
             if not alone:
-                req = Request(ids, mask, pos, kv, logits, reserve, me, allowed=allowed)
+                req = Request(ids, mask, pos, kv, logits, reserve, allowed=allowed)
                 req.key = next_key() if self._ranks is not None else None
                 req.event = threading.Event()
                 self._inbox.append(req)

@@ -72,6 +72,11 @@ class CallLoop:
         self.reals: list[int] | None = None  # real tokens per row before the current column (common steps)
 
     # -- requests -------------------------------------------------------------------------------------------
+    def _reserve(self, end: int) -> int:
+        """Columns the call may still append after a forward ending at column ``end`` (its remaining steps, capped):
+        a backend that preallocates KV storage makes room once."""
+        return max(0, min(self.W + self.steps - end, kvcache.RESERVE_CAP))
+
     def forward(self, start: int, end: int, logits: str = "last"):
         """The model on columns [start, end): a request the engine runs in its next step (merged with every running
         call's); with guidance, the branch's own forwards (run by the engine's thread)."""
@@ -81,7 +86,7 @@ class CallLoop:
             pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)  # finished at its context limit stays in range)
         else:
             pos = positions(mask)[:, start:]
-        reserve = max(0, min(self.W + self.steps - end, kvcache.RESERVE_CAP))  # columns to come: KV storage once
+        reserve = self._reserve(end)  # columns to come: KV storage once
         if rows.branch is not None:  # guidance: runs both branches
             self.last = None
             return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
@@ -101,7 +106,7 @@ class CallLoop:
             mask = rows.mask[:, :col + 1]
             return rows.ids[:, col:col + 1], mask, (mask.sum(1, keepdim=True) - 1).clamp(min=0)
 
-        reserve = max(0, min(self.W + self.steps - col - 1, kvcache.RESERVE_CAP))
+        reserve = self._reserve(col + 1)
         req = self.last = Request(None, None, None, rows.kv, "last", reserve, normalize=True,  # type: ignore[arg-type]
                                   column=(ids, pos), source=source)
         yield req

@@ -21,20 +21,22 @@ __all__ = ["Request", "normalized"]
 class Request:
     """One call's forward: the arguments of ``Transformers.forward`` and, once run, its result."""
 
+    # what the loop asks for: the rows' new columns on top of their KV
     ids: torch.Tensor
     mask: torch.Tensor
     pos: torch.Tensor
     kv: kvcache.KV | None
-    logits: str = "last"
-    reserve: int = 0
-    thread: int = 0
+    logits: str = "last"  # which columns' logits: "last", "all" or "none"
+    reserve: int = 0  # columns the call may still append (a backend that preallocates makes room)
     allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
-    key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
-    event: Any = None  # a one-off request's owner waits on it (continuum.loop.engine)
     normalize: bool = False  # a decoding step: hand back log-probs (log-softmax over the group at once) and `top`
     column: tuple[list[int], list[int]] | None = None  # a decode step as lists: each row's new token and its position
     source: Any = None  # with `column`: makes ids, mask, pos as tensors, when a layout needs them (materialize)
     remask: bool = False  # cached columns were masked out since the last step (speculation's rejected drafts)
+    # the engine's plumbing
+    key: Any = None  # under tensor parallelism: the same name on every rank (continuum.loop.ranks)
+    event: Any = None  # a one-off request's owner waits on it (continuum.loop.engine)
+    # the result, set by the backend's run_step
     result: Any = None
     top: tuple[list[int], list[float]] | None = None  # with normalize: each row's most likely token and its log-prob
     error: BaseException | None = None

@@ -209,11 +209,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                 else:
                     seq = pool._new_seq(pinned)
                     forks.append(seq)
-                    L.llama_memory_seq_cp(mem, src.id, seq.id, 0, view.n_tokens)
-                    seq.extent = view.n_tokens
-                    cells.forked(src, seq, view.n_tokens)
-                    if hybrid:  # (seq_cp copied src's latest summary: the one at the view's end replaces it)
-                        recurrent.forked(pool, src, seq, view.n_tokens)
+                    pool.share(src, seq, view.n_tokens)
             claimed.add(id(seq))
             pinned.append(seq)
             targets.append(seq)

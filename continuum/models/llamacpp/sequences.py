@@ -288,13 +288,19 @@ class SequencePool:
             src = view._seq
             self._ensure_resident(src, pinned)
             dst = self._new_seq([src, *pinned])
-            lib().llama_memory_seq_cp(self.model.memory, src.id, dst.id, 0, n)
-            dst.extent = n
-            cells.forked(src, dst, n)
-            view = KVView(self, dst, n)  # (held: a failed restore below releases it)
-            if self.model.hybrid:  # (seq_cp copied src's latest recurrent summary: the one at n replaces it)
-                recurrent.forked(self, src, dst, n)
+            view = KVView(self, dst, n)  # (held: a failed restore in share releases it)
+            self.share(src, dst, n)
             return view
+
+    def share(self, src: _Seq, dst: _Seq, n: int) -> None:
+        """``dst`` (a new, empty sequence) holds ``src``'s first ``n`` positions: the cells shared (``seq_cp``, a bit
+        per cell), counted once (``cells.forked``), and on a hybrid the recurrent summary at ``n`` restored (seq_cp
+        copied ``src``'s latest). The one way a sequence is forked (views, decode's forks, token trees)."""
+        lib().llama_memory_seq_cp(self.model.memory, src.id, dst.id, 0, n)
+        dst.extent = n
+        cells.forked(src, dst, n)
+        if self.model.hybrid:
+            recurrent.forked(self, src, dst, n)
 
     # -- sliding window ------------------------------------------------------------------------------
     def _window_ok(self, seq_id: int, n: int) -> bool:

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
-from . import cells, recurrent
 from ._lib import lib, mark_decoded
 from .decode import _discard
 from .sequences import KVView, SequencePool, _Seq
@@ -170,7 +169,6 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
 
 def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
     """One new sequence per leaf of every row, holding the row's context cells (``seq_cp``: shared)."""
-    L, mem = lib(), pool.model.memory
     pinned: list[_Seq] = [row.view._seq for row in rows if row.view._seq is not None]
     need = sum(len(row.leaves) for row in rows)
     if need + len({id(s) for s in pinned}) > pool.n_ids:
@@ -198,12 +196,8 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
                 seq = pool._new_seq(pinned)
                 seqs.append(seq)
                 pinned.append(seq)
-                if row.view._seq is not None:
-                    L.llama_memory_seq_cp(mem, row.view._seq.id, seq.id, 0, row.view.n_tokens)
-                    cells.forked(row.view._seq, seq, row.view.n_tokens)
-                    if pool.model.hybrid:  # (the summary at the context's end, not the source's latest)
-                        recurrent.forked(pool, row.view._seq, seq, row.view.n_tokens)
-                seq.extent = row.view.n_tokens
+                if row.view._seq is not None:  # (the context's cells shared; a hybrid's summary at its end)
+                    pool.share(row.view._seq, seq, row.view.n_tokens)
             out.append(seqs)
     except BaseException:
         for made in out + [seqs]:
