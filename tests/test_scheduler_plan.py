@@ -140,7 +140,7 @@ def test_a_call_closed_before_it_is_admitted_leaves_at_once():
     from continuum.models.request import Request
 
     m = small(4096)
-    m.engine.max_rows = 1
+    saved, m.engine.max_rows = m.engine.max_rows, 1
     gen = generate.text(m, samplers.greedy())
     long = threading.Thread(target=lambda: gen("Once upon a time", max_tokens=400))
     long.start()
@@ -161,7 +161,7 @@ def test_a_call_closed_before_it_is_admitted_leaves_at_once():
         assert m.engine.stats()["waiting_calls"] == 0 and long.is_alive()  # (it left before the running call ended)
     finally:
         long.join()
-        m.engine.max_rows = 256
+        m.engine.max_rows = saved
 
 
 def test_the_plan_parks_newest_first_and_resumes_oldest_first():

@@ -65,7 +65,8 @@ class Engine(Driving):
 
     Args:
         model: the backend (``models/protocol.py``): it runs a step's requests (``run_step``), says its capacity.
-        max_rows: the most rows of running calls at once (admission bound; default 256). A call larger
+        max_rows: the most rows of running calls at once (admission bound; default 256, or the backend's
+            ``default_max_rows``: 32 on llama.cpp). A call larger
             than that runs when it is alone; others wait in the inbox, nothing fails for lack of room.
         max_kv_bytes: the most KV bytes the running calls may reach, each at its longest (input plus
             ``max_tokens``, or the context), or None (default); admission as for ``max_rows``.
@@ -76,11 +77,12 @@ class Engine(Driving):
 
     prefill_chunk = engine_setting("prefill_chunk", allow_none=True)
 
-    def __init__(self, model, max_rows: int = DEFAULT_MAX_ROWS, max_kv_bytes: int | None = None,
+    def __init__(self, model, max_rows: int | None = None, max_kv_bytes: int | None = None,
                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         self._model = model
         self.scheduler = Scheduler(model)  # the decision: what runs, parks, resumes, waits (scheduler.py)
-        self.max_rows = max_rows
+        # (a backend may say how many rows a step runs best with: llama.cpp's unified pool on a CPU, 32)
+        self.max_rows = max_rows if max_rows is not None else getattr(model, "default_max_rows", DEFAULT_MAX_ROWS)
         if max_kv_bytes is not None:
             self.max_kv_bytes = max_kv_bytes
         self.prefill_chunk = prefill_chunk
