@@ -15,10 +15,17 @@ takes the fixture at toy size. Greedy text under ``run_batch``; tokens/s counts 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from .common import Bench, Row
 from .llamacpp_bench import gguf_bench
+
+TILED_MM = "GGML_CPU_TILED_MM"
 
 __all__ = ["POOL_SCENARIOS"]
 
@@ -95,11 +102,29 @@ def _chain(model):
 
 
 def _b26f(cfg, path, name, threads) -> Row:
+    """Measured in a fresh process started with ``GGML_CPU_TILED_MM=0``: the invariant mode's exactness on K-quant
+    weights needs the tiled matmul off before the process's first matmul, and B26a/b have decoded with it on."""
+    env = {**os.environ, TILED_MM: "0"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.pool_bench", str(path), str(threads), str(int(cfg.smoke))],
+                          env=env, capture_output=True, text=True, timeout=3600, cwd=Path(__file__).resolve().parents[1])
+    if proc.returncode != 0:
+        raise RuntimeError(f"B26f's process failed: {proc.stderr[-2000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Row("B26f", f"{got['n']} programs x text -> choice -> JSON, invariant mode, a {got['small']}-cell pool "
+               "(4x too small)", f"a {got['roomy']}-cell pool", got["small_tps"] / got["roomy_tps"], ">=", 0.8,
+               "x throughput", base_tps=got["roomy_tps"], cont_tps=got["small_tps"],
+               notes=[f"model: {name}; GGML_CPU_TILED_MM=0 (a fresh process)",
+                      f"{got['parked']} parks, {got['no_room']} decodes that found no room",
+                      f"of the first {got['compared']} programs, {got['same_text']} give the text and {got['same_weights']} "
+                      "the exact weights of the program alone (the invariant mode under churn: docs/scheduler.md)"])
+
+
+def _b26f_measure(path: str, threads: int, smoke: bool) -> dict:
     from continuum import models, run_batch
 
-    n, small_cells, roomy_cells = (6, 512, 4096) if cfg.smoke else (64, 2048, 16384)
+    n, small_cells, roomy_cells = (6, 512, 4096) if smoke else (64, 2048, 16384)
     prompts = _prompts(n)
-    results, tps = {}, {}
+    results, tps, stats = {}, {}, {}
     for cells in (roomy_cells, small_cells):
         model = models.llamacpp(path, n_threads=threads, n_ctx=cells, batch_invariant=True)
         model.engine.reset_stats()
@@ -112,14 +137,14 @@ def _b26f(cfg, path, name, threads) -> Row:
     alone_model = models.llamacpp(path, n_threads=threads, n_ctx=roomy_cells, batch_invariant=True)
     alone = [_chain(alone_model)(p) for p in prompts[:8]]
     alone_model.llama.close()
-    same_text = sum(str(a) == str(b) for a, b in zip(results[small_cells], alone))
-    same_w = sum(bool((a.weights == b.weights).all()) for a, b in zip(results[small_cells], alone))
-    return Row("B26f", f"{n} programs x text -> choice -> JSON, invariant mode, a {small_cells}-cell pool (4x too small)",
-               f"a {roomy_cells}-cell pool", tps[small_cells] / tps[roomy_cells], ">=", 0.8, "x throughput",
-               base_tps=tps[roomy_cells], cont_tps=tps[small_cells],
-               notes=[f"model: {name}", f"{stats['parked']} parks, {stats['no_room']} decodes that found no room",
-                      f"of the first {len(alone)} programs, {same_text} give the text and {same_w} the exact weights of "
-                      "the program alone (the invariant mode under churn: docs/scheduler.md)"])
+    pairs = list(zip(results[small_cells], alone))
+    return {"n": n, "small": small_cells, "roomy": roomy_cells, "small_tps": tps[small_cells],
+            "roomy_tps": tps[roomy_cells], "parked": stats["parked"], "no_room": stats["no_room"], "compared": len(pairs),
+            "same_text": sum(str(a) == str(b) for a, b in pairs),
+            "same_weights": sum(bool((a.weights == b.weights).all()) for a, b in pairs)}
 
 
 POOL_SCENARIOS = {"B26": b26}
+
+if __name__ == "__main__":  # (B26f's own process: python -m benchmarks.pool_bench PATH THREADS SMOKE)
+    print(json.dumps(_b26f_measure(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1")))

@@ -28,7 +28,7 @@ def capacity(pool: SequencePool, requests: list[Request]) -> Capacity:
     with pool.model.lock:
         pool._collect()
         held = [s for s in request_seqs(requests).values() if s.id is not None]
-        return Capacity(total=pool.model.n_ctx, used=cells.used(pool), held=cells._count(held),
+        return Capacity(total=cells.total(pool), used=cells.used(pool), held=cells._count(held),
                         ids_total=pool.n_ids, ids_held=len(held))
 
 

@@ -28,10 +28,14 @@ import itertools
 from collections.abc import Iterable
 from typing import Any, TypeAlias
 
+from . import seqbytes
+from ._lib import lib
+
 SequencePool: TypeAlias = Any  # (sequences.py imports this module: a typing import back would be a circle)
 _Seq: TypeAlias = Any
 
-__all__ = ["forked", "cut", "fresh", "segments", "used", "free", "make_room", "spill_cost", "spill_every_idle"]
+__all__ = ["forked", "cut", "fresh", "segments", "used", "total", "free", "flush", "make_room", "spill_cost",
+           "spill_every_idle"]
 
 _KEYS = itertools.count(1)
 
@@ -76,14 +80,19 @@ def _count(seqs: Iterable[_Seq]) -> int:
 
 
 def used(pool: SequencePool) -> int:
-    """Cells the resident sequences hold (shared cells once)."""
-    return _count(pool._resident.values())
+    """Cells the resident sequences hold (shared cells once), and those kept for the invariant mode (``zombie``)."""
+    return _count(pool._resident.values()) + pool.zombie_cells
+
+
+def total(pool: SequencePool) -> int:
+    """Cells the states may use: ``n_ctx``, less the one the invariant mode's scratch row takes during a decode."""
+    return pool.model.n_ctx - (pool.scratch is not None)
 
 
 def free(pool: SequencePool) -> int:
-    """Cells free now: ``n_ctx`` less those in use (llama.cpp may lose a few to fragmentation: the decode's own
+    """Cells free now: :func:`total` less those in use (llama.cpp may lose a few to fragmentation: the decode's own
     failure stays the exception path)."""
-    return max(0, pool.model.n_ctx - used(pool))
+    return max(0, total(pool) - used(pool))
 
 
 def spill_cost(seq: _Seq) -> int:
@@ -112,12 +121,30 @@ def _families(seqs: list[_Seq]) -> list[list[_Seq]]:
     return list(groups.values())
 
 
+def flush(pool: SequencePool) -> None:
+    """The batch-invariant mode's kept cells (``SequencePool.drop``) freed, and the pool packed so that no hole is
+    left below a live cell (``seqbytes.repack``): room without taking any sequence out of position order."""
+    if pool.zombie is None:
+        return
+    if pool.zombie_cells:
+        lib().llama_memory_seq_rm(pool.model.memory, pool.zombie, -1, -1)
+        pool.zombie_cells = 0
+    seqbytes.repack(pool.model)
+    pool.repacks += 1
+
+
 def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = ()) -> bool:
     """Spill idle sequences (least recently used family first) until ``cells`` cells are free; False if even every
-    idle family spilled would not free them (then nothing is spilled: the caller parks or fails)."""
+    idle family spilled would not free them (then nothing is spilled: the caller parks or fails). In the
+    batch-invariant mode the kept cells go first, and the pool is packed after anything was freed (:func:`flush`)."""
     have = free(pool)
     if have >= cells:
         return True
+    if pool.zombie_cells:
+        flush(pool)
+        have = free(pool)
+        if have >= cells:
+            return True
     idle = pool.idle(pinned)
     if not idle:
         return False
@@ -128,7 +155,7 @@ def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = ()) -> bo
     for fam in families:  # (plan first: spilling is a copy of every cell, never done for nothing)
         before = have
         gone.update(map(id, fam))
-        have = pool.model.n_ctx - _count(s for s in pool._resident.values() if id(s) not in gone)
+        have = total(pool) - _count(s for s in pool._resident.values() if id(s) not in gone)
         if have > before:  # (a family whose cells live on in a held sequence frees nothing: keep it resident)
             chosen.append(fam)
         else:
@@ -141,6 +168,7 @@ def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = ()) -> bo
         for s in fam:
             if id(s) in resident and s.id is not None:
                 pool._spill(s)
+    flush(pool)  # (the spills' holes: packed in the invariant mode)
     return True
 
 
@@ -150,4 +178,6 @@ def spill_every_idle(pool: SequencePool, pinned: Iterable[_Seq]) -> bool:
     idle = pool.idle(pinned)
     for s in idle:
         pool._spill(s)
-    return bool(idle)
+    kept = pool.zombie_cells
+    flush(pool)
+    return bool(idle) or bool(kept)

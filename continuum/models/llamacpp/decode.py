@@ -167,16 +167,14 @@ def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
 def _discard(pool: SequencePool, seq: _Seq) -> None:
     """Free a sequence no view holds (a fork made for a decode that failed)."""
     if seq.id is not None and not seq.holders:
-        lib().llama_memory_seq_rm(pool.model.memory, seq.id, -1, -1)
-        pool._resident.pop(seq.id, None)
-        pool._free.append(seq.id)
+        pool._release_id(seq.id)
         seq.id = None
 
 
 def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | None], list[_Seq]]:
     """The sequence each row decodes into: its own (in place) when no live view of it is longer and no earlier
     row took it, else a fork. Raises StaleWindowError (after undoing the forks) for rows missing window cells."""
-    L, mem, hybrid = lib(), pool.model.memory, pool.model.hybrid
+    hybrid = pool.model.hybrid
     pinned: list[_Seq] = [r.view._seq for r in rows if r.view._seq is not None]
     targets: list[_Seq | None] = []
     forks: list[_Seq] = []
@@ -199,12 +197,14 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     continue
                 if id(src) not in claimed and src.longest <= view.n_tokens:
                     if src.extent > view.n_tokens:  # a dead tail no live view reaches
+                        before = cells.used(pool)
                         cells.cut(src, view.n_tokens)
                         if hybrid:  # (llama.cpp cannot cut a recurrent summary back: restore the snapshot)
                             recurrent.rewind(pool, src, view.n_tokens)
                         else:
-                            L.llama_memory_seq_rm(mem, src.id, view.n_tokens, -1)
+                            pool.drop(src.id, view.n_tokens, -1)  # type: ignore[arg-type]
                         src.extent = view.n_tokens
+                        pool.zombie_cells += before - cells.used(pool) if pool.zombie is not None else 0
                     seq = src
                 else:
                     seq = pool._new_seq(pinned)

@@ -9,7 +9,7 @@ from typing import Any
 from ...errors import BackendError
 from ._lib import lib
 
-__all__ = ["get", "set_", "try_set"]
+__all__ = ["get", "set_", "try_set", "repack"]
 
 
 def get(model: Any, seq_id: int) -> bytes:
@@ -40,3 +40,17 @@ def try_set(model: Any, seq_id: int, blob: bytes) -> bool:
     except BackendError:
         return False
     return True
+
+
+def repack(model: Any) -> None:
+    """Every cell of the context written out and read back (``llama_state_get_data`` / ``set_data``, the whole
+    context): llama.cpp loads them packed at cells ``0 .. n-1`` in their order, shared cells shared, every sequence's
+    positions as they were. The batch-invariant mode's compaction (``cells.flush``): the holes a spill or a flush
+    left are gone, so new tokens land above every live cell, in position order."""
+    L, ctx = lib(), model.ctx
+    size = int(L.llama_state_get_size(ctx))
+    buf = (ctypes.c_uint8 * size)()
+    n = int(L.llama_state_get_data(ctx, buf, size))
+    if n != size or int(L.llama_state_set_data(ctx, buf, n)) != n:
+        raise BackendError("llama.cpp could not write the context's cells back while packing them; the model's states "
+                           "must be recomputed")

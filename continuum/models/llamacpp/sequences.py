@@ -122,15 +122,20 @@ class SequencePool:
         self.model = model
         # the batch-invariant mode keeps the last id for the scratch row that pads a one-token decode (decode.py)
         self.scratch: int | None = model.n_seq_max - 1 if model.batch_invariant else None
+        # and (attention models) one that keeps cells nobody needs until room is needed: no hole opens below a live
+        # sequence, so its new cells stay in position order (cells.py: keep, flush)
+        self.zombie: int | None = model.n_seq_max - 2 if model.batch_invariant and not model.hybrid else None
+        self.zombie_cells = 0  # cells only the zombie holds
         self.held: set[int] = set()  # (ids of) the sequences the running calls hold: spilled last (LlamaCpp.hold)
-        self.n_ids = model.n_seq_max - (self.scratch is not None)
+        self.n_ids = model.n_seq_max - (self.scratch is not None) - (self.zombie is not None)
         if self.n_ids < 1:
-            raise BackendError("the batch-invariant mode needs n_seq_max >= 2 (one id pads one-token decodes)")
+            raise BackendError("the batch-invariant mode needs n_seq_max >= 3 (one id pads one-token decodes, one keeps "
+                               "released cells)")
         self._free: list[int] = list(range(self.n_ids - 1, -1, -1))  # pop() hands out 0 first
         self._resident: dict[int, _Seq] = {}
         self._dropped: deque[tuple[_Seq, int]] = deque()  # filled by view finalizers, applied under the lock
         self._clock = itertools.count(1)
-        self.spills = self.restores = 0  # counters, for tests and benchmarks
+        self.spills = self.restores = self.repacks = 0  # counters, for tests and benchmarks
         self.snapshots = self.restores_recurrent = 0  # a hybrid model's recurrent snapshots taken and restored
         with model.lock:
             lib().llama_memory_clear(model.memory, True)
@@ -146,7 +151,6 @@ class SequencePool:
     # -- bookkeeping ----------------------------------------------------------------------------
     def _collect(self) -> None:
         """Apply the drops the finalizers queued; release sequences nobody holds."""
-        L = lib()
         while self._dropped:
             seq, n = self._dropped.popleft()
             seq.holders[n] -= 1
@@ -154,11 +158,29 @@ class SequencePool:
                 del seq.holders[n]
             if not seq.holders:
                 if seq.id is not None:
-                    L.llama_memory_seq_rm(self.model.memory, seq.id, -1, -1)
-                    del self._resident[seq.id]
-                    self._free.append(seq.id)
+                    self._release_id(seq.id)
                     seq.id = None
                 seq.blob, seq.extent, seq.snaps = None, 0, {}
+
+    def _release_id(self, seq_id: int) -> None:
+        """Sequence ``seq_id`` leaves the pool (released or spilled): its cells dropped (kept, in the invariant mode,
+        counted as such), its id free again."""
+        before = cells.used(self)
+        self._resident.pop(seq_id, None)
+        self.drop(seq_id)
+        if self.zombie is not None:
+            self.zombie_cells += before - cells.used(self)
+        self._free.append(seq_id)
+
+    def drop(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove positions ``p0 .. p1-1`` (-1: from the start / to the end) of sequence ``seq_id``. In the
+        batch-invariant mode the cells stay, held by the zombie id, until room is needed (``cells.flush``): a freed
+        cell below a live sequence's cells would take its next token out of position order (attention sums a
+        sequence's cells in cell order), so the one call alone and under load would differ."""
+        L = lib()
+        if self.zombie is not None:
+            L.llama_memory_seq_cp(self.model.memory, seq_id, self.zombie, p0, p1)
+        L.llama_memory_seq_rm(self.model.memory, seq_id, p0, p1)
 
     def _touch(self, seq: _Seq) -> None:
         seq.last_use = next(self._clock)
@@ -211,9 +233,7 @@ class SequencePool:
     def _spill(self, seq: _Seq) -> None:
         assert seq.id is not None
         seq.blob = seqbytes.get(self.model, seq.id)
-        lib().llama_memory_seq_rm(self.model.memory, seq.id, -1, -1)
-        del self._resident[seq.id]
-        self._free.append(seq.id)
+        self._release_id(seq.id)
         seq.id = None
         self.spills += 1
 

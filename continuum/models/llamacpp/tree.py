@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
+from . import cells
 from ._lib import lib, mark_decoded
 from .decode import _discard
 from .sequences import KVView, SequencePool, _Seq
@@ -212,13 +213,15 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -
     outputs logits. Returns the logits in batch order and ``(row, node) -> index`` into them. On failure the
     leaves hold only the context again (llama.cpp found no free cell: idle sequences are spilled and the tree is
     decoded again, once)."""
-    L, model = lib(), pool.model
+    model = pool.model
     items = sorted(((row.depth[node], k, node) for k, row in enumerate(rows) for node in row.nodes))
     token = np.array([rows[k].tokens[node] for _, k, node in items], np.int32)
     pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
     order = {(k, node): j for j, (_, k, node) in enumerate(items)}
     logits = np.empty((len(items), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
+    keep = [s for seqs in leaf_seqs for s in seqs] + [row.view._seq for row in rows if row.view._seq is not None]
+    cells.make_room(pool, len(items), keep)  # (room before the decode: a failed decode is the exception path)
     for attempt in range(2):
         sets = [[int(leaf_seqs[k][li].id) for li in rows[k].below[node]] for _, k, node in items]  # type: ignore[arg-type]
         rc = 0
@@ -231,16 +234,12 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -
             return logits, order
         for row, seqs in zip(rows, leaf_seqs):  # back to the context: cells past it belong to no view
             for seq in seqs:
-                L.llama_memory_seq_rm(model.memory, seq.id, row.view.n_tokens, -1)
+                pool.drop(seq.id, row.view.n_tokens, -1)  # type: ignore[arg-type]
         if rc != 1:
             raise BackendError(f"llama_decode failed on a token tree (code {rc}: {'aborted' if rc == 2 else 'error'}); "
                                "the states are unchanged")
-        keep = {id(s) for seqs in leaf_seqs for s in seqs} | {id(row.view._seq) for row in rows}
-        idle = [s for s in list(pool._resident.values()) if id(s) not in keep]
-        if attempt or not idle:
+        if attempt or not cells.spill_every_idle(pool, keep):
             break
-        for s in idle:
-            pool._spill(s)
     raise KVCacheFullError(f"llama.cpp has no free KV cell for a token tree of {len(items)} nodes (n_ctx={model.n_ctx} "
                            "cells shared by every live state): load the model with a larger n_ctx, or keep fewer long "
                            "states alive")
