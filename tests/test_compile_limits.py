@@ -62,6 +62,16 @@ def test_a_determinisation_blowup_is_caught(gpt2_model):
     assert isinstance(exc, InvalidRegexError)
 
 
+def test_many_states_over_a_small_vocabulary_are_answered_in_time(stories):
+    """Before: ``((ab){500}c){500}`` (500,500 automaton states) on a 512-token vocabulary estimated under the budget
+    (the estimate counted only the vocabulary walk) and took 23-33 s in outlines-core. Each state now counts too:
+    ``auto`` hands it to llguidance (lazy) within seconds, and ``backend="outlines"`` refuses it at once."""
+    gen, took = _timed(lambda: generate.regex(stories, r"((ab){500}c){500}"))
+    assert took < 20 and isinstance(gen.guide, LLGuidanceGuide)
+    exc, took = _timed(lambda: generate.regex(stories, r"((ab){500}c){500}", backend="outlines"))
+    assert took < 20 and isinstance(exc, InvalidRegexError) and "too large for outlines-core" in str(exc)
+
+
 def test_a_repetition_bound_past_the_engines_is_an_error(gpt2_model):
     exc, took = _timed(lambda: generate.regex(gpt2_model, r"[a-z]{99999999999}"))
     assert took < GENEROUS_S and isinstance(exc, InvalidRegexError)

@@ -47,7 +47,7 @@ def _next(pool, view, token):
 
 def test_forks_share_cells_not_copies():
     """A pool of 256 cells: 7 views of one 200-token prefix fit (cells shared); 2 separate copies do not."""
-    model = LlamaCppModel(gguf("f32"), n_ctx=256, n_seq_max=8, n_threads=2, batch_invariant=True)
+    model = LlamaCppModel(gguf("f32"), n_ctx=256, n_seq_max=9, n_threads=2, batch_invariant=True)  # 7 + 2 kept
     tok, pool = LlamaTokenizer(model), SequencePool.of(model)
     ids = (tok.encode_prompts([TEXT * 2])[0])[:200]
     base = _prefill(pool, ids)
@@ -234,7 +234,7 @@ def test_gemma3_window_check(monkeypatch):
 
 def test_sequence_ids_exhausted_in_one_step():
     """More new sequences in one decode than ids: a clear error, and nothing is left behind."""
-    model = LlamaCppModel(gguf("q8_0"), n_seq_max=3, n_threads=2, batch_invariant=True)  # 2 ids + the scratch one
+    model = LlamaCppModel(gguf("q8_0"), n_seq_max=4, n_threads=2, batch_invariant=True)  # 2 ids, a scratch, a keeper
     tok, pool = LlamaTokenizer(model), SequencePool.of(model)
     ids = tok.encode_prompts([TEXT])[0][:10]
     with pytest.raises(SequencesExhaustedError, match="max_rows"):
