@@ -77,3 +77,27 @@ def test_valid_outputs_pass_and_max_string_length_bounds_strings(model):
             assert len(v["name"]) <= 4
             got += 1
     assert got > 0
+
+
+def test_a_repeated_schema_is_prepared_once(gpt2_model):
+    """A server's response format arrives with every request: its compiled guide is cached per tokenizer by schema
+    and options (bounded), so the second ``generate.json`` of the same schema prepares nothing (the same guide), and
+    another schema or option is its own entry."""
+    import time
+
+    from continuum.guides import compile as compiled
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+              "required": ["city", "zip"]}
+    t = time.perf_counter()
+    first = generate.json(gpt2_model, schema)
+    cold = time.perf_counter() - t
+    t = time.perf_counter()
+    again = generate.json(gpt2_model, dict(reversed(list(schema.items()))))  # (the same schema, keys in another order)
+    warm = time.perf_counter() - t
+    assert again.guide is first.guide and warm < cold
+    before = len(compiled._JSON_CACHES[gpt2_model.tokenizer])
+    other = generate.json(gpt2_model, {**schema, "required": ["city"]})
+    assert other.guide is not first.guide and len(compiled._JSON_CACHES[gpt2_model.tokenizer]) == before + 1
+    assert before + 1 <= compiled._JSON_CACHE_SIZE

@@ -9,8 +9,12 @@
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -73,7 +77,47 @@ def regex_for(tokenizer, pattern: str, backend: str = "auto") -> Guide:
 _LIMIT_WORDS = ("limit", "fuel", "too large", "too big", "too many", "exceeded")
 
 
-def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?", backend: str = "auto",
+_JSON_CACHE_SIZE = 64  # compiled JSON guides kept per tokenizer, least recently used out (a server's response formats)
+_JSON_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_JSON_LOCK = threading.Lock()
+
+
+def _json_key(schema: Any, options: dict) -> tuple | None:
+    """What identifies a compiled JSON guide: the schema (a pydantic class by identity, JSON by its canonical text)
+    and every option; None where the schema cannot be keyed (then nothing is cached)."""
+    try:
+        spec = ("class", schema) if isinstance(schema, type) else ("json", json.dumps(schema, sort_keys=True))
+        return spec + tuple(sorted((k, repr(v)) for k, v in options.items()))
+    except (TypeError, ValueError):
+        return None
+
+
+def json_for(tokenizer, schema: Any, **options: Any) -> tuple[Guide, PreparedSchema]:
+    """(guide, prepared schema) of a pydantic model class or JSON schema, cached per tokenizer by schema and options
+    (bounded, least recently used out: a repeated response format costs nothing to prepare); see :func:`_json_for`.
+    A cached result warns as the first one did (the same coverage warning)."""
+    key = _json_key(schema, options)
+    if key is not None:
+        with _JSON_LOCK:
+            cache = _JSON_CACHES.setdefault(tokenizer, OrderedDict())
+            hit = cache.get(key)
+            if hit is not None:
+                cache.move_to_end(key)
+        if hit is not None:
+            message = coverage_message(hit[1].narrowed, hit[1].approximated, hit[1].engine_ignored)
+            if message:
+                warnings.warn(message, SchemaCoverageWarning, stacklevel=4)  # (where the first one pointed)
+            return hit
+    guide, prepared = _json_for(tokenizer, schema, **options)
+    if key is not None:
+        with _JSON_LOCK:
+            cache[key] = (guide, prepared)
+            while len(cache) > _JSON_CACHE_SIZE:
+                cache.popitem(last=False)
+    return guide, prepared
+
+
+def _json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?", backend: str = "auto",
              max_string_length: int | None = None, additional_properties: bool = False,
              on_unsupported: str = "approximate", max_items: int | None = None,
              bounds: Any = "default") -> tuple[Guide, PreparedSchema]:
@@ -96,7 +140,7 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?"
             guide = regex_for(tokenizer, regex, "outlines")
         except InvalidRegexError as exc:  # the schema compiled to a regex outlines-core cannot index
             raise UnsupportedSchemaError(f"this JSON schema cannot be compiled for the tokenizer: {exc}") from exc
-        return guide, _done_prepared(prepared, ignored)
+        return guide, _done_prepared(prepared, ignored, stacklevel=5)
     try:
         return _llguidance_json(tokenizer, schema, prepared, whitespace_pattern, approximate,
                                 dict(bounds=limits, warn=False, additional_properties=additional_properties,
@@ -106,9 +150,9 @@ def json_for(tokenizer, schema: Any, *, whitespace_pattern: str | None = r"[ ]?"
             raise
     # the value-as-a-whole bounds left nothing (a divided bound below a minimum another allOf member sets)
     # or grew the schema past llguidance's limits (a subtree copied per division): per-leaf bounds instead
-    return json_for(tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
-                    additional_properties=additional_properties, on_unsupported=on_unsupported,
-                    bounds=replace(limits, whole_value=False))
+    return _json_for(tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
+                     additional_properties=additional_properties, on_unsupported=on_unsupported,
+                     bounds=replace(limits, whole_value=False))
 
 
 def _forms(prepared: PreparedSchema, additional_properties: bool, widened: list | None = None,
@@ -152,7 +196,7 @@ def _llguidance_json(tokenizer, schema: Any, prepared: PreparedSchema, whitespac
 
                 warned = LLMatcher.validate_grammar_with_warnings(grammar)[1]
                 notes = [f"llguidance: {n}" for n in warned] + list(notes) or [f"llguidance: {errors[-1]}"]
-            return guide, _done_prepared(p, notes, stacklevel=6)  # the caller of generate.json
+            return guide, _done_prepared(p, notes, stacklevel=7)  # the caller of generate.json
         return None
 
     found = attempt(prepared, _forms(prepared, additional))
