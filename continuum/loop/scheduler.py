@@ -39,14 +39,15 @@ DEFAULT_MAX_ROWS = 256
 GROWTH_STEPS = 8  # steps of growth a call of unbounded length admitted or resumed must have room for
 
 
-def remaining(call: Call) -> int:
-    """Cells ``call`` may still add after this step: its rows times the ``max_tokens`` it has not run yet (a call
-    without ``max_tokens``: ``GROWTH_STEPS`` steps of its rows, then nothing: the plan parks it if it outgrows the
-    pool). Admission reserves them, so a call admitted with ``max_tokens`` is not parked for growing (vLLM without
-    preemption where the length is known)."""
+def remaining(call: Call, horizon: int | None = None) -> int:
+    """Cells ``call`` may still add after this step: its rows times the ``max_tokens`` it has not run yet, at most
+    ``horizon`` steps of them (None: all); a call without ``max_tokens``: ``GROWTH_STEPS`` steps of its rows, then
+    nothing (the plan parks it if it outgrows the pool). Admission reserves them: with no horizon a call admitted
+    with ``max_tokens`` is never parked for growing (vLLM without preemption where the length is known)."""
     if call.grow is None:
         return max(0, GROWTH_STEPS - call.steps) * call.rows
-    return max(0, call.grow - call.steps * call.rows)
+    left = max(0, call.grow - call.steps * call.rows)
+    return left if horizon is None else min(left, horizon * call.rows)
 
 
 def no_room(error: BaseException | None) -> bool:
@@ -77,6 +78,7 @@ class Scheduler:
         self.admitted = 0  # calls admitted so far: a call's number orders "newest"
         self.rows = 0  # the running calls' rows
         self.kv = 0  # and their KV bytes at their longest (for kv_budget)
+        self.horizon: int | None = None  # steps of growth reserved at admission (None: up to max_tokens)
 
     @property
     def kv_budget(self) -> int | None:
@@ -104,7 +106,7 @@ class Scheduler:
             taken -= need(victim.pending)
             cap = measure([c.pending for c in live])
         held = [c.pending for c in live]  # (what the step will hold: never spilled to make room for it)
-        reserved = sum(remaining(c) for c in live)  # (what the running may still add: admissions leave it free)
+        reserved = sum(remaining(c, self.horizon) for c in live)  # (what the running may still add: admissions leave it free)
         for r in oneoffs:  # 2. one-offs that fit now (alone: always)
             trial, n = measure(held + [r]), need(r)
             if taken + n <= trial.room or not live:
@@ -114,23 +116,23 @@ class Scheduler:
         if not plan.park:  # 3. parked calls come back oldest first, each with room to grow
             for c in parked:
                 trial, n = measure(held + [c.pending]), need(c.pending)
-                if taken + n + reserved + remaining(c) > trial.room and held:
+                if taken + n + reserved + remaining(c, self.horizon) > trial.room and held:
                     break  # (in order: the oldest parked comes back first)
                 plan.resume.append(c)
                 held.append(c.pending)
-                taken, cap, reserved = taken + n, trial, reserved + remaining(c)
+                taken, cap, reserved = taken + n, trial, reserved + remaining(c, self.horizon)
         if len(plan.resume) < len(parked):
             return plan  # (no admission while anyone is parked: everyone waits in arrival order)
         rows = self.rows - sum(c.rows for c in plan.park)
         for c in calls:  # 4. the inbox, in arrival order
             trial, n = measure(held + [c.pending]), need(c.pending)
-            fits = rows + c.rows <= self.max_rows and taken + n + reserved + remaining(c) <= trial.room \
+            fits = rows + c.rows <= self.max_rows and taken + n + reserved + remaining(c, self.horizon) <= trial.room \
                 and self._budget_ok(c)
             if not fits and held:
                 break  # (a call that waits keeps the later ones waiting: no starvation of a large call)
             plan.admit.append(c)
             held.append(c.pending)
-            rows, taken, cap, reserved = rows + c.rows, taken + n, trial, reserved + remaining(c)
+            rows, taken, cap, reserved = rows + c.rows, taken + n, trial, reserved + remaining(c, self.horizon)
         return plan
 
     def _budget_ok(self, call: Call, kv: int | None = None) -> bool:
