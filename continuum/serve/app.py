@@ -82,20 +82,20 @@ class Context:
         thread starts it or its client leaves (a cancelled wait frees its place at once)."""
         if not reply:
             return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
-        self.served.enter_queue()
+        self.served.queue.enter()
         started = False
 
         def work() -> Any:
             nonlocal started
             started = True
-            self.served.leave_queue()
+            self.served.queue.leave()
             return fn()
 
         try:
             return await anyio.to_thread.run_sync(work, limiter=self.limiter)
         finally:
             if not started:
-                self.served.leave_queue()
+                self.served.queue.leave()
 
 
 class _BodyLimit:

@@ -22,8 +22,7 @@ import math
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +38,8 @@ from ..speculate import lookup as speculate_lookup
 from ..state import SequenceState
 from .closing import closing
 from .either import Either, read_trigger
-from .errors import Overloaded
 from .messages import new_id, template_message, tool_call_schema
+from .queue import ReplyQueue
 from .reasoning import Splitter
 from .tokens import Recording as _Recording
 from .tokens import common_prefix, generated_count, prediction_tokens, row_tokens, safe_length
@@ -147,8 +146,7 @@ class ServedModel:
                  speculate: str | None = None):
         self.model, self.template, self.max_string_length = model, template, max_string_length
         self.speculator = speculate_lookup() if speculate == "lookup" else None  # (--speculate: text and JSON replies)
-        self.max_queue = max_queue  # replies waiting for the model beyond which a new one is refused (503)
-        self.queued = 0  # replies waiting for a worker thread (Context.run(..., reply=True))
+        self.queue = ReplyQueue(max_queue, lambda: self.model.engine.waiting_calls())  # (--max-queue: queue.py)
         self.bounds = bounds  # generate.json's bounds= for every structured output (numbers within int64...)
         self.reasoning = reasoning  # `continuum serve --reasoning`: requests think unless they say otherwise
         if reasoning:  # the markers must exist: fail at start, not on every request
@@ -157,7 +155,6 @@ class ServedModel:
         self._lock = threading.Lock()
         self._trigger: str | None = None
         self._no_automaton: set[str] = set()  # tool-call schemas outlines-core does not compile exactly
-        self.active = 0  # replies being generated now (GET /health reports it)
 
     # ------------------------------------------------------------------ building
     def chat(self, messages: list[dict], tools: list[dict] | None = None, state: SequenceState | None = None,
@@ -254,42 +251,14 @@ class ServedModel:
         with self.busy():
             return self._reply(chat, plan, sampling, on_delta, cancelled, on_reasoning)
 
-    def enter_queue(self) -> None:
-        """A reply is about to wait for a worker thread: counted as waiting from now on (:meth:`waiting`); refused
-        (:class:`Overloaded`: 503 with Retry-After) when ``max_queue`` replies already wait."""
-        with self._lock:
-            self._refuse_if_full()
-            self.queued += 1
+    @property
+    def active(self) -> int:
+        """Replies being generated now."""
+        return self.queue.active
 
-    def leave_queue(self) -> None:
-        """The reply got its worker thread (or its client left before it did)."""
-        with self._lock:
-            self.queued -= 1
-
-    def waiting(self) -> int:
-        """Replies waiting for the model: for a worker thread (the server's own queue) or in the engine (not
-        admitted yet, or parked for want of room); a reply being set up (rendered, its schema compiled) is not."""
-        return self.queued + self.model.engine.waiting_calls()
-
-    def _refuse_if_full(self) -> None:
-        if self.max_queue is not None:
-            waiting = self.waiting()
-            if waiting >= self.max_queue:
-                raise Overloaded(f"the server is busy: {waiting} replies are waiting for the model (--max-queue "
-                                 f"{self.max_queue}); retry shortly")
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Counts a generation in :attr:`active` while it runs; refuses it (:class:`Overloaded`) when ``max_queue``
-        replies already wait (:meth:`waiting`)."""
-        with self._lock:
-            self._refuse_if_full()
-            self.active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.active -= 1
+    def busy(self):
+        """The reply queue's count of a generation (:meth:`.queue.ReplyQueue.busy`)."""
+        return self.queue.busy()
 
     def _reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta, cancelled, on_reasoning=None) -> Reply:
         prev = chat.state

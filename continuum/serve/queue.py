@@ -1,0 +1,64 @@
+"""The server's queue of replies waiting for the model: what ``--max-queue`` bounds (503 with Retry-After past it).
+
+A reply waits for the model while it waits for a worker thread (``Context.run(..., reply=True)``: non-streamed
+replies queue there behind ``worker_threads``) and while its call is in the engine but not decoding (not admitted
+yet, or parked for want of room in the KV pool: ``engine.waiting_calls()``). A reply being set up (rendered, its
+schema compiled) is not waiting for the model and does not count. A client that leaves frees its place at once
+(its wait for a thread is cancelled; a call closed in the inbox leaves it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from .errors import Overloaded
+
+__all__ = ["ReplyQueue"]
+
+
+class ReplyQueue:
+    """Counts replies waiting (for a thread; in the engine) and generating; refuses past ``max_queue``."""
+
+    def __init__(self, max_queue: int | None, engine_waiting: Callable[[], int]):
+        self.max_queue = max_queue  # replies waiting for the model beyond which a new one is refused (503)
+        self.queued = 0  # replies waiting for a worker thread
+        self.active = 0  # replies being generated now (GET /health reports it)
+        self._engine_waiting = engine_waiting
+        self._lock = threading.Lock()
+
+    def waiting(self) -> int:
+        """Replies waiting for the model: for a worker thread, or in the engine (not admitted yet, or parked)."""
+        return self.queued + self._engine_waiting()
+
+    def _refuse_if_full(self) -> None:
+        if self.max_queue is not None:
+            waiting = self.waiting()
+            if waiting >= self.max_queue:
+                raise Overloaded(f"the server is busy: {waiting} replies are waiting for the model (--max-queue "
+                                 f"{self.max_queue}); retry shortly")
+
+    def enter(self) -> None:
+        """A reply is about to wait for a worker thread: counted from now on; refused (:class:`Overloaded`) when
+        ``max_queue`` replies already wait."""
+        with self._lock:
+            self._refuse_if_full()
+            self.queued += 1
+
+    def leave(self) -> None:
+        """The reply got its worker thread (or its client left before it did)."""
+        with self._lock:
+            self.queued -= 1
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Counts a generation in :attr:`active` while it runs; refuses it when ``max_queue`` replies already wait."""
+        with self._lock:
+            self._refuse_if_full()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
