@@ -36,6 +36,7 @@ from urllib.parse import unquote
 from ..errors import UnsupportedSchemaError
 from . import rewrites as rw
 from .bounds import JsonBounds, bound_numbers, bounds_note, resolve_bounds
+from .combinators import COMBINATORS, combinator
 from .limits import check_schema_bounds
 from .metaschemas import metaschema as _metaschema
 
@@ -246,57 +247,8 @@ class _Normalizer:
                     out["items"] = self.norm(value, here)
             elif key == "prefixItems":
                 out[key] = [self.norm(v, f"{here}/{i}") for i, v in enumerate(value)]
-            elif key == "allOf" and isinstance(value, list) and not self.relax and (cased := rw.switch(value)):
-                prop, cases, others = cased
-                self.note(path, "allOf", f"its if/then cases on {prop!r} are generated as cases: only with {prop!r} set "
-                          "to a value a case names")
-                extra.append({"anyOf": [rw.all_of([{"type": "object", "required": [prop], "properties": {prop: {"enum": vals}}},
-                                                   self.norm(then, f"{here}/then")]) for vals, then in cases]})
-                extra.extend(self.norm(v, f"{here}/{i}") for i, v in enumerate(others))
-            elif key in ("allOf", "anyOf", "oneOf"):
-                normed = [self.exact(v, f"{here}/{i}") for i, v in enumerate(value)]
-                subs = [sub for sub, _ in normed]
-                if key == "allOf":
-                    extra.extend(subs)
-                elif key == "anyOf":
-                    extra.append(rw.any_of(subs))
-                else:
-                    try:
-                        if not all(ok for _, ok in normed):  # a branch widened or narrowed: cannot exclude it
-                            raise rw.refuse(path, "oneOf", "a branch is not enforced exactly", "")
-                        extra.append(rw.one_of(subs, path, self.resolve, self.note))
-                    except UnsupportedSchemaError as exc:
-                        extra.append(self.widen(exc, {"anyOf": subs}, "generated as anyOf: a value may match "
-                                                "several branches"))
-            elif key == "not":
-                try:
-                    sub, ok = self.exact(value, here)
-                    if not ok:  # the negation of a widened schema is narrower than the original: unsound
-                        raise rw.refuse(path, "not", "its schema is not enforced exactly, so neither is its negation",
-                                        "Rewrite the condition positively")
-                    extra.append(rw.not_(sub, path, self.resolve))
-                except UnsupportedSchemaError as exc:
-                    self.widen(exc, None, "dropped: values it excludes may be generated")
-            elif key == "if" and ("then" in node or "else" in node):
-                cond, ok = self.exact(node["if"], f"{path}/if")
-                parts = [cond, *(self.norm(node[k], f"{path}/{k}") if k in node else None for k in ("then", "else"))]
-                try:
-                    if not ok:
-                        raise rw.refuse(path, "if", "`if` is not enforced exactly", "")
-                    extra.append(rw.if_then_else(parts[0], parts[1], parts[2], path, self.resolve, self.note))
-                except UnsupportedSchemaError as exc:
-                    cond, then, other = (p if p is not None else {} for p in parts)
-                    if ok:  # relax: (if and then) or else, wider than the original
-                        self.relaxed(path, "if", "generated as (if and then) or else: a value failing `if` may be "
-                                     "generated under `then` alone")
-                        extra.append(rw.any_of([rw.all_of([cond, then]), other]))
-                    else:  # `if` itself approximated: then or else, wider than the original
-                        extra.append(self.widen(exc, rw.any_of([then, other]), "generated as then or else"))
-            elif key == "dependencies" and isinstance(value, dict):
-                lists = {k: v for k, v in value.items() if isinstance(v, list)}
-                extra.extend(rw.dependent_required(lists))
-                schemas = {k: self.norm(v, f"{here}/{k}") for k, v in value.items() if not isinstance(v, list)}
-                extra.extend(rw.dependent_schemas(schemas))
+            elif key in COMBINATORS:
+                combinator(self, key, value, node, path, extra)
             elif key == "format":
                 if value in ENFORCED_FORMATS:
                     out[key] = value
