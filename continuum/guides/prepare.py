@@ -181,48 +181,63 @@ def prepare_json_schema(schema: Any, *, max_string_length: int | None = None, ad
                              max_key_length=max_string_length)
 
     if isinstance(schema, type) and issubclass(schema, BaseModel):  # pydantic validates its own outputs
-        try:
-            model_schema = schema.model_json_schema()
-        except Exception as exc:  # BaseModel itself, a field type pydantic cannot express in JSON Schema...
-            raise UnsupportedSchemaError(f"pydantic cannot give the JSON schema of {schema.__name__}: {exc}") from exc
-        normalized = normalize_schema(model_schema, approximate=approximate, relax=relax, inline=inline, bounds=limits)
-
-        def validate_model(value: Any) -> None:
-            schema.model_validate(value)
-
-        prepared = PreparedSchema(engine_schema(normalized), validate_model, schema.model_validate_json,
-                                  schema.__name__, normalized)
+        prepared = _from_model(schema, approximate, relax, inline, limits, engine_schema)
     else:
-        if isinstance(schema, str):
-            try:
-                schema = _json.loads(schema)
-            except ValueError as exc:
-                raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
-            except RecursionError:
-                raise UnsupportedSchemaError("the JSON schema string is nested too deeply to parse: flatten it") from None
-        if not isinstance(schema, (dict, bool)):
-            raise UnsupportedSchemaError(f"generate.json takes a pydantic model class, a JSON schema dict or a JSON "
-                                         f"string, not {type(schema).__name__}")
-        check_schema_bounds(schema)  # before anything walks it recursively
-        validator = original_validator(schema, dialect_of(schema))  # the metaschema refuses malformed keywords first
-        normalized = normalize_schema(schema, approximate=approximate, relax=relax, inline=inline, bounds=limits)
-        validate = _checker(validator)
-
-        def parse(text: str) -> Any:
-            try:
-                value = _json.loads(text)
-            except ValueError as exc:
-                raise SchemaViolationError(f"the output is not valid JSON ({exc}): {text[:200]!r}",
-                                           rule="JSON syntax") from exc
-            validate(value)
-            return value
-
-        name = schema.get("title", "schema") if isinstance(schema, dict) else "schema"
-        prepared = PreparedSchema(engine_schema(normalized), validate, parse, str(name), normalized)
+        prepared = _from_json(schema, approximate, relax, inline, limits, engine_schema)
+    normalized = prepared.normalized
+    assert normalized is not None
     message = coverage_message(normalized.narrowed, normalized.approximated)
     if warn and message:
         warnings.warn(message, SchemaCoverageWarning, stacklevel=3)
     return prepared
+
+
+def _from_model(model: Any, approximate: bool, relax: bool, inline: bool, limits: Any,
+                engine_schema: Callable[[NormalizedSchema], Any]) -> PreparedSchema:
+    """A pydantic model class prepared: its JSON schema normalised; pydantic validates and parses the outputs."""
+    try:
+        model_schema = model.model_json_schema()
+    except Exception as exc:  # BaseModel itself, a field type pydantic cannot express in JSON Schema...
+        raise UnsupportedSchemaError(f"pydantic cannot give the JSON schema of {model.__name__}: {exc}") from exc
+    normalized = normalize_schema(model_schema, approximate=approximate, relax=relax, inline=inline, bounds=limits)
+
+    def validate_model(value: Any) -> None:
+        model.model_validate(value)
+
+    return PreparedSchema(engine_schema(normalized), validate_model, model.model_validate_json, model.__name__,
+                          normalized)
+
+
+def _from_json(schema: Any, approximate: bool, relax: bool, inline: bool, limits: Any,
+               engine_schema: Callable[[NormalizedSchema], Any]) -> PreparedSchema:
+    """A JSON schema (a dict, a boolean or its JSON text) prepared: checked against its metaschema, normalised, and
+    every output parsed and validated with ``jsonschema`` against the original."""
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except ValueError as exc:
+            raise UnsupportedSchemaError(f"the JSON schema string is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise UnsupportedSchemaError("the JSON schema string is nested too deeply to parse: flatten it") from None
+    if not isinstance(schema, (dict, bool)):
+        raise UnsupportedSchemaError(f"generate.json takes a pydantic model class, a JSON schema dict or a JSON "
+                                     f"string, not {type(schema).__name__}")
+    check_schema_bounds(schema)  # before anything walks it recursively
+    validator = original_validator(schema, dialect_of(schema))  # the metaschema refuses malformed keywords first
+    normalized = normalize_schema(schema, approximate=approximate, relax=relax, inline=inline, bounds=limits)
+    validate = _checker(validator)
+
+    def parse(text: str) -> Any:
+        try:
+            value = _json.loads(text)
+        except ValueError as exc:
+            raise SchemaViolationError(f"the output is not valid JSON ({exc}): {text[:200]!r}",
+                                       rule="JSON syntax") from exc
+        validate(value)
+        return value
+
+    name = schema.get("title", "schema") if isinstance(schema, dict) else "schema"
+    return PreparedSchema(engine_schema(normalized), validate, parse, str(name), normalized)
 
 
 def schema_to_regex(schema: Any, whitespace_pattern: str | None = r"[ ]?", *,
