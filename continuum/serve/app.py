@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 
 from .errors import APIError, Guard, install_handlers
 from .served import ServedModel
-from .store import Store
+from .store import open_store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
 
@@ -31,7 +31,7 @@ class ServeConfig:
     """Server settings (see ``continuum serve --help`` and docs/serve.md)."""
 
     served_model_name: str
-    store: Path
+    store: Path | str  # a folder (SQLite + state files) or a postgresql:// URL
     api_keys: list[str] = field(default_factory=list)
     template: str | None = None
     state_memory_bytes: int = 1 << 30
@@ -55,8 +55,8 @@ class Context:
         self.served = ServedModel(model, config.template, max_string_length=config.max_string_length,
                                   reasoning=config.reasoning, bounds=config.json_bounds, max_queue=config.max_queue,
                                   speculate=config.speculate)
-        self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
-                           max_bytes=config.retention_bytes, kv=config.store_kv)
+        self.store = open_store(config.store, model, memory_bytes=config.state_memory_bytes,
+                                max_age=config.retention_age, max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
         self.created = int(time.time())
 
