@@ -90,3 +90,19 @@ def test_parts_are_incremental_and_delete_keeps_what_a_branch_needs(replicas, da
     assert more.usage.input_tokens_details.cached_tokens > 0
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(turns[2].id)
+
+
+def test_metrics_name_what_routers_read(replicas):
+    import httpx
+
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    a, b = (s.client() for s in replicas)
+    _conversation([a, b])
+    base = f"http://127.0.0.1:{replicas[1].port}"
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text)}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"} <= set(families)
+    loaded = families["continuum:store_states_loaded"].samples[0].value
+    assert loaded >= 2  # replica 1 continued turns 2 and 4 from the database (nothing resident)
+    assert httpx.get(base + "/health", timeout=10).status_code == 200

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from .errors import APIError, Guard, install_handlers
 from .served import ServedModel
@@ -133,10 +134,21 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     install_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:
+        # a store that does not answer (the database is down) makes this replica unfit to route to: 503
+        healthy = getattr(ctx.store, "healthy", None)
+        if healthy is not None and not await ctx.run(healthy):
+            return JSONResponse({"status": "store unreachable"}, status_code=503, headers={"Retry-After": "5"})
         # the model's engine counters (steps, time in forwards, the engine's own share of a step): for operators
         engine = {k: v for k, v in model.engine.stats().items() if isinstance(v, (int, float))}
         return {"status": "ok", "generating": ctx.served.active, "engine": engine}
+
+    try:
+        from .metrics import install_metrics
+
+        install_metrics(app, ctx)
+    except ImportError:  # prometheus_client absent (pip install "continuum[cluster]"): no /metrics
+        pass
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
