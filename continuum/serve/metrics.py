@@ -33,7 +33,7 @@ def install_metrics(app: FastAPI, ctx: Any) -> None:
         loads.set(getattr(ctx.store, "loads", 0))
 
     @app.middleware("http")
-    async def time_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def time_requests(request: Request, call_next: Any) -> Response:
         start = time.perf_counter()
         response = await call_next(request)
         if request.method == "POST" and request.url.path.startswith("/v1/"):
