@@ -18,11 +18,14 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
+from .errors import StoreUnavailable
 from .store import Record, _nbytes
 
 __all__ = ["PgStore", "SCHEMA_VERSION"]
@@ -83,7 +86,7 @@ class PgStore:
         self.enforce_retention()
 
     def _create_schema(self) -> None:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._conn() as conn, conn.transaction():
             # one replica creates the schema at a time (the others wait on the advisory lock)
             conn.execute("SELECT pg_advisory_xact_lock(727001)")
             for statement in _SCHEMA:
@@ -96,6 +99,19 @@ class PgStore:
 
                 raise StoreLockedError(f"the database {self.url} holds a continuum store of schema version {row[0]}, "
                                        f"newer than this continuum's {SCHEMA_VERSION}: upgrade continuum")
+
+    @contextmanager
+    def _conn(self) -> Iterator[Any]:
+        """A pooled connection; the database not answering becomes StoreUnavailable (503 + Retry-After)."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        try:
+            with self._pool.connection(timeout=5) as conn:
+                yield conn
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise StoreUnavailable(f"the response store's database does not answer ({type(exc).__name__}): retry "
+                                   f"after a few seconds") from exc
 
     def healthy(self) -> bool:
         """True when the database answers."""
@@ -115,7 +131,7 @@ class PgStore:
         start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
         state_file = f"{rid}.safetensors" if state is not None else None
         created = float(body.get("created_at", body.get("created", time.time())))
-        with self._pool.connection() as conn, conn.transaction():
+        with self._conn() as conn, conn.transaction():
             if start and conn.execute("SELECT 1 FROM parts WHERE file = %s FOR SHARE", (parent_file,)).fetchone() is None:
                 start = 0  # the parent's part was deleted meanwhile: write a root
             size = 0
@@ -134,13 +150,13 @@ class PgStore:
             self.enforce_retention(keep=rid)
 
     def _part_of(self, rid: str) -> str | None:
-        with self._pool.connection() as conn:
+        with self._conn() as conn:
             row = conn.execute("SELECT state_file FROM responses WHERE id = %s", (rid,)).fetchone()
         return row[0] if row is not None else None
 
     # ------------------------------------------------------------------ reading
     def get(self, rid: str, owner: str) -> Record | None:
-        with self._pool.connection() as conn:
+        with self._conn() as conn:
             row = conn.execute("SELECT id, owner, created, body, messages, state_file FROM responses "
                                "WHERE id = %s AND owner = %s", (rid, owner)).fetchone()
         if row is None:
@@ -157,7 +173,7 @@ class PgStore:
         chain: list[tuple[str, bytes]] = []
         base = None
         file: str | None = record.state_file
-        with self._pool.connection() as conn:
+        with self._conn() as conn:
             while file is not None:
                 with self._lock:
                     hit = self._memory.get(file)
@@ -185,7 +201,7 @@ class PgStore:
 
     # ------------------------------------------------------------------ deleting
     def delete(self, rid: str, owner: str) -> bool:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._conn() as conn, conn.transaction():
             cur = conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (rid, owner))
             if cur.rowcount == 0:
                 return False
@@ -193,7 +209,7 @@ class PgStore:
         return True
 
     def enforce_retention(self, keep: str | None = None) -> None:
-        with self._pool.connection() as conn, conn.transaction():
+        with self._conn() as conn, conn.transaction():
             if self.max_age is not None:
                 conn.execute("DELETE FROM responses WHERE created < %s", (time.time() - self.max_age,))
             if self.max_bytes is not None:
@@ -204,7 +220,7 @@ class PgStore:
             self._collect(conn)
 
     def total_bytes(self) -> int:
-        with self._pool.connection() as conn:
+        with self._conn() as conn:
             row = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()
         return int(row[0]) if row is not None else 0
 
