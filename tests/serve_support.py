@@ -81,9 +81,11 @@ def shared_server(tmp_path_factory, model_dir: str) -> Server:
 class Server:
     """``continuum serve`` in a subprocess; ``url`` is its ``/v1`` base."""
 
-    def __init__(self, model_dir: str, store: Path, *args: str, log: Path | None = None):
-        self.model_dir, self.store, self.args = model_dir, Path(store), list(args)
-        self.log = log or self.store.with_suffix(".log")
+    def __init__(self, model_dir: str, store: Path | str, *args: str, log: Path | None = None):
+        # a postgresql:// URL stays a string (a Path would fold its '//'); a URL needs log=
+        self.model_dir, self.args = model_dir, list(args)
+        self.store: Path | str = store if isinstance(store, str) and "://" in store else Path(store)
+        self.log = log or Path(self.store).with_suffix(".log")
         self.proc: subprocess.Popen | None = None
         self.port = free_port()
         self.start()

@@ -18,10 +18,11 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from .errors import APIError, Guard, install_handlers
 from .served import ServedModel
-from .store import Store
+from .store import open_store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
 
@@ -31,7 +32,7 @@ class ServeConfig:
     """Server settings (see ``continuum serve --help`` and docs/serve.md)."""
 
     served_model_name: str
-    store: Path
+    store: Path | str  # a folder (SQLite + state files) or a postgresql:// URL
     api_keys: list[str] = field(default_factory=list)
     template: str | None = None
     state_memory_bytes: int = 1 << 30
@@ -55,8 +56,8 @@ class Context:
         self.served = ServedModel(model, config.template, max_string_length=config.max_string_length,
                                   reasoning=config.reasoning, bounds=config.json_bounds, max_queue=config.max_queue,
                                   speculate=config.speculate)
-        self.store = Store(config.store, model, memory_bytes=config.state_memory_bytes, max_age=config.retention_age,
-                           max_bytes=config.retention_bytes, kv=config.store_kv)
+        self.store = open_store(config.store, model, memory_bytes=config.state_memory_bytes,
+                                max_age=config.retention_age, max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
         self.created = int(time.time())
 
@@ -150,10 +151,21 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     install_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:
+        # a store that does not answer (the database is down) makes this replica unfit to route to: 503
+        healthy = getattr(ctx.store, "healthy", None)
+        if healthy is not None and not await ctx.run(healthy):
+            return JSONResponse({"status": "store unreachable"}, status_code=503, headers={"Retry-After": "5"})
         # the model's engine counters (steps, time in forwards, the engine's own share of a step): for operators
         engine = {k: v for k, v in model.engine.stats().items() if isinstance(v, (int, float))}
         return {"status": "ok", "generating": ctx.served.active, "engine": engine}
+
+    try:
+        from .metrics import install_metrics
+
+        install_metrics(app, ctx)
+    except ImportError:  # prometheus_client absent (pip install "continuum[cluster]"): no /metrics
+        pass
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:

@@ -14,6 +14,11 @@ __all__ = ["main", "parse_age", "parser"]
 logger = logging.getLogger("continuum.serve")
 
 
+def _store_location(store: str) -> Path | str:
+    """A postgresql:// URL as given; anything else is a folder."""
+    return store if store.startswith(("postgresql://", "postgres://")) else Path(store).expanduser()
+
+
 def _default_store() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "continuum", "serve")
@@ -49,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[], dest="api_keys",
                    help="accept 'Authorization: Bearer KEY' (repeatable); none given: no authentication")
-    p.add_argument("--store", default=_default_store(), help="folder of the response store (default %(default)s)")
+    p.add_argument("--store", default=_default_store(),
+                   help="the response store: a folder (default %(default)s) or a postgresql:// URL shared by replicas "
+                   "(docs/scaleout.md)")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's name)")
     p.add_argument("--prefix-cache", default=None, help="byte budget of the model's prefix cache, e.g. 512MiB (default off)")
     p.add_argument("--state-memory", type=_size, default=1 << 30,
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"continuum serve: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or Path(args.model.rstrip("/")).name
-    config = ServeConfig(served_model_name=name, store=Path(args.store).expanduser(), api_keys=args.api_keys,
+    config = ServeConfig(served_model_name=name, store=_store_location(args.store), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
                          retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
                          max_string_length=args.max_string_length, reasoning=args.reasoning,

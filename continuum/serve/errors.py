@@ -25,13 +25,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextLengthError, ContinuumError
 
-__all__ = ["APIError", "Overloaded", "Guard", "error_body", "from_exception", "install_handlers"]
+__all__ = ["APIError", "Overloaded", "StoreUnavailable", "Guard", "error_body", "from_exception", "install_handlers"]
 
 logger = logging.getLogger("continuum.serve")
 
 
 class Overloaded(Exception):
     """More replies wait for room than the server queues (``--max-queue``): 503 with Retry-After, never a 4xx."""
+
+
+class StoreUnavailable(Exception):
+    """The store's database does not answer: 503 with Retry-After (the client retries; the data is not lost)."""
 
 
 class APIError(Exception):
@@ -66,6 +70,8 @@ def from_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, Overloaded):  # busy, not the client's fault: OpenAI's clients retry a 503 after Retry-After
         return APIError(503, str(exc), type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, StoreUnavailable):
+        return APIError(503, str(exc), type="server_error", code="store_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, ContinuumError):  # continuum's errors say what was wrong and what to do
@@ -105,6 +111,10 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, exc: Overloaded):
         return _refused(request, from_exception(exc))
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable):
+        return _refused(request, from_exception(exc))  # 503 + Retry-After, not Guard's 500
 
     @app.exception_handler(ContinuumError)
     async def _continuum(request: Request, exc: ContinuumError):

@@ -1,0 +1,253 @@
+"""The response store in PostgreSQL (``--store postgresql://...``): the same interface as the folder
+:class:`~continuum.serve.store.Store`, so routes and ``ServedModel`` do not know which runs.
+
+Responses, their owner, their messages and their state parts live in the database; a part is a
+``bytea`` row holding what ``save_part`` writes (the turn's new columns only, naming its parent's
+part), so a long conversation's saves stay O(new tokens) as in the folder store. Several replicas may
+share one database: responses are immutable and each replica writes only rows it creates (ids are
+random), so there are no lost updates; the part row and the response row are one transaction,
+committed before the response is returned. A replica's resident states are an LRU cache in front of
+the database: a state not resident is loaded from its chain of parts, KV cache included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..state import SequenceState
+from ..state.parts import load_part, save_part, shared_columns
+from .errors import StoreUnavailable
+from .store import Record, _nbytes
+
+__all__ = ["PgStore", "SCHEMA_VERSION"]
+
+SCHEMA_VERSION = 1
+_SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS continuum_schema (version INTEGER NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS responses (
+        id TEXT PRIMARY KEY, owner TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, body TEXT NOT NULL,
+        messages TEXT NOT NULL, state_file TEXT, state_bytes BIGINT NOT NULL DEFAULT 0)""",
+    "CREATE INDEX IF NOT EXISTS responses_created ON responses (created)",
+    "CREATE TABLE IF NOT EXISTS parts (file TEXT PRIMARY KEY, parent TEXT, bytes BIGINT NOT NULL, data BYTEA NOT NULL)",
+]
+_NEEDED = """
+WITH RECURSIVE needed(file) AS (
+    SELECT state_file FROM responses WHERE state_file IS NOT NULL
+    UNION SELECT parts.parent FROM parts JOIN needed ON parts.file = needed.file WHERE parts.parent IS NOT NULL)
+"""
+
+
+def _to_bytes(state: SequenceState, start: int, kv: bool) -> bytes:
+    """What ``save_part`` writes, as bytes (it writes files: a private temporary one)."""
+    fd, name = tempfile.mkstemp(suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_part(state, name, start, kv)
+        return Path(name).read_bytes()
+    finally:
+        os.unlink(name)
+
+
+def _from_bytes(data: bytes, model: Any, base: SequenceState | None) -> SequenceState:
+    fd, name = tempfile.mkstemp(suffix=".safetensors")
+    try:
+        os.write(fd, data)
+        os.close(fd)
+        return load_part(name, model, base)
+    finally:
+        os.unlink(name)
+
+
+class PgStore:
+    """Responses and state parts in the PostgreSQL database at ``url`` (psycopg 3, a connection pool)."""
+
+    def __init__(self, url: str, model: Any, *, memory_bytes: int, max_age: float | None, max_bytes: int | None,
+                 kv: bool = True, pool_size: int = 4):
+        from psycopg_pool import ConnectionPool
+
+        self.url, self.model, self.kv = url, model, kv
+        self.memory_bytes, self.max_age, self.max_bytes = memory_bytes, max_age, max_bytes
+        self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True, kwargs={"autocommit": True})
+        self._lock = threading.Lock()  # guards the resident states only; the database does its own locking
+        self._memory: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()
+        self._memory_used = 0
+        self.bytes_written = 0
+        self.loads = 0  # states loaded from the database (not resident)
+        self._create_schema()
+        self.enforce_retention()
+
+    def _create_schema(self) -> None:
+        with self._conn() as conn, conn.transaction():
+            # one replica creates the schema at a time (the others wait on the advisory lock)
+            conn.execute("SELECT pg_advisory_xact_lock(727001)")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            row = conn.execute("SELECT max(version) FROM continuum_schema").fetchone()
+            if row is None or row[0] is None:
+                conn.execute("INSERT INTO continuum_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+            elif row[0] > SCHEMA_VERSION:
+                from .store import StoreLockedError
+
+                raise StoreLockedError(f"the database {self.url} holds a continuum store of schema version {row[0]}, "
+                                       f"newer than this continuum's {SCHEMA_VERSION}: upgrade continuum")
+
+    @contextmanager
+    def _conn(self) -> Iterator[Any]:
+        """A pooled connection; the database not answering becomes StoreUnavailable (503 + Retry-After)."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        try:
+            with self._pool.connection(timeout=5) as conn:
+                yield conn
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            raise StoreUnavailable(f"the response store's database does not answer ({type(exc).__name__}): retry "
+                                   f"after a few seconds") from exc
+
+    def healthy(self) -> bool:
+        """True when the database answers."""
+        try:
+            with self._pool.connection(timeout=2) as conn:
+                conn.execute("SELECT 1")
+            return True
+        except Exception:
+            return False
+
+    # ------------------------------------------------------------------ writing
+    def put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
+            parent: str | None = None, base: SequenceState | None = None) -> None:
+        """The part (only the columns ``state`` does not share with ``base``, the loaded state of ``parent``)
+        and the response, in one transaction; returns once committed."""
+        parent_file = self._part_of(parent) if state is not None and parent is not None else None
+        start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
+        state_file = f"{rid}.safetensors" if state is not None else None
+        created = float(body.get("created_at", body.get("created", time.time())))
+        with self._conn() as conn, conn.transaction():
+            if start and conn.execute("SELECT 1 FROM parts WHERE file = %s FOR SHARE", (parent_file,)).fetchone() is None:
+                start = 0  # the parent's part was deleted meanwhile: write a root
+            size = 0
+            if state is not None:
+                data = _to_bytes(state, start, self.kv)
+                size = len(data)
+                conn.execute("INSERT INTO parts (file, parent, bytes, data) VALUES (%s, %s, %s, %s)",
+                             (state_file, parent_file if start else None, size, data))
+                self.bytes_written += size
+            conn.execute("INSERT INTO responses (id, owner, created, body, messages, state_file, state_bytes) "
+                         "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                         (rid, owner, created, json.dumps(body), json.dumps(messages), state_file, size))
+        if state is not None and state_file is not None:
+            self._remember(state_file, state)
+        if self.max_bytes is not None or self.max_age is not None:
+            self.enforce_retention(keep=rid)
+
+    def _part_of(self, rid: str) -> str | None:
+        with self._conn() as conn:
+            row = conn.execute("SELECT state_file FROM responses WHERE id = %s", (rid,)).fetchone()
+        return row[0] if row is not None else None
+
+    # ------------------------------------------------------------------ reading
+    def get(self, rid: str, owner: str) -> Record | None:
+        with self._conn() as conn:
+            row = conn.execute("SELECT id, owner, created, body, messages, state_file FROM responses "
+                               "WHERE id = %s AND owner = %s", (rid, owner)).fetchone()
+        if row is None:
+            return None
+        if self.max_age is not None and row[2] < time.time() - self.max_age:
+            self.enforce_retention()
+            return None
+        return Record(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), row[5])
+
+    def state(self, record: Record) -> SequenceState | None:
+        """The record's state: resident, or loaded from its chain of parts (from the nearest resident ancestor)."""
+        if record.state_file is None:
+            return None
+        chain: list[tuple[str, bytes]] = []
+        base = None
+        file: str | None = record.state_file
+        with self._conn() as conn:
+            while file is not None:
+                with self._lock:
+                    hit = self._memory.get(file)
+                    if hit is not None:
+                        self._memory.move_to_end(file)
+                        base = hit[0]
+                        break
+                row = conn.execute("SELECT parent, data FROM parts WHERE file = %s", (file,)).fetchone()
+                if row is None:
+                    return None  # deleted meanwhile: the conversation is re-rendered from its messages
+                chain.append((file, bytes(row[1])))
+                file = row[0]
+        if not chain:
+            return base
+        for _, data in reversed(chain):
+            base = _from_bytes(data, self.model, base)
+        assert base is not None
+        self.loads += 1
+        self._remember(record.state_file, base)
+        return base
+
+    def in_memory(self, rid: str) -> bool:
+        with self._lock:
+            return f"{rid}.safetensors" in self._memory
+
+    # ------------------------------------------------------------------ deleting
+    def delete(self, rid: str, owner: str) -> bool:
+        with self._conn() as conn, conn.transaction():
+            cur = conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (rid, owner))
+            if cur.rowcount == 0:
+                return False
+            self._collect(conn)
+        return True
+
+    def enforce_retention(self, keep: str | None = None) -> None:
+        with self._conn() as conn, conn.transaction():
+            if self.max_age is not None:
+                conn.execute("DELETE FROM responses WHERE created < %s", (time.time() - self.max_age,))
+            if self.max_bytes is not None:
+                # the oldest rows whose running total (newest first) passes the budget, in one statement
+                conn.execute("DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, SUM(state_bytes) OVER "
+                             "(ORDER BY created DESC) AS total FROM responses) t WHERE total > %s) AND id IS DISTINCT FROM %s",
+                             (self.max_bytes, keep))
+            self._collect(conn)
+
+    def total_bytes(self) -> int:
+        with self._conn() as conn:
+            row = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()
+        return int(row[0]) if row is not None else 0
+
+    def close(self) -> None:
+        self._pool.close()
+
+    # ------------------------------------------------------------------ internals
+    def _collect(self, conn: Any) -> None:
+        """Delete the parts no live response needs (inside the caller's transaction)."""
+        rows = conn.execute(_NEEDED + "DELETE FROM parts WHERE file NOT IN (SELECT file FROM needed) RETURNING file"
+                            ).fetchall()
+        with self._lock:
+            for (file,) in rows:
+                old = self._memory.pop(file, None)
+                if old is not None:
+                    self._memory_used -= old[1]
+
+    def _remember(self, file: str, state: SequenceState) -> None:
+        size = _nbytes(state)
+        if size > self.memory_bytes:
+            return
+        with self._lock:
+            old = self._memory.pop(file, None)
+            if old is not None:
+                self._memory_used -= old[1]
+            self._memory[file] = (state, size)
+            self._memory_used += size
+            while self._memory_used > self.memory_bytes and self._memory:
+                _, (_, freed) = self._memory.popitem(last=False)
+                self._memory_used -= freed
