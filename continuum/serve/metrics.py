@@ -19,6 +19,8 @@ def install_metrics(app: FastAPI, ctx: Any) -> None:
     registry = CollectorRegistry()
     running = Gauge("vllm:num_requests_running", "Replies decoding now", registry=registry)
     waiting = Gauge("vllm:num_requests_waiting", "Replies waiting for room in the KV pool", registry=registry)
+    usage = Gauge("vllm:kv_cache_usage_perc", "KV cache in use, 0..1 of the pool (llama.cpp cells) or of kv_budget",
+                  registry=registry)
     loads = Gauge("continuum:store_states_loaded", "States loaded from the store (not resident) since start",
                   registry=registry)
     e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from request to full response", registry=registry,
@@ -26,10 +28,10 @@ def install_metrics(app: FastAPI, ctx: Any) -> None:
 
     def refresh() -> None:
         # read at scrape time: the served model and the store own these numbers
-        active = ctx.served.active
-        decoding = ctx.model.engine.decoding_calls()
-        running.set(min(active, decoding))
-        waiting.set(max(0, active - decoding))
+        in_engine = ctx.model.engine.waiting_calls()  # (admitted-not-yet or parked: not decoding)
+        running.set(max(0, ctx.served.active - in_engine))
+        waiting.set(ctx.served.queue.waiting())  # (and those waiting for a worker thread: what --max-queue bounds)
+        usage.set(_kv_usage(ctx.model))
         loads.set(getattr(ctx.store, "loads", 0))
 
     @app.middleware("http")
@@ -44,3 +46,14 @@ def install_metrics(app: FastAPI, ctx: Any) -> None:
     async def metrics() -> Response:
         refresh()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _kv_usage(model: Any) -> float:
+    """The KV pool's cells in use over its size (llama.cpp), or the running calls' KV over ``kv_budget``
+    (transformers with a budget); 0 where there is no bound to measure against."""
+    measure = getattr(model, "capacity", None)
+    cap = measure([]) if measure is not None else None
+    if cap is not None and cap.total:
+        return min(1.0, cap.used / cap.total)
+    budget = getattr(model, "kv_budget", None)
+    return min(1.0, model.engine.stats()["running_kv_bytes"] / budget) if budget else 0.0
