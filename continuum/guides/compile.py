@@ -88,7 +88,7 @@ def _json_key(schema: Any, options: dict) -> tuple | None:
     try:
         spec = ("class", schema) if isinstance(schema, type) else ("json", json.dumps(schema, sort_keys=True))
         return spec + tuple(sorted((k, repr(v)) for k, v in options.items()))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # (not JSON, or nested too deep: the compile step says so)
         return None
 
 
