@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 
 from .errors import APIError, Guard, install_handlers
 from .served import ServedModel
-from .store import open_store
+from .stores import open_store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
 

@@ -37,7 +37,7 @@ from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 
-__all__ = ["Record", "Store", "StoreLockedError", "open_store"]
+__all__ = ["Record", "Store", "StoreLockedError"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -317,14 +317,3 @@ class Store:
         for path in self.states_dir.iterdir():
             if path.name not in known:
                 path.unlink(missing_ok=True)
-
-
-def open_store(location: Path | str, model: Any, *, memory_bytes: int, max_age: float | None, max_bytes: int | None,
-               kv: bool = True) -> Any:
-    """The store at ``location``: a ``postgresql://`` URL (:class:`~continuum.serve.pgstore.PgStore`, shared by
-    replicas) or a folder (:class:`Store`); both have the same methods."""
-    if isinstance(location, str) and location.startswith(("postgresql://", "postgres://")):
-        from .pgstore import PgStore
-
-        return PgStore(location, model, memory_bytes=memory_bytes, max_age=max_age, max_bytes=max_bytes, kv=kv)
-    return Store(Path(location), model, memory_bytes=memory_bytes, max_age=max_age, max_bytes=max_bytes, kv=kv)
