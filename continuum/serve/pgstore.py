@@ -17,7 +17,6 @@ import os
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 from .errors import StoreUnavailable
-from .store import Record, _nbytes
+from .store import Record, Resident
 
 __all__ = ["PgStore", "SCHEMA_VERSION"]
 
@@ -78,8 +77,7 @@ class PgStore:
         self.memory_bytes, self.max_age, self.max_bytes = memory_bytes, max_age, max_bytes
         self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True, kwargs={"autocommit": True})
         self._lock = threading.Lock()  # guards the resident states only; the database does its own locking
-        self._memory: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()
-        self._memory_used = 0
+        self._memory = Resident(memory_bytes)  # recently used states, by part file
         self.bytes_written = 0
         self.loads = 0  # states loaded from the database (not resident)
         self._create_schema()
@@ -176,11 +174,9 @@ class PgStore:
         with self._conn() as conn:
             while file is not None:
                 with self._lock:
-                    hit = self._memory.get(file)
-                    if hit is not None:
-                        self._memory.move_to_end(file)
-                        base = hit[0]
-                        break
+                    base = self._memory.get(file)
+                if base is not None:
+                    break
                 row = conn.execute("SELECT parent, data FROM parts WHERE file = %s", (file,)).fetchone()
                 if row is None:
                     return None  # deleted meanwhile: the conversation is re-rendered from its messages
@@ -234,20 +230,8 @@ class PgStore:
                             ).fetchall()
         with self._lock:
             for (file,) in rows:
-                old = self._memory.pop(file, None)
-                if old is not None:
-                    self._memory_used -= old[1]
+                self._memory.drop(file)
 
     def _remember(self, file: str, state: SequenceState) -> None:
-        size = _nbytes(state)
-        if size > self.memory_bytes:
-            return
         with self._lock:
-            old = self._memory.pop(file, None)
-            if old is not None:
-                self._memory_used -= old[1]
-            self._memory[file] = (state, size)
-            self._memory_used += size
-            while self._memory_used > self.memory_bytes and self._memory:
-                _, (_, freed) = self._memory.popitem(last=False)
-                self._memory_used -= freed
+            self._memory.put(file, state)

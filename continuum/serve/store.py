@@ -37,7 +37,7 @@ from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 
-__all__ = ["Record", "Store", "StoreLockedError"]
+__all__ = ["Record", "Resident", "Store", "StoreLockedError"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -66,6 +66,42 @@ WITH RECURSIVE needed(file) AS (
     SELECT state_file FROM responses WHERE state_file IS NOT NULL
     UNION SELECT parts.parent FROM parts JOIN needed ON parts.file = needed.file WHERE parts.parent IS NOT NULL)
 """
+
+
+class Resident:
+    """States kept in memory by part file, least recently used out past ``budget`` bytes (a state larger than the
+    budget is not kept). Not locked: its store calls it under its own lock."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._states: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()
+        self._used = 0
+
+    def __contains__(self, file: str) -> bool:
+        return file in self._states
+
+    def get(self, file: str) -> SequenceState | None:
+        hit = self._states.get(file)
+        if hit is None:
+            return None
+        self._states.move_to_end(file)
+        return hit[0]
+
+    def drop(self, file: str) -> None:
+        old = self._states.pop(file, None)
+        if old is not None:
+            self._used -= old[1]
+
+    def put(self, file: str, state: SequenceState) -> None:
+        size = _nbytes(state)
+        if size > self.budget:
+            return
+        self.drop(file)
+        self._states[file] = (state, size)
+        self._used += size
+        while self._used > self.budget and self._states:
+            _, (_, freed) = self._states.popitem(last=False)
+            self._used -= freed
 
 
 class StoreLockedError(RuntimeError):
@@ -125,8 +161,7 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        self._memory: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()  # by part file
-        self._memory_used = 0
+        self._memory = Resident(memory_bytes)  # recently used states, by part file
         self.bytes_written = 0  # part bytes written since start (figures: bytes per turn)
         self._remove_orphans()
         self.enforce_retention()
@@ -209,10 +244,8 @@ class Store:
         with self._lock:
             file: str | None = record.state_file
             while file is not None:
-                hit = self._memory.get(file)
-                if hit is not None:
-                    self._memory.move_to_end(file)
-                    base = hit[0]
+                base = self._memory.get(file)
+                if base is not None:
                     break
                 chain.append(file)
                 row = self._db.execute("SELECT parent FROM parts WHERE file = ?", (file,)).fetchone()
@@ -284,24 +317,12 @@ class Store:
         doomed = [r[0] for r in self._db.execute(_NEEDED + "SELECT file FROM parts WHERE file NOT IN needed").fetchall()]
         for file in doomed:
             self._db.execute("DELETE FROM parts WHERE file = ?", (file,))
-            old = self._memory.pop(file, None)
-            if old is not None:
-                self._memory_used -= old[1]
+            self._memory.drop(file)
         return doomed
 
     def _remember(self, file: str, state: SequenceState) -> None:
-        size = _nbytes(state)
-        if size > self.memory_bytes:
-            return
         with self._lock:
-            old = self._memory.pop(file, None)
-            if old is not None:
-                self._memory_used -= old[1]
-            self._memory[file] = (state, size)
-            self._memory_used += size
-            while self._memory_used > self.memory_bytes and self._memory:
-                _, (_, freed) = self._memory.popitem(last=False)
-                self._memory_used -= freed
+            self._memory.put(file, state)
 
     def _unlink(self, files: list[str]) -> None:
         for file in files:
