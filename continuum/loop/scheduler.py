@@ -112,7 +112,7 @@ class Scheduler:
             if taken + n <= trial.room or not live:
                 plan.oneoff.append(r)
                 held.append(r)
-                taken, cap = taken + n, trial
+                taken += n
         if not plan.park:  # 3. parked calls come back oldest first, each with room to grow
             for c in parked:
                 trial, n = measure(held + [c.pending]), need(c.pending)
@@ -120,7 +120,7 @@ class Scheduler:
                     break  # (in order: the oldest parked comes back first)
                 plan.resume.append(c)
                 held.append(c.pending)
-                taken, cap, reserved = taken + n, trial, reserved + remaining(c, self.horizon)
+                taken, reserved = taken + n, reserved + remaining(c, self.horizon)
         if len(plan.resume) < len(parked):
             return plan  # (no admission while anyone is parked: everyone waits in arrival order)
         rows = self.rows - sum(c.rows for c in plan.park)
@@ -132,7 +132,7 @@ class Scheduler:
                 break  # (a call that waits keeps the later ones waiting: no starvation of a large call)
             plan.admit.append(c)
             held.append(c.pending)
-            rows, taken, cap, reserved = rows + c.rows, taken + n, trial, reserved + remaining(c, self.horizon)
+            rows, taken, reserved = rows + c.rows, taken + n, reserved + remaining(c, self.horizon)
         return plan
 
     def _budget_ok(self, call: Call, kv: int | None = None) -> bool:

@@ -40,7 +40,3 @@ class Capacity:
     def room(self) -> int:
         """Cells a step's new tokens may take: the free ones plus those idle states free when spilled."""
         return self.total - self.held
-
-    def without(self, cells: int) -> Capacity:
-        """The room once ``cells`` more are held (a call admitted or resumed in the plan)."""
-        return Capacity(self.total, self.used, self.held + cells, self.ids_total, self.ids_held)
