@@ -167,9 +167,20 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     except ImportError:  # prometheus_client absent (pip install "continuum[cluster]"): no /metrics
         pass
 
+    @app.get("/version")
+    async def version() -> dict:
+        # public, as vLLM's: gateways (SMG) probe it to recognise an OpenAI-compatible worker that wants a key
+        from .. import __version__
+
+        return {"version": __version__, "server": "continuum"}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
-        ctx.owner(request)
+        # Without a key the list is public (as llama-server's): a gateway in front (SMG) discovers the model
+        # with no key of its own and forwards each client's key, which the generation routes check. A key that
+        # is sent is checked here too, so a client with a wrong key learns it at its first call.
+        if "authorization" in request.headers:
+            ctx.owner(request)
         return {"object": "list", "data": [{"id": config.served_model_name, "object": "model", "created": ctx.created,
                                             "owned_by": "continuum"}]}
 
