@@ -126,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                          store_kv=args.store_kv == "full", json_bounds=args.json_bounds, max_queue=args.max_queue,
                          speculate=None if args.speculate == "none" else args.speculate)
     from ..errors import ReasoningError
+    from .errors import StoreUnavailable
     from .store import StoreLockedError
 
     try:
         app = create_app(model, config)
-    except (StoreLockedError, ReasoningError) as exc:
+    except (StoreLockedError, StoreUnavailable, ReasoningError) as exc:  # (a database down at start: say so, exit)
         print(f"continuum serve: {exc}", file=sys.stderr)
         return 2
     if not args.api_keys:

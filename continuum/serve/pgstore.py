@@ -75,7 +75,9 @@ class PgStore:
 
         self.url, self.model, self.kv = url, model, kv
         self.memory_bytes, self.max_age, self.max_bytes = memory_bytes, max_age, max_bytes
-        self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True, kwargs={"autocommit": True})
+        # check: a connection the database dropped (a restart) is replaced when taken, not handed to a request
+        self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True, kwargs={"autocommit": True},
+                                    check=ConnectionPool.check_connection)
         self._lock = threading.Lock()  # guards the resident states only; the database does its own locking
         self._memory = Resident(memory_bytes)  # recently used states, by part file
         self.bytes_written = 0
@@ -107,7 +109,7 @@ class PgStore:
         try:
             with self._pool.connection(timeout=5) as conn:
                 yield conn
-        except (psycopg.OperationalError, PoolTimeout) as exc:
+        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:  # (a closed connection: Interface)
             raise StoreUnavailable(f"the response store's database does not answer ({type(exc).__name__}): retry "
                                    f"after a few seconds") from exc
 
