@@ -97,18 +97,35 @@ def test_parts_are_incremental_and_delete_keeps_what_a_branch_needs(replicas, da
         a.responses.retrieve(turns[2].id)
 
 
+def _scrape(server) -> dict:
+    """``/metrics`` parsed by prometheus_client's own parser: {sample name: value} (one label set per name)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).text
+    return {(s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "le")): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+
+
 def test_metrics_name_what_routers_read(replicas):
     import httpx
 
     pytest.importorskip("prometheus_client")
-    from prometheus_client.parser import text_string_to_metric_families
-
     a, b = (s.client() for s in replicas)
     _conversation([a, b])
-    base = f"http://127.0.0.1:{replicas[1].port}"
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text)}
-    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds",
-            "vllm:kv_cache_usage_perc"} <= set(families)
-    loaded = families["continuum:store_states_loaded"].samples[0].value
-    assert loaded >= 2  # replica 1 continued turns 2 and 4 from the database (nothing resident)
-    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    seen = _scrape(replicas[1])
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count"} <= set(seen)
+    assert seen["continuum:store_states_loaded_total"] >= 2  # replica 1 continued turns 2 and 4 from the database
+    assert seen["continuum:store_seconds_count{op=load}"] >= 2 and seen["continuum:store_seconds_count{op=save}"] >= 2
+    assert httpx.get(f"http://127.0.0.1:{replicas[1].port}/health", timeout=10).status_code == 200
+    # the token counters add up to what the replies' usage said (one replica, a conversation of its own)
+    before = _scrape(replicas[1])
+    turns = _conversation([b])
+    after = _scrape(replicas[1])
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["vllm:prompt_tokens_total"] == sum(r.usage.input_tokens for r in turns)
+    assert delta["vllm:generation_tokens_total"] == sum(r.usage.output_tokens for r in turns)
+    assert delta["continuum:cached_prompt_tokens_total"] == sum(r.usage.input_tokens_details.cached_tokens for r in turns)
+    assert delta["vllm:time_to_first_token_seconds_count"] == len(TURNS)
+    assert 0 < delta["vllm:time_to_first_token_seconds_sum"] < delta["vllm:e2e_request_latency_seconds_sum"]

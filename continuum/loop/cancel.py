@@ -13,6 +13,7 @@ The same call also counts the tokens of each step into the token, which is what 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,12 +31,15 @@ class Cancelled(BaseException):
 class CancelToken:
     """A cancellation flag with an optional parent (a nested ``run_batch`` inherits its caller's)."""
 
-    __slots__ = ("_cancelled", "parent", "tokens")
+    __slots__ = ("_cancelled", "first", "parent", "tokens")
 
     def __init__(self, parent: CancelToken | None = None):
         self._cancelled = False
         self.parent = parent
         self.tokens = 0  # tokens generated under this token (approximate: one per live row per step)
+        # when the first step with live rows reached its sampling (the prompt computed: its first token is next);
+        # time.perf_counter(), for the server's time-to-first-token
+        self.first: float | None = None
 
     def cancel(self) -> None:
         """Ask every loop running under this token (or a child of it) to stop at its next step."""
@@ -78,6 +82,8 @@ def check_cancelled(tokens: int = 0) -> None:
     """
     token = getattr(_local, "token", None)
     if token is not None:
+        if tokens and token.first is None:
+            token.first = time.perf_counter()
         token.tokens += tokens
         if token.cancelled:
             raise Cancelled()

@@ -26,8 +26,10 @@ __all__ = ["register"]
 
 def _run(ctx, prompts: list, sampling: Sampling, emit=None, cancelled=lambda: False) -> dict:
     """Generate; returns per row (batch-major): text, finish reason, tokens, log-probs, top log-probs; and usage."""
-    with ctx.served.busy():
-        return _generate(ctx, prompts, sampling, emit, cancelled)
+    with ctx.served.queue.generation() as g:
+        out = _generate(ctx, prompts, sampling, emit, cancelled)
+        g.prompt_tokens, g.generation_tokens = out["usage"]["prompt_tokens"], out["usage"]["completion_tokens"]
+        return out
 
 
 def _generate(ctx, prompts: list, sampling: Sampling, emit, cancelled) -> dict:

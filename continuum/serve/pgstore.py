@@ -25,7 +25,7 @@ from typing import Any
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 from .errors import StoreUnavailable
-from .store import Record, Resident
+from .store import Record, Resident, Tally
 
 __all__ = ["PgStore", "SCHEMA_VERSION"]
 
@@ -81,7 +81,7 @@ class PgStore:
         self._lock = threading.Lock()  # guards the resident states only; the database does its own locking
         self._memory = Resident(memory_bytes)  # recently used states, by part file
         self.bytes_written = 0
-        self.loads = 0  # states loaded from the database (not resident)
+        self.tally = Tally()  # states loaded vs resident, load and save times (/metrics)
         self._create_schema()
         self.enforce_retention()
 
@@ -127,6 +127,11 @@ class PgStore:
             parent: str | None = None, base: SequenceState | None = None) -> None:
         """The part (only the columns ``state`` does not share with ``base``, the loaded state of ``parent``)
         and the response, in one transaction; returns once committed."""
+        with self.tally.timed("save"):
+            self._put(rid, owner, body, messages, state, parent, base)
+
+    def _put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
+             parent: str | None, base: SequenceState | None) -> None:
         parent_file = self._part_of(parent) if state is not None and parent is not None else None
         start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
         state_file = f"{rid}.safetensors" if state is not None else None
@@ -171,7 +176,7 @@ class PgStore:
         if record.state_file is None:
             return None
         chain: list[tuple[str, bytes]] = []
-        base = None
+        base, start = None, time.perf_counter()
         file: str | None = record.state_file
         with self._conn() as conn:
             while file is not None:
@@ -185,11 +190,14 @@ class PgStore:
                 chain.append((file, bytes(row[1])))
                 file = row[0]
         if not chain:
+            self.tally.resident += 1
             return base
         for _, data in reversed(chain):
             base = _from_bytes(data, self.model, base)
         assert base is not None
-        self.loads += 1
+        self.tally.loads += 1
+        if self.tally.on_timing is not None:  # (the database's reads and the parts' loading together)
+            self.tally.on_timing("load", time.perf_counter() - start)
         self._remember(record.state_file, base)
         return base
 

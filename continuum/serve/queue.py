@@ -10,12 +10,31 @@ schema compiled) is not waiting for the model and does not count. A client that 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+from ..loop.cancel import CancelToken, bound, current
 from .errors import Overloaded
 
-__all__ = ["ReplyQueue"]
+__all__ = ["Generation", "ReplyQueue"]
+
+
+@dataclass
+class Generation:
+    """One generation as ``/metrics`` counts it: its token counts (the route sets them when it is done) and when
+    its first token came (the engine marks the cancel token its calls run under: ``CancelToken.first``)."""
+
+    start: float
+    token: CancelToken
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.token.first is None else self.token.first - self.start
 
 
 class ReplyQueue:
@@ -27,6 +46,7 @@ class ReplyQueue:
         self.active = 0  # replies being generated now (GET /health reports it)
         self._engine_waiting = engine_waiting
         self._lock = threading.Lock()
+        self.on_generation: Callable[[Generation], None] | None = None  # (/metrics: serve/metrics.py sets it)
 
     def waiting(self) -> int:
         """Replies waiting for the model: for a worker thread, or in the engine (not admitted yet, or parked)."""
@@ -62,3 +82,13 @@ class ReplyQueue:
         finally:
             with self._lock:
                 self.active -= 1
+
+    @contextmanager
+    def generation(self) -> Iterator[Generation]:
+        """One generation, counted while it runs (:meth:`busy`); its calls run under a cancel token of its own,
+        which marks its first token; reported to ``on_generation`` once it succeeded."""
+        g = Generation(time.perf_counter(), CancelToken(current()))
+        with self.busy(), bound(g.token):
+            yield g
+        if self.on_generation is not None:
+            self.on_generation(g)

@@ -248,17 +248,16 @@ class ServedModel:
               on_reasoning: Callable[[int, str], None] | None = None) -> Reply:
         """Generate the assistant turn of ``chat``; ``on_delta(row, text)`` receives streamed text,
         ``on_reasoning(row, text)`` the streamed thought."""
-        with self.busy():
-            return self._reply(chat, plan, sampling, on_delta, cancelled, on_reasoning)
+        with self.queue.generation() as g:
+            reply = self._reply(chat, plan, sampling, on_delta, cancelled, on_reasoning)
+            g.prompt_tokens, g.generation_tokens, g.cached_tokens = \
+                reply.prompt_tokens, reply.completion_tokens, reply.cached_tokens
+            return reply
 
     @property
     def active(self) -> int:
         """Replies being generated now."""
         return self.queue.active
-
-    def busy(self):
-        """The reply queue's count of a generation (:meth:`.queue.ReplyQueue.busy`)."""
-        return self.queue.busy()
 
     def _reply(self, chat: Chat, plan: Plan, sampling: Sampling, on_delta, cancelled, on_reasoning=None) -> Reply:
         prev = chat.state

@@ -29,6 +29,8 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 
-__all__ = ["Record", "Resident", "Store", "StoreLockedError"]
+__all__ = ["Record", "Resident", "Store", "StoreLockedError", "Tally"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -104,6 +106,23 @@ class Resident:
             self._used -= freed
 
 
+class Tally:
+    """What a store did, for ``/metrics``: states loaded from it (not resident) and states found resident, and how
+    long its loads and saves took (``on_timing(op, seconds)``, which serve/metrics.py sets)."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+        self.resident = 0
+        self.on_timing: Callable[[str, float], None] | None = None
+
+    @contextmanager
+    def timed(self, op: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.on_timing is not None:
+            self.on_timing(op, time.perf_counter() - start)
+
+
 class StoreLockedError(RuntimeError):
     """Another server process uses this store."""
 
@@ -163,6 +182,7 @@ class Store:
         self._db.executescript(_SCHEMA)
         self._memory = Resident(memory_bytes)  # recently used states, by part file
         self.bytes_written = 0  # part bytes written since start (figures: bytes per turn)
+        self.tally = Tally()
         self._remove_orphans()
         self.enforce_retention()
 
@@ -172,6 +192,11 @@ class Store:
         """Write the state's part (atomically), then its row and the response's row (one transaction).
         ``parent``: the response ``state`` continues, whose loaded state is ``base``: only the columns
         ``state`` does not share with it are written. Returns once both are durable."""
+        with self.tally.timed("save"):
+            self._put(rid, owner, body, messages, state, parent, base)
+
+    def _put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
+             parent: str | None, base: SequenceState | None) -> None:
         state_file, size = None, 0
         parent_file = self._part_of(parent) if state is not None and parent is not None else None
         start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
@@ -251,13 +276,16 @@ class Store:
                 row = self._db.execute("SELECT parent FROM parts WHERE file = ?", (file,)).fetchone()
                 file = row[0] if row is not None else None
         if not chain:
+            self.tally.resident += 1
             return base
         try:
-            for file in reversed(chain):
-                base = load_part(self.states_dir / file, self.model, base)
+            with self.tally.timed("load"):
+                for file in reversed(chain):
+                    base = load_part(self.states_dir / file, self.model, base)
         except FileNotFoundError:
             return None  # deleted meanwhile: the conversation is re-rendered from its messages instead
         assert base is not None
+        self.tally.loads += 1
         self._remember(record.state_file, base)
         return base
 
