@@ -4,7 +4,7 @@ Generate, slice, add, fork and resume token sequences without recomputing what t
 already seen. See ``docs/`` for the state model and ``README.md`` for a quick start.
 """
 
-from . import chat, generate, models, samplers, speculate
+from . import chat, cluster, generate, models, samplers, speculate
 from .errors import (
     BatchMismatch,
     ChatTemplateError,
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "chat",
+    "cluster",
     "models",
     "generate",
     "samplers",
