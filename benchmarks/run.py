@@ -32,10 +32,9 @@ def _parse(argv):
     p.add_argument("--only", default="", help="comma-separated scenarios, e.g. B1,B3 (B2 runs with B1)")
     p.add_argument("--model", default=None, help="a local Hugging Face causal LM folder (default: random GPT-2-small shape)")
     p.add_argument("--threads", type=int, default=2, help="torch threads for both sides (default: 2)")
-    p.add_argument("--omp-active", action="store_true",
-                   help="keep OpenMP's default busy-waiting (default here: OMP_WAIT_POLICY=PASSIVE, which keeps a "
-                        "loaded machine from stalling 2-thread runs; it applies to both sides; --only of llama.cpp "
-                        "scenarios B24, B25, B26, B26S always keeps the default: PASSIVE halves llama.cpp's speed)")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="set OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep at barriers): steadier 2-thread torch runs on a "
+                        "LOADED machine, but it halves llama.cpp's speed (B24-B26), so the runner never sets it itself")
     p.add_argument("--reps", type=int, default=None, help="override the repetitions of every scenario")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clients", type=int, default=None,
@@ -48,18 +47,14 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-LLAMACPP_ONLY = {"B24", "B25", "B26", "B26S"}  # scenarios that run llama.cpp only: OpenMP's default waiting
-
-
 def main(argv=None) -> int:
     args = _parse(argv)
-    only = {x.strip().upper() for x in args.only.split(",") if x.strip()}
-    if only and only <= LLAMACPP_ONLY:  # (PASSIVE halves llama.cpp's speed on an idle machine: 24 vs 50 tokens/s on
-        args.omp_active = True  # Gemma 3 270M, its OpenMP threads sleep at every graph node's barrier)
-    if not args.omp_active:
+    # OpenMP's default waiting unless asked: a policy chosen for one side slows the other (PASSIVE: llama.cpp's
+    # threads sleep at every graph node's barrier: 24 vs 50 tokens/s on Gemma 3 270M, measured)
+    if args.omp_passive:
         if "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
             print("note: torch was imported before the runner; OMP_WAIT_POLICY could not be set", file=sys.stderr)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
     if args.plot:  # fail now, not after the run
         from benchmarks.plots import require_matplotlib

@@ -4,7 +4,8 @@ Generate, slice, add, fork and resume token sequences without recomputing what t
 already seen. See ``docs/`` for the state model and ``README.md`` for a quick start.
 """
 
-from . import chat, cluster, generate, models, samplers, speculate
+from typing import TYPE_CHECKING
+
 from .errors import (
     BatchMismatch,
     ChatTemplateError,
@@ -16,10 +17,43 @@ from .errors import (
     SlicingError,
     TokenizerMismatch,
 )
-from .generate import continuous
-from .programs.batch import run_batch
-from .state import SequenceState
-from .state.completion import Completion
+
+if TYPE_CHECKING:  # what the names below are, for type checkers; at run time they load on first use
+    from . import chat, cluster, generate, models, samplers, speculate
+    from .generate import continuous
+    from .programs.batch import run_batch
+    from .state import SequenceState
+    from .state.completion import Completion
+
+# Loaded on first use (PEP 562), so that importing one light module (``continuum.serve``'s command line, the
+# llama.cpp model loader) does not import torch and transformers first: `continuum serve model.gguf` loads the
+# GGUF while torch is still importing (docs/serve.md, "start-up"). `from continuum import x` works as before.
+_LAZY = {"continuous": ("continuum.generate", "continuous"), "run_batch": ("continuum.programs.batch", "run_batch"),
+         "SequenceState": ("continuum.state", "SequenceState"), "Completion": ("continuum.state.completion", "Completion")}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+    elif not name.startswith("__"):
+        try:  # a subpackage: chat, generate, models, samplers, speculate, cluster, state, ...
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

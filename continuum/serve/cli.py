@@ -7,7 +7,9 @@ import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "parse_age", "parser"]
 
@@ -35,7 +37,7 @@ def parse_age(spec: str) -> float | None:
 
 
 def _size(spec: str) -> int | None:
-    from ..models.hf.prefix_cache import parse_budget
+    from ..models.budget import parse_budget
 
     if spec.lower() in ("0", "none", "off"):
         return None
@@ -98,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    native = _preload(args)  # a GGUF loads on its own thread (llama.cpp's C code) while the imports below run
     try:
         import uvicorn
 
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chat_template is not None:
         template = Path(args.chat_template).read_text()
     try:
-        model = _load(args)
+        model = _load(args, native)
     except ValueError as exc:  # ModelLoadError, bad options: a message that says what to do, no traceback
         print(f"continuum serve: {exc}", file=sys.stderr)
         return 2
@@ -142,8 +145,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
-    """The model: a ``.gguf`` file on llama.cpp (``models.llamacpp``), anything else on transformers."""
+class _Preload(threading.Thread):
+    """``LlamaCppModel(path, ...)`` on a thread: the weights' load and the context's allocation are llama.cpp's C
+    code, which runs beside the imports of torch and FastAPI on the main thread (measured: B21s in
+    docs/benchmarks.md). Its own modules import neither torch nor transformers."""
+
+    def __init__(self, args: argparse.Namespace):
+        super().__init__(name="continuum-preload", daemon=True)
+        self.args = args
+        self.model: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            from ..models.llamacpp.model import LlamaCppModel
+
+            a = self.args
+            self.model = LlamaCppModel(a.model, n_ctx=a.n_ctx, n_threads=a.threads, batch_invariant=a.batch_invariant)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the main thread, where it is reported
+            self.error = exc
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.model
+
+
+def _preload(args: argparse.Namespace) -> _Preload | None:
+    if not args.model.lower().endswith(".gguf") or args.dtype is not None or args.device is not None:
+        return None  # (transformers; or options a GGUF refuses: _load says so)
+    return _Preload(args)
+
+
+def _load(args: argparse.Namespace, native: _Preload | None = None):
+    """The model: a ``.gguf`` file on llama.cpp (``models.llamacpp``; loaded by ``native`` when it was started),
+    anything else on transformers."""
     from .. import models
     from ..errors import ModelLoadError
 
@@ -156,6 +194,8 @@ def _load(args: argparse.Namespace):
         if value is not None:
             raise ModelLoadError(f"{flag} is not available for a GGUF on llama.cpp (its weights' type is the file's, "
                                  f"and it runs on the CPU): leave it out")
+    if native is not None:
+        return models.llamacpp(native.result(), prefix_cache=args.prefix_cache)
     return models.llamacpp(args.model, n_ctx=args.n_ctx, n_threads=args.threads, batch_invariant=args.batch_invariant,
                            prefix_cache=args.prefix_cache)
 

@@ -29,11 +29,36 @@ Example:
     ...
 """
 
-from .decode import DecodeResult, DecodeRow, decode
-from .fingerprint import LlamaCppFingerprint, fingerprint_of, gguf_hash, pack, unpack
-from .model import KV_TYPES, LlamaCppModel, check_gguf
-from .sequences import KVView, SequencePool
-from .vocab import LlamaTokenizer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .decode import DecodeResult, DecodeRow, decode
+    from .fingerprint import LlamaCppFingerprint, fingerprint_of, gguf_hash, pack, unpack
+    from .model import KV_TYPES, LlamaCppModel, check_gguf
+    from .sequences import KVView, SequencePool
+    from .vocab import LlamaTokenizer
 
 __all__ = ["LlamaCppModel", "check_gguf", "KV_TYPES", "LlamaTokenizer", "SequencePool", "KVView", "DecodeRow",
            "DecodeResult", "decode", "LlamaCppFingerprint", "fingerprint_of", "gguf_hash", "pack", "unpack"]
+
+# loaded on first use (PEP 562): continuum.models imports this package, and `continuum serve` loads a GGUF
+# through model.py alone while torch imports
+_HOME = {"decode": ("DecodeResult", "DecodeRow", "decode"),
+         "fingerprint": ("LlamaCppFingerprint", "fingerprint_of", "gguf_hash", "pack", "unpack"),
+         "model": ("KV_TYPES", "LlamaCppModel", "check_gguf"), "sequences": ("KVView", "SequencePool"),
+         "vocab": ("LlamaTokenizer",)}
+_LAZY = {name: module for module, names in _HOME.items() for name in names}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

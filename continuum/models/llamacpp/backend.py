@@ -46,7 +46,8 @@ class LlamaCpp:
     """A GGUF model on llama.cpp, with the interface the loop, the engine and the states use.
 
     Args:
-        path: a ``.gguf`` file.
+        path: a ``.gguf`` file, or a :class:`~.model.LlamaCppModel` already loaded (then ``options`` are its own:
+            pass none; ``continuum serve`` loads the GGUF on a thread while torch imports).
         prefix_cache: byte budget of the prefix cache (donor sequences, :mod:`~.prefix`; ``"64MiB"``, an int);
             ``None``/``0`` (default): off.
         n_ctx, n_threads, batch_invariant, ...: see :class:`~.model.LlamaCppModel`.
@@ -59,11 +60,17 @@ class LlamaCpp:
         """The most rows one call decodes at once: the pool's sequence ids (a list call with more runs in turns)."""
         return self.pool.n_ids
 
-    def __init__(self, path: str | os.PathLike, *, prefix_cache: int | str | None = None, **options: Any):
-        from ..hf.prefix_cache import parse_budget  # (the same budget syntax on both backends)
+    def __init__(self, path: str | os.PathLike | LlamaCppModel, *, prefix_cache: int | str | None = None, **options: Any):
+        from ..budget import parse_budget  # (the same budget syntax on both backends)
 
         budget = parse_budget(prefix_cache)  # a bad budget fails before the GGUF is loaded
-        self.llama = LlamaCppModel(path, **options)
+        if isinstance(path, LlamaCppModel):
+            if options:
+                raise ModelLoadError(f"LlamaCpp(a loaded LlamaCppModel, ...): its options are set already; drop "
+                                     f"{', '.join(sorted(options))}")
+            self.llama = path
+        else:
+            self.llama = LlamaCppModel(path, **options)
         self.hybrid = self.llama.hybrid  # attention + recurrent layers: recurrent.py keeps the summaries' snapshots
         if self.hybrid and budget:
             self.llama.close()
@@ -281,7 +288,7 @@ def _views_match(r: Request) -> bool:
     return True
 
 
-def llamacpp(path: str | os.PathLike, **options: Any) -> LlamaCpp:
+def llamacpp(path: str | os.PathLike | LlamaCppModel, **options: Any) -> LlamaCpp:
     """A GGUF model on llama.cpp (``pip install continuum[llamacpp]``). Options: see :class:`~.model.LlamaCppModel`.
 
     Example:
