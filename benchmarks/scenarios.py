@@ -31,6 +31,7 @@ from .reasoning_bench import b23
 from .serve_bench import b21
 from .server_pool_bench import SERVER_POOL_SCENARIOS
 from .speculation_bench import SPECULATION_SCENARIOS
+from .startup_bench import STARTUP_SCENARIOS
 
 # --smoke: the sizes of the scenarios outside this module (each reads ``getattr(cfg, name, its default)``)
 SMOKE_SIZES: dict = {
@@ -487,7 +488,8 @@ def b9(bench: Bench, cfg: Config) -> list[Row]:
 
 SCENARIOS: dict[str, Callable[[Bench, Config], list[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B10": b10, "B11": b11,
-    "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21, "B18B": b18b, **ENGINE_SCENARIOS, "B23": b23,
+    "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21, **STARTUP_SCENARIOS, "B18B": b18b,
+    **ENGINE_SCENARIOS, "B23": b23,
     **LLAMACPP_SCENARIOS, **POOL_SCENARIOS, **SERVER_POOL_SCENARIOS, **SPECULATION_SCENARIOS,
     **HYBRID_SCENARIOS,
 }
