@@ -465,6 +465,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: Any, grace: float = 10.0) -> None:
+    """Terminate a server process a test or scenario started (SIGTERM, then SIGKILL after ``grace`` seconds)."""
+    import subprocess
+
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: Callable[[], str] | None = None) -> None:
     """Wait until ``url``/health answers 200; raise (with the process's last output: ``output()``, default its
     piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed). The server tests use it too."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import free_port
+from .common import free_port, stop_process
 
 __all__ = ["Gateway", "smg_binary"]
 
@@ -86,11 +86,5 @@ class Gateway:
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120, default_headers=headers)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()

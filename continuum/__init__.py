@@ -33,22 +33,9 @@ _LAZY = {"continuous": ("continuum.generate", "continuous"), "run_batch": ("cont
 
 
 def __getattr__(name: str):
-    import importlib
+    from ._lazy import attribute
 
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-    elif not name.startswith("__"):
-        try:  # a subpackage: chat, generate, models, samplers, speculate, cluster, state, ...
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    return attribute(globals(), _LAZY, name)
 
 
 def __dir__() -> list[str]:

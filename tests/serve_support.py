@@ -18,7 +18,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field
 
-from benchmarks.common import free_port, wait_healthy  # (one server start-up wait for benchmarks and tests)
+from benchmarks.common import free_port, stop_process, wait_healthy  # (one server start-up wait for benchmarks and tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "qwen2.5-instruct.jinja"  # renders tools and <tool_call> blocks
@@ -125,13 +125,7 @@ class Server:
     def stop(self) -> None:
         if self._log.closed:
             return
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

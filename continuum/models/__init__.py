@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Transformers", "transformers", "LlamaCpp", "llamacpp", "Tokenizer", "ModelFingerprint"]
 
-_LAZY = {"transformers": "continuum.models.hf.load", "Transformers": "continuum.models.hf.model",
-         "ModelFingerprint": "continuum.models.identity", "LlamaCpp": "continuum.models.llamacpp.backend",
-         "Tokenizer": "continuum.models.tokenizer"}
+_LAZY = {"transformers": ("continuum.models.hf.load", "transformers"),
+         "Transformers": ("continuum.models.hf.model", "Transformers"),
+         "ModelFingerprint": ("continuum.models.identity", "ModelFingerprint"),
+         "LlamaCpp": ("continuum.models.llamacpp.backend", "LlamaCpp"), "Tokenizer": ("continuum.models.tokenizer", "Tokenizer")}
 
 
 def llamacpp(path: str | os.PathLike | LlamaCppModel, **options: Any) -> LlamaCpp:
@@ -41,21 +42,9 @@ def llamacpp(path: str | os.PathLike | LlamaCppModel, **options: Any) -> LlamaCp
 
 
 def __getattr__(name: str):
-    import importlib
+    from .._lazy import attribute
 
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    elif not name.startswith("__"):
-        try:  # a submodule (hf, llamacpp, kv, ...)
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    return attribute(globals(), _LAZY, name)
 
 
 def __dir__() -> list[str]:

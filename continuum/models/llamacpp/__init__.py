@@ -47,17 +47,13 @@ _HOME = {"decode": ("DecodeResult", "DecodeRow", "decode"),
          "fingerprint": ("LlamaCppFingerprint", "fingerprint_of", "gguf_hash", "pack", "unpack"),
          "model": ("KV_TYPES", "LlamaCppModel", "check_gguf"), "sequences": ("KVView", "SequencePool"),
          "vocab": ("LlamaTokenizer",)}
-_LAZY = {name: module for module, names in _HOME.items() for name in names}
+_LAZY = {name: (f"{__name__}.{module}", name) for module, names in _HOME.items() for name in names}
 
 
 def __getattr__(name: str):
-    import importlib
+    from ..._lazy import attribute
 
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
+    return attribute(globals(), _LAZY, name)
 
 
 def __dir__() -> list[str]:
