@@ -465,6 +465,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_threads(n: int, fn: Callable[[int], Any], timeout: float | None = None,
+               tolerate: bool = False) -> tuple[list, float]:
+    """``fn(i)`` for i in 0..n-1, each on its own thread (concurrent clients): (results, wall seconds). The first
+    error is raised after every thread ended, unless ``tolerate`` (then logged, its result None); a thread still
+    running after ``timeout`` seconds is an error."""
+    import threading
+
+    out: list = [None] * n
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            errors.append(exc)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for t in threads:
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"clients still running after {timeout:g} s")
+    if errors and not tolerate:
+        raise errors[0]
+    for exc in errors:
+        log(f"    a client failed: {type(exc).__name__}: {exc}")
+    return out, time.perf_counter() - t0
+
+
 def stop_process(proc: Any, grace: float = 10.0) -> None:
     """Terminate a server process a test or scenario started (SIGTERM, then SIGKILL after ``grace`` seconds)."""
     import subprocess

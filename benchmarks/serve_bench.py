@@ -24,13 +24,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from .chat_bench import chat_bench_model, smollm2_template
-from .common import Bench, Row, Skip, free_port, log, make_text, wait_healthy
+from .common import Bench, Row, Skip, free_port, in_threads, log, make_text, wait_healthy
 
 __all__ = ["b21"]
 
@@ -46,27 +44,6 @@ def _start_server(folder: str, store: str, threads: int) -> tuple[subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_healthy(proc, f"http://127.0.0.1:{port}", "the server")
     return proc, f"http://127.0.0.1:{port}/v1"
-
-
-def _in_threads(n: int, fn: Callable[[int], list]) -> tuple[list, float]:
-    out: list = [None] * n
-    errors: list = []
-
-    def run(i):
-        try:
-            out[i] = fn(i)
-        except BaseException as exc:  # noqa: BLE001 - reported after the join
-            errors.append(exc)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out, time.perf_counter() - t0
 
 
 def _stateful(client, users: list[str], new: int) -> list[dict]:
@@ -194,15 +171,15 @@ def b21(bench: Bench, cfg) -> list[Row]:
             _stateful(client, ["warm-up"], 2)
             _stateless(client, ["warm-up"], 2)
             before = _engine_stats(url)
-            stateful, t_stateful = _in_threads(clients, lambda i: _stateful(client, convos[i], new))
+            stateful, t_stateful = in_threads(clients, lambda i: _stateful(client, convos[i], new))
             step = _step_share(before, _engine_stats(url))
             written = _part_bytes(os.path.join(tmp, "store"), stateful)
-            stateless, t_stateless = _in_threads(clients, lambda i: _stateless(client, convos[i], new))
+            stateless, t_stateless = in_threads(clients, lambda i: _stateless(client, convos[i], new))
         finally:
             proc.terminate()
             proc.wait(30)
     _in_process(bench.model, tpl, ["warm-up"], 2)
-    inproc, t_inproc = _in_threads(clients, lambda i: _in_process(bench.model, tpl, convos[i], new))
+    inproc, t_inproc = in_threads(clients, lambda i: _in_process(bench.model, tpl, convos[i], new))
 
     def tokens(runs):
         return sum(t["tokens"] for run in runs for t in run)

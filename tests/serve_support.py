@@ -8,17 +8,12 @@ repository, so this worktree's ``continuum`` is the one served); tests talk to i
 from __future__ import annotations
 
 import atexit
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Literal
 
-import httpx
 from pydantic import BaseModel, Field
 
-from benchmarks.common import free_port, stop_process, wait_healthy  # (one server start-up wait for benchmarks and tests)
+from benchmarks import replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "qwen2.5-instruct.jinja"  # renders tools and <tool_call> blocks
@@ -78,55 +73,11 @@ def shared_server(tmp_path_factory, model_dir: str) -> Server:
     return _SERVERS["server"]
 
 
-class Server:
-    """``continuum serve`` in a subprocess; ``url`` is its ``/v1`` base."""
+class Server(replicas.Server):
+    """``continuum serve`` of a test: served as ``tiny``, its client sending the first test key by default."""
 
     def __init__(self, model_dir: str, store: Path | str, *args: str, log: Path | None = None):
-        # a postgresql:// URL stays a string (a Path would fold its '//'); a URL needs log=
-        self.model_dir, self.args = model_dir, list(args)
-        self.store: Path | str = store if isinstance(store, str) and "://" in store else Path(store)
-        self.log = log or Path(self.store).with_suffix(".log")
-        self.proc: subprocess.Popen | None = None
-        self.port = free_port()
-        self.start()
-
-    def start(self, timeout: float = 90.0) -> None:
-        """Start (or restart, on the same port and store) the server and wait for ``/health``."""
-        cmd = [sys.executable, "-m", "continuum", "serve", self.model_dir, "--port", str(self.port), "--store",
-               str(self.store), "--served-model-name", "tiny", "--log-level", "warning", *self.args]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-        self._log = open(self.log, "ab")  # noqa: SIM115 - the server's output, open while it runs
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(self.proc, f"http://127.0.0.1:{self.port}", "the server", timeout,
-                         output=lambda: self.log.read_text()[-3000:])
-        except RuntimeError:
-            self.stop()
-            raise
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def health(self) -> dict:
-        return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=5).json()
-
-    def client(self, key: str = KEYS[0]):
-        import openai
-
-        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._log.close()
-
-    def stop(self) -> None:
-        if self._log.closed:
-            return
-        stop_process(self.proc)
-        self._log.close()
+        super().__init__(model_dir, store, *args, log=log, name="tiny", key=KEYS[0])
 
 
 class Pet(BaseModel):

@@ -324,6 +324,24 @@ def test_save_and_load(model, tmp_path, bpe_tokenizer, spm_tokenizer):
         SequenceState.load(tmp_path / "bad.safetensors", model)
 
 
+def test_a_part_as_bytes_loads_as_its_file(model, tmp_path):
+    """part_bytes (what the PostgreSQL store keeps) and save_part's file load into the same state, KV included,
+    and a continuation from either equals one from the original; garbage bytes are a StateFileError."""
+    from continuum.state.parts import load_part, part_bytes, save_part, shared_columns
+
+    base = greedy_c(model)(PROMPTS[:2], max_tokens=3)
+    s = greedy_c(model)(base, max_tokens=4)
+    start = shared_columns(s, base)
+    save_part(s, tmp_path / "p.safetensors", start)
+    from_file = load_part(tmp_path / "p.safetensors", model, base)
+    from_bytes = load_part(part_bytes(s, start), model, base)
+    assert start > 0 and list(from_bytes) == list(from_file) == list(s)
+    assert all(torch.equal(a, b) for pa, pb in zip(from_bytes._kv, from_file._kv) for a, b in zip(pa, pb))
+    assert list(greedy_c(model)(from_bytes, max_tokens=3)) == list(greedy_c(model)(s, max_tokens=3))
+    with pytest.raises(StateFileError):
+        load_part(b"garbage bytes", model, None)
+
+
 def test_load_with_other_tokenizer_fails(gpt2_model, llama_model, tmp_path):
     s = greedy_c(gpt2_model)("x", max_tokens=2)
     s.save(tmp_path / "s.safetensors")

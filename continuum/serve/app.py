@@ -154,7 +154,9 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     async def health() -> Any:
         # a store that does not answer (the database is down) makes this replica unfit to route to: 503
         healthy = getattr(ctx.store, "healthy", None)
-        if healthy is not None and not await ctx.run(healthy):
+        # (on a thread outside the generation threads' limiter: a replica whose threads are all generating is busy,
+        # not down, and must answer its health check in time)
+        if healthy is not None and not await anyio.to_thread.run_sync(healthy):
             return JSONResponse({"status": "store unreachable"}, status_code=503, headers={"Retry-After": "5"})
         # the model's engine counters (steps, time in forwards, the engine's own share of a step): for operators
         engine = {k: v for k, v in model.engine.stats().items() if isinstance(v, (int, float))}

@@ -18,9 +18,9 @@ from ..errors import StateFileError
 from ..models import kv as kvcache
 from .convert import uncached
 from .core import SequenceState
-from .persistence import foreign, last_step, metadata, read, write
+from .persistence import encode, foreign, last_step, metadata, read, write
 
-__all__ = ["load_part", "save_part", "shared_columns"]
+__all__ = ["load_part", "part_bytes", "save_part", "shared_columns"]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,9 +58,7 @@ def _join(base: torch.Tensor, own: torch.Tensor, start: int) -> torch.Tensor:
     return torch.cat([base[..., :start, :].to(own.device), own], -2)
 
 
-def save_part(state: SequenceState, path, start: int = 0, kv: bool = True) -> None:
-    """Save columns ``start:`` of ``state`` (``start`` from :func:`shared_columns` against its base),
-    with the KV cache when ``kv``; ``start=0`` saves the whole state (a chain's root)."""
+def _part(state: SequenceState, start: int, kv: bool) -> tuple[dict, dict]:
     tensors = {"ids": state._ids[:, start:], "mask": state._mask[:, start:], "logprobs": state._logprobs[:, start:],
                "weights": state._weights}
     layers = state._kv if kv and not kvcache.is_handle(state._kv) else None
@@ -69,14 +67,27 @@ def save_part(state: SequenceState, path, start: int = 0, kv: bool = True) -> No
     meta = metadata(state)
     meta["layers"] = len(layers or ())
     meta["part"] = {"start": start, "columns": int(state._ids.shape[1]), "kv": bool(layers)}
-    write(path, tensors, meta)
+    return tensors, meta
+
+
+def save_part(state: SequenceState, path, start: int = 0, kv: bool = True) -> None:
+    """Save columns ``start:`` of ``state`` (``start`` from :func:`shared_columns` against its base),
+    with the KV cache when ``kv``; ``start=0`` saves the whole state (a chain's root)."""
+    write(path, *_part(state, start, kv))
+
+
+def part_bytes(state: SequenceState, start: int = 0, kv: bool = True) -> bytes:
+    """:func:`save_part`'s file as bytes (a database row holds them); :func:`load_part` reads them back."""
+    return encode(*_part(state, start, kv))
 
 
 def load_part(path, model, base: SequenceState | None) -> SequenceState:
-    """The state saved by :func:`save_part` at ``path``, its first columns taken from ``base`` (the loaded
-    state of the part it continues; None for a root). The result has a cache only when every part of the
-    chain was saved with one (by this model)."""
+    """The state saved by :func:`save_part` at ``path`` (or :func:`part_bytes`' bytes), its first columns taken
+    from ``base`` (the loaded state of the part it continues; None for a root). The result has a cache only when
+    every part of the chain was saved with one (by this model)."""
     meta, tensors = read(path, model)
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        path = "a stored state part"  # (for the messages below)
     part = meta.get("part") or {"start": 0, "kv": meta["layers"] > 0}
     start = int(part["start"])
     try:

@@ -91,15 +91,36 @@ def save(state: SequenceState, path) -> None:
     write(path, tensors, meta)
 
 
+def encode(tensors: dict, meta: dict) -> bytes:
+    """What :func:`write` writes, as bytes (a database stores them: ``serve/pgstore.py``)."""
+    from safetensors.torch import save
+
+    return save({k: t.contiguous().cpu() for k, t in tensors.items()}, metadata={"continuum": json.dumps(meta)})
+
+
+def _decode(data: bytes | bytearray | memoryview) -> tuple[dict, dict]:
+    from safetensors.torch import load
+
+    # the format's header: 8 bytes of little-endian length, then JSON whose "__metadata__" holds ours
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(bytes(data[8:8 + size]))["__metadata__"]["continuum"])
+    return meta, load(bytes(data))
+
+
 def read(path, model) -> tuple[dict, dict]:
-    """A state file's metadata and tensors (on ``model``'s device), checked: readable, a known format,
-    ``model``'s tokenizer. Raises ``FileNotFoundError`` or :class:`StateFileError`."""
+    """A state file's (or its bytes': :func:`encode`) metadata and tensors (on ``model``'s device), checked:
+    readable, a known format, ``model``'s tokenizer. Raises ``FileNotFoundError`` or :class:`StateFileError`."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})["continuum"])
-            tensors = {k: f.get_tensor(k).to(model.device) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
+        if isinstance(path, (bytes, bytearray, memoryview)):
+            meta, tensors = _decode(path)
+            tensors = {k: t.to(model.device) for k, t in tensors.items()}
+            path = "a stored state part"  # (for the messages below)
+        else:
+            with safe_open(str(path), framework="pt") as f:
+                meta = json.loads((f.metadata() or {})["continuum"])
+                tensors = {k: f.get_tensor(k).to(model.device) for k in f.keys()}  # noqa: SIM118 - safe_open is no dict
     except FileNotFoundError:
         raise
     except Exception as exc:

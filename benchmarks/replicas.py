@@ -1,0 +1,88 @@
+"""``continuum serve`` as a process on loopback, the way the server tests, B21 and B28 start it: a free port,
+this checkout's ``continuum`` (``PYTHONPATH``), one torch thread, the output in a log file; restart on the
+same port and store, ``kill -9``, and the ``/metrics`` it serves, parsed by prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from .common import free_port, stop_process, wait_healthy
+
+__all__ = ["Server", "metrics"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def metrics(base: str) -> dict[str, float]:
+    """``base``/metrics as {sample name (with its labels but ``le``, e.g. ``x_count{op=load}``): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {(s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+
+
+class Server:
+    """``python -m continuum serve MODEL --store STORE ARGS`` as ``name``; ``url`` is its ``/v1`` base.
+
+    ``store``: a folder, or a ``postgresql://`` URL (kept a string: a Path would fold its '//'; then give
+    ``log=``). ``key``: the API key :meth:`client` sends by default."""
+
+    def __init__(self, model: str, store: Path | str, *args: str, log: Path | None = None, name: str = "tiny",
+                 key: str = "none", timeout: float = 90.0):
+        self.model, self.args, self.name, self.key = model, list(args), name, key
+        self.store: Path | str = store if isinstance(store, str) and "://" in store else Path(store)
+        self.log = log or Path(self.store).with_suffix(".log")
+        self.proc: subprocess.Popen | None = None
+        self.port = free_port()
+        self.start(timeout)
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Start (or restart, on the same port and store) the server and wait for ``/health``."""
+        cmd = [sys.executable, "-m", "continuum", "serve", self.model, "--port", str(self.port), "--store",
+               str(self.store), "--served-model-name", self.name, "--log-level", "warning", *self.args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        self._log = open(self.log, "ab")  # noqa: SIM115 - the server's output, open while it runs
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.proc, self.base, "the server", timeout, output=lambda: self.log.read_text()[-3000:])
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def health(self) -> dict:
+        return httpx.get(self.base + "/health", timeout=5).json()
+
+    def metrics(self) -> dict[str, float]:
+        return metrics(self.base)
+
+    def client(self, key: str | None = None):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key=key or self.key, max_retries=0, timeout=120)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def stop(self) -> None:
+        if self._log.closed:
+            return
+        stop_process(self.proc)
+        self._log.close()
