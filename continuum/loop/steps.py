@@ -64,6 +64,7 @@ class CallLoop:
         self.stats = {"forwards": 0, "drafted": 0, "accepted": 0}
         self.remask = False  # the next request's cached mask lost columns (rejected drafts): see Request.remask
         self.engine: Any = None  # the model's engine (run): how many calls share its steps
+        self.tokenizer: Any = None  # the model's tokenizer (run)
         self.track_text, self._chunk = track_text, step
         self.W = rows.width
         self.col = self.fed = self.W
@@ -118,6 +119,7 @@ class CallLoop:
         then step until every row ended. Returns ``(fed, group)`` for the result state."""
         rows, start = self.rows, C
         self.engine = model.engine
+        self.tokenizer = getattr(model, "tokenizer", None)  # (speculation: the lookup drafts by text too)
         chunk = model.engine.chunk_for(self.W - C) if rows.branch is None else None
         while chunk and self.W - start > chunk:
             _, rows.kv = yield from self.forward(start, start + chunk, logits="none")
@@ -295,7 +297,8 @@ class CallLoop:
             real = rows.ids[r, :self.col][rows.mask[r, :self.col].bool()]
             history = torch.cat([real.cpu(), torch.tensor([t])]).numpy()
             state = rows.guide_states[r] if rows.guide_states is not None else None  # (the row's own: a speculator
-            d = spec.draft(history, limit, guide=guide, state=state, stats=self.stats)  # that walks it copies it)
+            d = spec.draft(history, limit, guide=guide, state=state, stats=self.stats,  # that walks it copies it)
+                           tokenizer=self.tokenizer)
             cut = next((j for j, x in enumerate(d) if x in self.eos), len(d))
             d = d[:cut]
             if d and guide is not None and rows.guide_states is not None:

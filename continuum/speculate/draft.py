@@ -61,7 +61,7 @@ class Draft:
                 f"vocabulary), or speculate.lookup()")
 
     def draft(self, history: np.ndarray, limit: int, guide: Any = None, state: Any = None,
-              stats: dict | None = None) -> list[int]:
+              stats: dict | None = None, tokenizer: Any = None) -> list[int]:
         """At most ``limit`` tokens the draft model writes greedily after ``history`` (masked by ``guide`` from the
         row's ``state``, walked on a copy); ``stats["draft_forwards"]`` counts its forwards."""
         limit = min(limit, self.max_draft)
