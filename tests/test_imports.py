@@ -103,3 +103,30 @@ def test_no_import_circles():
 
 def test_processors_do_not_import_the_decoding_loop():
     assert "continuum.loop.decoding" not in import_graph()["continuum.processors"]
+
+
+def test_lazy_roots_bind_their_names_not_their_submodules():
+    """The lazy package roots (continuum/_lazy.py): after every submodule is imported, each exported name is still
+    the function or class, not a submodule of the same name that took the attribute (``models.llamacpp``,
+    ``models.llamacpp.decode``); and ``import continuum`` imports no torch (a fresh interpreter)."""
+    import importlib
+    import subprocess
+    import sys
+    import types
+
+    for mod in sorted(_modules()):
+        if mod.startswith("continuum.") and "cluster" not in mod and "serve" not in mod:
+            try:
+                importlib.import_module(mod)
+            except ImportError:  # an optional extra (llama-cpp-python...)
+                pass
+    subpackages = {"chat", "cluster", "generate", "models", "samplers", "speculate"}
+    for root in ("continuum", "continuum.models", "continuum.models.llamacpp"):
+        package = importlib.import_module(root)
+        for name in package.__all__:
+            value = getattr(package, name)
+            assert not isinstance(value, types.ModuleType) or (root == "continuum" and name in subpackages), \
+                f"{root}.{name} is the submodule, not the exported name"
+    code = "import sys, continuum, continuum.models; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -31,8 +31,10 @@ Example:
 
 from typing import TYPE_CHECKING
 
+# bound now, not lazily: ``decode`` is also this package's submodule, which would take the name when imported
+from .decode import DecodeResult, DecodeRow, decode
+
 if TYPE_CHECKING:
-    from .decode import DecodeResult, DecodeRow, decode
     from .fingerprint import LlamaCppFingerprint, fingerprint_of, gguf_hash, pack, unpack
     from .model import KV_TYPES, LlamaCppModel, check_gguf
     from .sequences import KVView, SequencePool
@@ -43,8 +45,7 @@ __all__ = ["LlamaCppModel", "check_gguf", "KV_TYPES", "LlamaTokenizer", "Sequenc
 
 # loaded on first use (PEP 562): continuum.models imports this package, and `continuum serve` loads a GGUF
 # through model.py alone while torch imports
-_HOME = {"decode": ("DecodeResult", "DecodeRow", "decode"),
-         "fingerprint": ("LlamaCppFingerprint", "fingerprint_of", "gguf_hash", "pack", "unpack"),
+_HOME = {"fingerprint": ("LlamaCppFingerprint", "fingerprint_of", "gguf_hash", "pack", "unpack"),
          "model": ("KV_TYPES", "LlamaCppModel", "check_gguf"), "sequences": ("KVView", "SequencePool"),
          "vocab": ("LlamaTokenizer",)}
 _LAZY = {name: (f"{__name__}.{module}", name) for module, names in _HOME.items() for name in names}
