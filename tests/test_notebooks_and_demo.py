@@ -84,7 +84,7 @@ def test_demo_runs_offline_on_the_real_model(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "hub" not in out and "falling back" not in out, out[:2000]  # no network attempt, no fallback
+    assert "Hugging Face hub" not in out and "falling back" not in out, out[:2000]  # no network attempt, no fallback
     first = next(ln for ln in out.splitlines() if ln.startswith("model: "))
     assert ("gemma-3-270m" in first and "backend: llama.cpp" in first) if real else "stories260K" in first, first
     line = next((ln for ln in out.splitlines() if "structured output: " in ln), None)
