@@ -267,7 +267,7 @@ def run(model, description: str, max_tokens: int = 40) -> None:
     from continuum import continuous, generate, samplers
 
     torch.manual_seed(0)
-    backend = "llama.cpp" if type(model).__name__ == "LlamaCppModel" else "transformers"
+    backend = "llama.cpp" if type(model).__name__ == "LlamaCpp" else "transformers"
     print(f"model: {description} [backend: {backend}, {type(model).__name__}]")
     meter = Meter(model)
 
