@@ -173,6 +173,11 @@ def test_bad_arguments_raise_continuum_errors_before_any_actor(kwargs, error, ma
 
 
 def test_ctrl_c_cancels_and_kills_the_actors():
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the earlier tests' actors are gone (else "all CPUs taken" below could be theirs)
+    assert ray.available_resources().get("CPU", 0) == 2
+
     def interrupt():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # once both actors run a chunk (the CPUs Ray lends are all taken)
