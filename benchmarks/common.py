@@ -512,8 +512,9 @@ def stop_process(proc: Any, grace: float = 10.0) -> None:
 
 
 def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: Callable[[], str] | None = None) -> None:
-    """Wait until ``url``/health answers 200; raise (with the process's last output: ``output()``, default its
-    piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed). The server tests use it too."""
+    """Wait until ``url``/health answers 200 with its engine loaded; raise (with the process's last output:
+    ``output()``, default its piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed).
+    The server tests use it too."""
     import httpx
 
     def tail() -> str:
@@ -524,7 +525,9 @@ def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: C
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited ({proc.returncode}):\n{tail()}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            r = httpx.get(f"{url}/health", timeout=1)
+            # (continuum's "starting": accepting requests while its engine loads; callers here want it loaded)
+            if r.status_code == 200 and "starting" not in r.text:
                 return
         except httpx.HTTPError:
             pass

@@ -101,14 +101,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     native = _preload(args)  # a GGUF loads on its own thread (llama.cpp's C code) while the imports below run
-    try:
-        import uvicorn
+    import importlib.util
 
-        from .app import ServeConfig, create_app
-    except ImportError as exc:
-        print(f"continuum serve needs the serve extra: pip install 'continuum[serve]' ({exc})", file=sys.stderr)
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
+        print("continuum serve needs the serve extra: pip install 'continuum[serve]'", file=sys.stderr)
         return 2
-
     if args.max_queue < 0:
         print(f"continuum serve: --max-queue must be >= 0, got {args.max_queue}", file=sys.stderr)
         return 2
@@ -116,11 +113,41 @@ def main(argv: list[str] | None = None) -> int:
     template = None
     if args.chat_template is not None:
         template = Path(args.chat_template).read_text()
+    if native is not None:  # listen now; torch, FastAPI and the engine load behind it (serve/starting.py)
+        from ..models.llamacpp.model import check_gguf  # (no torch: a missing file is said before listening)
+
+        try:
+            check_gguf(args.model)
+        except ValueError as exc:
+            print(f"continuum serve: {exc}", file=sys.stderr)
+            return 2
+        return _serve_while_building(args, native, template)
+    try:
+        app = _build(args, template, native)
+    except _StartError as exc:  # a bad option, a store that cannot open: a line that says what to do, no traceback
+        print(f"continuum serve: {exc.__cause__}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+class _StartError(Exception):
+    """A failure to start that is the user's to fix (its ``__cause__`` says how): reported in one line."""
+
+
+def _build(args: argparse.Namespace, template: str | None, native: _Preload | None):
+    """The app: the model loaded (``native``'s when preloaded), its store opened. Raises :class:`_StartError`."""
+    from ..errors import ReasoningError
+    from .app import ServeConfig, create_app
+    from .errors import StoreUnavailable
+    from .store import StoreLockedError
+
     try:
         model = _load(args, native)
-    except ValueError as exc:  # ModelLoadError, bad options: a message that says what to do, no traceback
-        print(f"continuum serve: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # ModelLoadError, bad options
+        raise _StartError() from exc
     name = args.served_model_name or Path(args.model.rstrip("/")).name
     config = ServeConfig(served_model_name=name, store=_store_location(args.store), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
@@ -128,21 +155,46 @@ def main(argv: list[str] | None = None) -> int:
                          max_string_length=args.max_string_length, reasoning=args.reasoning,
                          store_kv=args.store_kv == "full", json_bounds=args.json_bounds, max_queue=args.max_queue,
                          speculate=None if args.speculate == "none" else args.speculate)
-    from ..errors import ReasoningError
-    from .errors import StoreUnavailable
-    from .store import StoreLockedError
-
     try:
         app = create_app(model, config)
     except (StoreLockedError, StoreUnavailable, ReasoningError) as exc:  # (a database down at start: say so, exit)
-        print(f"continuum serve: {exc}", file=sys.stderr)
-        return 2
+        raise _StartError() from exc
     if not args.api_keys:
         logger.warning("no --api-key given: the server accepts every request without authentication, and every "
                        "stored response is readable by anyone who can reach %s:%s", args.host, args.port)
     logger.info("serving %s as %r on http://%s:%s/v1 (store: %s)", args.model, name, args.host, args.port, config.store)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return app
+
+
+def _serve_while_building(args: argparse.Namespace, native: _Preload, template: str | None) -> int:
+    """uvicorn listens at once; the app is built on a thread (B21s: ready without waiting for torch's import)."""
+    import uvicorn
+
+    from .starting import Starting
+
+    status = 0
+
+    def failed(exc: BaseException) -> None:
+        nonlocal status
+        if isinstance(exc, _StartError):
+            print(f"continuum serve: {exc.__cause__}", file=sys.stderr)
+            status = 2
+        else:
+            logger.error("continuum serve could not start", exc_info=exc)
+            status = 1
+        server.should_exit = True
+
+    def build():
+        # after the weights: on 2 cores torch's import beside llama.cpp's load slows both (B21s), and a server whose
+        # weights are loaded answers /health 200 and accepts requests while the import runs
+        native.join()
+        return _build(args, template, native)
+
+    app = Starting(build, loaded=native.loaded, failed=failed)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    return status
 
 
 class _Preload(threading.Thread):
@@ -165,6 +217,10 @@ class _Preload(threading.Thread):
             self.model = LlamaCppModel(a.model, n_ctx=a.n_ctx, n_threads=a.threads, batch_invariant=a.batch_invariant)
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread, where it is reported
             self.error = exc
+
+    def loaded(self) -> bool:
+        """The weights are in memory and the context allocated."""
+        return self.model is not None
 
     def result(self):
         self.join()
