@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Config", "SMOKE_SIZES"]
+__all__ = ["Config", "QUICK", "SMOKE_SIZES"]
+
+# --quick: the scenarios behind the README's claims (reuse across turns and cuts, forks, JSON, the engine's shared
+# step, llama.cpp, speculation, the server's start), sized to finish in <= 5 minutes on 2 idle cores; the others
+# run in the full mode or with --only (the runner lists them)
+QUICK = ("B1", "B3", "B4", "B5", "B6", "B7", "B9", "B22", "B24", "B25", "B21S")
 
 # --smoke: the sizes of the scenarios outside this module (each reads ``getattr(cfg, name, its default)``)
 SMOKE_SIZES: dict = {
@@ -55,8 +60,8 @@ class Config:
 
     @classmethod
     def quick_mode(cls) -> Config:
-        return cls(quick=True, reps=3, b1_reps=5, heavy_reps=1, b1_new=32, b3_new=8, b3_ttft_inner=2, b4_new=8, b5_max=80,
-                   b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16, b11_batch=2, b11_prompt=64, b11_new=8)
+        return cls(quick=True, reps=3, b1_reps=3, heavy_reps=1, b1_new=32, b3_turns=4, b3_new=8, b3_ttft_inner=2, b4_new=8,
+                   b5_max=48, b6_reps=1, b7_prompt=256, b7_new=8, b8_new=16, b11_batch=2, b11_prompt=64, b11_new=8)
 
     @classmethod
     def smoke_mode(cls) -> Config:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .common import FIXTURES, Bench, Row, Skip, paired, row_from_calls
 from .llamacpp_chat import b24g
-from .llamacpp_rows import more_rows
+from .llamacpp_rows import b24f, more_rows
 
 __all__ = ["LLAMACPP_SCENARIOS"]
 
@@ -77,7 +77,8 @@ def _b24(bench: Bench, cfg, ours, ref, name: str) -> list[Row]:
     from continuum import continuous, generate, run_batch, samplers
 
     n_new = 4 if cfg.smoke else 32 if cfg.quick else 64
-    reps = 1 if cfg.smoke else max(2, cfg.reps)
+    lite = cfg.quick and not cfg.smoke  # --quick: B24a, c, e, f, fewer programs and pairs (B24b, d, g, h: full mode)
+    reps = 1 if cfg.smoke else 2 if lite else max(2, cfg.reps)
     note = f"model: {name}"
     rows = []
 
@@ -93,7 +94,7 @@ def _b24(bench: Bench, cfg, ours, ref, name: str) -> list[Row]:
     rows.append(row_from_calls("B24a", f"lone greedy call, {n_new} tokens", "llama-cpp-python create_completion",
                                base, cont, op=">=", threshold=0.9, speedup=True, notes=[note]))
 
-    programs = PROMPTS * (1 if cfg.smoke else 4)  # 32 programs (8 in smoke)
+    programs = PROMPTS * (1 if cfg.smoke else 2 if lite else 4)  # 32 programs (8 in smoke, 16 quick)
     base, cont = paired(bench, lambda: sum(lcp_one(p) for p in programs),
                         lambda: sum(len(ours.tokenizer.encode_continuation(t)) for t in
                                     run_batch(lambda p: text(p, max_tokens=n_new), programs)), reps)
@@ -115,6 +116,9 @@ def _b24(bench: Bench, cfg, ours, ref, name: str) -> list[Row]:
     rows.append(Row("B24e", "JSON per token", "unconstrained text on llama.cpp", float(np.median(per)), "<=", 1.15,
                     "x time/token", base_s=base[-1].seconds, cont_s=cont[-1].seconds, reps=len(per), notes=[note]))
 
+    if lite:
+        rows.append(b24f(cfg, ours, note + " (--quick: B24b, B24d, B24g, B24h run in the full mode)"))
+        return rows
     rows.extend(more_rows(cfg, ours, ref, note))
     chat = b24g(cfg, ours, note)
     rows.extend([chat] if chat is not None else [])

@@ -26,7 +26,8 @@ if __package__ in (None, ""):  # python benchmarks/run.py
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repetitions and shorter generations (~2 minutes on 2 idle cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="the headline scenarios, fewer repetitions and shorter generations (<= 5 minutes on 2 idle cores)")
     p.add_argument("--smoke", action="store_true",
                    help="every scenario once at toy size (tiny model, a few tokens), no targets checked (the CI check)")
     p.add_argument("--only", default="", help="comma-separated scenarios, e.g. B1,B3 (B2 runs with B1)")
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks import common
+    from benchmarks.config import QUICK
     from benchmarks.scenarios import ALIASES, SCENARIOS, Config
 
     common.configure_threads(args.threads)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
         cfg.reps = cfg.b1_reps = cfg.heavy_reps = cfg.b6_reps = max(1, args.reps)
     if args.clients is not None:
         cfg.clients = max(1, args.clients)  # (B21)
-    wanted = [s.strip().upper() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
+    chosen = [s.strip().upper() for s in args.only.split(",") if s.strip()]
+    wanted = chosen or (list(QUICK) if cfg.quick and not cfg.smoke else list(SCENARIOS))
     wanted = list(dict.fromkeys(ALIASES.get(s, s) for s in wanted))
     unknown = [s for s in wanted if s not in SCENARIOS]
     if unknown:
@@ -92,6 +95,9 @@ def main(argv=None) -> int:
         f"{os.cpu_count()} CPUs, load average at start {load0 if load0 is None else round(load0, 2)}",
         f"settings: {cfg.describe()}",
     ] + [f"note: {n}" for n in bench.notes]
+    if cfg.quick and not cfg.smoke and not chosen:
+        rest = [s for s in SCENARIOS if s not in QUICK]
+        header.append(f"quick: {', '.join(QUICK)}; not run here: {', '.join(rest)} (the full mode, or --only)")
     if load0 is not None and load0 > 0.5 * (os.cpu_count() or 1):
         header.append("warning: the machine is busy; ratios are paired medians, but absolute times are inflated")
     print("\n".join(header), flush=True)
@@ -133,8 +139,11 @@ def main(argv=None) -> int:
               f"load average {load0 and round(load0, 2)} -> {load1 and round(load1, 2)}")
     if failed:
         print("MISSED TARGETS:")
+        from benchmarks.misses import explain
+
         for r in failed:
             print(f"  {r.id} {r.title}: {r.figure:.3f} {r.unit}, target {r.target}")
+            print(f"    why: {r.achievable or explain(r.id)}")
     meta = {"mode": "smoke" if cfg.smoke else "quick" if cfg.quick else "full", "scenarios": ran, "model": bench.name,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),

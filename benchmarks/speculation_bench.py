@@ -77,7 +77,7 @@ def b25(bench: Bench, cfg) -> list[Row]:
     llama_cpp, path, name, threads = gguf_bench(cfg)
     model = models.llamacpp(path, n_threads=threads)
     tokens = 16 if cfg.smoke else 60 if cfg.quick else 120
-    reps = 1 if cfg.smoke else max(2, cfg.reps)
+    reps = 1 if cfg.smoke else 2 if cfg.quick else max(2, cfg.reps)
     restate = DOCUMENT + "\n\nThe same text, word for word:\n\n" + DOCUMENT[:30]
     rows = []
     log("B25a: re-stating a document")

@@ -77,7 +77,7 @@ def b21s(bench: Bench, cfg) -> list[Row]:
     except ImportError as exc:
         raise Skip("the serve extra is not installed (pip install 'continuum[serve]')") from exc
     _, path, name, _ = gguf_bench(cfg)
-    reps = 1 if cfg.smoke else 3
+    reps = 1 if cfg.smoke else 2 if cfg.quick else 3
     log(f"B21s: `continuum serve {path.name}` to a ready /health, {reps} starts")
     if not cfg.smoke:
         ready_seconds(path)  # (warm: the first start reads the file from disk, as no later start does)

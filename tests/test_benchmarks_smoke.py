@@ -83,3 +83,14 @@ def test_every_benchmark_scenario_runs_at_toy_size(tmp_path):
     assert [r["id"] for r in rows] == [i for r in ran.values() for i in r["rows"]]
     assert all(isinstance(r["figure"], float) and not math.isinf(r["figure"]) for r in rows), rows
     assert "targets not checked" in proc.stdout and "MISSED TARGETS" not in proc.stdout
+
+
+def test_quick_runs_known_scenarios_and_every_known_miss_names_its_row():
+    from benchmarks.config import QUICK
+    from benchmarks.misses import KNOWN_MISSES, explain
+
+    assert set(QUICK) <= set(SCENARIOS)
+    for key, why in KNOWN_MISSES.items():
+        assert explain(key) == why and explain(key + "-16a") == why
+    assert explain("B22a-8a") == KNOWN_MISSES["B22a"] and explain("B2") == KNOWN_MISSES["B2"]
+    assert "regression" in explain("B99") and "regression" in explain("B222")  # (B22 is not B2, nor B222 B22)
