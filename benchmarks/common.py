@@ -511,6 +511,30 @@ def stop_process(proc: Any, grace: float = 10.0) -> None:
         proc.wait()
 
 
+class LoopbackProcess:
+    """A process serving HTTP on ``127.0.0.1:port``, its output in a log file (``_log``, open while it runs):
+    ``base`` and ``url`` (its ``/v1``), ``stop()``. ``Server`` (benchmarks/replicas.py) and ``Gateway``
+    (benchmarks/gateway.py) start theirs."""
+
+    port: int
+    proc: Any
+    _log: Any
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def stop(self) -> None:
+        if self._log.closed:
+            return
+        stop_process(self.proc)
+        self._log.close()
+
+
 def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: Callable[[], str] | None = None) -> None:
     """Wait until ``url``/health answers 200 with its engine loaded; raise (with the process's last output:
     ``output()``, default its piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import free_port, stop_process
+from .common import LoopbackProcess, free_port
 
 __all__ = ["Gateway", "smg_binary"]
 
@@ -26,7 +26,7 @@ def smg_binary() -> str | None:
     return shutil.which("smg")
 
 
-class Gateway:
+class Gateway(LoopbackProcess):
     """``smg launch`` over ``workers`` (base URLs) with ``policy``; ``url`` is its ``/v1`` base.
 
     ``round_robin`` sends each request to the next replica; ``consistent_hashing`` sends every request
@@ -52,14 +52,6 @@ class Gateway:
             self.stop()
             raise
 
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return self.base + "/v1"
-
     def _wait(self, timeout: float) -> None:
         """Until every worker is registered, healthy and serving a model (SMG probes them after it listens)."""
         deadline = time.monotonic() + timeout
@@ -84,7 +76,3 @@ class Gateway:
 
         headers = {"X-SMG-Routing-Key": routing_key} if routing_key else None
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120, default_headers=headers)
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-        self._log.close()

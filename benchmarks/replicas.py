@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import free_port, stop_process, wait_healthy
+from .common import LoopbackProcess, free_port, wait_healthy
 
 __all__ = ["Server", "metrics"]
 
@@ -28,7 +28,7 @@ def metrics(base: str) -> dict[str, float]:
             for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
 
 
-class Server:
+class Server(LoopbackProcess):
     """``python -m continuum serve MODEL --store STORE ARGS`` as ``name``; ``url`` is its ``/v1`` base.
 
     ``store``: a folder, or a ``postgresql://`` URL (kept a string: a Path would fold its '//'; then give
@@ -56,14 +56,6 @@ class Server:
             self.stop()
             raise
 
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return self.base + "/v1"
-
     def health(self) -> dict:
         return httpx.get(self.base + "/health", timeout=5).json()
 
@@ -81,8 +73,3 @@ class Server:
         self.proc.wait()
         self._log.close()
 
-    def stop(self) -> None:
-        if self._log.closed:
-            return
-        stop_process(self.proc)
-        self._log.close()

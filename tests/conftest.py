@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import string
 from pathlib import Path
 
@@ -359,3 +360,21 @@ def think_char_model():
 # the server tests' shared module-scoped fixtures (model_dir, server, client, lib): one definition for every
 # test_serve*.py module (a module that needs another server defines its own, which takes precedence)
 from serve_fixtures import client, lib, model_dir, server  # noqa: E402, F401
+
+# A test that leaves its own SIGINT handler behind (uvicorn's, a library's) swallows every later simulated Ctrl-C
+# (``_thread.interrupt_main`` calls whatever handler is installed): restore it after each test, and name the test.
+SIGINT_CHANGED: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored(request):
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before:
+        SIGINT_CHANGED.append(request.node.nodeid)
+        signal.signal(signal.SIGINT, before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SIGINT_CHANGED:
+        terminalreporter.write_line(f"SIGINT handler changed (and restored) by: {', '.join(SIGINT_CHANGED)}")

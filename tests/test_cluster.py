@@ -8,8 +8,11 @@ the fixture puts ``tests/`` on their ``PYTHONPATH``.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +171,35 @@ def test_bad_arguments_raise_continuum_errors_before_any_actor(kwargs, error, ma
     args = {"make_program": make_program, "inputs": PROMPTS, **kwargs}
     with pytest.raises(error, match=match):
         cluster.run_batch(args.pop("make_program"), args.pop("inputs"), **args)
+
+
+def test_ctrl_c_cancels_and_kills_the_actors():
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the earlier tests' actors are gone (else "all CPUs taken" below could be theirs)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+    def interrupt():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # once both actors run a chunk (the CPUs Ray lends are all taken)
+            if ray.available_resources().get("CPU", 0) == 0:
+                time.sleep(1.0)
+                break
+            time.sleep(0.1)
+        _thread.interrupt_main()
+
+    # (Python's own handler: interrupt_main calls whatever is installed, and a library's may swallow it)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            cluster.run_batch(make_slow_program, range(8), actors=2, concurrency=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2  # the actors are gone: their CPUs are free again
 
 
 def test_programs_in_ray_data_map_batches(reference):

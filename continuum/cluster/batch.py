@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
+from ..programs.arguments import check_flags, check_int, check_program_and_inputs
 
 __all__ = ["run_batch", "RemoteTraceback"]
 
@@ -40,37 +41,19 @@ def _ray() -> Any:
     return ray
 
 
-def _int(name: str, value: Any, least: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ContinuumTypeError(f"{name} must be an int ({hint}), got {type(value).__name__}")
-    if value < least:
-        raise GeneratorArgumentError(f"{name} must be >= {least} ({hint}), got {value}")
-
-
 def _check(make_program, inputs, actors, concurrency, cpus_per_actor, chunk_size, progress, return_exceptions) -> None:
-    if not callable(make_program):
-        raise ContinuumTypeError(f"cluster.run_batch(make_program, inputs): make_program must be a callable of no arguments "
-                                 f"that returns the program (it runs once in each actor), got {type(make_program).__name__}")
-    if isinstance(inputs, (str, bytes, bytearray)):
-        raise ContinuumTypeError("cluster.run_batch(make_program, inputs): inputs is a single string; pass an iterable of "
-                                 "inputs, e.g. run_batch(make_program, [text])")
-    try:
-        iter(inputs)
-    except TypeError:
-        raise ContinuumTypeError(f"cluster.run_batch(make_program, inputs): inputs must be an iterable of program inputs "
-                                 f"(a list, a generator...), got {type(inputs).__name__}") from None
-    _int("actors", actors, 1, "the number of Ray actors, each with its own model, e.g. 2")
-    _int("concurrency", concurrency, 1, "the most program instances run at once in one actor, e.g. 32")
+    check_program_and_inputs(make_program, inputs, "cluster.run_batch(make_program, inputs)", "make_program",
+                             "a callable of no arguments that returns the program (it runs once in each actor)")
+    check_int("actors", actors, 1, "the number of Ray actors, each with its own model, e.g. 2")
+    check_int("concurrency", concurrency, 1, "the most program instances run at once in one actor, e.g. 32")
     if chunk_size is not None:
-        _int("chunk_size", chunk_size, 1, "the inputs sent to an actor at once, or None to size them from concurrency")
+        check_int("chunk_size", chunk_size, 1, "the inputs sent to an actor at once, or None to size them from concurrency")
     if isinstance(cpus_per_actor, bool) or not isinstance(cpus_per_actor, (int, float)):
         raise ContinuumTypeError(f"cpus_per_actor must be a number (the CPUs Ray reserves for each actor, e.g. 1), "
                                  f"got {type(cpus_per_actor).__name__}")
     if not cpus_per_actor >= 0:
         raise GeneratorArgumentError(f"cpus_per_actor must be >= 0 (the CPUs Ray reserves for each actor), got {cpus_per_actor}")
-    for name, value in (("progress", progress), ("return_exceptions", return_exceptions)):
-        if not isinstance(value, bool):
-            raise GeneratorArgumentError(f"{name} must be True or False, got {value!r}")
+    check_flags(progress=progress, return_exceptions=return_exceptions)
 
 
 class RemoteTraceback(Exception):

@@ -3,7 +3,8 @@
 * ``batch``: :func:`run_batch` (one program over many inputs on worker threads, results in input order,
   ``ProgramError``, Ctrl-C); every call a program makes is one loop of the model's engine;
 * ``aio``: ``acall``/``astream`` support: the blocking call on a bounded shared worker pool
-  (``continuum.programs.aio.ASYNC_WORKERS``), streams handed to the event loop through a queue.
+  (``continuum.programs.aio.ASYNC_WORKERS``), streams handed to the event loop through a queue;
+* ``arguments``: the argument checks ``run_batch`` and ``continuum.cluster.run_batch`` share.
 
 Example:
     >>> from continuum import run_batch

@@ -24,10 +24,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..errors import ContinuumTypeError, GeneratorArgumentError, ProgramError
+from ..errors import ProgramError
 from ..loop.arrivals import ARRIVALS
 from ..loop.cancel import Cancelled, CancelToken, bound, check_cancelled, current
 from ..loop.ranks import call_key, current_key
+from .arguments import check_flags, check_int, check_program_and_inputs
 
 __all__ = ["run_batch", "check_cancelled"]
 
@@ -50,26 +51,10 @@ def _several_ranks() -> bool:
 
 
 def _check(program, inputs, concurrency, progress, return_exceptions) -> None:
-    if not callable(program):
-        raise ContinuumTypeError(f"run_batch(program, inputs): program must be a callable of one input "
-                                 f"(e.g. def program(doc): ...), got {type(program).__name__}")
-    if isinstance(inputs, (str, bytes, bytearray)):
-        raise ContinuumTypeError("run_batch(program, inputs): inputs is a single string; pass an iterable of inputs, "
-                                 "e.g. run_batch(program, [text]) (a string would run the program once per character)")
-    try:
-        iter(inputs)
-    except TypeError:
-        raise ContinuumTypeError(f"run_batch(program, inputs): inputs must be an iterable of program inputs (a list, "
-                                 f"a generator...), got {type(inputs).__name__}") from None
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int):
-        raise ContinuumTypeError(f"concurrency must be an int (the most program instances run at once, e.g. 32), "
-                                 f"got {type(concurrency).__name__}")
-    if concurrency < 1:
-        raise GeneratorArgumentError(f"concurrency must be >= 1 (the most program instances run at once, e.g. 32), "
-                                     f"got {concurrency}")
-    for name, value in (("progress", progress), ("return_exceptions", return_exceptions)):
-        if not isinstance(value, bool):
-            raise GeneratorArgumentError(f"{name} must be True or False, got {value!r}")
+    check_program_and_inputs(program, inputs, "run_batch(program, inputs)", "program",
+                             "a callable of one input (e.g. def program(doc): ...)")
+    check_int("concurrency", concurrency, 1, "the most program instances run at once, e.g. 32")
+    check_flags(progress=progress, return_exceptions=return_exceptions)
 
 
 class _Run:
