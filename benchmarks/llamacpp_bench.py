@@ -23,13 +23,10 @@ import numpy as np
 
 from .common import FIXTURES, Bench, Row, Skip, paired, row_from_calls
 from .llamacpp_chat import b24g
+from .llamacpp_invariant import PROMPTS, b24h
 from .llamacpp_rows import b24f, more_rows
 
 __all__ = ["LLAMACPP_SCENARIOS"]
-
-PROMPTS = ["Once upon a time", "The little dog", "One day, Lily", "Tom had a red ball", "The sun was hot",
-           "A bird sang", "Mom said", "The cat sat"]
-
 
 def _gguf(cfg) -> tuple[Path, str]:
     if not cfg.smoke:
@@ -122,54 +119,8 @@ def _b24(bench: Bench, cfg, ours, ref, name: str) -> list[Row]:
     rows.extend(more_rows(cfg, ours, ref, note))
     chat = b24g(cfg, ours, note)
     rows.extend([chat] if chat is not None else [])
-    rows.append(_b24h(cfg, note))
+    rows.append(b24h(cfg, _gguf(cfg)[0], note))
     return rows
-
-
-def _b24h(cfg, note: str) -> Row:
-    """What a user of ``run_batch`` gets, per mode: each program's token log-probs merged vs alone (the largest
-    difference, and how many greedy texts differ), and the invariant mode's cost (run_batch time vs the default's).
-    The raw figure behind it (one ``llama_decode`` of several prefills vs each alone) is in the notes."""
-    import time
-
-    from continuum import continuous, generate, models, run_batch, samplers
-    from continuum.models.llamacpp import DecodeRow, SequencePool, decode
-
-    path, _ = _gguf(cfg)
-    n = 4 if cfg.smoke else 16
-    worst, differ, took, raw = {}, {}, {}, {}
-    for invariant in (False, True):
-        model = models.llamacpp(path, n_threads=2, batch_invariant=invariant)
-        gen = continuous(generate.text(model, samplers.greedy()))
-        alone = [gen(p, max_tokens=n) for p in PROMPTS]
-        t = time.perf_counter()
-        together = run_batch(lambda p: gen(p, max_tokens=n), PROMPTS)
-        took[invariant] = time.perf_counter() - t
-        worst[invariant], differ[invariant] = 0.0, 0
-        for a, b in zip(alone, together):
-            differ[invariant] += str(a) != str(b)
-            ta, tb = a.token_ids[0].tolist(), b.token_ids[0].tolist()
-            la, lb = a.token_logprobs[0].tolist(), b.token_logprobs[0].tolist()
-            for k in range(min(len(ta), len(tb))):  # the same tokens so far: their log-probs (NaN: prompt tokens)
-                if ta[k] != tb[k]:
-                    break
-                if la[k] == la[k] and lb[k] == lb[k]:
-                    worst[invariant] = max(worst[invariant], abs(la[k] - lb[k]))
-        pool, tok = SequencePool.of(model.llama), model.tokenizer
-        ids = [tok.encode_prompts([p])[0] for p in PROMPTS[:4]]
-        merged = decode(pool, [DecodeRow(pool.empty(), i, "all") for i in ids])
-        raw[invariant] = max(float(np.abs(merged.row(k) - decode(pool, [DecodeRow(pool.empty(), i, "all")]).row(0)).max())
-                             for k, i in enumerate(ids))
-        del merged, alone, together
-        model.llama.close()
-    return Row("B24h", "run_batch vs each call alone: largest log-prob difference (invariant mode)", "each call alone",
-               worst[True], "<=", 0.0, "max |logprob diff|",
-               notes=[note, f"{len(PROMPTS)} programs x {n} greedy tokens: default mode {worst[False]:.4g} "
-                            f"({differ[False]} texts differ), batch-invariant {worst[True]:.4g} ({differ[True]} differ); "
-                            f"run_batch {took[False]:.2f}s default, {took[True]:.2f}s invariant "
-                            f"({took[True] / took[False]:.2f}x)",
-                      f"raw llama_decode, 4 prefills merged vs each alone: default {raw[False]:.4g}, invariant "
-                      f"{raw[True]:.4g} (why the invariant mode gives each prefill its own decode)"])
 
 
 LLAMACPP_SCENARIOS = {"B24": b24}
