@@ -15,15 +15,18 @@ KNOWN_MISSES: dict[str, str] = {
           "'Targets: what holds, and why')",
     "B2": "the same forwards as B1: outside them continuum spends ~0.5 ms a step; a busy core moves it by more",
     "B22a": "a call's own Python (its guide, its sampler, its state) runs once per program per step where a list "
-            "call runs it once per step: 0.75-0.84x across runs at 32 programs (docs/benchmarks.md, B22)",
+            "call runs it once per step: 0.75-0.84x across full runs at 32 programs; --quick's runs last 0.2-0.3 s, "
+            "so one stall of the machine moves them further (0.26-1.13x at 8 programs) (docs/benchmarks.md, B22)",
     "B22b": "three calls per program, each with its own per-call Python, against three lockstep list calls: "
             "0.21-0.45x measured; no scheduling closes it (docs/benchmarks.md, 'Why B22b stays far')",
     "B24a": "a lone call's step is one llama_decode (94% of the wall time measured around it): paired runs sit at "
             "0.93-0.97x of llama-cpp-python, whose own figure moves by 10% run to run (docs/benchmarks.md, B24)",
     "B24c": "llama.cpp's batched decode itself is ~3.3x one at a time on 2 cores, so >= 3x leaves ~10% for "
-            "everything continuum does per step; --quick's 16 programs batch less than the full mode's 32 (4.2x)",
-    "B24e": "a JSON token costs llguidance's mask over Gemma's 262,144-token vocabulary beside a ~30 ms decode: "
-            "1.10-1.22x measured across runs (docs/benchmarks.md, B24)",
+            "everything continuum does per step; --quick's 16 programs batch less than the full mode's 32 (3.56x "
+            "in the full mode, 2.7-3.3x in --quick) (docs/benchmarks.md, B24 under OpenMP's default)",
+    "B24e": "a JSON token costs llguidance's mask over Gemma's 262,144-token vocabulary beside a ~20 ms decode: "
+            "1.11x in the full mode's 5 pairs (met), 1.25-1.36x in --quick's 2 pairs of 32 tokens (docs/benchmarks.md, "
+            "B24 under OpenMP's default)",
     "B25a": "every drafted position needs its logits and Gemma's output layer (262,144 x 640) is about half a CPU "
             "decode step, so 7x fewer target forwards give 1.4-1.5x; on a GPU's weight-bound step they would cost "
             "nearly one step each (docs/benchmarks.md, 'B25 again')",
