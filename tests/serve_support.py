@@ -80,6 +80,9 @@ class Server(replicas.Server):
         super().__init__(model_dir, store, *args, log=log, name="tiny", key=KEYS[0])
 
 
+start_servers = replicas.start_servers  # (replicas on one store, started at once)
+
+
 class Pet(BaseModel):
     kind: Literal["cat", "dog", "fish"]
     age: int = Field(ge=0, le=20)

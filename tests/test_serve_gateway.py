@@ -9,6 +9,7 @@ request fields pass through it."""
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 
 import pytest
@@ -23,7 +24,7 @@ from serve_fixtures import model_dir  # noqa: F401 - a fixture
 
 from benchmarks.gateway import Gateway, smg_binary
 
-from serve_support import KEYS, Server
+from serve_support import KEYS, Server, start_servers
 
 if smg_binary() is None:
     pytest.skip("the smg gateway is not installed (pip install smg)", allow_module_level=True)
@@ -37,8 +38,8 @@ def replicas(model_dir, tmp_path_factory):  # noqa: F811 - the fixture above
     folder = tmp_path_factory.mktemp("gateway")
     postgres = pgserver.get_server(folder / "pg", cleanup_mode="stop")
     # states stay resident where they were made (the default --state-memory): a turn on the other replica loads
-    pair = [Server(model_dir, postgres.get_uri(), "--api-key", KEYS[0], "--api-key", KEYS[1],
-                   log=folder / f"replica{i}.log") for i in range(2)]
+    pair = start_servers(*(functools.partial(Server, model_dir, postgres.get_uri(), "--api-key", KEYS[0], "--api-key",
+                                             KEYS[1], log=folder / f"replica{i}.log") for i in range(2)))
     for server in pair:
         atexit.register(server.stop)
     yield pair

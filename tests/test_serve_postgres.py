@@ -7,6 +7,7 @@ and the one-transaction write are the folder store's rules, checked on the datab
 from __future__ import annotations
 
 import atexit
+import functools
 
 import pytest
 
@@ -19,7 +20,7 @@ openai = pytest.importorskip("openai")
 
 from serve_fixtures import model_dir  # noqa: F401 - a fixture
 
-from serve_support import KEYS, Server
+from serve_support import KEYS, Server, start_servers
 
 MODEL = "tiny"
 
@@ -40,8 +41,8 @@ def database(postgres):
 def replicas(model_dir, database, tmp_path_factory):  # noqa: F811 - the fixture above
     logs = tmp_path_factory.mktemp("replicas")
     # no state resident (--state-memory 0): every continuation is loaded from the database
-    pair = [Server(model_dir, database, "--api-key", KEYS[0], "--api-key", KEYS[1], "--state-memory", "0",
-                   log=logs / f"replica{i}.log") for i in range(2)]
+    pair = start_servers(*(functools.partial(Server, model_dir, database, "--api-key", KEYS[0], "--api-key", KEYS[1],
+                                             "--state-memory", "0", log=logs / f"replica{i}.log") for i in range(2)))
     for server in pair:
         atexit.register(server.stop)
     yield pair

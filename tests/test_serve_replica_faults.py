@@ -7,6 +7,7 @@ nothing returned is lost."""
 from __future__ import annotations
 
 import atexit
+import functools
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 from serve_fixtures import model_dir  # noqa: F401 - a fixture
 
-from serve_support import KEYS, ROOT, Server
+from serve_support import KEYS, ROOT, Server, start_servers
 
 MODEL = "tiny"
 
@@ -30,7 +31,8 @@ MODEL = "tiny"
 def cluster(model_dir, tmp_path_factory):  # noqa: F811 - the fixture above
     folder = tmp_path_factory.mktemp("faults")
     postgres = pgserver.get_server(folder / "pg", cleanup_mode="stop")
-    pair = [Server(model_dir, postgres.get_uri(), "--api-key", KEYS[0], log=folder / f"replica{i}.log") for i in range(2)]
+    pair = start_servers(*(functools.partial(Server, model_dir, postgres.get_uri(), "--api-key", KEYS[0],
+                                             log=folder / f"replica{i}.log") for i in range(2)))
     for server in pair:
         atexit.register(server.stop)
     yield postgres, pair
