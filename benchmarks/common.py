@@ -535,10 +535,12 @@ class LoopbackProcess:
         self._log.close()
 
 
-def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: Callable[[], str] | None = None) -> None:
-    """Wait until ``url``/health answers 200 with its engine loaded; raise (with the process's last output:
-    ``output()``, default its piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed).
-    The server tests use it too."""
+def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: Callable[[], str] | None = None,
+                 loaded: bool = True, interval: float = 0.3) -> None:
+    """Wait until ``url``/health answers 200 (``loaded``: with its engine loaded, not continuum's ``"starting"``,
+    which accepts requests while the engine loads); raise (with the process's last output: ``output()``, default
+    its piped stderr) if ``proc`` exits or ``timeout`` seconds pass (then it is killed). The server tests and
+    B21s use it too (B21s times the first 200, polling every 10 ms)."""
     import httpx
 
     def tail() -> str:
@@ -550,11 +552,10 @@ def wait_healthy(proc: Any, url: str, what: str, timeout: float = 300, output: C
             raise RuntimeError(f"{what} exited ({proc.returncode}):\n{tail()}")
         try:
             r = httpx.get(f"{url}/health", timeout=1)
-            # (continuum's "starting": accepting requests while its engine loads; callers here want it loaded)
-            if r.status_code == 200 and "starting" not in r.text:
+            if r.status_code == 200 and not (loaded and "starting" in r.text):
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(interval)
     proc.kill()
     raise RuntimeError(f"{what} did not start in {timeout:g} s" + (f":\n{output()}" if output is not None else ""))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import Bench, Row, Skip, free_port, log
+from .common import Bench, Row, Skip, free_port, log, stop_process, wait_healthy
 from .llamacpp_bench import gguf_bench
 
 __all__ = ["STARTUP_SCENARIOS", "ready_seconds"]
@@ -40,28 +40,14 @@ def ready_seconds(gguf: Path, timeout: float = 120.0) -> tuple[float, float]:
                                  store, "--log-level", "warning", "--served-model-name", "m"], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stderr.read().decode()[-1500:]}")
-                try:
-                    if httpx.get(f"{base}/health", timeout=0.5).status_code == 200:
-                        ready = time.perf_counter() - start
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.perf_counter() - start > timeout:
-                    raise RuntimeError(f"the server was not ready in {timeout:g} s")
-                time.sleep(0.01)
+            wait_healthy(proc, base, "the server", timeout, loaded=False, interval=0.01)
+            ready = time.perf_counter() - start
             r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 1},
                            timeout=timeout)
             r.raise_for_status()
             return ready, time.perf_counter() - start
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
 
 
 def _torch_import_seconds() -> float:

@@ -121,7 +121,7 @@ def test_a_failed_build_is_reported_once_and_waiting_requests_learn_it():
 # --------------------------------------------------------------------------- a real server on a real GGUF
 pytest.importorskip("llama_cpp")
 
-from benchmarks.common import free_port  # noqa: E402
+from benchmarks.common import free_port, wait_healthy  # noqa: E402
 
 from llamacpp_support import gguf  # noqa: E402
 from serve_support import ROOT  # noqa: E402
@@ -141,16 +141,8 @@ def test_a_request_at_the_first_200_is_answered_as_later(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:  # the first 200, whatever it says ("starting" when the engine is still loading)
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            assert time.monotonic() < deadline, "never answered /health 200"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.01)
+        # the first 200, whatever it says ("starting" when the engine is still loading)
+        wait_healthy(proc, base, "the server", 120, loaded=False, interval=0.01)
         name = httpx.get(base + "/v1/models", timeout=60).json()["data"][0]["id"]
         body = {"model": name, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
         first = httpx.post(base + "/v1/completions", json=body, timeout=120)
