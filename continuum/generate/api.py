@@ -14,7 +14,7 @@ from ..errors import GeneratorArgumentError, InvalidChoicesError, InvalidRegexEr
 from ..guides import check_backend, choice_regex
 from ..guides.compile import grammar_for, json_for, regex_for
 from ..loop.cfg import Guidance
-from ..samplers import Sampler
+from ..samplers import Sampler, greedy
 from ..speculate import Speculator
 from .generator import ChoiceGenerator, Generator
 
@@ -127,8 +127,10 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
     Args:
         choices: the options (non-empty strings), matched as text appended to the prompt, so
             ``" yes"`` and ``"yes"`` differ.
-        sampler: greedy -> the best option; ``multinomial(n)`` -> n draws from the options'
-            distribution; ``beam_search(n)`` -> the n best (row, option) pairs, best first.
+        sampler: greedy (the default) -> the best option; ``multinomial(n)`` -> n draws from the
+            options' distribution; ``beam_search(n)`` -> the n best (row, option) pairs, best first.
+            (Unlike the other generators, whose default is ``multinomial()``: a choice is a decision,
+            and one left to chance picked a 6% option 1-2 times in 48, a different one each run.)
         method: ``"exact"`` (default) scores each option by the total log-prob of its tokens, all
             options in ONE forward pass; an option that is a prefix of another scores at least as
             high (there is no end-of-option term). ``"mean"`` uses the mean log-prob per token
@@ -163,6 +165,7 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
     if method not in ("exact", "mean", "greedy"):
         raise GeneratorArgumentError(f"choice method must be 'exact', 'mean' or 'greedy', got {method!r}")
     guidance = Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
+    sampler = greedy() if sampler is None else sampler  # the best option, like guidance's select and SGLang's
     if method == "greedy":
         return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
                          description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward,
