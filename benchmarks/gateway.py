@@ -39,10 +39,12 @@ class Gateway(LoopbackProcess):
         if binary is None:
             raise RuntimeError('the smg gateway is not installed: pip install "continuum[cluster-test]" (or smg)')
         self.port, self.workers = free_port(), workers
-        # its own Prometheus port (the default, 29000, is one per machine: two gateways would collide)
+        # its own Prometheus port (the default, 29000, is one per machine: two gateways would collide); its health
+        # checks read readiness (/ready: the replica's store answers), not liveness (/health: the process serves)
         cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--worker-urls", *workers, "--policy", policy,
-               "--log-level", "warn", "--disable-retries", "--shutdown-grace-period-secs", "1"]
+               "--health-check-endpoint", "/ready", "--log-level", "warn", "--disable-retries",
+               "--shutdown-grace-period-secs", "1"]
         self._log = open(log or os.devnull, "ab")  # noqa: SIM115 - the gateway's output, open while it runs
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self.log = log

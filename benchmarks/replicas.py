@@ -21,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def metrics(base: str) -> dict[str, float]:
-    """``base``/metrics as {sample name (with its labels but ``le``, e.g. ``x_count{op=load}``): value}."""
+    """``base``/metrics as {sample name (with its labels but ``le`` and ``model_name``, e.g. ``x_count{op=load}``):
+    value}. (Every sample carries ``model_name``, as vLLM's do; a server serves one model, so it names nothing.)"""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base + "/metrics", timeout=10).text
-    return {(s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()))): s.value
+    return {(s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items()) if k != "model_name")): s.value
             for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
 
 
@@ -58,7 +59,12 @@ class Server(LoopbackProcess):
             raise
 
     def health(self) -> dict:
+        """``/health``: liveness (the process serves; it never asks the database)."""
         return httpx.get(self.base + "/health", timeout=5).json()
+
+    def ready(self) -> httpx.Response:
+        """``/ready``: readiness (503 with a reason while the store does not answer)."""
+        return httpx.get(self.base + "/ready", timeout=10)
 
     def metrics(self) -> dict[str, float]:
         return metrics(self.base)

@@ -77,11 +77,15 @@ def test_cli_arguments():
     args = parser().parse_args(["m", "--api-key", "a", "--api-key", "b", "--retention-age", "12h", "--state-memory", "64MiB"])
     assert args.api_keys == ["a", "b"] and args.retention_age == 12 * 3600 and args.state_memory == 64 << 20
     assert args.host == "127.0.0.1" and args.port == 8000 and parse_age("none") is None
+    assert args.retention_interval == 60.0  # retention's own schedule (serve/retention.py)
+    assert parser().parse_args(["m", "--retention-interval", "5m"]).retention_interval == 300.0
+    assert parser().parse_args(["m", "--retention-interval", "none"]).retention_interval is None
 
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert server.health()["status"] == "ok"
+    assert server.ready().json() == {"status": "ready"}  # a folder store: ready once open
     before = server.health()["engine"]
     chat(client, "Hello there", max_tokens=4)
     after = server.health()["engine"]  # the engine's counters: a reply ran steps, their forwards inside them

@@ -47,6 +47,8 @@ def test_24_clients_on_a_512_cell_pool_are_all_answered(tmp_path):
         engine = srv.health()["engine"]
         assert engine["no_room"] == 0 and engine["steps"] > 80  # (not all at once: 80 steps each, in turns)
         assert engine["parked_calls"] == engine["waiting_calls"] == 0
+        # vLLM's preemption counter is the scheduler's count of parks (read at scrape time, model_name labelled)
+        assert srv.metrics()["vllm:num_preemptions_total"] == engine["parked"]
     finally:
         srv.stop()
 

@@ -1,8 +1,9 @@
 """Faults with replicas on one PostgreSQL (real processes, a real database): a replica killed with
 ``kill -9`` under load loses nothing it returned, and every conversation continues on the other one; a
 request in flight on it fails at its client, never as a half-written record. The database restarted
-under load: requests get a clear 503 with ``Retry-After`` meanwhile and succeed once it is back, and
-nothing returned is lost."""
+under load: requests get a clear 503 with ``Retry-After`` meanwhile (``/ready`` too, while ``/health``, liveness,
+stays 200) and succeed once it is back, and nothing returned is lost; the store URL's password appears in none
+of what the replicas printed meanwhile."""
 
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ from serve_fixtures import model_dir  # noqa: F401 - a fixture
 from serve_support import KEYS, ROOT, Server, start_servers
 
 MODEL = "tiny"
+SECRET = "S3cretPW"  # the store URL's password (the socket's trust authentication ignores it)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):  # noqa: F811 - the fixture above
     folder = tmp_path_factory.mktemp("faults")
     postgres = pgserver.get_server(folder / "pg", cleanup_mode="stop")
-    pair = start_servers(*(functools.partial(Server, model_dir, postgres.get_uri(), "--api-key", KEYS[0],
-                                             log=folder / f"replica{i}.log") for i in range(2)))
+    url = postgres.get_uri().replace("postgres:@", f"postgres:{SECRET}@", 1)
+    # a retention pass every second: passes fail while the database is down (said once, in the log), then succeed
+    pair = start_servers(*(functools.partial(Server, model_dir, url, "--api-key", KEYS[0], "--retention-interval",
+                                             "1s", log=folder / f"replica{i}.log") for i in range(2)))
     for server in pair:
         atexit.register(server.stop)
     yield postgres, pair
@@ -126,18 +130,21 @@ def test_database_restart_under_load_answers_503_then_recovers(cluster):
     postgres.stop()
     try:
         deadline = time.monotonic() + 30
-        while True:  # the replicas say so: 503 + Retry-After on /health and on the routes
-            health = httpx.get(f"http://127.0.0.1:{second.port}/health", timeout=15)
-            if health.status_code == 503:
+        while True:  # the replicas say so: 503 + Retry-After on /ready (readiness) and on the routes
+            ready = httpx.get(f"http://127.0.0.1:{second.port}/ready", timeout=15)
+            if ready.status_code == 503:
                 break
-            assert time.monotonic() < deadline, "/health never noticed the database was gone"
+            assert time.monotonic() < deadline, "/ready never noticed the database was gone"
             time.sleep(0.2)
-        assert health.headers["retry-after"]
+        assert ready.headers["retry-after"] and "database" in ready.json()["reason"]
+        # liveness never asks the database: an orchestrator restarts no replica for a database's failover
+        health = httpx.get(f"http://127.0.0.1:{second.port}/health", timeout=15)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
         with pytest.raises(openai.APIStatusError) as err:
             second.client().responses.create(model=MODEL, input="Meanwhile", max_output_tokens=4, temperature=0)
         assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
         returned_down = len(load.returned)
-        time.sleep(2)
+        time.sleep(2)  # (retention passes run, and fail, meanwhile: --retention-interval 1s)
     finally:
         postgres.start()
     load.wait_returned(returned_down + 6, timeout=60)  # the clients succeed again once it is back
@@ -147,6 +154,8 @@ def test_database_restart_under_load_answers_503_then_recovers(cluster):
     for _, r in load.returned:  # nothing returned is lost
         assert second.client().responses.retrieve(r.id).output_text == r.output_text
     assert _orphans(postgres.get_uri()) == 0
+    log = second.log.read_text()
+    assert "retention pass failed" in log and SECRET not in log  # (psycopg's pool warnings included)
 
 
 def test_a_replica_started_without_its_database_says_so(model_dir, tmp_path):  # noqa: F811

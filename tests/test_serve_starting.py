@@ -69,6 +69,10 @@ def inner_app():
     async def health():
         return {"status": "ok"}
 
+    @app.get("/ready")
+    async def ready():
+        return {"status": "ready"}
+
     return app
 
 
@@ -84,8 +88,10 @@ def test_phases_loading_starting_then_the_app():
         driver = Driver(Starting(build, loaded=weights.is_set, failed=failures.append))
         await driver.start()
         assert await driver.request("GET", "/health") == (503, {"status": "loading"})
+        assert await driver.request("GET", "/ready") == (503, {"status": "loading"})
         weights.set()
-        assert await driver.request("GET", "/health") == (200, {"status": "starting"})
+        assert await driver.request("GET", "/health") == (200, {"status": "starting"})  # alive: requests wait
+        assert await driver.request("GET", "/ready") == (503, {"status": "starting"})  # not routed to yet
         assert (await driver.request("GET", "/version"))[1]["server"] == "continuum"
         waiting = asyncio.ensure_future(driver.request("POST", "/v1/echo"))  # waits for the app, is not refused
         await asyncio.sleep(0.05)
@@ -93,6 +99,7 @@ def test_phases_loading_starting_then_the_app():
         release.set()
         assert await asyncio.wait_for(waiting, 10) == (200, {"served": "inner"})
         assert await driver.request("GET", "/health") == (200, {"status": "ok"})
+        assert await driver.request("GET", "/ready") == (200, {"status": "ready"})  # the app's own, from now on
 
     asyncio.run(scenario())
     assert failures == []
@@ -112,6 +119,8 @@ def test_a_failed_build_is_reported_once_and_waiting_requests_learn_it():
         assert status == 503 and "the database does not answer" in body["error"]["message"]
         # after the failure /health no longer says "starting": a balancer stops routing here
         status, _ = await driver.request("GET", "/health")
+        assert status == 503
+        status, _ = await driver.request("GET", "/ready")
         assert status == 503
 
     asyncio.run(scenario())

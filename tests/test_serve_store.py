@@ -210,11 +210,14 @@ def test_store_retention_and_delete(tmp_path, llama_model):
         store.put(f"resp_{i}", "owner", {"id": f"resp_{i}", "created_at": 1000 + i}, [], state)
     size = store.total_bytes() // 3
     store.max_bytes = 2 * size
-    store.enforce_retention()  # the oldest goes, with its file
+    assert store.get("resp_0", "owner") is not None  # a save runs no retention (it runs on a schedule of its own)
+    assert store.enforce_retention() == 1  # one pass, synchronously: the oldest goes, with its file
     assert store.get("resp_0", "owner") is None and store.get("resp_2", "owner") is not None
     assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["resp_1.safetensors", "resp_2.safetensors"]
     store.max_age = 60.0  # created in 1970: everything has expired
-    assert store.get("resp_2", "owner") is None
+    assert store.get("resp_2", "owner") is None  # answered as deleted at once
+    assert len(list((tmp_path / "states").iterdir())) == 2  # (deleted by the next pass)
+    assert store.enforce_retention() == 2
     assert list((tmp_path / "states").iterdir()) == []
     store.max_age = None
     store.put("resp_x", "owner", {"id": "resp_x"}, [{"role": "user", "content": "hi"}], state)
@@ -229,9 +232,70 @@ def test_store_retention_and_delete(tmp_path, llama_model):
     rec = reopened.get("resp_x", "owner")
     assert rec is not None and reopened.state(rec).token_ids.tolist() == state.token_ids.tolist()
     assert reopened.delete("resp_x", "owner") and list((tmp_path / "states").iterdir()) == []
-    reopened.max_bytes = 1  # smaller than any state: the response just stored is kept all the same
+    reopened.max_bytes = 1  # smaller than any state: the newest response is kept all the same
     reopened.put("resp_y", "owner", {"id": "resp_y", "created_at": 2000}, [], state)
+    assert reopened.enforce_retention() == 0
     assert reopened.get("resp_y", "owner") is not None and reopened.state(reopened.get("resp_y", "owner")) is not None
+
+
+def test_retention_collects_chains_through_indexes(tmp_path, llama_model):
+    """A pass deletes what expired and the parts only they needed, up the chains, and keeps the parts a live
+    continuation needs; its lookups are the schema's indexes (SQLite's plan says so), not scans of every row."""
+    from continuum import generate, samplers
+    from continuum.generate import continuous
+    from continuum.serve.store import Store
+
+    gen = continuous(generate.text(llama_model, samplers.greedy()))
+    root = gen("Once upon a time", max_tokens=3)
+    longer = gen(root + " and then", max_tokens=3)
+    store = Store(tmp_path, llama_model, memory_bytes=0, max_age=None, max_bytes=None)
+    # r1 <- r2 <- r3 (a chain), r1 <- b2 (a branch); then r1 and r2 expire: r3 still needs both parts
+    store.put("r1", "o", {"id": "r1", "created_at": 1000}, [], root)
+    store.put("r2", "o", {"id": "r2", "created_at": 1001}, [], longer, parent="r1", base=root)
+    longest = gen(longer + " more", max_tokens=3)
+    store.put("r3", "o", {"id": "r3", "created_at": time.time()}, [], longest, parent="r2", base=longer)
+    store.put("b2", "o", {"id": "b2", "created_at": 1002}, [], longer, parent="r1", base=root)
+    store.max_age = 3600.0
+    assert store.enforce_retention() == 3  # r1, r2, b2
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["r1.safetensors", "r2.safetensors",
+                                                                        "r3.safetensors"]
+    assert store.state(store.get("r3", "o")).token_ids.tolist() == longest.token_ids.tolist()
+    assert store.delete("r3", "o")  # the last one that needed the chain: all of it goes
+    assert list((tmp_path / "states").iterdir()) == [] and store.total_bytes() == 0
+    db = sqlite3.connect(str(tmp_path / "responses.sqlite3"))
+    plans = {sql: [r[-1] for r in db.execute("EXPLAIN QUERY PLAN " + sql, args)] for sql, args in [
+        ("DELETE FROM responses WHERE created < ? RETURNING state_file", (0.0,)),
+        ("SELECT id, state_file FROM responses WHERE id != ? ORDER BY created LIMIT 1", ("x",)),
+        ("DELETE FROM parts WHERE file = ? AND NOT EXISTS (SELECT 1 FROM responses WHERE state_file = ?) AND NOT "
+         "EXISTS (SELECT 1 FROM parts WHERE parent = ?) RETURNING parent, bytes", ("f", "f", "f"))]}
+    for sql, plan in plans.items():  # every table read is an index's: a SEARCH, or a SCAN in its order (LIMIT 1)
+        assert not [step for step in plan if step.startswith("SCAN") and "USING" not in step
+                    and "CONSTANT ROW" not in step], (sql, plan)
+    used = " ".join(step for plan in plans.values() for step in plan)
+    assert all(index in used for index in ("responses_created", "responses_state_file", "parts_parent"))
+    db.close()
+    store.close()
+
+
+def test_retention_timer_runs_passes_off_the_request_path_and_stops():
+    from continuum.serve.retention import RetentionTimer
+
+    passes, failures = [], [RuntimeError("the database is failing over: postgresql://u:S3cretPW@db/x")]
+
+    def run():
+        if failures:
+            raise failures.pop()
+        passes.append(time.monotonic())
+
+    timer = RetentionTimer(run, interval=0.05)
+    deadline = time.monotonic() + 10
+    while len(passes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    timer.stop()
+    done = len(passes)
+    time.sleep(0.2)
+    assert done >= 3 and len(passes) == done  # a failed pass was retried; none ran after stop()
+    assert not timer._thread.is_alive()
 
 
 def test_chat_template_option_in_process(tmp_path):

@@ -1,7 +1,8 @@
 """The FastAPI application: configuration, authentication, body limits, and the routes of each family.
 
 ``create_app(model, ServeConfig(...))`` builds the app for a loaded continuum model; ``cli.py``
-loads the model and runs it with uvicorn. Routes: ``GET /health``, ``GET /v1/models``,
+loads the model and runs it with uvicorn. Routes: ``GET /health`` (liveness: the process serves; it never asks
+the database), ``GET /ready`` (readiness: the store answers), ``GET /version``, ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``,
 ``POST /v1/completions``.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .errors import APIError, Guard, install_handlers
+from .queue import ARRIVAL
+from .retention import RetentionTimer
 from .served import ServedModel
 from .stores import open_store
 
@@ -38,6 +42,7 @@ class ServeConfig:
     state_memory_bytes: int = 1 << 30
     retention_age: float | None = 30 * 86400.0
     retention_bytes: int | None = 10 << 30
+    retention_interval: float | None = 60.0  # seconds between retention passes (None: this server runs none)
     store_kv: bool = True  # False: stored parts hold tokens only, the cache is recomputed on load
     max_body_bytes: int = 8 << 20
     max_string_length: int | None = None
@@ -59,7 +64,17 @@ class Context:
         self.store = open_store(config.store, model, memory_bytes=config.state_memory_bytes,
                                 max_age=config.retention_age, max_bytes=config.retention_bytes, kv=config.store_kv)
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
+        self.probes = anyio.CapacityLimiter(4)  # /ready's database probes: a hung one holds at most these threads
         self.created = int(time.time())
+        retains = config.retention_age is not None or config.retention_bytes is not None
+        self.retention = RetentionTimer(self.store.enforce_retention, config.retention_interval) \
+            if retains and config.retention_interval else None
+
+    def close(self) -> None:
+        """At shutdown: no retention pass starts any more (one under way finishes). The store closes with the
+        process (a reply still finishing on a worker thread may write to it)."""
+        if self.retention is not None:
+            self.retention.stop()
 
     def owner(self, request: Request) -> str:
         """The caller's identity: a hash of its API key ("" without auth); 401 without a configured key."""
@@ -97,6 +112,19 @@ class Context:
         finally:
             if not started:
                 self.served.queue.leave()
+
+
+class _Arrival:
+    """Marks when a request arrived (``queue.ARRIVAL``), before anything queues it: its time to first token counts
+    from here, as vLLM's does (a reply waiting for a worker thread or for room in the KV pool is waiting)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            ARRIVAL.set(time.perf_counter())  # (this request's task's own context: worker threads copy it)
+        return await self.app(scope, receive, send)
 
 
 class _BodyLimit:
@@ -146,21 +174,32 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     from . import chat_completions, completions, responses
 
     ctx = Context(model, config)
-    app = FastAPI(title="continuum serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        ctx.close()  # (cli.py closes it too: behind serve/starting.py this app gets no lifespan of its own)
+
+    app = FastAPI(title="continuum serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.ctx = ctx
     install_handlers(app)
 
     @app.get("/health")
     async def health() -> Any:
-        # a store that does not answer (the database is down) makes this replica unfit to route to: 503
-        healthy = getattr(ctx.store, "healthy", None)
-        # (on a thread outside the generation threads' limiter: a replica whose threads are all generating is busy,
-        # not down, and must answer its health check in time)
-        if healthy is not None and not await anyio.to_thread.run_sync(healthy):
-            return JSONResponse({"status": "store unreachable"}, status_code=503, headers={"Retry-After": "5"})
+        # liveness: the process answers, so it can serve. It never asks the database: a database failing over for
+        # 20 s must not get every replica restarted by its orchestrator (readiness is /ready's)
         # the model's engine counters (steps, time in forwards, the engine's own share of a step): for operators
         engine = {k: v for k, v in model.engine.stats().items() if isinstance(v, (int, float))}
         return {"status": "ok", "generating": ctx.served.active, "engine": engine}
+
+    @app.get("/ready")
+    async def ready() -> Any:
+        # readiness: a store that does not answer (the database is down) makes this replica unfit to route to
+        reason = await _store_reason(ctx)
+        if reason is not None:
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503,
+                                headers={"Retry-After": "5"})
+        return {"status": "ready"}
 
     try:
         from .metrics import install_metrics
@@ -190,5 +229,23 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     responses.register(app, ctx)
     completions.register(app, ctx)
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
-    app.add_middleware(Guard)  # outermost of ours: an internal error anywhere is a 500 that keeps the connection
+    app.add_middleware(Guard)  # an internal error anywhere is a 500 that keeps the connection
+    app.add_middleware(_Arrival)  # outermost: the arrival is taken before anything else runs
     return app
+
+
+_PROBE_S = 3.0  # /ready answers within this, whatever the database does
+
+
+async def _store_reason(ctx: Context) -> str | None:
+    """Why the store is not ready (None: it answers). The probe (``store.healthy``: a connection of its own, so a
+    pool busy under load does not read as a database down) runs on a thread outside the generation threads'
+    limiter, as a replica whose threads all generate is busy, not down; it is abandoned after ``_PROBE_S``."""
+    healthy = getattr(ctx.store, "healthy", None)
+    if healthy is None:  # a folder store: open means ready
+        return None
+    with anyio.move_on_after(_PROBE_S):
+        if await anyio.to_thread.run_sync(healthy, limiter=ctx.probes, abandon_on_cancel=True):
+            return None
+        return "the response store's database does not answer"
+    return f"the response store's database did not answer in {_PROBE_S:g} s"

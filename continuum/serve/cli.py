@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
                    help="delete stored responses older than this (default 30d; 'none': keep)")
     p.add_argument("--retention-bytes", type=_size, default=10 << 30,
                    help="delete the oldest responses while state files exceed this (default 10GiB; 'none': no limit)")
+    p.add_argument("--retention-interval", type=parse_age, default=60.0,
+                   help="time between retention passes, which run on a thread of their own, never inside a request "
+                        "(default 60s; 'none': this server runs none, e.g. one replica of several does)")
     p.add_argument("--store-kv", choices=("full", "none"), default="full",
                    help="what a stored response keeps of its new tokens: 'full' their KV cache (continuing reads it), "
                         "'none' the tokens only (continuing recomputes the cache: on a GPU a prefill beats reading "
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_queue < 0:
         print(f"continuum serve: --max-queue must be >= 0, got {args.max_queue}", file=sys.stderr)
         return 2
+    from .redact import install_log_redaction
+
+    install_log_redaction()  # before any logger runs: a store URL's password never reaches a log line
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     template = None
     if args.chat_template is not None:
@@ -119,18 +125,28 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_gguf(args.model)
         except ValueError as exc:
-            print(f"continuum serve: {exc}", file=sys.stderr)
+            _say(exc)
             return 2
         return _serve_while_building(args, native, template)
     try:
         app = _build(args, template, native)
     except _StartError as exc:  # a bad option, a store that cannot open: a line that says what to do, no traceback
-        print(f"continuum serve: {exc.__cause__}", file=sys.stderr)
+        _say(exc.__cause__)
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        app.state.ctx.close()  # (the retention thread stops; idempotent after the app's own lifespan did it)
     return 0
+
+
+def _say(what: object) -> None:
+    """The one line a failed start prints (a store's URL in it with its password masked)."""
+    from .redact import redact
+
+    print(f"continuum serve: {redact(what)}", file=sys.stderr)
 
 
 class _StartError(Exception):
@@ -142,6 +158,7 @@ def _build(args: argparse.Namespace, template: str | None, native: _Preload | No
     from ..errors import ReasoningError
     from .app import ServeConfig, create_app
     from .errors import StoreUnavailable
+    from .redact import redact
     from .store import StoreLockedError
 
     try:
@@ -151,7 +168,8 @@ def _build(args: argparse.Namespace, template: str | None, native: _Preload | No
     name = args.served_model_name or Path(args.model.rstrip("/")).name
     config = ServeConfig(served_model_name=name, store=_store_location(args.store), api_keys=args.api_keys,
                          template=template, state_memory_bytes=args.state_memory or 0, retention_age=args.retention_age,
-                         retention_bytes=args.retention_bytes, max_body_bytes=args.max_body_bytes or (8 << 20),
+                         retention_bytes=args.retention_bytes, retention_interval=args.retention_interval,
+                         max_body_bytes=args.max_body_bytes or (8 << 20),
                          max_string_length=args.max_string_length, reasoning=args.reasoning,
                          store_kv=args.store_kv == "full", json_bounds=args.json_bounds, max_queue=args.max_queue,
                          speculate=None if args.speculate == "none" else args.speculate)
@@ -162,7 +180,9 @@ def _build(args: argparse.Namespace, template: str | None, native: _Preload | No
     if not args.api_keys:
         logger.warning("no --api-key given: the server accepts every request without authentication, and every "
                        "stored response is readable by anyone who can reach %s:%s", args.host, args.port)
-    logger.info("serving %s as %r on http://%s:%s/v1 (store: %s)", args.model, name, args.host, args.port, config.store)
+    # (redacted here as well as by the log records' factory: this line is the one that names the store)
+    logger.info("serving %s as %r on http://%s:%s/v1 (store: %s)", args.model, name, args.host, args.port,
+                redact(config.store))
     return app
 
 
@@ -177,7 +197,7 @@ def _serve_while_building(args: argparse.Namespace, native: _Preload, template: 
     def failed(exc: BaseException) -> None:
         nonlocal status
         if isinstance(exc, _StartError):
-            print(f"continuum serve: {exc.__cause__}", file=sys.stderr)
+            _say(exc.__cause__)
             status = 2
         else:
             logger.error("continuum serve could not start", exc_info=exc)
@@ -193,7 +213,11 @@ def _serve_while_building(args: argparse.Namespace, native: _Preload, template: 
     app = Starting(build, loaded=native.loaded, failed=failed)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run()
+    finally:
+        if app.app is not None:  # (the built app gets no lifespan behind Starting: its retention thread stops here)
+            app.app.state.ctx.close()
     return status
 
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ContextLengthError, ContinuumError
+from .redact import redact
 
 __all__ = ["APIError", "Overloaded", "StoreUnavailable", "Guard", "error_body", "from_exception", "install_handlers"]
 
@@ -68,14 +69,15 @@ def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised while serving a request (never a traceback to the client)."""
     if isinstance(exc, APIError):
         return exc
+    # (redact: a message may quote the store's URL; its password never reaches a client)
     if isinstance(exc, Overloaded):  # busy, not the client's fault: OpenAI's clients retry a 503 after Retry-After
-        return APIError(503, str(exc), type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
+        return APIError(503, redact(exc), type="server_error", code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, StoreUnavailable):
-        return APIError(503, str(exc), type="server_error", code="store_unavailable", headers={"Retry-After": "5"})
+        return APIError(503, redact(exc), type="server_error", code="store_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, ContextLengthError):
-        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+        return APIError(400, redact(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, ContinuumError):  # continuum's errors say what was wrong and what to do
-        return APIError(400, str(exc), code=type(exc).__name__)
+        return APIError(400, redact(exc), code=type(exc).__name__)
     logger.exception("internal error while serving a request", exc_info=exc)
     return APIError(500, f"internal server error ({type(exc).__name__}); the server keeps running", type="server_error")
 

@@ -22,6 +22,7 @@ from typing import Any
 from ..state import SequenceState
 from ..state.parts import load_part, part_bytes, shared_columns
 from .errors import StoreUnavailable
+from .redact import redact
 from .store import Record, Resident, Tally
 
 __all__ = ["PgStore", "SCHEMA_VERSION"]
@@ -34,12 +35,24 @@ _SCHEMA = [
         messages TEXT NOT NULL, state_file TEXT, state_bytes BIGINT NOT NULL DEFAULT 0)""",
     "CREATE INDEX IF NOT EXISTS responses_created ON responses (created)",
     "CREATE TABLE IF NOT EXISTS parts (file TEXT PRIMARY KEY, parent TEXT, bytes BIGINT NOT NULL, data BYTEA NOT NULL)",
+    # retention's lookups (a part no response names and no part continues): by index, not by scanning every row.
+    # (Indexes only: a store of schema 1 without them is still schema 1; the first start of this version adds them.)
+    "CREATE INDEX IF NOT EXISTS responses_state_file ON responses (state_file)",
+    "CREATE INDEX IF NOT EXISTS parts_parent ON parts (parent)",
 ]
-_NEEDED = """
-WITH RECURSIVE needed(file) AS (
-    SELECT state_file FROM responses WHERE state_file IS NOT NULL
-    UNION SELECT parts.parent FROM parts JOIN needed ON parts.file = needed.file WHERE parts.parent IS NOT NULL)
-"""
+# Retention's statements (tests EXPLAIN them). Expired rows: a range of the ``created`` index.
+EXPIRED = "DELETE FROM responses WHERE created < %s RETURNING state_file"
+# Over the byte budget: the oldest rows whose running total, newest first, passes it (the window reads the
+# ``created`` index backwards, no sort); never the newest response (one larger than the budget stays until a newer
+# one comes, as a response just returned must be there when its client continues it).
+OVER_BUDGET = """DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, created, SUM(state_bytes) OVER
+    (ORDER BY created DESC) AS total FROM responses) t WHERE total > %s
+    AND created < (SELECT max(created) FROM responses)) RETURNING state_file"""
+# Among the parts ``%s`` (those of deleted responses, then their parents), those nothing needs any more: no response
+# names them (responses_state_file) and no part continues them (parts_parent).
+UNNEEDED = """DELETE FROM parts p WHERE p.file = ANY(%s)
+    AND NOT EXISTS (SELECT 1 FROM responses r WHERE r.state_file = p.file)
+    AND NOT EXISTS (SELECT 1 FROM parts c WHERE c.parent = p.file) RETURNING p.file, p.parent"""
 
 
 class PgStore:
@@ -50,6 +63,7 @@ class PgStore:
         from psycopg_pool import ConnectionPool
 
         self.url, self.model, self.kv = url, model, kv
+        _check_reachable(url)  # (a database down at start: one line naming it, password masked, at once)
         self.memory_bytes, self.max_age, self.max_bytes = memory_bytes, max_age, max_bytes
         # check: a connection the database dropped (a restart) is replaced when taken, not handed to a request
         self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True, kwargs={"autocommit": True},
@@ -59,7 +73,6 @@ class PgStore:
         self.bytes_written = 0
         self.tally = Tally()  # states loaded vs resident, load and save times (/metrics)
         self._create_schema()
-        self.enforce_retention()
 
     def _create_schema(self) -> None:
         with self._conn() as conn, conn.transaction():
@@ -73,7 +86,7 @@ class PgStore:
             elif row[0] > SCHEMA_VERSION:
                 from .store import StoreLockedError
 
-                raise StoreLockedError(f"the database {self.url} holds a continuum store of schema version {row[0]}, "
+                raise StoreLockedError(f"the database {redact(self.url)} holds a continuum store of schema version {row[0]}, "
                                        f"newer than this continuum's {SCHEMA_VERSION}: upgrade continuum")
 
     @contextmanager
@@ -130,8 +143,7 @@ class PgStore:
                          (rid, owner, created, json.dumps(body), json.dumps(messages), state_file, size))
         if state is not None and state_file is not None:
             self._remember(state_file, state)
-        if self.max_bytes is not None or self.max_age is not None:
-            self.enforce_retention(keep=rid)
+        # (no retention here: it runs on its own schedule, serve/retention.py)
 
     def _part_of(self, rid: str) -> str | None:
         with self._conn() as conn:
@@ -146,8 +158,7 @@ class PgStore:
         if row is None:
             return None
         if self.max_age is not None and row[2] < time.time() - self.max_age:
-            self.enforce_retention()
-            return None
+            return None  # expired: answered as deleted now; the next retention pass deletes it
         return Record(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), row[5])
 
     def state(self, record: Record) -> SequenceState | None:
@@ -189,22 +200,24 @@ class PgStore:
     # ------------------------------------------------------------------ deleting
     def delete(self, rid: str, owner: str) -> bool:
         with self._conn() as conn, conn.transaction():
-            cur = conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (rid, owner))
-            if cur.rowcount == 0:
+            rows = conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s RETURNING state_file",
+                                (rid, owner)).fetchall()
+            if not rows:
                 return False
-            self._collect(conn)
+            self._collect(conn, [file for (file,) in rows if file is not None])
         return True
 
-    def enforce_retention(self, keep: str | None = None) -> None:
+    def enforce_retention(self) -> int:
+        """One retention pass, in one transaction: rows past ``max_age``, then the oldest rows past ``max_bytes``,
+        then the parts that only they needed. Returns the responses deleted. (Run by serve/retention.py's timer.)"""
         with self._conn() as conn, conn.transaction():
+            files: list[str | None] = []
             if self.max_age is not None:
-                conn.execute("DELETE FROM responses WHERE created < %s", (time.time() - self.max_age,))
+                files += [f for (f,) in conn.execute(EXPIRED, (time.time() - self.max_age,)).fetchall()]
             if self.max_bytes is not None:
-                # the oldest rows whose running total (newest first) passes the budget, in one statement
-                conn.execute("DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, SUM(state_bytes) OVER "
-                             "(ORDER BY created DESC) AS total FROM responses) t WHERE total > %s) AND id IS DISTINCT FROM %s",
-                             (self.max_bytes, keep))
-            self._collect(conn)
+                files += [f for (f,) in conn.execute(OVER_BUDGET, (self.max_bytes,)).fetchall()]
+            self._collect(conn, [f for f in files if f is not None])
+        return len(files)
 
     def total_bytes(self) -> int:
         with self._conn() as conn:
@@ -215,14 +228,32 @@ class PgStore:
         self._pool.close()
 
     # ------------------------------------------------------------------ internals
-    def _collect(self, conn: Any) -> None:
-        """Delete the parts no live response needs (inside the caller's transaction)."""
-        rows = conn.execute(_NEEDED + "DELETE FROM parts WHERE file NOT IN (SELECT file FROM needed) RETURNING file"
-                            ).fetchall()
+    def _collect(self, conn: Any, files: list[str]) -> None:
+        """Delete the parts among ``files`` that nothing needs, then their parents that nothing needs any more,
+        up the chains (inside the caller's transaction): work in proportion to what was deleted, by index."""
+        gone: list[str] = []
+        while files:
+            rows = conn.execute(UNNEEDED, (files,)).fetchall()
+            gone += [file for file, _ in rows]
+            files = sorted({parent for _, parent in rows if parent is not None})
         with self._lock:
-            for (file,) in rows:
+            for file in gone:
                 self._memory.drop(file)
 
     def _remember(self, file: str, state: SequenceState) -> None:
         with self._lock:
             self._memory.put(file, state)
+
+
+def _check_reachable(url: str) -> None:
+    """Connect once before the pool does (the pool retries quietly until its timeout): a database that does not
+    answer, or a URL libpq refuses, is a :class:`StoreUnavailable` naming the database, its password masked (the
+    driver's own message may quote the URL: it is redacted too, and not chained)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=5):
+            pass
+    except psycopg.Error as exc:
+        reason = redact(" ".join(str(exc).split())) or type(exc).__name__  # (libpq's lines: one line)
+        raise StoreUnavailable(f"the response store's database does not answer ({redact(url)}): {reason}") from None

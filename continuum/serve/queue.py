@@ -13,18 +13,24 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from ..loop.cancel import CancelToken, bound, current
 from .errors import Overloaded
 
-__all__ = ["Generation", "ReplyQueue"]
+__all__ = ["ARRIVAL", "Generation", "ReplyQueue"]
+
+# when the request being served arrived (time.perf_counter(); app.py's outermost middleware sets it, and the worker
+# threads that generate see it: anyio's threads and serve/sse.py's copy the request's context). None outside a request.
+ARRIVAL: ContextVar[float | None] = ContextVar("continuum_serve_arrival", default=None)
 
 
 @dataclass
 class Generation:
     """One generation as ``/metrics`` counts it: its token counts (the route sets them when it is done) and when
-    its first token came (the engine marks the cancel token its calls run under: ``CancelToken.first``)."""
+    its first token came (the engine marks the cancel token its calls run under: ``CancelToken.first``), counted
+    from ``start``: the request's arrival, before it waited for a thread or for room in the KV pool."""
 
     start: float
     token: CancelToken
@@ -87,7 +93,8 @@ class ReplyQueue:
     def generation(self) -> Iterator[Generation]:
         """One generation, counted while it runs (:meth:`busy`); its calls run under a cancel token of its own,
         which marks its first token; reported to ``on_generation`` once it succeeded."""
-        g = Generation(time.perf_counter(), CancelToken(current()))
+        arrived = ARRIVAL.get()
+        g = Generation(time.perf_counter() if arrived is None else arrived, CancelToken(current()))
         with self.busy(), bound(g.token):
             yield g
         if self.on_generation is not None:

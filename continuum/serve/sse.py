@@ -9,6 +9,7 @@ cancel flag: the thread stops at its next token, leaving the decoding loop (its 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +34,10 @@ class ThreadStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(work,), daemon=True, name="continuum-stream")
+        # in a copy of the request's context, as anyio's worker threads run (its arrival time: serve/queue.py)
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._main, work), daemon=True,
+                                        name="continuum-stream")
         self._thread.start()
 
     def _put(self, item: tuple) -> None:

@@ -4,9 +4,11 @@
 thread (``cli._Preload``) while another imports torch, FastAPI and the engine and builds the app
 (``create_app``); neither is needed to say the server is up. Meanwhile:
 
-- ``GET /health`` answers 503 (``{"status": "loading"}``, ``Retry-After: 1``) until the weights are in memory,
-  then 200 ``{"status": "starting"}``: requests are accepted, and wait for the engine (its first import, about
-  as long again on 2 cores: B21s in docs/benchmarks.md) rather than being refused;
+- ``GET /health`` (liveness) answers 503 (``{"status": "loading"}``, ``Retry-After: 1``) until the weights are
+  in memory, then 200 ``{"status": "starting"}``: requests are accepted, and wait for the engine (its first
+  import, about as long again on 2 cores: B21s in docs/benchmarks.md) rather than being refused;
+- ``GET /ready`` (readiness) answers 503 (``loading``, then ``starting``, ``Retry-After: 1``) until the app is
+  built and its store open; from then on the app's own ``/ready`` answers (whether the store answers);
 - ``GET /version`` answers (gateways probe it to recognise a worker);
 - every other request waits for the app, then is served by it as if it had arrived then.
 
@@ -21,6 +23,8 @@ import json
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from .redact import redact
 
 __all__ = ["Starting"]
 
@@ -47,6 +51,8 @@ class Starting:
                 if self.loaded():
                     return await _json(send, 200, {"status": "starting"})
                 return await _json(send, 503, {"status": "loading"}, retry=True)
+            if path == "/ready":  # (a gateway routes here once the store is open, not before: no request waits)
+                return await _json(send, 503, {"status": "starting" if self.loaded() else "loading"}, retry=True)
             if path == "/version":
                 from .. import __version__
 
@@ -56,7 +62,7 @@ class Starting:
         if self.app is None:
             if scope["type"] != "http":
                 return
-            return await _json(send, 503, {"error": {"message": f"The server failed to start: {self.error}",
+            return await _json(send, 503, {"error": {"message": f"The server failed to start: {redact(self.error)}",
                                                      "type": "server_error", "code": "server_failed_to_start"}})
         return await self.app(scope, receive, send)
 

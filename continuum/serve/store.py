@@ -16,9 +16,10 @@ a committed transaction survives the process being killed (only a power loss cou
 States are also kept in memory, least recently used first out, under a byte budget; a state that
 is not in memory is loaded from its chain (root first) with continuum's fingerprinted reader, its
 KV cache included, so continuing it computes only the new tokens; with ``kv=False`` parts hold
-tokens only and the cache is recomputed on load. Retention: rows older than ``max_age`` seconds,
-and the oldest rows while the parts exceed ``max_bytes``, are deleted; an expired id then answers
-404 like an unknown one.
+tokens only and the cache is recomputed on load. Retention (:meth:`Store.enforce_retention`, run on a
+schedule of its own by serve/retention.py, never inside a save): rows older than ``max_age`` seconds, and
+the oldest rows while the parts exceed ``max_bytes``, are deleted; an expired id answers 404 like an
+unknown one from the moment it expires.
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ CREATE TABLE IF NOT EXISTS parts (
     parent TEXT,
     bytes INTEGER NOT NULL
 );
+CREATE INDEX IF NOT EXISTS responses_state_file ON responses (state_file);
+CREATE INDEX IF NOT EXISTS parts_parent ON parts (parent);
 INSERT OR IGNORE INTO parts (file, parent, bytes)
     SELECT state_file, NULL, state_bytes FROM responses WHERE state_file IS NOT NULL;
 """
-# (the INSERT adopts the whole-state files of stores written before parts: each is a root)
+# (the INSERT adopts the whole-state files of stores written before parts: each is a root; the two last indexes
+# are retention's lookups: a part no response names and no part continues, found without scanning every row)
 
 # the parts some live response needs: its own, and its parent's, recursively
 _NEEDED = """
@@ -184,7 +188,6 @@ class Store:
         self.bytes_written = 0  # part bytes written since start (figures: bytes per turn)
         self.tally = Tally()
         self._remove_orphans()
-        self.enforce_retention()
 
     # ------------------------------------------------------------------ writing
     def put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
@@ -217,8 +220,7 @@ class Store:
                 self._insert(row[:-1] + (size,), None)
         if state is not None and state_file is not None:
             self._remember(state_file, state)
-        if self.max_bytes is not None or self.max_age is not None:
-            self.enforce_retention(keep=rid)  # never the response about to be returned ("returned means stored")
+        # (no retention here: it runs on its own schedule, serve/retention.py)
 
     def _write_part(self, rid: str, state: SequenceState, start: int) -> int:
         final = self.states_dir / f"{rid}.safetensors"
@@ -255,8 +257,7 @@ class Store:
         if row is None:
             return None
         if self.max_age is not None and row[2] < time.time() - self.max_age:
-            self.enforce_retention()
-            return None
+            return None  # expired: answered as deleted now; the next retention pass deletes it
         return Record(row[0], row[1], row[2], json.loads(row[3]), json.loads(row[4]), row[5])
 
     def state(self, record: Record) -> SequenceState | None:
@@ -297,34 +298,41 @@ class Store:
     def delete(self, rid: str, owner: str) -> bool:
         """Delete ``owner``'s response ``rid``, and its part unless a live response continues it; False when there is none."""
         with self._lock:
-            row = self._db.execute("SELECT state_file FROM responses WHERE id = ? AND owner = ?", (rid, owner)).fetchone()
-            if row is None:
+            rows = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ? RETURNING state_file",
+                                    (rid, owner)).fetchall()
+            if not rows:
                 return False
-            self._db.execute("DELETE FROM responses WHERE id = ?", (rid,))
-            doomed = self._collect()
-        self._unlink(doomed)
+            doomed = self._collect_from([file for (file,) in rows])
+        self._unlink([file for file, _ in doomed])
         return True
 
-    def enforce_retention(self, keep: str | None = None) -> None:
-        """Delete rows past ``max_age``, then the oldest rows while the parts exceed ``max_bytes`` (``keep``
-        excepted); then the parts no live response needs."""
-        doomed: list[str] = []
+    def enforce_retention(self) -> int:
+        """One retention pass: rows past ``max_age`` (a range of the ``created`` index), then the oldest rows while
+        the parts exceed ``max_bytes`` (oldest first by that index; never the newest response); then the parts
+        only they needed. Returns the responses deleted."""
+        doomed: list[tuple[str, int]] = []
+        deleted = 0
         with self._lock:
             if self.max_age is not None:
-                cutoff = time.time() - self.max_age
-                if self._db.execute("SELECT 1 FROM responses WHERE created < ? LIMIT 1", (cutoff,)).fetchone():
-                    self._db.execute("DELETE FROM responses WHERE created < ?", (cutoff,))
-                    doomed += self._collect()
+                rows = self._db.execute("DELETE FROM responses WHERE created < ? RETURNING state_file",
+                                        (time.time() - self.max_age,)).fetchall()
+                deleted += len(rows)
+                doomed += self._collect_from([file for (file,) in rows])
             if self.max_bytes is not None:
-                oldest = None
-                while self._total() > self.max_bytes:
-                    oldest = self._db.execute("SELECT id FROM responses WHERE id IS NOT ? ORDER BY created LIMIT 1",
-                                              (keep,)).fetchone()
+                total = self._total()
+                newest = self._db.execute("SELECT id FROM responses ORDER BY created DESC LIMIT 1").fetchone()
+                while total > self.max_bytes and newest is not None:
+                    oldest = self._db.execute("SELECT id, state_file FROM responses WHERE id != ? ORDER BY created "
+                                              "LIMIT 1", (newest[0],)).fetchone()
                     if oldest is None:
                         break
                     self._db.execute("DELETE FROM responses WHERE id = ?", (oldest[0],))
-                    doomed += self._collect()
-        self._unlink(doomed)
+                    deleted += 1
+                    freed = self._collect_from([oldest[1]])
+                    total -= sum(size for _, size in freed)
+                    doomed += freed
+        self._unlink([file for file, _ in doomed])
+        return deleted
 
     def total_bytes(self) -> int:
         """Bytes of all parts on disk (each written once, however many responses share it)."""
@@ -341,11 +349,30 @@ class Store:
         return int(self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM parts").fetchone()[0])
 
     def _collect(self) -> list[str]:
-        """Drop the rows of parts no live response needs (under the lock); returns their files to unlink."""
+        """Drop the rows of every part no live response needs, by scanning them all (under the lock; at start only,
+        for what a process killed mid-pass left); returns their files to unlink."""
         doomed = [r[0] for r in self._db.execute(_NEEDED + "SELECT file FROM parts WHERE file NOT IN needed").fetchall()]
         for file in doomed:
             self._db.execute("DELETE FROM parts WHERE file = ?", (file,))
             self._memory.drop(file)
+        return doomed
+
+    def _collect_from(self, files: list[str | None]) -> list[tuple[str, int]]:
+        """Drop the rows of the parts among ``files`` that nothing needs, then of their parents that nothing needs
+        any more, up the chains (under the lock), by index: work in proportion to what was deleted. Returns
+        (file, bytes) of each, to unlink."""
+        doomed: list[tuple[str, int]] = []
+        todo = {file for file in files if file is not None}
+        while todo:
+            file = todo.pop()
+            row = self._db.execute("DELETE FROM parts WHERE file = ? AND NOT EXISTS (SELECT 1 FROM responses WHERE "
+                                   "state_file = ?) AND NOT EXISTS (SELECT 1 FROM parts WHERE parent = ?) "
+                                   "RETURNING parent, bytes", (file, file, file)).fetchone()
+            if row is not None:
+                doomed.append((file, row[1]))
+                self._memory.drop(file)
+                if row[0] is not None:
+                    todo.add(row[0])
         return doomed
 
     def _remember(self, file: str, state: SequenceState) -> None:
