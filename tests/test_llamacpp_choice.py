@@ -18,7 +18,7 @@ import torch
 from continuum import continuous, generate, models, run_batch, samplers
 from continuum.errors import SequencesExhaustedError
 
-from llamacpp_support import gemma_path, gguf, reference_logits
+from llamacpp_support import DECODE_TOL, gemma_path, gguf, reference_logits
 
 OPTIONS = [" cat", " dog", " big dog", " big", " dragon"]  # " big" is a prefix of " big dog": shared tree nodes
 PROMPT = "Once upon a time there was a"
@@ -161,7 +161,7 @@ def test_unchosen_option_sequences_are_released_and_continued_rows_score_exactly
 def test_gemma3_sliding_window_model_scores_its_options_exactly():
     """Without flash attention the tree's scores equal a prefill of prompt + option (measured 7e-5 on Q4_K_M with
     repacked weights). With it (the default) the CPU kernel accumulates V in f16, so a score depends on the batch it
-    was computed in: bounded by how far flash attention itself moves the same prefill (0.24 measured, 0.07 seen)."""
+    was computed in (0.24 measured, 0.07 seen): bounded by the project's Gemma tolerance across batch compositions."""
     path = gemma_path()
     options, prompt = [" Paris", " Lyon", " a city"], "The capital of France is"
     scores = {}
@@ -177,5 +177,9 @@ def test_gemma3_sliding_window_model_scores_its_options_exactly():
     assert max(abs(got[o] - ref[o]) for o in options) < 1e-3
     ref_fa, got_fa = scores[True]
     kernel = max(abs(ref_fa[o] - ref[o]) for o in options)  # flash attention vs not, on the same prefill
-    assert kernel > 1e-3  # (else the bound below would not be flash attention's)
-    assert max(abs(got_fa[o] - ref_fa[o]) for o in options) <= kernel + 1e-3
+    assert kernel > 1e-3  # (flash attention's f16 accumulation does move a score)
+    # How far it moves one depends on the batch the score was computed in and on the CPU's kernels: 0.07 on one CPU,
+    # 0.25 on an AMD EPYC (AVX-512 BF16) where the same-prefill gap was 0.06. So the bound is the one the project
+    # states for Gemma's Q4_K_M across batch compositions (DECODE_TOL, one token at a time vs a prefill), not a figure
+    # one CPU gave.
+    assert max(abs(got_fa[o] - ref_fa[o]) for o in options) <= DECODE_TOL["gemma"]

@@ -103,7 +103,8 @@ def test_a_list_call_of_300_prompts_runs_in_turns():
 
 
 def test_multinomial_300_draws_its_samples_in_groups():
-    """300 independent samples of one prompt are more rows than sequence ids: they are drawn in two groups of 150,
+    """300 independent samples of one prompt are more rows than a step holds: they are drawn in groups (of the engine's
+    max_rows at most, 32 by default: 10 groups of 30),
     each a call with its own generator seeded from the caller's, so the result is those two smaller calls (the same
     rows; weights within the placement tolerance) and a seeded call is reproducible; beams, which must advance
     together, are refused clearly."""
@@ -116,11 +117,14 @@ def test_multinomial_300_draws_its_samples_in_groups():
     state = gen("Once upon a time", max_tokens=8, rng=torch.Generator().manual_seed(3))
     assert (state.batch, state.samples) == (1, 300)
     rng = torch.Generator().manual_seed(3)
-    seeds = [int(torch.randint(0, 2**62, (1,), generator=rng)) for _ in range(2)]
-    parts = [continuous(generate.text(model, samplers.multinomial(150)))("Once upon a time", max_tokens=8,
-                                                                          rng=torch.Generator().manual_seed(s))
-             for s in seeds]
-    assert list(state) == list(parts[0]) + list(parts[1])
+    limit = min(model.max_call_rows, model.engine.max_rows)  # (ids, and the engine's rows per step: 32 by default)
+    groups = -(-300 // limit)
+    sizes = [300 // groups + (g < 300 % groups) for g in range(groups)]
+    seeds = [int(torch.randint(0, 2**62, (1,), generator=rng)) for _ in range(groups)]
+    parts = [continuous(generate.text(model, samplers.multinomial(n)))("Once upon a time", max_tokens=8,
+                                                                        rng=torch.Generator().manual_seed(s))
+             for n, s in zip(sizes, seeds)]
+    assert list(state) == sum((list(p) for p in parts), [])
     # (the groups ran beside each other, the parts one after the other: cells placed otherwise, see the top)
     assert torch.allclose(state.weights, torch.cat([p.weights for p in parts], 1), atol=DECODE_TOL["f32"])
     assert len(set(state)) > 50  # (independent draws)

@@ -12,7 +12,7 @@ from ..samplers import Sampler
 from ..state import SequenceState
 from ..state.text import token_char_spans
 
-__all__ = ["check_max_tokens", "check_rng", "check_continuable", "stop_list", "engine_setting"]
+__all__ = ["check_max_tokens", "check_rng", "check_continuable", "check_lengths", "stop_list", "engine_setting"]
 
 # columns for generated tokens a loop's buffers (Rows, classifier-free guidance's branch) allocate up front; they
 # grow the rest as the call goes on (max_tokens=None on an unbounded context would be 2**31 columns)
@@ -57,21 +57,29 @@ def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: int | 
         raise SampleMismatch(
             f"this state has {group} samples per batch row but the generator produces {n}: use a generator with "
             f"{kind}({group}), or select one sample first (state[:, i, :]) and let the generator fork it")
-    lengths = state._mask.sum(1)
-    if bool((lengths == 0).any()):
-        rows = (lengths == 0).nonzero().flatten().tolist()
-        raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
+    lengths = check_lengths(state)
     ctx = state._model.context_length
     if ctx is None:
         steps = max_tokens if max_tokens is not None else 2**31
     else:
-        if int(lengths.max()) > ctx:
-            raise ContextLengthError(_too_long(state, ctx))
         room = ctx - int(lengths.min())  # the loop stops every row at its own limit
         steps = room if max_tokens is None else min(max_tokens, room)
     if n > group:  # a fork: the new rows must fit in memory (a kernel OOM kill is no error message)
         check_rows_fit(state._model, state.batch, n, int(lengths.max()) + min(steps, 2**20), state._model.device)
     return steps
+
+
+def check_lengths(state: SequenceState) -> torch.Tensor:
+    """Every row holds a token and fits the model's context; returns the rows' lengths. (A call run in parts checks
+    this on all its rows before any part starts: a bad row fails the call at once, not after the parts before it.)"""
+    lengths = state._mask.sum(1)
+    if bool((lengths == 0).any()):
+        rows = (lengths == 0).nonzero().flatten().tolist()
+        raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
+    ctx = state._model.context_length
+    if ctx is not None and int(lengths.max()) > ctx:
+        raise ContextLengthError(_too_long(state, ctx))
+    return lengths
 
 
 def _too_long(state: SequenceState, ctx: int) -> str:

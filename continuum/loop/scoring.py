@@ -44,6 +44,7 @@ from .cancel import check_cancelled
 from .cfg import Guidance, guided_logprobs
 from .decoding import Step, check_continuable, prefill
 from .parallel import check_seeded
+from .turns import choice_prompts, in_parts
 
 __all__ = ["choose"]
 
@@ -51,7 +52,18 @@ __all__ = ["choose"]
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
            rng: torch.Generator | None = None, guidance: Guidance | None = None,
            token_healing: bool = False) -> Generator[Step, None, SequenceState]:
-    """Pick one option per output row; yields one :class:`Step`, returns the new state."""
+    """Pick one option per output row; yields one :class:`Step`, returns the new state. More prompts than the backend
+    scores at once (sequence ids, cells, the engine's ``max_rows``) are scored in parts at once, like list calls."""
+    k = choice_prompts(state, [len(state._model.tokenizer.encode_continuation(o)) for o in options])
+    if k is not None:
+        def part(p: SequenceState, opts: dict) -> Generator[Step, None, SequenceState]:
+            return choose(p, options, sampler, method=method, rng=opts["rng"], guidance=guidance,
+                          token_healing=token_healing)
+
+        result = in_parts(part, state, k, {"rng": rng})
+        starts = result._last.starts if result._last is not None else (0,) * result.rows  # (stack keeps every part's)
+        yield Step([t[s:] for t, s in zip(result.texts, starts)], True)
+        return result
     with GATE.held():  # (few callers' bookkeeping at once: the engine's steps are not starved of the GIL)
         result, step = _choose(state, options, sampler, method, rng, guidance, token_healing)
     yield step

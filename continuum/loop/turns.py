@@ -1,6 +1,7 @@
 """Rows in turns: a list call with more rows than the backend can decode at once.
 
-A llama.cpp model decodes at most its sequence ids' worth of rows at once (256, ``Backend.max_call_rows``). Rows
+A llama.cpp model decodes at most its sequence ids' worth of rows at once (256, ``Backend.max_call_rows``), and no
+call's rows may exceed the engine's ``max_rows`` (such a call would only run alone). Rows
 that need not advance together are split: the prompts of a list call, and the independent samples of a fresh
 ``multinomial(n)`` draw (in groups, each with a generator seeded from the caller's ``rng``, so a seeded call is
 reproducible; it is not the draw one call of n rows would make). Each part is a call of its own, submitted at once
@@ -25,8 +26,9 @@ from ..samplers import MultinomialSampler, Sampler
 from ..state import SequenceState
 from ..state.combine import concat_samples
 from . import cancel
+from .checks import check_lengths, check_max_tokens, check_rng
 
-__all__ = ["needs_turns", "in_turns"]
+__all__ = ["needs_turns", "in_turns", "choice_prompts", "in_parts"]
 
 
 def _per_prompt(state: SequenceState, sampler: Sampler, options: dict) -> int:
@@ -40,22 +42,31 @@ def _splits_samples(state: SequenceState, sampler: Sampler, options: dict) -> bo
     return isinstance(sampler, MultinomialSampler) and state.samples == 1 and not options.get("guidance")
 
 
+def _step_rows(model) -> int | None:
+    """The most rows one call may decode at once: the backend's sequence ids (``max_call_rows``) and the engine's
+    ``max_rows`` (a wider call would only ever run alone, holding every later call behind it: issue 56)."""
+    bounds = [b for b in (model.max_call_rows, getattr(getattr(model, "engine", None), "max_rows", None)) if b is not None]
+    return min(bounds) if bounds else None
+
+
 def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | None:
-    """The most rows of this call that can decode at once: the backend's sequence ids (``max_call_rows``) and, on a
-    fixed pool with ``max_tokens`` given, its cells: rows of separate prompts each need their input plus
-    ``max_tokens`` cells; samples of one prompt share its cells and need ``max_tokens`` each (None: unbounded)."""
+    """The most rows of this call that can decode at once (None: unbounded): :func:`_step_rows` and, on a fixed pool
+    with ``max_tokens`` given, its cells. A prompt's samples share its cells: a prompt and its ``n`` samples take
+    ``input + n x max_tokens`` cells; independent samples of a fresh draw that do not fit with their prompt are split
+    into groups that do (each group its own prompt copy)."""
     model = state._model
-    limit = model.max_call_rows
+    limit = _step_rows(model)
     measure = getattr(model, "capacity", None)
     cap = measure([]) if measure is not None else None
     new = options.get("max_tokens")
     if limit is None or cap is None or not new:
         return limit
-    width = int(state._ids.shape[1])
-    if state.batch == 1 and _splits_samples(state, sampler, options):
-        by_cells = (cap.total - width) // new
+    width, per = int(state._ids.shape[1]), _per_prompt(state, sampler, options)
+    prompts = cap.total // (width + per * new)  # whole prompts, each with all its samples
+    if prompts == 0 and _splits_samples(state, sampler, options):
+        by_cells = (cap.total - width) // new  # one prompt's samples in groups
     else:
-        by_cells = cap.total // (width + new) * _per_prompt(state, sampler, options)
+        by_cells = max(1, prompts) * per  # (a prompt that cannot fit alone is the backend's clear error)
     return max(1, min(limit, by_cells))
 
 
@@ -76,15 +87,80 @@ def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceSt
              options: dict) -> SequenceState:
     """Run ``decode`` on parts of ``state``'s rows, at most :func:`row_limit` each, concurrently; put them back."""
     limit, per = row_limit(state, sampler, options) or 1, _per_prompt(state, sampler, options)
-    # each part's loop checks this token: the caller's (its Ctrl-C, a run_batch's cancel) or, set here, the call's
-    # own, cancelled when the caller is interrupted or a part fails (the others stop at their next step)
+    _check_up_front(state, options)
     token = cancel.CancelToken(cancel.current())
+    run = _runner(token, lambda part, smp, opts: decode(part, smp, **opts))
 
-    def run(job: tuple[Any, Sampler, dict]) -> Any:
-        part, smp, opts = job
+    if per > limit and _splits_samples(state, sampler, options):  # each prompt's samples in groups
+        groups = -(-per // limit)
+        sizes = [per // groups + (g < per % groups) for g in range(groups)]
+        jobs: list[tuple[Any, Sampler, dict]] = []
+        for b in range(state.batch):
+            for size in sizes:
+                jobs.append((state if state.batch == 1 else state[b:b + 1, :], _with_samples(sampler, size), seeded(options)))
+        done = _run_all(run, jobs, token, _at_once(state, max(sizes)))
+        prompts = [concat_samples(done[b * groups:(b + 1) * groups]) for b in range(state.batch)]
+        return SequenceState.stack(prompts)
+    k = max(1, limit // per)
+    jobs = [(state[i:i + k, :], sampler, seeded(options)) for i in range(0, state.batch, k)]  # (prompts in parts)
+    return SequenceState.stack(_run_all(run, jobs, token, _at_once(state, k * per)))
+
+
+def seeded(options: dict) -> dict:
+    """``options`` with a generator of its own seeded from the caller's ``rng`` (drawn here, in order): parts run
+    concurrently, and one shared generator would be drawn in whatever order their threads reach it, so a seeded
+    call would not be reproducible."""
+    rng = options.get("rng")
+    if rng is None:
+        return options
+    return {**options, "rng": torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=rng)))}
+
+
+def choice_prompts(state: SequenceState, option_lengths: list[int]) -> int | None:
+    """Prompts (batch items, with their samples) one choice call may score at once, or None when all fit. Each row
+    takes a sequence id of its own plus one per option (its tree's leaves, llama.cpp), and cells for its input and
+    its tree's nodes (at most every option's tokens and the root)."""
+    model = state._model
+    rows = _step_rows(model)
+    if rows is None:
+        return None
+    K, per = len(option_lengths), state.samples
+    by_ids = model.max_call_rows // (per * (1 + K)) if model.max_call_rows else state.batch
+    by_rows = rows // per
+    measure = getattr(model, "capacity", None)
+    cap = measure([]) if measure is not None else None
+    by_cells = state.batch if cap is None else cap.total // (per * (int(state._ids.shape[1]) + 1 + sum(option_lengths)))
+    k = max(1, min(by_ids, by_rows, by_cells))
+    return k if k < state.batch else None
+
+
+def in_parts(run_part: Callable[[SequenceState, dict], Generator[Any, None, Any]], state: SequenceState, k: int,
+             options: dict) -> SequenceState:
+    """``run_part(part, options)`` on every ``k`` prompts of ``state`` at once (each part's ``rng`` seeded from the
+    caller's); their states stacked in order."""
+    _check_up_front(state, options)
+    token = cancel.CancelToken(cancel.current())
+    run = _runner(token, run_part)
+    jobs = [(state[i:i + k, :], seeded(options)) for i in range(0, state.batch, k)]
+    return SequenceState.stack(_run_all(run, jobs, token, _at_once(state, k * state.samples)))
+
+
+def _check_up_front(state: SequenceState, options: dict) -> None:
+    """What every part checks in its own setup, on all rows before any part starts: parts start as earlier ones end
+    (:func:`_at_once`), and a bad last row must fail the call at once, not after the parts before it have run."""
+    check_max_tokens(options.get("max_tokens"))
+    check_rng(options.get("rng"))
+    check_lengths(state)
+
+
+def _runner(token: cancel.CancelToken, loop: Callable[..., Generator[Any, None, Any]]) -> Callable[[tuple], Any]:
+    """A part's job: ``loop(*job)`` run to its end, under ``token``: the caller's (its Ctrl-C, a run_batch's cancel)
+    or, set here, the call's own, cancelled when the caller is interrupted or a part fails (the others stop at their
+    next step)."""
+    def run(job: tuple) -> Any:
         try:
             with cancel.bound(token):
-                steps = decode(part, smp, **opts)
+                steps = loop(*job)
                 while True:
                     next(steps)  # (not a stream: nothing is yielded, the first next ends it)
         except StopIteration as done:
@@ -93,29 +169,22 @@ def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceSt
             token.cancel()
             raise
 
-    if per > limit and _splits_samples(state, sampler, options):  # each prompt's samples in groups
-        groups = -(-per // limit)
-        sizes = [per // groups + (g < per % groups) for g in range(groups)]
-        rng = options.get("rng")
-        jobs: list[tuple[Any, Sampler, dict]] = []
-        for b in range(state.batch):
-            for size in sizes:
-                seed = int(torch.randint(0, 2**62, (1,), generator=rng)) if rng is not None else None
-                g_opts = {**options, "rng": torch.Generator().manual_seed(seed) if seed is not None else None}
-                jobs.append((state if state.batch == 1 else state[b:b + 1, :], _with_samples(sampler, size), g_opts))
-        done = _run_all(run, jobs, token)
-        prompts = [concat_samples(done[b * groups:(b + 1) * groups]) for b in range(state.batch)]
-        return SequenceState.stack(prompts)
-    k = max(1, limit // per)
-    jobs = [(state[i:i + k, :], sampler, options) for i in range(0, state.batch, k)]  # (list calls: prompts in parts)
-    return SequenceState.stack(_run_all(run, jobs, token))
+    return run
 
 
-def _run_all(run: Callable[[Any], Any], jobs: list, token: cancel.CancelToken) -> list:
-    """Every part at once on worker threads, results in order. The first failure (or the caller's Ctrl-C while it
-    waits) cancels the others, which leave at their next step; the caller gets that first error, the cancelled
-    parts' own errors dropped."""
-    pool = ThreadPoolExecutor(len(jobs), thread_name_prefix="continuum-turns")
+def _at_once(state: SequenceState, part_rows: int) -> int:
+    """Parts of one call in flight at once: as many as the engine's ``max_rows`` holds. The next part is submitted
+    when one ends, so calls that arrive meanwhile are admitted before it (arrival order), instead of waiting behind
+    every part of a wide call."""
+    rows = _step_rows(state._model)
+    return max(1, (rows or part_rows) // max(1, part_rows))
+
+
+def _run_all(run: Callable[[Any], Any], jobs: list, token: cancel.CancelToken, at_once: int) -> list:
+    """The parts on ``at_once`` worker threads, results in order. The first failure (or the caller's Ctrl-C while it
+    waits) cancels the others, which leave at their next step (those not started never start); the caller gets that
+    first error, the cancelled parts' own errors dropped."""
+    pool = ThreadPoolExecutor(min(len(jobs), at_once), thread_name_prefix="continuum-turns")
     futures = [pool.submit(run, job) for job in jobs]
     try:
         wait(futures, return_when=FIRST_EXCEPTION)
@@ -126,6 +195,7 @@ def _run_all(run: Callable[[Any], Any], jobs: list, token: cancel.CancelToken) -
         return [f.result() for f in futures]
     except BaseException:
         token.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)  # (parts not started yet never start)
         raise
     finally:
         pool.shutdown(wait=True)  # (cancelled parts leave within a step: nothing runs on after the call returns)

@@ -1,0 +1,94 @@
+"""Nothing refused that fits (issue 56): calls too wide for one step or one pool run in parts, not fail.
+
+Each test failed before its fix, on llama.cpp (the f32 fixture, small pools):
+* a choice of 24 prompts x 10 labels needed 264 sequence ids at once (``SequencesExhaustedError``): choice scoring
+  now splits into parts by ids, cells and ``max_rows``, and each pick is llama.cpp's own best option;
+* 2 prompts x ``multinomial(8)`` x 100 tokens on 1,024 cells (``KVCacheFullError`` after the work): a prompt's
+  samples are priced as the prompt once plus samples x new tokens, so the two prompts run as two parts;
+* a call wider than the engine's ``max_rows`` ran only alone, holding later calls behind all of it: its parts are
+  submitted as earlier ones end, so later calls are admitted between them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+import numpy as np
+
+from continuum import continuous, generate, models, samplers
+
+from llamacpp_support import CROSS_TOL, gguf, reference_logits
+
+
+def _model(**options):
+    return models.llamacpp(str(gguf("f32")), n_threads=2, **options)
+
+
+def _ids(state, r: int) -> list[int]:
+    return [i for i, m in zip(state._ids[r].tolist(), state._mask[r].tolist()) if m]
+
+
+def test_a_choice_wider_than_the_sequence_ids_scores_in_parts_and_picks_the_best():
+    model = _model(n_ctx=1024)
+    labels = [f" label{i}" for i in range(10)]  # 24 rows x (1 + 10 leaves) > 256 sequence ids
+    prompts = [f"Prompt number {i} is here:" for i in range(24)]
+    out = continuous(generate.choice(model, labels))(prompts)
+    assert out.batch == 24
+    checked = 0
+    for r, prompt in enumerate(prompts):
+        base = continuous(generate.text(model))(prompt, max_tokens=0)  # the prompt's ids, as the choice saw them
+        scores = []
+        for label in labels:
+            full = _ids(base + label, 0)
+            n = len(_ids(base, 0))
+            logits = reference_logits("f32", full)
+            lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            scores.append(sum(float(lp[c - 1, full[c]]) for c in range(n, len(full))))
+        ranked = sorted(scores, reverse=True)
+        if ranked[0] - ranked[1] > 10 * CROSS_TOL:  # llama.cpp's logits depend on the batch's composition
+            assert out.value[r] == labels[int(np.argmax(scores))], (r, out.value[r], scores)
+            checked += 1
+    assert checked >= 12
+
+
+def test_samples_of_two_prompts_are_priced_by_the_prompt_once():
+    model = _model(n_ctx=1024)  # each prompt + 8 samples x 100 tokens fits (~810 cells); both at once do not
+    gen = continuous(generate.text(model, samplers.multinomial(8)))
+    prompts = ["Once upon a time there was", "A dog and a cat went"]
+    a = gen(prompts, max_tokens=100, rng=torch.Generator().manual_seed(1))
+    assert a.batch == 2 and a.samples == 8
+    b = gen(prompts, max_tokens=100, rng=torch.Generator().manual_seed(1))
+    assert torch.equal(a._ids, b._ids), "a seeded call in parts is reproducible (each part seeded from the caller's rng)"
+
+
+def test_a_call_wider_than_max_rows_lets_later_calls_in_between_its_parts():
+    model = _model(n_ctx=2048)
+    model.engine.max_rows = 8
+    big_gen, small_gen = generate.text(model, samplers.greedy()), generate.text(model, samplers.greedy())
+    ended: dict[str, float] = {}
+    small_started = threading.Event()
+
+    def big():
+        small_started.set()
+        out = big_gen([f"Story {i}: once" for i in range(24)], max_tokens=30)  # 24 rows: 3 parts of 8
+        ended["big"] = time.perf_counter()
+        assert len(out) == 24
+
+    def small(i: int):
+        small_started.wait()
+        time.sleep(0.2)  # (sent while the first part runs)
+        small_gen(f"Tiny {i}:", max_tokens=4)
+        ended[f"small{i}"] = time.perf_counter()
+
+    threads = [threading.Thread(target=big)] + [threading.Thread(target=small, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(ended) == 3
+    assert ended["small0"] < ended["big"] and ended["small1"] < ended["big"], ended
