@@ -76,7 +76,21 @@ def prefill(state: SequenceState, reserve: int = 0) -> SequenceState:
             cache.settle()  # prefixes registered as being computed (in-batch sharing)
 
 
+def recompute_stale(state: SequenceState) -> SequenceState:
+    """``state`` with the cache of the rows the backend can no longer extend dropped, so this call computes them again
+    from their tokens (llama.cpp: a sliding window's cells gone behind a restored state's end,
+    ``models/llamacpp/window.py``): a state is never refused for what the backend evicted."""
+    find = getattr(state._model, "stale_rows", None)
+    stale = set(find(state._kv)) if find is not None and state._kv is not None else set()
+    if not stale:
+        return state
+    keep = [0 if r in stale else c for r, c in enumerate(state._cached_real())]
+    tails = [(ids[k:], lps[k:]) for (ids, lps), k in zip(state._real_rows(), keep)]
+    return state._rebuild(keep, tails, state._weights, state._last)
+
+
 def _prefill(state: SequenceState, reserve: int, cache) -> SequenceState:
+    state = recompute_stale(state)
     if cache is not None:
         state = cache.reuse(state, reserve)  # (room after the uncached suffix, which it adds itself)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
@@ -190,6 +204,7 @@ def _decode(
     model, tok = state._model, state._model.tokenizer
     group, n = state.samples, sampler.samples
 
+    state = recompute_stale(state)
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
     elif getattr(model, "prefix_cache", None) is not None:  # the prefix cache extends rows' caches before the prefill

@@ -26,7 +26,7 @@ import torch
 from ...errors import KVCacheFullError, ModelLoadError, SequencesExhaustedError
 from ..capacity import Capacity
 from ..request import Request
-from . import capacity
+from . import capacity, window
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
 from .gather import RowPlan, fill_results, plan_rows
@@ -197,6 +197,11 @@ class LlamaCpp:
         stats["forward_s"] += time.perf_counter() - t
         stats["merged_forwards"] += 1
         stats["requests_merged"] += len(requests)
+
+    def stale_rows(self, kv: SeqKV | None) -> list[int]:
+        """Rows of ``kv`` a decode could not extend (a sliding window's cells gone: :mod:`.window`); the loop
+        recomputes them from their tokens."""
+        return [] if kv is None else window.stale(self.pool, kv.views)
 
     def capacity(self, requests: list[Request]) -> Capacity:
         """The pool's cells and ids now, ``requests``' KV held (the capacity model: ``continuum.models.capacity``)."""

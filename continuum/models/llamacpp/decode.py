@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
-from . import cells, recurrent
+from . import cells, recurrent, window
 from ._lib import lib, mark_decoded
 from .sequences import KVView, SequencePool, _Seq
 
@@ -174,7 +174,6 @@ def _discard(pool: SequencePool, seq: _Seq) -> None:
 def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | None], list[_Seq]]:
     """The sequence each row decodes into: its own (in place) when no live view of it is longer and no earlier
     row took it, else a fork. Raises StaleWindowError (after undoing the forks) for rows missing window cells."""
-    hybrid = pool.model.hybrid
     pinned: list[_Seq] = [r.view._seq for r in rows if r.view._seq is not None]
     targets: list[_Seq | None] = []
     forks: list[_Seq] = []
@@ -197,14 +196,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                     continue
                 if id(src) not in claimed and src.longest <= view.n_tokens:
                     if src.extent > view.n_tokens:  # a dead tail no live view reaches
-                        before = cells.used(pool)
-                        cells.cut(src, view.n_tokens)
-                        if hybrid:  # (llama.cpp cannot cut a recurrent summary back: restore the snapshot)
-                            recurrent.rewind(pool, src, view.n_tokens)
-                        else:
-                            pool.drop(src.id, view.n_tokens, -1)  # type: ignore[arg-type]
-                        src.extent = view.n_tokens
-                        pool.zombie_cells += before - cells.used(pool) if pool.zombie is not None else 0
+                        window.cut_tail(pool, src, view.n_tokens)
                     seq = src
                 else:
                     seq = pool._new_seq(pinned)

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
-from . import cells, recurrent, seqbytes
+from . import cells, recurrent, seqbytes, window
 from ._lib import lib
 from .model import LlamaCppModel
 
@@ -232,6 +232,8 @@ class SequencePool:
 
     def _spill(self, seq: _Seq) -> None:
         assert seq.id is not None
+        if self.model.n_swa > 0 and not self.model.hybrid and seq.extent > seq.longest:
+            window.cut_tail(self, seq, seq.longest)  # (its bytes hold the window behind the end: see window.py)
         seq.blob = seqbytes.get(self.model, seq.id)
         self._release_id(seq.id)
         seq.id = None
