@@ -47,6 +47,8 @@ from typing import Any
 
 from ...errors import ModelLoadError
 from ._lib import TILED_MM, lib, pin_kernels
+from .amx import decide
+from .bufts import apply
 
 __all__ = ["LlamaCppModel", "KV_TYPES", "GGUF_MAGIC"]
 
@@ -166,8 +168,11 @@ class LlamaCppModel:
         """The ``llama_model`` (CPU), refused clearly where continuum cannot run it."""
         L = lib()
         mparams = L.llama_model_default_params()
-        mparams.use_extra_bufts = not self.batch_invariant
         mparams.n_gpu_layers = 0
+        # where llama.cpp's AMX matmul could crash the process (llama.cpp #20824), load around it: ``amx.py`` probes it
+        # once per build and CPU in a child. The batch-invariant mode loads no extra buffer type at all (no AMX either).
+        self.load_mode = "plain" if self.batch_invariant else decide(self.path, self.n_threads).mode
+        self._overrides = apply(mparams, self.load_mode, self.path)  # (read by the load through a pointer: kept alive)
         with self.lock:
             model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not model:
