@@ -16,29 +16,26 @@ back behind that end cannot be extended. Two things follow:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from . import cells, recurrent
-
-if TYPE_CHECKING:
-    from .sequences import KVView, SequencePool, _Seq
 
 __all__ = ["cut_tail", "stale"]
 
 
-def cut_tail(pool: SequencePool, seq: _Seq, n: int) -> None:
+def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its _Seq: sequences.py imports this module)
     """Cut resident ``seq`` back to its first ``n`` positions (a tail no live view reaches; under the model's lock)."""
     before = cells.used(pool)
     cells.cut(seq, n)
     if pool.model.hybrid:  # (llama.cpp cannot cut a recurrent summary back: restore the snapshot)
         recurrent.rewind(pool, seq, n)
     else:
-        pool.drop(seq.id, n, -1)  # type: ignore[arg-type]
+        pool.drop(seq.id, n, -1)
     seq.extent = n
     pool.zombie_cells += before - cells.used(pool) if pool.zombie is not None else 0
 
 
-def stale(pool: SequencePool, views: Sequence[KVView]) -> list[int]:
+def stale(pool: Any, views: Sequence[Any]) -> list[int]:
     """Indices of the ``views`` a decode could not extend (their window cells are gone), restoring nothing: a
     resident sequence is asked llama.cpp; a spilled one is stale when cut back behind the end its bytes were
     written at (they hold only the window behind it)."""
