@@ -287,6 +287,7 @@ class Engine(Driving):
                 self._stats["no_room"] += 1
             victim = self.scheduler.victim(live) if failed else None
             if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
+                self._retry_later(failed, live, oneoff)
                 return live
             victim.parked = True
             self._stats["parked"] += 1
@@ -297,6 +298,20 @@ class Engine(Driving):
             todo = [r for r in failed if r is not victim.pending]
             if not todo:
                 return live
+
+    def _retry_later(self, failed: list[Request], live: list[Call], oneoff: list[Request]) -> None:
+        """One-off requests (a setup's prefill, a choice's tree) that found no room beside other requests of the step
+        wait for the next step, at the head of the inbox, instead of failing: what the others hold is freed or parked
+        by then. Only a one-off that ran with nothing else gets its error (it cannot fit at all)."""
+        crowded = len(live) + len(oneoff) > 1
+        again = [r for r in failed if crowded and r in oneoff]
+        if not again:
+            return
+        for r in again:
+            r.error, r.result = None, None
+            oneoff.remove(r)  # (not done: its caller keeps waiting)
+        with self._cond:
+            self._inbox[:0] = again
 
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""

@@ -107,9 +107,9 @@ class Scheduler:
             cap = measure([c.pending for c in live])
         held = [c.pending for c in live]  # (what the step will hold: never spilled to make room for it)
         reserved = sum(remaining(c, self.horizon) for c in live)  # (what the running may still add: admissions leave it free)
-        for r in oneoffs:  # 2. one-offs that fit now (alone: always)
+        for r in oneoffs:  # 2. one-offs that fit now (the first, when nothing else runs: always)
             trial, n = measure(held + [r]), need(r)
-            if taken + n <= trial.room or not live:
+            if taken + n <= trial.room or not held:
                 plan.oneoff.append(r)
                 held.append(r)
                 taken += n
