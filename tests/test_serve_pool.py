@@ -128,3 +128,30 @@ def test_non_streamed_replies_waiting_for_a_worker_thread_count_toward_max_queue
         assert all(g.usage.completion_tokens == 40 for g in got if not isinstance(g, Exception))
     finally:
         srv.stop()
+
+
+def test_a_reply_admitted_to_wait_is_never_refused_later():
+    """Before: a reply counted at its arrival (waiting for a thread) was counted again when its generation started,
+    against the replies that queued behind it meanwhile, and refused (at --max-queue 2 with 40 clients, 2 answered
+    where 3 fit). The queue's own logic, with the engine's count of waiting calls given as a number."""
+    import contextvars
+
+    from continuum.serve.errors import Overloaded
+    from continuum.serve.queue import ADMITTED, ReplyQueue
+
+    queue = ReplyQueue(2, lambda: 0)
+    queue.enter()  # the first reply waits for a worker thread (0 waiting before it: admitted)
+    queue.enter()  # a second one behind it
+    with pytest.raises(Overloaded):
+        queue.enter()  # a third: 2 already wait
+
+    def first_reply_thread():  # what Context.run's worker does for the first reply
+        queue.leave()
+        ADMITTED.set(True)
+        queue.enter()  # (a third client queues behind it meanwhile: 2 wait again)
+        with queue.busy():
+            return queue.active
+
+    assert contextvars.copy_context().run(first_reply_thread) == 1
+    with pytest.raises(Overloaded), queue.busy():  # a generation that never waited is still refused (streams)
+        pass

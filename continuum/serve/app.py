@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .errors import APIError, Guard, install_handlers
-from .queue import ARRIVAL
+from .queue import ADMITTED, ARRIVAL
 from .retention import RetentionTimer
 from .served import ServedModel
 from .stores import open_store
@@ -105,6 +105,7 @@ class Context:
             nonlocal started
             started = True
             self.served.queue.leave()
+            ADMITTED.set(True)  # (this thread's copy of the request's context: it waited, it is not refused now)
             return fn()
 
         try:

@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from ..loop.cancel import CancelToken, bound, current
 from .errors import Overloaded
 
-__all__ = ["ARRIVAL", "Generation", "ReplyQueue"]
+__all__ = ["ADMITTED", "ARRIVAL", "Generation", "ReplyQueue"]
 
 # when the request being served arrived (time.perf_counter(); app.py's outermost middleware sets it, and the worker
 # threads that generate see it: anyio's threads and serve/sse.py's copy the request's context). None outside a request.
 ARRIVAL: ContextVar[float | None] = ContextVar("continuum_serve_arrival", default=None)
+# set in the worker thread of a reply that :meth:`ReplyQueue.enter` admitted to wait: its generation is not refused
+# later, when others queued behind it (issue 56: at --max-queue 2, 40 clients, 2 answered where 3 fit)
+ADMITTED: ContextVar[bool] = ContextVar("continuum_serve_admitted", default=False)
 
 
 @dataclass
@@ -79,9 +82,11 @@ class ReplyQueue:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
-        """Counts a generation in :attr:`active` while it runs; refuses it when ``max_queue`` replies already wait."""
+        """Counts a generation in :attr:`active` while it runs; refuses it when ``max_queue`` replies already wait, unless
+        it was admitted to wait already (:data:`ADMITTED`: a reply that waited is never refused afterwards)."""
         with self._lock:
-            self._refuse_if_full()
+            if not ADMITTED.get():
+                self._refuse_if_full()
             self.active += 1
         try:
             yield
