@@ -315,3 +315,41 @@ def test_a_kv_budget_on_transformers_bounds_the_running_calls_and_refuses_only_w
     assert gen(PROMPTS[0], max_tokens=8) == alone[0] and model.engine.stats()["running_kv_bytes"] == 0
     with pytest.raises(ValueError, match="kv_budget"):
         models.Transformers(gpt2_model.model, gpt2_model.tokenizer, kv_budget="lots")
+
+
+
+def test_a_kv_budget_counts_the_step_as_it_is_laid_out(gpt2_model):
+    """One long document decoding, then ten short calls: each short call at its own length fits the budget beside it,
+    but the decode step holds every row as long as the longest (one slab). Before, all ten joined the long call (11
+    rows as long as the document: ~3.7x the budget); now at most two do while it runs (the slab, rows x the longest,
+    fits). Results equal each call alone."""
+    import threading
+    import time
+
+    from continuum import models
+    from continuum.models.memory import kv_bytes
+
+    tok = gpt2_model.tokenizer
+    long_doc = " ".join(f"w{i}" for i in range(25))  # (the tiny model has 256 positions)
+    short = [f"Hi {i}" for i in range(10)]
+    budget = 3 * kv_bytes(gpt2_model, len(tok.encode_prompts([long_doc])[0]) + 150)  # the long call and two short ones
+    model = models.Transformers(gpt2_model.model, gpt2_model.tokenizer, kv_budget=budget)
+    gen = generate.text(model, samplers.greedy())
+    alone = [gen(long_doc, max_tokens=150)] + [gen(p, max_tokens=4) for p in short]
+    model.engine.reset_stats()
+    out: dict[int, str] = {}
+
+    def run(i: int):
+        out[i] = gen(long_doc, max_tokens=150) if i == 0 else gen(short[i - 1], max_tokens=4)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(11)]
+    threads[0].start()
+    while not model.engine.stats()["running_calls"]:  # (the long call decodes; the short ones arrive beside it)
+        time.sleep(0.001)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [out[i] for i in range(11)] == alone
+    stats = model.engine.stats()
+    assert stats["peak_rows"] <= 3 and stats["peak_running_kv_bytes"] <= budget, stats

@@ -366,7 +366,7 @@ class Engine(Driving):
         with self._cond:
             out = report(self._stats, self._steps)
             out["running_calls"], out["running_rows"] = len(self._running), self.scheduler.rows
-            out["running_kv_bytes"] = self.scheduler.kv
+            out["running_kv_bytes"] = self.scheduler.slab_bytes([c for c in self._running if not c.closed])
             out["parked_calls"] = sum(c.parked for c in self._running)
             out["waiting_calls"] = sum(isinstance(c, Call) for c in self._inbox)
         out["max_rows"], out["max_kv_bytes"] = self.max_rows, self.max_kv_bytes

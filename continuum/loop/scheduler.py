@@ -96,7 +96,7 @@ class Scheduler:
         cap = measure([c.pending for c in live]) if measure is not None else None
         if cap is None:  # no fixed pool: rows and the byte budget, nothing parks
             plan.oneoff = oneoffs
-            plan.admit = self._by_budget(calls, bool(parked))
+            plan.admit = self._by_budget(calls, bool(parked), live)
             return plan
         need = self.model.step_need
         taken = sum(need(c.pending) for c in live)
@@ -127,7 +127,7 @@ class Scheduler:
         for c in calls:  # 4. the inbox, in arrival order
             trial, n = measure(held + [c.pending]), need(c.pending)
             fits = rows + c.rows <= self.max_rows and taken + n + reserved + remaining(c, self.horizon) <= trial.room \
-                and self._budget_ok(c)
+                and self._budget_ok(live + plan.admit + [c])
             if not fits and held:
                 break  # (a call that waits keeps the later ones waiting: no starvation of a large call)
             plan.admit.append(c)
@@ -135,20 +135,28 @@ class Scheduler:
             rows, taken, reserved = rows + c.rows, taken + n, reserved + remaining(c, self.horizon)
         return plan
 
-    def _budget_ok(self, call: Call, kv: int | None = None) -> bool:
-        budget = self.kv_budget
-        return budget is None or (self.kv if kv is None else kv) + call.kv <= budget
+    @staticmethod
+    def slab_bytes(calls: list[Call]) -> int:
+        """The KV bytes ``calls`` reach decoding together, as the step lays them out: one slab whose every row is as
+        long as the longest (``models/hf/merge.py``), each call at its longest (input plus ``max_tokens``). Summing
+        each call at its own length instead let one long document beside 60 short chats hold ~23x the budget."""
+        rows = sum(c.rows for c in calls)
+        return rows * max((c.kv // max(c.rows, 1) for c in calls), default=0)
 
-    def _by_budget(self, calls: list[Call], parked: bool) -> list[Call]:
-        """Admission without a pool: in arrival order while rows and the byte budget (at the longest) allow; a call
-        larger than either runs when it is alone."""
+    def _budget_ok(self, calls: list[Call]) -> bool:
+        budget = self.kv_budget
+        return budget is None or self.slab_bytes(calls) <= budget
+
+    def _by_budget(self, calls: list[Call], parked: bool, live: list[Call]) -> list[Call]:
+        """Admission without a pool: in arrival order while rows and the byte budget (the step's slab, at the
+        longest) allow; a call larger than either runs when it is alone."""
         chosen: list[Call] = []
-        rows, kv = self.rows, self.kv
+        rows = self.rows
         for c in calls:
-            if parked or (rows and (rows + c.rows > self.max_rows or not self._budget_ok(c, kv))):
+            if parked or (rows and (rows + c.rows > self.max_rows or not self._budget_ok(live + chosen + [c]))):
                 break
             chosen.append(c)
-            rows, kv = rows + c.rows, kv + c.kv
+            rows += c.rows
         return chosen
 
     def apply(self, plan: Plan, running: list[Call], inbox: list[Call | Request], stats: dict) -> list[Call | Request]:
@@ -159,7 +167,8 @@ class Scheduler:
         running.extend(plan.admit)
         self.rows += sum(c.rows for c in plan.admit)
         self.kv += sum(c.kv for c in plan.admit)
-        stats["peak_running_kv_bytes"] = max(stats["peak_running_kv_bytes"], self.kv)
+        live = [c for c in running if not c.closed]
+        stats["peak_running_kv_bytes"] = max(stats["peak_running_kv_bytes"], self.slab_bytes(live) if plan.admit else 0)
         for c in plan.park:
             c.parked = True
         for c in plan.resume:
