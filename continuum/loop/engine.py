@@ -276,8 +276,10 @@ class Engine(Driving):
         path: where a request still finds no room (the count said it fitted), the newest running call is parked
         (:meth:`Scheduler.victim`) and the failed requests run again. Returns the calls whose loops resume now."""
         todo = [c.pending for c in live] + oneoff
+        again = len(live) + len(oneoff) > 1  # one more try for what failed beside others (below)
         while True:
-            self._model.hold([c.pending for c in live if not c.parked] + oneoff)  # room is made from the rest
+            # room is made from the rest (a one-off already run is not held: its result is idle until its owner takes it)
+            self._model.hold([c.pending for c in live if not c.parked] + [r for r in oneoff if r in todo])
             try:
                 self._run_requests(todo)
             finally:
@@ -286,6 +288,14 @@ class Engine(Driving):
             if failed:
                 self._stats["no_room"] += 1
             victim = self.scheduler.victim(live) if failed else None
+            if victim is None and failed and again:
+                # what the step's other requests computed is theirs now (a one-off's result, idle): spillable, so a
+                # request that failed beside them (a call's restore, "no room to restore a spilled state") may fit now
+                again = False
+                for r in failed:
+                    r.error = None
+                todo = failed
+                continue
             if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
                 self._retry_later(failed, live, oneoff)
                 return live

@@ -26,7 +26,7 @@ from ..samplers import MultinomialSampler, Sampler
 from ..state import SequenceState
 from ..state.combine import concat_samples
 from . import cancel
-from .checks import check_lengths, check_max_tokens, check_rng
+from .checks import check_continuable, check_lengths, check_max_tokens, check_rng
 
 __all__ = ["needs_turns", "in_turns", "choice_prompts", "in_parts"]
 
@@ -87,7 +87,7 @@ def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceSt
              options: dict) -> SequenceState:
     """Run ``decode`` on parts of ``state``'s rows, at most :func:`row_limit` each, concurrently; put them back."""
     limit, per = row_limit(state, sampler, options) or 1, _per_prompt(state, sampler, options)
-    _check_up_front(state, options)
+    _check_up_front(state, options, sampler)
     token = cancel.CancelToken(cancel.current())
     run = _runner(token, lambda part, smp, opts: decode(part, smp, **opts))
 
@@ -145,12 +145,16 @@ def in_parts(run_part: Callable[[SequenceState, dict], Generator[Any, None, Any]
     return SequenceState.stack(_run_all(run, jobs, token, _at_once(state, k * state.samples)))
 
 
-def _check_up_front(state: SequenceState, options: dict) -> None:
+def _check_up_front(state: SequenceState, options: dict, sampler: Sampler | None = None) -> None:
     """What every part checks in its own setup, on all rows before any part starts: parts start as earlier ones end
-    (:func:`_at_once`), and a bad last row must fail the call at once, not after the parts before it have run."""
+    (:func:`_at_once`), and a bad last row must fail the call at once, not after the parts before it have run. With
+    the call's sampler: its rows must fit in memory all together too (they are stacked into one result)."""
     check_max_tokens(options.get("max_tokens"))
     check_rng(options.get("rng"))
-    check_lengths(state)
+    if sampler is None:
+        check_lengths(state)
+    else:
+        check_continuable(state, sampler, options.get("max_tokens"))
 
 
 def _runner(token: cancel.CancelToken, loop: Callable[..., Generator[Any, None, Any]]) -> Callable[[tuple], Any]:
