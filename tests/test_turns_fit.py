@@ -71,28 +71,27 @@ def test_a_call_wider_than_max_rows_lets_later_calls_in_between_its_parts():
     model.engine.max_rows = 8
     big_gen, small_gen = generate.text(model, samplers.greedy()), generate.text(model, samplers.greedy())
     ended: dict[str, float] = {}
-    small_started = threading.Event()
 
     def big():
-        small_started.set()
-        out = big_gen([f"Story {i}: once" for i in range(24)], max_tokens=30)  # 24 rows: 3 parts of 8
+        out = big_gen([f"Story {i}: once" for i in range(24)], max_tokens=60)  # 24 rows: 3 parts of 8, one at a time
         ended["big"] = time.perf_counter()
         assert len(out) == 24
 
     def small(i: int):
-        small_started.wait()
-        time.sleep(0.2)  # (sent while the first part runs)
         small_gen(f"Tiny {i}:", max_tokens=4)
         ended[f"small{i}"] = time.perf_counter()
 
     threads = [threading.Thread(target=big)] + [threading.Thread(target=small, args=(i,)) for i in range(2)]
-    for t in threads:
+    threads[0].start()
+    deadline = time.time() + 60
+    while not model.engine.stats()["running_calls"] and time.time() < deadline:  # (sent while the first part runs)
+        time.sleep(0.001)
+    for t in threads[1:]:
         t.start()
     for t in threads:
         t.join(120)
     assert len(ended) == 3
     assert ended["small0"] < ended["big"] and ended["small1"] < ended["big"], ended
-
 
 
 def test_setups_that_arrive_together_on_a_small_pool_take_turns():
