@@ -69,3 +69,20 @@ def test_a_slice_behind_a_restored_window_is_recomputed(gemma):
     check_greedy_path(_ids(out), len(_ids(t)), kind="gemma", flash_attn=False)
     again = text(s, max_tokens=2)  # the longer state is still fine
     check_greedy_path(_ids(again), len(_ids(s)), kind="gemma", flash_attn=False)
+
+
+def test_a_row_found_stale_at_its_first_forward_is_recomputed(gemma, monkeypatch):
+    """The race the setup check cannot see: a call checked while its sequence was resident, spilled (beside a longer
+    view) while the call waited for admission. Its first forward finds the window gone; every row is computed again
+    from the start (``CallLoop.run``), not refused. (The server saw it: 1 of 8 agent conversations, 400.)"""
+    from continuum.loop import decoding
+
+    monkeypatch.setattr(decoding, "recompute_stale", lambda state: state)  # as if the spill came after the setup
+    text = continuous(generate.text(gemma, samplers.greedy()))
+    s = text(_long_prompt(), max_tokens=4)
+    assert gemma.pool.spill_idle() >= 1
+    t = s[:len(str(s)) - 300]
+    before = gemma.tokens_computed
+    out = text(t, max_tokens=6)
+    assert gemma.tokens_computed - before > len(_ids(t)), "recomputed from the start"
+    check_greedy_path(_ids(out), len(_ids(t)), kind="gemma", flash_attn=False)

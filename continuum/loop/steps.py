@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..errors import StaleWindowError
 from ..guides import DEAD, Guide
 from ..models import kv as kvcache
 from ..models.kv import positions
@@ -117,14 +118,14 @@ class CallLoop:
     def run(self, model: Any, C: int, owner: int) -> Generator[Any, Any, tuple[int, int]]:
         """Prefill columns [C, W) (a long prompt in chunks while other calls run, so their next tokens do not wait),
         then step until every row ended. Returns ``(fed, group)`` for the result state."""
-        rows, start = self.rows, C
+        rows = self.rows
         self.engine = model.engine
         self.tokenizer = getattr(model, "tokenizer", None)  # (speculation: the lookup drafts by text too)
-        chunk = model.engine.chunk_for(self.W - C) if rows.branch is None else None
-        while chunk and self.W - start > chunk:
-            _, rows.kv = yield from self.forward(start, start + chunk, logits="none")
-            start += chunk
-        self.logits, rows.kv = yield from self.forward(start, self.W)
+        try:
+            yield from self._prefill(model, C)
+        except StaleWindowError:  # a row's sliding-window cells went while the call waited for admission (its sequence
+            rows.kv = None  # spilled beside a longer view: models/llamacpp/window.py): every row again, from the start
+            yield from self._prefill(model, 0)
         if getattr(model, "prefix_cache", None) is not None:  # what this prefill computed, for later calls
             model.prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)
         while True:
@@ -133,6 +134,14 @@ class CallLoop:
             if common:
                 break
         return self.fed, self.group
+
+    def _prefill(self, model: Any, start: int):
+        rows = self.rows
+        chunk = model.engine.chunk_for(self.W - start) if rows.branch is None else None
+        while chunk and self.W - start > chunk:
+            _, rows.kv = yield from self.forward(start, start + chunk, logits="none")
+            start += chunk
+        self.logits, rows.kv = yield from self.forward(start, self.W)
 
     def _busy(self) -> bool:
         """Speculation rests while more than ``max_calls`` calls share the step (compute-bound: see speculate.py)."""
