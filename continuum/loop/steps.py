@@ -95,8 +95,16 @@ class CallLoop:
         req = self.last = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True,
                                   remask=self.remask)
         self.remask = False
-        yield req
-        return req.result
+        try:
+            yield req
+        except StaleWindowError:  # a sliding window's cells gone (models/llamacpp/window.py): every row again from 0
+            if start == 0:
+                raise
+            rows.kv = None
+            lg, rows.kv = yield from self.forward(0, end, logits)
+            return (lg[:, start:] if logits == "all" else lg), rows.kv
+        result, req.result = req.result, None  # (``last`` is kept for its top lists: a KV view held there would keep
+        return result  # a dead tail of rejected drafts alive, which a spill then writes the window behind)
 
     def column_forward(self, col: int, ids: list[int], pos: list[int]):
         """:meth:`forward` on the one column ``col`` in which every row is real, as lists (the engine's common
@@ -112,7 +120,8 @@ class CallLoop:
         req = self.last = Request(None, None, None, rows.kv, "last", reserve, normalize=True,  # type: ignore[arg-type]
                                   column=(ids, pos), source=source)
         yield req
-        return req.result
+        result, req.result = req.result, None  # (see forward)
+        return result
 
     # -- the call ---------------------------------------------------------------------------------------------
     def run(self, model: Any, C: int, owner: int) -> Generator[Any, Any, tuple[int, int]]:
@@ -121,10 +130,10 @@ class CallLoop:
         rows = self.rows
         self.engine = model.engine
         self.tokenizer = getattr(model, "tokenizer", None)  # (speculation: the lookup drafts by text too)
-        try:
+        try:  # (a row whose window went while the call waited for admission: forward recomputes every row)
             yield from self._prefill(model, C)
-        except StaleWindowError:  # a row's sliding-window cells went while the call waited for admission (its sequence
-            rows.kv = None  # spilled beside a longer view: models/llamacpp/window.py): every row again, from the start
+        except StaleWindowError:  # (in a chunk: the whole prefill again, from the start)
+            rows.kv = None
             yield from self._prefill(model, 0)
         if getattr(model, "prefix_cache", None) is not None:  # what this prefill computed, for later calls
             model.prefix_cache.remember(model, rows.ids, rows.mask, rows.kv, owner)
