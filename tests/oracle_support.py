@@ -1,0 +1,396 @@
+"""The backends and references of the oracle test (``tests/test_oracle.py``): every result is checked against the
+backend's OWN evaluation of the same token ids, never against continuum.
+
+* transformers: a fresh, cache-less ``model.model(input_ids=...)`` forward over a row's real ids gives every
+  position's log-probs (fp32: a stored log-prob and a weight must agree within ``1e-4``); beams are compared with
+  transformers' own ``generate(num_beams=n)``.
+* llama.cpp: llama-cpp-python's own evaluation (``Llama(logits_all=True).eval``) of the same ids on the f32 GGUF,
+  with the flash-attention setting of the model under test. llama.cpp's documented tolerance
+  (docs/llamacpp.md#exactness): a token decoded one at a time differs from the same position inside one prefill by
+  up to ``DECODE_TOL["f32"]`` (0.05) in its logits, so up to twice that in a log-prob (the logit and the
+  log-sum-exp each move by up to 0.05).
+
+Greedy tokens and choices are compared with the reference's argmax only where the reference's top-2 margin exceeds
+the noise: ``1e-3`` in fp32 on transformers (DESIGN.md, wave 9), ``DECODE_TOL`` on llama.cpp; a near-tie may go
+either way and proves nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import torch
+from hypothesis import event, note
+from hypothesis.errors import InvalidArgument
+from hypothesis.stateful import multiple
+
+from continuum import SequenceState, continuous, generate, models, samplers
+
+from conftest import _sharpen, chars_key, fixture_path, tiny_llama
+
+HF_TOL, HF_MARGIN = 1e-4, 1e-3  # fp32: a fresh forward vs continuum's cached one; below 1e-3 a top-2 gap is a tie
+MAX_TOKENS = 160  # states stay shorter than this (llama-cpp-python's reference context is 512 cells)
+JSON_SCHEMAS = {"bool": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                "small": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                          "required": ["n"]}}
+
+
+@dataclass
+class Backend:
+    """One model's weights behind several continuum adapters (``variants``: the prefix cache on/off, a small pool),
+    and its reference. ``tol``: per-token log-prob; ``margin``: the top-2 gap above which argmax must agree."""
+
+    name: str
+    kind: str  # "hf" | "llama"
+    variants: dict[str, Any]
+    tol: float
+    margin: float
+    hf: Any = None  # the transformers module (beams: its own generate)
+    flash_attn: bool = False
+    _memo: dict = field(default_factory=dict)
+    _gens: dict = field(default_factory=dict)
+
+    @property
+    def model(self):
+        return self.variants["plain"]
+
+    def appended(self, text: str) -> str:
+        """How ``text`` reads once added to a row: normalized on its own as the tokenizer's own normalizer does
+        (Qwen2's NFC composes ``"e\u0301"`` into ``"é"``; docs/state.md), else unchanged."""
+        hf_tok = getattr(self.model.tokenizer, "hf", None)
+        normalizer = getattr(getattr(hf_tok, "backend_tokenizer", None), "normalizer", None)
+        return unicodedata.normalize("NFC", text) if "NFC" in repr(normalizer) else text
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """``(len(ids), V)`` float64: row ``j`` is the reference's log-probs of the token after ``ids[:j + 1]``."""
+        key = tuple(ids)
+        if key not in self._memo:
+            if len(self._memo) > 256:
+                self._memo.clear()
+            if self.kind == "hf":
+                with torch.no_grad():
+                    logits = self.hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+            else:
+                llm = llama_reference(self.flash_attn)
+                llm.reset()
+                llm.eval(list(ids))
+                logits = torch.tensor(llm.scores[:len(ids)])
+            self._memo[key] = logits.double().log_softmax(-1)
+        return self._memo[key]
+
+    def generator(self, variant: str, kind: str, n: int = 1, arg: Any = None):
+        """A continuous generator (cached: regex and JSON guides compile once)."""
+        key = (variant, kind, n, repr(arg))
+        if key not in self._gens:
+            m = self.variants[variant]
+            sampler = {"greedy": samplers.greedy(), "sample": samplers.multinomial(n), "fork": samplers.multinomial(n),
+                       "beam": samplers.beam_search(n), "choice": samplers.greedy(), "regex": samplers.greedy(),
+                       "json": samplers.greedy()}[kind]
+            if kind == "choice":
+                g = generate.choice(m, list(arg), sampler)
+            elif kind == "regex":
+                g = generate.regex(m, arg, sampler)
+            elif kind == "json":
+                g = generate.json(m, JSON_SCHEMAS[arg], sampler)
+            else:
+                g = generate.text(m, sampler)
+            self._gens[key] = continuous(g)
+        return self._gens[key]
+
+
+@cache
+def hf_backend(name: str) -> Backend:
+    """``stories``: the real pretrained stories260K; ``tiny``: a random tiny Llama (sharpened) over the real qwen2
+    byte-level BPE tokenizer. Variants share the weights (so states move between them with their KV)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "stories":
+        path = str(fixture_path("models", "stories260K"))
+        tok, hf = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    else:
+        tok = AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", "qwen2-bpe")))
+        hf = _sharpen(tiny_llama(len(tok), bos=tok.bos_token_id or 0, eos=tok.eos_token_id), 4.0)
+        hf.generation_config.eos_token_id = tok.eos_token_id
+    plain = models.Transformers(hf, tok)
+    budget = 3 * MAX_TOKENS * int(plain.kv_bytes_per_token)  # any one call fits; a few at once wait their turn
+    variants = {"plain": plain, "prefix": models.Transformers(hf, tok, prefix_cache="4MiB"),
+                "budget": models.Transformers(hf, tok, kv_budget=budget)}
+    return Backend(name, "hf", variants, HF_TOL, HF_MARGIN, hf=hf)
+
+
+@cache
+def llama_reference(flash_attn: bool):
+    """llama-cpp-python's own ``Llama`` on the f32 GGUF, every position's logits kept (as ``llamacpp_support.reference``,
+    on one thread: two threads spin-wait badly on a loaded 2-core machine, 10-100x slower; results do not depend on it)."""
+    import llama_cpp
+
+    from llamacpp_support import gguf
+
+    return llama_cpp.Llama(model_path=str(gguf("f32")), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=1,
+                           n_threads_batch=1, logits_all=True, flash_attn=flash_attn, verbose=False)
+
+
+@cache
+def llama_backend(invariant: bool, small: bool, prefix: bool) -> Backend:
+    """The f32 stories260K GGUF on llama.cpp; ``small``: a 256-cell pool, where calls park and held states spill."""
+    from llamacpp_support import DECODE_TOL, gguf
+
+    opts = dict(n_ctx=256, n_seq_max=16) if small else dict(n_ctx=1024)
+    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=1,
+                        prefix_cache="8MiB" if prefix else None, **opts)
+    tol = DECODE_TOL["f32"]
+    return Backend(f"gguf{'-invariant' if invariant else ''}", "llama", {"plain": m}, 2 * tol, tol,
+                   flash_attn=m.llama.flash_attn)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+def real_rows(state: SequenceState) -> list[tuple[list[int], list[float]]]:
+    """Each row's real token ids and stored log-probs (NaN: not generated), read from the public tensors."""
+    out = []
+    for ids, mask, lps in zip(state.token_ids, state.attention_masks, state.token_logprobs):
+        keep = mask.bool()
+        out.append((ids[keep].tolist(), lps[keep].tolist()))
+    return out
+
+
+def check_state(b: Backend, state: SequenceState, carried: list[float | None]) -> None:
+    """Every stored log-prob is the reference's log-prob of that token after the ids before it, and each weight is
+    their sum plus what the algebra carried (``state + other`` adds ``other``'s weight; ``None``: unknown)."""
+    weights = state.weights.flatten().tolist()
+    for r, (ids, lps) in enumerate(real_rows(state)):
+        ref, total, count = b.logprobs(ids), 0.0, 0
+        for j, lp in enumerate(lps):
+            if math.isnan(lp):
+                continue
+            assert j > 0, f"row {r}: a log-prob on the first token"
+            want = float(ref[j - 1, ids[j]])
+            assert abs(lp - want) <= b.tol, f"row {r} token {j} ({ids[j]}): log-prob {lp} != reference {want}"
+            total, count = total + want, count + 1
+        if carried[r] is not None:
+            err, tol = abs(weights[r] - (total + carried[r])), b.tol if b.kind == "hf" else b.tol * max(count, 1)
+            assert err <= tol, f"row {r}: weight {weights[r]} != reference sum {total} + carried {carried[r]} ({count} tokens)"
+
+
+def clear_argmax(b: Backend, row: torch.Tensor) -> int | None:
+    """The reference's argmax, or None where its top-2 margin is within the noise (a near-tie)."""
+    top = torch.topk(row, 2)
+    return int(top.indices[0]) if float(top.values[0] - top.values[1]) > b.margin else None
+
+
+def check_greedy(b: Backend, out: SequenceState, starts: list[int], prefixes: list[list[int]]) -> int:
+    """Rows continue their input's ids unchanged, and every token after ``starts[r]`` is the reference's argmax
+    wherever the reference's top-2 margin exceeds ``b.margin``. Returns how many tokens were compared."""
+    compared = 0
+    for r, (ids, _) in enumerate(real_rows(out)):
+        assert ids[:starts[r]] == prefixes[r], f"row {r}: the input's tokens changed"
+        ref = b.logprobs(ids)
+        for j in range(starts[r], len(ids)):
+            want = clear_argmax(b, ref[j - 1])
+            if want is not None:
+                assert ids[j] == want, f"row {r} token {j}: greedy chose {ids[j]}, the reference's argmax is {want}"
+                compared += 1
+    return compared
+
+
+def option_scores(b: Backend, inp: SequenceState, options: list[str]) -> tuple[list[list[list[int]]], list[list[float]]]:
+    """Per row and option: the ids of ``inp + option`` (continuum's own tokenization of the option in context) and
+    the reference's total log-prob of the option's tokens there."""
+    base = real_rows(inp)
+    all_ids, scores = [[] for _ in base], [[] for _ in base]
+    for o in options:
+        for r, (ids, _) in enumerate(real_rows(inp + o)):
+            n = len(base[r][0])
+            assert ids[:n] == base[r][0], f"row {r}: adding {o!r} changed the row's tokens"
+            ref = b.logprobs(ids)
+            all_ids[r].append(ids)
+            scores[r].append(sum(float(ref[j - 1, ids[j]]) for j in range(n, len(ids))))
+    return all_ids, scores
+
+
+def check_choice(b: Backend, inp: SequenceState, out: SequenceState, options: list[str]) -> int:
+    """A greedy choice's row is ``inp + option`` for one option, that option's value, and the reference's best
+    option wherever the reference's best two option totals are further apart than the noise (per token of the two
+    options: ``1e-3`` on transformers, a log-prob's tolerance ``2 * DECODE_TOL`` on llama.cpp). Returns the rows compared."""
+    all_ids, scores = option_scores(b, inp, options)
+    values = out.value if out.rows > 1 else [out.value]
+    compared = 0
+    for r, (ids, _) in enumerate(real_rows(out)):
+        picked = [i for i, o_ids in enumerate(all_ids[r]) if o_ids == ids]
+        assert picked, f"row {r}: {ids[-4:]} is no option's tokens after the input"
+        assert options[picked[0]] == values[r], (r, options[picked[0]], values[r])
+        order = sorted(range(len(options)), key=lambda i: -scores[r][i])
+        best = order[0]
+        if len(order) > 1:
+            second = order[1]
+            tokens = len(all_ids[r][best]) + len(all_ids[r][second]) - 2 * len(real_rows(inp)[r][0])
+            if scores[r][best] - scores[r][second] <= max(b.margin, b.tol) * max(tokens, 1):
+                continue
+        assert best in picked, (f"row {r}: chose {values[r]!r} (reference total {scores[r][picked[0]]:.5f}); the "
+                                f"reference's best is {options[best]!r} ({scores[r][best]:.5f}); all {scores[r]}")
+        compared += 1
+    return compared
+
+
+def check_beams(b: Backend, inp: SequenceState, out: SequenceState, n: int, k: int) -> bool:
+    """A fresh ``beam_search(n)`` of ``k`` tokens equals transformers' own ``generate(num_beams=n)`` from the same
+    ids (``length_penalty=0``: both rank by the summed log-probs), as a set of token sequences, and each beam's
+    new weight equals generate's score (1e-3). Where the sets differ, the first step where they part must be a
+    near-tie in the reference (the n-th and (n+1)-th candidates within ``b.margin``). Skipped where a beam ends
+    early (EOS: generate keeps finished hypotheses aside, continuum ranks them among the live ones)."""
+    eos = b.hf.generation_config.eos_token_id
+    ours_rows = real_rows(out)
+    for i, (ids, _) in enumerate(real_rows(inp)):
+        res = b.hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            do_sample=False, num_beams=n, num_return_sequences=n, max_new_tokens=k, length_penalty=0.0,
+                            output_scores=True, return_dict_in_generate=True, pad_token_id=eos)
+        theirs = [tuple(s[len(ids):].tolist()) for s in res.sequences]
+        ours = [tuple(x[len(ids):]) for x, _ in ours_rows[i * n:(i + 1) * n]]
+        assert all(x[:len(ids)] == ids for x, _ in ours_rows[i * n:(i + 1) * n]), "a beam lost its input's tokens"
+        if any(len(t) != k or eos in t for t in theirs + ours):
+            return False
+        if set(ours) == set(theirs):
+            w0 = inp.weights.flatten()[i].item()
+            got = sorted((out.weights.flatten()[i * n:(i + 1) * n] - w0).tolist(), reverse=True)
+            want = sorted(res.sequences_scores.tolist(), reverse=True)
+            assert max(abs(a - c) for a, c in zip(got, want)) <= 1e-3, (got, want)
+            continue
+        t = next(t for t in range(1, k + 1) if {x[:t] for x in ours} != {x[:t] for x in theirs})
+        prev = sorted({x[:t - 1] for x in theirs})  # the common beams before the step where they part
+        cands = []
+        for p in prev:
+            ref = b.logprobs(ids + list(p))
+            base = sum(float(ref[len(ids) + j - 1, tok]) for j, tok in enumerate(p))
+            cands += (base + ref[-1]).tolist()
+        top = sorted(cands, reverse=True)
+        assert top[n - 1] - top[n] <= b.margin, (f"beams part at step {t} where the reference's n-th and (n+1)-th "
+                                                 f"candidates are {top[n - 1] - top[n]:.3g} apart: ours {ours}, "
+                                                 f"generate's {theirs}")
+    return True
+
+
+def check_pattern(out: SequenceState, pattern: str | None, schema: str | None) -> None:
+    """A finished regex/JSON step's text matches the pattern (Python's ``re``) or parses and fits the schema
+    (``jsonschema``); an unfinished one refuses to give a value."""
+    import json
+
+    import jsonschema
+
+    from continuum.errors import IncompleteGenerationError
+
+    texts = out.last_text if out.rows > 1 else [out.last_text]
+    for text, reason in zip(texts, sum(out.finish_reasons, [])):
+        if reason in ("length", "context"):
+            continue
+        if pattern is not None:
+            assert re.fullmatch(pattern, text), (pattern, text, reason)
+        else:
+            jsonschema.validate(json.loads(text), JSON_SCHEMAS[schema])
+    if any(reason in ("length", "context") for reason in sum(out.finish_reasons, [])):
+        try:
+            out.value
+        except IncompleteGenerationError:
+            return
+        raise AssertionError("an unfinished constrained step gave a value")
+
+
+# ------------------------------------------------------------------------------------------- the machine's steps
+@dataclass(frozen=True)
+class Call:
+    kind: str  # greedy | sample | fork | beam | choice | regex | json
+    k: int | None = 4
+    n: int = 1
+    arg: Any = None  # options, a pattern or a schema's name
+    seed: int = 0
+    variant: str = "plain"
+    suffix: str = ""  # text added to the input first (as a program would: ``pick(s + " ok?")``)
+
+
+@dataclass
+class Held:
+    """A state the history holds, with the weight the algebra carried per row on top of its own tokens' log-probs
+    (``state + other`` carries ``other``'s weight; ``None``: unknown)."""
+
+    state: SequenceState
+    carried: list
+    final: bool = False  # by a call without max_tokens: checked, never continued (test_oracle's regressions)
+
+    def __repr__(self) -> str:
+        return f"Held({self.state.shape}, {[t[-24:] for t in self.state]!r})"
+
+
+def cut_carried(before: SequenceState, after: SequenceState, carried: list) -> list:
+    """A row that a cut shortened keeps only its kept tokens' log-probs (docs/state.md); an uncut row keeps all."""
+    return [0.0 if len(a) < len(t) else c for t, a, c in zip(before, after, carried)]
+
+
+def prepare(h: Held, call: Call) -> tuple[SequenceState, list]:
+    """The call's input: sample 0 for a one-sample sampler, cut back under MAX_TOKENS, plus the call's suffix."""
+    s, c = h.state, list(h.carried)
+    if call.kind != "sample" and s.samples > 1:
+        s, c = s[:, 0, :], [c[b * s.samples] for b in range(s.batch)]
+    while max(len(ids) for ids, _ in real_rows(s)) > MAX_TOKENS - 40:
+        cut = s[chars_key(s, slice(None, max(len(t) for t in s) // 2))]
+        s, c = cut, cut_carried(s, cut, c)
+    return (s + call.suffix if call.suffix else s), c
+
+
+def execute(b: Backend, call: Call, inp: SequenceState, asynchronous: bool = False):
+    n = inp.samples if call.kind == "sample" else call.n
+    gen = b.generator(call.variant, call.kind, n, call.arg)
+    rng = torch.Generator().manual_seed(call.seed) if call.kind in ("sample", "fork") else None
+    k = None if call.kind == "choice" else call.k
+    return gen.acall(inp, max_tokens=k, rng=rng) if asynchronous else gen(inp, max_tokens=k, rng=rng)
+
+
+def record(what: str, text: str) -> None:
+    """``note`` the step and count it as an ``event`` inside hypothesis (the tour runs outside it)."""
+    try:
+        note(text)
+        event(what)
+    except InvalidArgument:
+        pass
+
+
+def verify(b: Backend, call: Call, inp: SequenceState, carried: list, out: SequenceState) -> Held:
+    """Checks ``out`` against the reference; returns it with the weights it carries."""
+    record(call.kind, f"{call} on {list(inp)!r} -> {list(out)!r} weights {out.weights.flatten().tolist()}")
+    src = [r if out.samples == inp.samples else r // out.samples for r in range(out.rows)]
+    inputs = real_rows(inp)
+    out_carried = [carried[i] for i in src]
+    for r, (ids, _) in enumerate(real_rows(out)):
+        assert ids[:len(inputs[src[r]][0])] == inputs[src[r]][0], f"row {r}: the input's tokens changed"
+    check_state(b, out, out_carried)
+    if call.kind == "greedy":
+        compared = check_greedy(b, out, [len(inputs[i][0]) for i in src], [inputs[i][0] for i in src])
+        record(f"greedy tokens compared: {min(compared, 3)}+", "")
+    elif call.kind == "choice":
+        record(f"choices compared: {check_choice(b, inp, out, list(call.arg))}", "")
+    elif call.kind == "beam" and b.kind == "hf":
+        record(f"beams compared with generate: {check_beams(b, inp, out, call.n, call.k)}", "")
+    elif call.kind in ("regex", "json"):
+        check_pattern(out, call.arg if call.kind == "regex" else None, call.arg if call.kind == "json" else None)
+    return Held(out, out_carried, final=call.k is None and call.kind == "greedy")
+
+
+def keep(*held: Held):
+    """The states later steps may continue (not one that filled a small pool: see ``Held.final``)."""
+    return multiple(*[h for h in held if not h.final])
+
+
+def run_program(b: Backend, h: Held, program: list[Call]) -> list[tuple]:
+    """One program instance (on run_batch's worker thread): its calls chained, each input and output kept."""
+    done = []
+    for i, call in enumerate(program):
+        if call.k is None and i < len(program) - 1:  # (only last: see Held.final)
+            call = Call(call.kind, 6, call.n, call.arg, call.seed, call.variant, call.suffix)
+        inp, carried = prepare(h, call)
+        out = execute(b, call, inp)
+        done.append((call, inp, carried, out))
+        src = [r if out.samples == inp.samples else r // out.samples for r in range(out.rows)]
+        h = Held(out, [carried[i] for i in src])
+    return done

@@ -1,0 +1,387 @@
+"""An oracle, not a mirror (issue 56; DESIGN.md wave 9: "a reference decides what is right, not continuum").
+
+A hypothesis ``RuleBasedStateMachine`` draws histories, because a wrong result can depend on what ran before (a memo
+keyed by less than the whole context, a reused buffer). From fresh prompts it draws: greedy text; seeded multinomial
+samples; forks (``multinomial(n)``) and ``beam_search(n)``; greedy choices over 1..3-token options with shared
+prefixes; regex and JSON calls; ``state[..., :k]`` cuts; ``state + "text"`` and ``state + state``; save/load;
+``continuum.run_batch`` of a few one- or two-call programs, calls on threads, and ``acall`` merged by
+``asyncio.gather`` (the same state may be drawn twice). Calls run on the prefix cache on or off and, on
+transformers, under a ``kv_budget`` that makes calls wait; on llama.cpp the pool is roomy or 256 cells (calls park,
+held states spill).
+
+Backends: the pretrained stories260K and a random tiny Llama over the real qwen2 BPE tokenizer on transformers; the
+f32 stories260K GGUF on llama.cpp, default and batch-invariant modes (skipped without the fixtures or llama_cpp).
+
+EVERY result is checked against the backend's own reference over the same token ids (``tests/oracle_support.py``):
+each stored log-prob and each weight against a fresh forward (transformers, 1e-4 in fp32) or llama-cpp-python's own
+``Llama.eval`` (the tolerance docs/llamacpp.md documents); greedy tokens and choices against the reference's argmax
+where its top-2 margin exceeds the noise (1e-3 in fp32); beams against transformers' ``generate(num_beams=n)``;
+regex and JSON texts against ``re`` and ``jsonschema``.
+
+Profiles: CI (default) runs a few short derandomized histories per backend (~60 s on 2 cores). The long profile,
+``CONTINUUM_ORACLE=long python -m pytest tests/test_oracle.py`` (many more and longer random histories, a new seed
+each run; ``CONTINUUM_ORACLE_EXAMPLES=N`` sets how many), is to run before every stop; ``CONTINUUM_ORACLE_KNOWN=1``
+also draws the histories that hit the known bugs below at once. Every bug it finds becomes a named regression test
+below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, multiple, rule, run_state_machine_as_test
+from oracle_support import (
+    JSON_SCHEMAS,
+    MAX_TOKENS,
+    Backend,
+    Call,
+    Held,
+    check_choice,
+    check_greedy,
+    check_state,
+    cut_carried,
+    execute,
+    hf_backend,
+    keep,
+    llama_backend,
+    option_scores,
+    prepare,
+    real_rows,
+    run_program,
+    verify,
+)
+
+import continuum
+from continuum import SequenceState, continuous, generate, models, samplers
+
+from conftest import chars_key
+
+LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
+# Histories that hit a known bug (an xfail regression below) at once are drawn only with CONTINUUM_ORACLE_KNOWN=1, so
+# that the long profile finds new ones: greedy calls without max_tokens on llama.cpp (they fill a pool and park:
+# test_cells_of_a_dropped_state_come_back_regression; the tour parks either way) and cuts to an empty row
+# (test_choice/regex_at_the_start_of_an_empty_row_regression). Set it once those pass, then drop it.
+KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
+CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "gguf": (10, 12), "gguf-invariant": (10, 12)}  # (histories, steps)
+LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "gguf": (200, 40), "gguf-invariant": (200, 40)}  # ~5 minutes
+
+
+def settings_for(name: str) -> settings:
+    """CI: a few short derandomized histories; long: many longer ones, a new seed each run."""
+    examples, steps = (LONG_BUDGET if LONG else CI_BUDGET)[name]
+    return settings(max_examples=int(os.environ.get("CONTINUUM_ORACLE_EXAMPLES", 0)) or examples, stateful_step_count=steps,
+                    deadline=None, database=None, derandomize=not LONG, suppress_health_check=list(HealthCheck),
+                    print_blob=True)
+
+
+PROMPTS = ["Once upon a time", "item 3: once upon a time", "Lily saw a big dog.", "The cat", "Tom and Sue went to the"]
+OPTIONS = [(" yes", " no"), (" the", " there", " then"), (" a", " an", " and"), (" cat", " cats", " dog"),
+           (" happy", " sad", " hap"), ("!", ".", "?"), (" ok",), (" once upon", " once", " one")]
+SUFFIXES = ["", "", " ok?", " She was", ".", " and"]
+TEXTS = [" ok?", " She was", " and the", " 東京", "🤗", "e\u0301", "\n"]
+PATTERNS = [r" [0-9]{1,3}", r" (yes|no|maybe)", r"[a-z]{2,5}\."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads on a shared 2-core machine (see test_properties)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def call_strategy(variants: list[str], unbounded: bool):
+    """``unbounded``: greedy calls without ``max_tokens`` too (to EOS or the context: on a small llama.cpp pool such
+    calls outgrow it beside others and park)."""
+    v, k, seed, sfx = st.sampled_from(variants), st.integers(0, 6), st.integers(0, 2**16), st.sampled_from(SUFFIXES)
+    return st.one_of(
+        st.builds(Call, kind=st.just("greedy"), k=st.none() | k if unbounded else k, variant=v, suffix=sfx),
+        st.builds(Call, kind=st.just("sample"), k=k, seed=seed, variant=v, suffix=sfx),
+        st.builds(Call, kind=st.just("fork"), n=st.integers(2, 3), k=st.integers(0, 4), seed=seed, variant=v),
+        st.builds(Call, kind=st.just("beam"), n=st.integers(2, 3), k=st.integers(1, 4), variant=v),  # k=0: xfail elsewhere
+        st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=sfx),
+        st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=st.just(" ok?")),
+        st.builds(Call, kind=st.just("regex"), arg=st.sampled_from(PATTERNS), k=st.just(10), variant=v),
+        st.builds(Call, kind=st.just("json"), arg=st.sampled_from(sorted(JSON_SCHEMAS)), k=st.just(12), variant=v))
+
+
+def longest(state: SequenceState) -> int:
+    return max(len(ids) for ids, _ in real_rows(state))
+
+
+def machine_for(name: str):
+    """The state machine of one backend (its variants decide the strategies)."""
+    hf = name in ("stories", "tiny")
+    variants = ["plain", "prefix", "budget"] if hf else ["plain"]
+    calls = call_strategy(variants, unbounded=KNOWN and not hf)
+
+    class Oracle(RuleBasedStateMachine):
+        states = Bundle("states")
+
+        def __init__(self):
+            super().__init__()
+            self.b: Backend = hf_backend(name) if hf else None
+            self.dir = tempfile.TemporaryDirectory()
+
+        def teardown(self):
+            self.dir.cleanup()
+
+        @initialize(target=states, prompts=st.lists(st.sampled_from(PROMPTS), min_size=1, max_size=2),
+                    small=st.booleans(), prefix=st.booleans())
+        def start(self, prompts, small, prefix):
+            if not hf:  # the pool is the model's: one per history (a KV view never crosses pools)
+                self.b = llama_backend(name.endswith("invariant"), small, prefix)
+            s = SequenceState.from_prompts(self.b.model, prompts)
+            check_state(self.b, s, [0.0] * s.rows)
+            return Held(s, [0.0] * s.rows)
+
+        @rule(target=states, prompt=st.sampled_from(PROMPTS))
+        def prompt(self, prompt):
+            return Held(SequenceState.from_prompts(self.b.model, prompt), [0.0])
+
+        @rule(target=states, h=states, call=calls)
+        def call(self, h, call):
+            inp, carried = prepare(h, call)
+            out = verify(self.b, call, inp, carried, execute(self.b, call, inp))
+            return multiple() if out.final else out
+
+        @rule(target=states, h=states, k=st.integers(0 if KNOWN else 1, 60))
+        def cut(self, h, k):
+            s = h.state
+            new = s[chars_key(s, slice(None, k))]
+            assert list(new) == [t[:k] for t in s]  # the reference: Python's own slicing of each row's text
+            if any(len(ids) == 0 for ids, _ in real_rows(new)):
+                return multiple()  # (an empty row cannot be continued: tested elsewhere)
+            carried = cut_carried(s, new, h.carried)
+            check_state(self.b, new, carried)
+            return Held(new, carried)
+
+        @rule(target=states, h=states, text=st.sampled_from(TEXTS))
+        def add_text(self, h, text):
+            if longest(h.state) > MAX_TOKENS:
+                return multiple()  # (the references' contexts bound a state: calls cut theirs, adds stop)
+            new = h.state + text
+            assert list(new) == [t + self.b.appended(text) for t in h.state]
+            check_state(self.b, new, h.carried)
+            return Held(new, h.carried)
+
+        @rule(target=states, h=states, k=st.none() | st.integers(1, 40))
+        def add_state(self, h, k):
+            s = h.state
+            if 2 * longest(s) > MAX_TOKENS:
+                return multiple()
+            other, other_carried = (s, h.carried) if k is None else (s[chars_key(s, slice(None, k))], None)
+            if k is not None:
+                other_carried = cut_carried(s, other, h.carried)
+                check_state(self.b, other, other_carried)  # its weights are carried: they must be right first
+            new = s + other
+            assert list(new) == [t + o for t, o in zip(s, other)]
+            w = other.weights.flatten().tolist()
+            carried = [None if c is None or o is None else c + x for c, o, x in zip(h.carried, other_carried, w)]
+            check_state(self.b, new, carried)
+            return Held(new, carried)
+
+        @rule(target=states, h=states, variant=st.sampled_from(variants))
+        def save_load(self, h, variant):
+            path = os.path.join(self.dir.name, "state.safetensors")
+            h.state.save(path)
+            new = SequenceState.load(path, self.b.variants[variant])
+            assert [ids for ids, _ in real_rows(new)] == [ids for ids, _ in real_rows(h.state)]
+            check_state(self.b, new, h.carried)
+            return Held(new, h.carried)
+
+        @rule(target=states, hs=st.lists(states, min_size=2, max_size=3),
+              programs=st.lists(st.lists(calls, min_size=1, max_size=2), min_size=3, max_size=3))
+        def batch(self, hs, programs):
+            done = continuum.run_batch(lambda i: run_program(self.b, hs[i], programs[i]), range(len(hs)), concurrency=3)
+            return keep(*[[verify(self.b, *x) for x in d][-1] for d in done])
+
+        @rule(target=states, hs=st.lists(states, min_size=2, max_size=3), cs=st.lists(calls, min_size=3, max_size=3))
+        def threads(self, hs, cs):
+            jobs = [(c, *prepare(h, c)) for h, c in zip(hs, cs)]
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                outs = list(pool.map(lambda j: execute(self.b, j[0], j[1]), jobs))
+            return keep(*[verify(self.b, c, inp, carried, out) for (c, inp, carried), out in zip(jobs, outs)])
+
+        @rule(target=states, hs=st.lists(states, min_size=2, max_size=3), cs=st.lists(calls, min_size=3, max_size=3))
+        def gather(self, hs, cs):
+            jobs = [(c, *prepare(h, c)) for h, c in zip(hs, cs)]
+
+            async def main():
+                return await asyncio.gather(*[execute(self.b, c, inp, asynchronous=True) for c, inp, _ in jobs])
+
+            outs = asyncio.run(main())
+            return keep(*[verify(self.b, c, inp, carried, out) for (c, inp, carried), out in zip(jobs, outs)])
+
+    Oracle.__name__ = f"Oracle_{name.replace('-', '_')}"
+    return Oracle
+
+
+@pytest.mark.parametrize("name", ["stories", "tiny", "gguf", "gguf-invariant"])
+def test_oracle(name):
+    if name.startswith("gguf"):
+        pytest.importorskip("llama_cpp")
+        from llamacpp_support import gguf
+
+        gguf("f32")
+    else:
+        hf_backend(name)  # (skips without the fixture)
+    run_state_machine_as_test(machine_for(name), settings=settings_for(name))
+
+
+def tour(m) -> None:
+    """One scripted history through every rule and every kind of call (CI runs it whatever hypothesis draws)."""
+    a = m.start(prompts=["Once upon a time", "The cat"], small=True, prefix=True)
+    b = m.prompt(prompt="Lily saw a big dog.")
+    c = m.call(h=b, call=Call("greedy", k=6, variant="prefix" if m.b.kind == "hf" else "plain"))
+    d = m.call(h=c, call=Call("choice", arg=(" yes", " no"), suffix=" ok?"))
+    e = m.call(h=a, call=Call("fork", n=2, k=3, seed=1))
+    f = m.call(h=e, call=Call("sample", k=3, seed=2, variant="budget" if m.b.kind == "hf" else "plain"))
+    m.call(h=b, call=Call("beam", n=3, k=4))
+    m.call(h=a, call=Call("regex", arg=PATTERNS[1], k=10))
+    m.call(h=c, call=Call("json", arg="color", k=12))
+    y = m.add_text(h=m.cut(h=c, k=12), text=" 東京")
+    z = m.add_state(h=c, k=None)
+    m.add_state(h=f, k=20)
+    w = m.save_load(h=d, variant="plain")
+    greedy, pick, sample = Call("greedy", k=5), Call("choice", arg=OPTIONS[1], suffix=" ok?"), Call("sample", k=3, seed=3)
+    to_end = Call("greedy", k=None) if m.b.kind == "llama" else greedy  # (on the 256-cell pool: calls park)
+    m.batch(hs=[c, d, w], programs=[[pick, to_end], [to_end], [sample, pick]])
+    m.threads(hs=[c, c, y], cs=[pick, pick, greedy])
+    m.gather(hs=[d, d, z], cs=[greedy, pick, sample])
+    m.teardown()
+
+
+@pytest.mark.parametrize("name", ["stories", "tiny", "gguf", "gguf-invariant"])
+def test_oracle_tour(name):
+    if name.startswith("gguf"):
+        pytest.importorskip("llama_cpp")
+    tour(machine_for(name)())
+
+
+# --------------------------------------------------------------------------------------------- regressions
+@pytest.mark.parametrize("backend", ["stories", "stories-prefix", "gguf", "gguf-invariant"])
+def test_choice_same_state_twice_regression(backend):
+    """Issue 56: a greedy choice took a worse option depending on what ran before; the same state picked twice got
+    two answers. 12 items x 3 rounds of text -> `` ok?`` -> choice, each choice against the reference's argmax."""
+    if backend.startswith("gguf"):
+        pytest.importorskip("llama_cpp")
+    b = hf_backend("stories") if backend.startswith("stories") else llama_backend(backend.endswith("invariant"), False, False)
+    model = b.variants["prefix" if backend.endswith("prefix") else "plain"]
+    text = continuous(generate.text(model, samplers.greedy()))
+    pick = continuous(generate.choice(model, [" yes", " no"]))
+    answers: dict[tuple, set] = {}
+    for _ in range(3):
+        for x in range(12):
+            s = text(f"item {x}: once upon a time", max_tokens=6) + " ok?"
+            c = pick(s)
+            check_choice(b, s, c, [" yes", " no"])
+            answers.setdefault(tuple(real_rows(s)[0][0]), set()).add(c.value)
+    assert all(len(v) == 1 for v in answers.values()), answers
+
+
+@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: a state of one LlamaCpp continued on another instance "
+                   "of the same GGUF (same fingerprint, so same_model() is True) raises BackendError 'a KV view of "
+                   "another llama.cpp model (or pool)' instead of being recomputed there (docs/state.md, 'States and "
+                   "models')")
+def test_llamacpp_state_on_another_instance_of_the_same_gguf_regression():
+    pytest.importorskip("llama_cpp")
+    a, other = llama_backend(False, False, False), llama_backend(False, True, False)
+    s = continuous(generate.text(a.model, samplers.greedy()))("Once upon a time", max_tokens=6) + " The dog"
+    out = continuous(generate.text(other.model, samplers.greedy()))(s, max_tokens=6)
+    n = len(real_rows(s)[0][0])
+    check_state(a, out, [0.0])
+    check_greedy(a, out, [n], [real_rows(s)[0][0]])
+
+
+def test_oracle_fails_on_a_wrong_choice():
+    """The oracle can fail: a choice whose row holds the reference's worse option is refused."""
+    b = hf_backend("stories")
+    s = SequenceState.from_prompts(b.model, "Once upon a time, there was a little girl named Lily. She was very")
+    _, scores = option_scores(b, s, [" happy", " xylophone"])
+    assert scores[0][0] - scores[0][1] > 1e-3
+    wrong = continuous(generate.choice(b.model, [" xylophone"]))(s)
+    with pytest.raises(AssertionError, match="reference's best"):
+        check_choice(b, s, wrong, [" happy", " xylophone"])
+
+
+@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: on a 256-cell llama.cpp pool, a held state generated "
+                   "to the context fills the pool; continuing a cut of it (a choice, or text) raises KVCacheFullError "
+                   "'no free KV cell for 3 new tokens' instead of making room (docs/scheduler.md: nothing fails for "
+                   "lack of room), at HEAD 479f91a, default and batch-invariant modes")
+def test_continue_a_cut_of_a_pool_filling_state_regression():
+    pytest.importorskip("llama_cpp")
+    from llamacpp_support import DECODE_TOL, gguf
+
+    m = models.llamacpp(gguf("f32"), n_threads=1, n_ctx=256, n_seq_max=16)  # (its own pool: this one ends full)
+    b = Backend("gguf-small", "llama", {"plain": m}, 2 * DECODE_TOL["f32"], DECODE_TOL["f32"], flash_attn=m.llama.flash_attn)
+    s = continuous(generate.text(m, samplers.greedy()))("Once upon a time", max_tokens=None)
+    assert s.finish_reasons == [["context"]] and len(real_rows(s)[0][0]) == m.llama.n_ctx  # every cell
+    cut = s[..., :60] + " ok?"
+    out = continuous(generate.choice(m, list(OPTIONS[1])))(cut)
+    check_state(b, out, [0.0])
+    check_choice(b, cut, out, list(OPTIONS[1]))
+
+
+@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: the cells of a dropped llama.cpp state are not given "
+                   "back while an earlier state of its line is held: a 2-row state generated to the context on a 1024-cell "
+                   "pool, dropped (del + gc: the pool still counts 1023 cells used), then continuing its ancestor raises "
+                   "KVCacheFullError 'no free KV cell for 2 new tokens' (1 row in the batch-invariant mode); at HEAD 479f91a")
+def test_cells_of_a_dropped_state_come_back_regression():
+    pytest.importorskip("llama_cpp")
+    import gc
+
+    from llamacpp_support import DECODE_TOL, gguf
+
+    m = models.llamacpp(gguf("f32"), n_threads=1, n_ctx=1024)  # (its own pool)
+    b = Backend("gguf-1024", "llama", {"plain": m}, 2 * DECODE_TOL["f32"], DECODE_TOL["f32"], flash_attn=m.llama.flash_attn)
+    text = continuous(generate.text(m, samplers.greedy()))
+    a = text(["Once upon a time", "The cat"], max_tokens=3)
+    held = text(a, max_tokens=2)  # (without this state in between, the cells come back)
+    full = text(held + ".", max_tokens=None)
+    assert full.finish_reasons == [["context"], ["context"]]  # 2 x 512 tokens: every cell
+    del full
+    gc.collect()
+    out = text(a, max_tokens=2)
+    check_state(b, out, [0.0, 0.0])
+    check_greedy(b, out, [len(ids) for ids, _ in real_rows(a)], [ids for ids, _ in real_rows(a)])
+
+
+def empty_row(backend: str):
+    """A BOS-only state (``state[..., :0]``) on stories260K: transformers or the f32 GGUF."""
+    b = hf_backend("stories") if backend == "stories" else llama_backend(False, False, False)
+    return b, SequenceState.from_prompts(b.model, "Once upon a time")[..., :0]
+
+
+@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: at the start of an empty (BOS-only) row, state[..., :0], "
+                   "on the stories260K SentencePiece vocabulary (transformers and GGUF) a choice over [' yes', ' no'] "
+                   "scores and appends the options without their leading space: ids [1, 297, 414], value 'no' (not an "
+                   "option), where state + ' no' is [1, 410, 297, 414], text ' no'; at HEAD 479f91a")
+@pytest.mark.parametrize("backend", ["stories", "gguf"])
+def test_choice_at_the_start_of_an_empty_row_regression(backend):
+    b, empty = empty_row(backend)
+    c = continuous(generate.choice(b.model, [" yes", " no"]))(empty)
+    assert c.value in [" yes", " no"]
+    check_choice(b, empty, c, [" yes", " no"])
+
+
+@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: at the start of an empty (BOS-only) row on the "
+                   "stories260K vocabulary a regex ' [0-9]{1,3}' step's tokens spell ' 150' ([410, ...], 410 the space "
+                   "piece) but its value and text read '150', which does not match the pattern (state + ' no' reads "
+                   "' no' with the same space piece); at HEAD 479f91a")
+@pytest.mark.parametrize("backend", ["stories", "gguf"])
+def test_regex_at_the_start_of_an_empty_row_regression(backend):
+    import re
+
+    b, empty = empty_row(backend)
+    r = continuous(generate.regex(b.model, r" [0-9]{1,3}"))(empty, max_tokens=10)
+    check_state(b, r, [0.0])
+    assert re.fullmatch(r" [0-9]{1,3}", r.value), r.value
