@@ -56,11 +56,11 @@ def add(state: SequenceState, other) -> SequenceState:
         ids, lps = real[r]
         extra = tok.encode_continuation(appended[r])
         if extra and not any(i not in tok.special_ids for i in ids):
-            extra = _first_text(tok, ids, extra, appended[r])
+            extra = first_text(tok, ids, extra, appended[r])
         tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
     return state._rebuild(cached, tails, weights, state._last.edited() if state._last else None)
 
-def _first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
+def first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
     """Tokens for ``text`` appended to a row with no text yet (only special tokens, e.g. ``<s>``).
 
     A SentencePiece decoder drops the leading space of a row's first piece, so ``" cd"`` encoded as a
