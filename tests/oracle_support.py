@@ -4,11 +4,9 @@ backend's OWN evaluation of the same token ids, never against continuum.
 * transformers: a fresh, cache-less ``model.model(input_ids=...)`` forward over a row's real ids gives every
   position's log-probs (fp32: a stored log-prob and a weight must agree within ``1e-4``); beams are compared with
   transformers' own ``generate(num_beams=n)``.
-* llama.cpp: llama-cpp-python's own evaluation (``Llama(logits_all=True).eval``) of the same ids on the f32 GGUF,
-  with the flash-attention setting of the model under test. llama.cpp's documented tolerance
-  (docs/llamacpp.md#exactness): a token decoded one at a time differs from the same position inside one prefill by
-  up to ``DECODE_TOL["f32"]`` (0.05) in its logits, so up to twice that in a log-prob (the logit and the
-  log-sum-exp each move by up to 0.05).
+* llama.cpp: llama-cpp-python's ``Llama(logits_all=True).eval`` of the same ids on the f32 GGUF (the model's
+  flash-attention setting), within the documented tolerance (docs/llamacpp.md#exactness): one token decoded at a time
+  vs a prefill, up to ``DECODE_TOL["f32"]`` (0.05) in a logit, so twice that in a log-prob.
 
 Greedy tokens and choices are compared with the reference's argmax only where the reference's top-2 margin exceeds
 the noise: ``1e-3`` in fp32 on transformers (DESIGN.md, wave 9), ``DECODE_TOL`` on llama.cpp; a near-tie may go
@@ -17,6 +15,8 @@ either way and proves nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import re
 import unicodedata
@@ -34,7 +34,7 @@ from continuum import SequenceState, continuous, generate, models, samplers
 from conftest import _sharpen, chars_key, fixture_path, tiny_llama
 
 HF_TOL, HF_MARGIN = 1e-4, 1e-3  # fp32: a fresh forward vs continuum's cached one; below 1e-3 a top-2 gap is a tie
-MAX_TOKENS = 160  # states stay shorter than this (llama-cpp-python's reference context is 512 cells)
+MAX_TOKENS = 160  # states stay about this short (the references' contexts: 512 positions)
 JSON_SCHEMAS = {"bool": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
                 "small": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
                           "required": ["n"]}}
@@ -105,8 +105,8 @@ class Backend:
 
 @cache
 def hf_backend(name: str) -> Backend:
-    """``stories``: the real pretrained stories260K; ``tiny``: a random tiny Llama (sharpened) over the real qwen2
-    byte-level BPE tokenizer. Variants share the weights (so states move between them with their KV)."""
+    """``stories``: the pretrained stories260K; ``tiny``: a random tiny Llama (sharpened) over the real qwen2 BPE
+    tokenizer. Variants share the weights (states move between them with their KV)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == "stories":
@@ -117,7 +117,7 @@ def hf_backend(name: str) -> Backend:
         hf = _sharpen(tiny_llama(len(tok), bos=tok.bos_token_id or 0, eos=tok.eos_token_id), 4.0)
         hf.generation_config.eos_token_id = tok.eos_token_id
     plain = models.Transformers(hf, tok)
-    budget = 3 * MAX_TOKENS * int(plain.kv_bytes_per_token)  # any one call fits; a few at once wait their turn
+    budget = 6 * MAX_TOKENS * int(plain.kv_bytes_per_token)  # any one call (<= 6 rows) fits; a few at once wait
     variants = {"plain": plain, "prefix": models.Transformers(hf, tok, prefix_cache="4MiB"),
                 "budget": models.Transformers(hf, tok, kv_budget=budget)}
     return Backend(name, "hf", variants, HF_TOL, HF_MARGIN, hf=hf)
@@ -125,8 +125,8 @@ def hf_backend(name: str) -> Backend:
 
 @cache
 def llama_reference(flash_attn: bool):
-    """llama-cpp-python's own ``Llama`` on the f32 GGUF, every position's logits kept (as ``llamacpp_support.reference``,
-    on one thread: two threads spin-wait badly on a loaded 2-core machine, 10-100x slower; results do not depend on it)."""
+    """llama-cpp-python's ``Llama`` on the f32 GGUF, every position's logits kept (``llamacpp_support.reference`` on one
+    thread: two spin-wait badly on a loaded 2-core machine, 10-100x slower; results do not depend on it)."""
     import llama_cpp
 
     from llamacpp_support import gguf
@@ -135,17 +135,22 @@ def llama_reference(flash_attn: bool):
                            n_threads_batch=1, logits_all=True, flash_attn=flash_attn, verbose=False)
 
 
-@cache
-def llama_backend(invariant: bool, small: bool, prefix: bool) -> Backend:
-    """The f32 stories260K GGUF on llama.cpp; ``small``: a 256-cell pool, where calls park and held states spill."""
+def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False) -> Backend:
+    """The f32 stories260K GGUF on a llama.cpp model of its own; ``n_ctx=256``: a small pool (16 sequence ids), where
+    calls park and held states spill."""
     from llamacpp_support import DECODE_TOL, gguf
 
-    opts = dict(n_ctx=256, n_seq_max=16) if small else dict(n_ctx=1024)
-    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=1,
-                        prefix_cache="8MiB" if prefix else None, **opts)
+    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=1, n_ctx=n_ctx,
+                        prefix_cache="8MiB" if prefix else None, **(dict(n_seq_max=16) if n_ctx < 512 else {}))
     tol = DECODE_TOL["f32"]
-    return Backend(f"gguf{'-invariant' if invariant else ''}", "llama", {"plain": m}, 2 * tol, tol,
+    return Backend(f"gguf{'-invariant' if invariant else ''}-{n_ctx}", "llama", {"plain": m}, 2 * tol, tol,
                    flash_attn=m.llama.flash_attn)
+
+
+@cache
+def llama_backend(invariant: bool, small: bool, prefix: bool) -> Backend:
+    """:func:`own_llama`, one per setting (shared by the histories and the tests)."""
+    return own_llama(256 if small else 1024, invariant, prefix)
 
 
 # ------------------------------------------------------------------------------------------------- checks
@@ -237,11 +242,10 @@ def check_choice(b: Backend, inp: SequenceState, out: SequenceState, options: li
 
 
 def check_beams(b: Backend, inp: SequenceState, out: SequenceState, n: int, k: int) -> bool:
-    """A fresh ``beam_search(n)`` of ``k`` tokens equals transformers' own ``generate(num_beams=n)`` from the same
-    ids (``length_penalty=0``: both rank by the summed log-probs), as a set of token sequences, and each beam's
-    new weight equals generate's score (1e-3). Where the sets differ, the first step where they part must be a
-    near-tie in the reference (the n-th and (n+1)-th candidates within ``b.margin``). Skipped where a beam ends
-    early (EOS: generate keeps finished hypotheses aside, continuum ranks them among the live ones)."""
+    """A fresh ``beam_search(n)`` of ``k`` tokens equals transformers' ``generate(num_beams=n, length_penalty=0)``
+    (both rank by summed log-probs) as a set of sequences, each new weight generate's score (1e-3); where the sets
+    differ, the step where they part must be a near-tie in the reference (n-th vs (n+1)-th candidate within
+    ``b.margin``). Skipped where a beam ends early (EOS: generate keeps finished hypotheses aside)."""
     eos = b.hf.generation_config.eos_token_id
     ours_rows = real_rows(out)
     for i, (ids, _) in enumerate(real_rows(inp)):
@@ -333,7 +337,7 @@ def prepare(h: Held, call: Call) -> tuple[SequenceState, list]:
     s, c = h.state, list(h.carried)
     if call.kind != "sample" and s.samples > 1:
         s, c = s[:, 0, :], [c[b * s.samples] for b in range(s.batch)]
-    while max(len(ids) for ids, _ in real_rows(s)) > MAX_TOKENS - 40:
+    while longest(s) > MAX_TOKENS - 40:
         cut = s[chars_key(s, slice(None, max(len(t) for t in s) // 2))]
         s, c = cut, cut_carried(s, cut, c)
     return (s + call.suffix if call.suffix else s), c
@@ -349,11 +353,9 @@ def execute(b: Backend, call: Call, inp: SequenceState, asynchronous: bool = Fal
 
 def record(what: str, text: str) -> None:
     """``note`` the step and count it as an ``event`` inside hypothesis (the tour runs outside it)."""
-    try:
+    with contextlib.suppress(InvalidArgument):
         note(text)
         event(what)
-    except InvalidArgument:
-        pass
 
 
 def verify(b: Backend, call: Call, inp: SequenceState, carried: list, out: SequenceState) -> Held:
@@ -380,6 +382,18 @@ def verify(b: Backend, call: Call, inp: SequenceState, carried: list, out: Seque
 def keep(*held: Held):
     """The states later steps may continue (not one that filled a small pool: see ``Held.final``)."""
     return multiple(*[h for h in held if not h.final])
+
+
+def gather(b: Backend, jobs: list[tuple]) -> list[Held]:
+    """``(call, input, carried)`` jobs merged by ``asyncio.gather`` of ``acall``, each result verified."""
+    async def main():
+        return await asyncio.gather(*[execute(b, c, inp, asynchronous=True) for c, inp, _ in jobs])
+
+    return [verify(b, c, inp, carried, out) for (c, inp, carried), out in zip(jobs, asyncio.run(main()))]
+
+
+def longest(state: SequenceState) -> int:
+    return max(len(ids) for ids, _ in real_rows(state))
 
 
 def run_program(b: Backend, h: Held, program: list[Call]) -> list[tuple]:
