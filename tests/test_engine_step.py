@@ -23,6 +23,8 @@ from continuum import continuous, generate, samplers
 from continuum.loop import engine as engine_module
 from continuum.models.request import Request
 
+from conftest import assert_reuse_exact, chars_key
+
 WORDS = ["Once upon a time", "The dog", "She said", "Numbers: 1 2", "Le café", "Review: ok", "A tree", "Why"]
 
 
@@ -413,3 +415,40 @@ def test_a_one_off_request_whose_step_raises_gets_an_error_instead_of_waiting_fo
     assert isinstance(outcome.get("driver"), RuntimeError)  # the driver's own call gets the step's error
     monkeypatch.undo()
     assert text("The dog", max_tokens=4) == generate.text(model, samplers.greedy())("The dog", max_tokens=4)  # usable
+
+
+def test_a_cut_of_a_merged_result_attends_only_to_the_columns_it_kept(model):
+    """Issue 56 (an oracle finding): a result of a merged forward is a view of the slab's rows, and the slab keeps
+    those rows' attention mask from step to step. A character cut that masks some rows' cached tokens but keeps the
+    last cached column kept the very same tensors, so continuing it was taken for a slab member in place and
+    attended to the cut tokens through the slab's old mask (log-probs 0.05 off on a tiny Llama). Reference: a fresh
+    forward of the HF model over the cut's tokens (``assert_reuse_exact``), and greedy continuation's log-probs."""
+    from continuum.models.hf.slab import slot_of
+
+    text = continuous(generate.text(model, samplers.greedy()))
+    fork = continuous(generate.text(model, samplers.multinomial(3)))
+    prompts = [f"{w} {i}" for i, w in enumerate(WORDS[:2])]
+    results = []
+    for seed in range(8):  # a fork merged with a short call: its result keeps the slab's rows (compact() keeps a
+        # view whose storage is not much bigger than itself)
+        rng = torch.Generator().manual_seed(seed)
+        results += continuum.run_batch(lambda job: job(), [lambda rng=rng: fork(prompts, max_tokens=4, rng=rng),
+                                                           lambda: text(prompts, max_tokens=2)], concurrency=2)
+    tested = 0
+    for state in results:
+        if slot_of(state._kv) is None:  # (not a slab view: a result the slab did not hand out)
+            continue
+        n = min(len(t) for t in state)  # the shortest row keeps every cached token; longer rows lose some
+        cut = state[chars_key(state, slice(None, n))]
+        if cut._mask[:, :cut._kv[0][0].shape[2]].all():
+            continue  # nothing cached was masked
+        tested += 1
+        assert_reuse_exact(cut)
+        more = (fork if cut.samples > 1 else text)(cut, max_tokens=3, rng=torch.Generator().manual_seed(0))
+        for before, ids, mask, lps in zip(cut.attention_masks, more.token_ids, more.attention_masks, more.token_logprobs):
+            real, lp, start = ids[mask.bool()], lps[mask.bool()].double(), int(before.sum())
+            with torch.no_grad():
+                ref = model.model(input_ids=real[None]).logits[0].double().log_softmax(-1)
+            new = torch.arange(start, len(real))  # the continuation's tokens
+            torch.testing.assert_close(lp[new], ref[new - 1, real[new]], atol=1e-4, rtol=0)
+    assert tested >= 2, "no merged result was cut inside its cache: the test checks nothing"

@@ -389,11 +389,6 @@ def test_concurrent_calls_on_a_small_pool_regression(invariant):
         held += [h for h in gather(b, jobs) if longest(h.state) < 120]
 
 
-@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding (timing-dependent, 5 of 6 tries): on transformers (the "
-                   "tiny Llama over qwen2) a multinomial(3) fork of 2 prompts merged in one engine step with a greedy "
-                   "call on the same prompts (asyncio.gather), cut to 26 characters, continued by multinomial(3) for one "
-                   "token: row 0's new token has log-prob -12.19695 where a fresh forward gives -12.14517 (and the cut's "
-                   "next-token logits through its cache differ from a fresh forward by up to 0.36); at HEAD 479f91a")
 def test_continue_a_cut_of_a_fork_merged_with_another_call_regression():
     b = hf_backend("tiny")
     s0 = SequenceState.from_prompts(b.model, ["Once upon a time"] * 2)

@@ -103,8 +103,12 @@ def crop(kv: KV, columns: int) -> KV:
 def keep(kv: KV, mask: torch.Tensor) -> KV:
     """``kv`` where only the columns ``mask`` (``(rows, length)``) marks real are attended to: a state that cut
     cached tokens (``state[..., :n]`` keeps a different count per row). Transformers attends by the attention mask,
-    so its tensors stay; a handle cuts its storage's views (llama.cpp attends to every cell of a view)."""
-    return kv.keep(mask) if _handle(kv) else kv
+    so its tensors stay, as new views: the old ones may be a merged slab's rows, and the slab keeps its rows' mask
+    from step to step (a continuation taken for a slab member in place would attend to the cut columns through it);
+    a handle cuts its storage's views (llama.cpp attends to every cell of a view)."""
+    if _handle(kv):
+        return kv.keep(mask)
+    return None if kv is None else tuple((k.narrow(2, 0, k.shape[2]), v.narrow(2, 0, v.shape[2])) for k, v in kv)
 
 
 def narrow(kv: KV, rows: int, lead: int) -> KV:

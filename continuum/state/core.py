@@ -121,9 +121,10 @@ class SequenceState:
         tail_ids, tail_mask, tail_lp = _right_aligned([t for t, _ in tails], [p for _, p in tails],
                                                       self._model.tokenizer.pad_token_id, device)
         kv = kvcache.crop(self._kv, C2)
-        if C2:
+        if C2 and not torch.equal(kept[:, :C2], region[:, :C2].bool()):
             # (a backend whose views attend to every cell must drop the cut ones; a hybrid's may have cut further
             kv = kvcache.keep(kv, kept[:, :kvcache.length(kv)])  # back, to a recurrent snapshot: it covers less)
+        if C2:
             ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
             mask = torch.cat([kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
             lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
