@@ -33,6 +33,7 @@ from ..models.request import Request
 from ..samplers import Sampler
 from ..speculate import Speculator, check_speculator
 from ..state import LastStep, SequenceState
+from ..state.combine import lead_space
 from .arrivals import GATE
 from .cfg import Guidance, UnconditionalBranch
 from .checks import check_continuable, check_max_tokens, check_rng, stop_list
@@ -205,6 +206,9 @@ def _decode(
     group, n = state.samples, sampler.samples
 
     state = recompute_stale(state)
+    if guide is not None and steps > 0:  # a guided step at a row with no text yet reads as its guide walked it
+        state = lead_space(state)
+        steps = check_continuable(state, sampler, max_tokens)
     if steps == 0:  # prefill only: everything but the last token, which stays uncached
         state = prefill(state)
     elif getattr(model, "prefix_cache", None) is not None:  # the prefix cache extends rows' caches before the prefill

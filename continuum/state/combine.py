@@ -73,6 +73,26 @@ def first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
     return spaced if tok.decode(ids + spaced) == text else extra
 
 
+def lead_space(state: SequenceState) -> SequenceState:
+    """``state`` with a space piece appended to each row with no text yet (only special tokens), when the
+    tokenizer's decoder drops that row's first leading space (SentencePiece): ``<s> ▁`` reads ``""``, and what
+    follows then reads as its pieces spell it. A guided step starting there walks its pattern over the pieces'
+    text, so without it ``▁ 2 0 0`` (`` 200`` to a ``' [0-9]{3}'`` guide) would read ``"200"``: not a match.
+    ``state`` itself when no row needs it."""
+    tok, real = state._model.tokenizer, state._real_rows()
+    empty = [r for r, (ids, _) in enumerate(real) if not any(i not in tok.special_ids for i in ids)]
+    if not empty:
+        return state
+    piece = tok.encode_continuation(" ")
+    ids = real[empty[0]][0]
+    if len(piece) != 1 or tok.decode(ids + piece) != "" or tok.decode(ids + piece + piece) != " ":
+        return state  # (the decoder keeps a first leading space: nothing to make up for)
+    cached = state._cached_real()
+    tails = [(ids[cached[r]:] + (piece if r in empty else []), lps[cached[r]:] + ([_NAN] if r in empty else []))
+             for r, (ids, lps) in enumerate(real)]
+    return state._rebuild(cached, tails, state._weights, state._last)
+
+
 def radd(state: SequenceState, other) -> SequenceState:
     """``text + state``: prepend text; the result is re-tokenized as a prompt (no cache)."""
     if not isinstance(other, (str, list, tuple)):
