@@ -280,10 +280,8 @@ def test_choice_same_state_twice_regression(backend):
     assert all(len(v) == 1 for v in answers.values()), answers
 
 
-@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: a state of one LlamaCpp continued on another instance "
-                   "of the same GGUF (same fingerprint, so same_model() is True) raises BackendError 'a KV view of "
-                   "another llama.cpp model (or pool)' instead of being recomputed there (docs/state.md, 'States and "
-                   "models')")
+# (found by the oracle, fixed in state/convert.py: a state of one LlamaCpp continued on another instance of the same
+# GGUF (same fingerprint) raised BackendError 'a KV view of another llama.cpp model (or pool)'; it is recomputed there)
 def test_llamacpp_state_on_another_instance_of_the_same_gguf_regression():
     pytest.importorskip("llama_cpp")
     a, other = llama_backend(False, False, False), llama_backend(False, True, False)

@@ -4,7 +4,8 @@ A KV cache is valid only under the weights, dtype and device that computed it. T
 the one that computes. A state handed to another model keeps its tokens, weights, log-probs and last step and drops
 its cache, so that model recomputes every token (in one forward pass, when the state is continued). That model may
 be another backend's (a transformers state continued on llama.cpp and back) when its ids mean the same thing there
-(:func:`same_tokenizer`). The same model keeps the cache; if the model's dtype changed since the cache was computed
+(:func:`same_tokenizer`). The same model keeps the cache (a backend whose KV lives in an instance's own storage,
+llama.cpp's cells, keeps it only on an instance that ``holds`` it: another instance of the same file recomputes); if the model's dtype changed since the cache was computed
 (``model.model.double()``) the cache is dropped too (recomputing gives exactly what the model computes now), and if
 only the device changed the cache is moved (the values are the same).
 """
@@ -59,6 +60,9 @@ def to_model(state: SequenceState, model) -> SequenceState:
     if not state._model.same_model(model):
         return uncached(state, model)
     kv, dev = state._kv, model.device
+    holds = getattr(model, "holds", None)
+    if kvcache.is_handle(kv) and model is not state._model and holds is not None and not holds(kv):
+        return uncached(state, model)  # the same weights in another instance: its cells live in the other's pool
     if kvcache.dtype(kv) is not None and kvcache.dtype(kv) != model.kv_dtype:
         logger.warning("This state's KV cache is %s but the model now computes %s (its dtype changed after the "
                        "state was made): the cache is dropped and recomputed.", kvcache.dtype(kv), model.kv_dtype)

@@ -126,6 +126,10 @@ class LlamaCpp:
     def same_model(self, other: Any) -> bool:
         return other is self or (isinstance(other, LlamaCpp) and other.fingerprint == self.fingerprint)
 
+    def holds(self, kv: SeqKV) -> bool:
+        """Whether ``kv``'s cells are in this instance's pool (another instance of the same file has its own)."""
+        return all(v.pool is self.pool for v in kv.views)
+
     def save_kv(self, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict]:
         """A state's KV for its file: each distinct sequence's bytes once, behind this model's fingerprint."""
         from .persist import save_kv
