@@ -5,9 +5,10 @@ the one that computes. A state handed to another model keeps its tokens, weights
 its cache, so that model recomputes every token (in one forward pass, when the state is continued). That model may
 be another backend's (a transformers state continued on llama.cpp and back) when its ids mean the same thing there
 (:func:`same_tokenizer`). The same model keeps the cache (a backend whose KV lives in an instance's own storage,
-llama.cpp's cells, keeps it only on an instance that ``holds`` it: another instance of the same file recomputes); if the model's dtype changed since the cache was computed
-(``model.model.double()``) the cache is dropped too (recomputing gives exactly what the model computes now), and if
-only the device changed the cache is moved (the values are the same).
+llama.cpp's cells, keeps it only on an instance that ``holds`` it: another instance of the same file recomputes);
+if the model's dtype changed since the cache was computed (``model.model.double()``) the cache is dropped too
+(recomputing gives exactly what the model computes now), and if only the device changed the cache is moved (the
+values are the same).
 """
 
 from __future__ import annotations
