@@ -39,6 +39,8 @@ __all__ = [
     "SequencesExhaustedError",
     "StaleWindowError",
     "ForeignStateError",
+    "RemoteError",
+    "RemoteStateError",
 ]
 
 
@@ -253,3 +255,14 @@ class RecurrentStateError(ContinuumError, ValueError):
     """An operation a recurrent layer (a convolution or SSM state: LFM2, Mamba) cannot do exactly: masking out
     cached tokens without slicing the state, a hybrid family continuum does not support yet, a prefix cache on
     such a model. The message says what to do instead (see docs/hybrid.md)."""
+
+
+class RemoteError(ContinuumError, ConnectionError):
+    """A remote model's server could not be reached, timed out or answered something that is not continuum's
+    (``continuum.models.remote``). The state passed in is untouched: retry the call once the server answers."""
+
+
+class RemoteStateError(ContinuumError, LookupError):
+    """A remote state's handle names a stored state the server does not have for this key (unknown, deleted,
+    expired, another key's, or from another model): ``model.detach(state)`` keeps its tokens, weights and log-probs
+    without the handle, and the next call recomputes them on the server."""

@@ -17,6 +17,7 @@ from ..loop.cfg import Guidance
 from ..samplers import Sampler, greedy
 from ..speculate import Speculator
 from .generator import ChoiceGenerator, Generator
+from .spec import recorded
 
 __all__ = ["text", "choice", "regex", "json", "cfg"]
 
@@ -69,6 +70,7 @@ def _check_model(model) -> None:
             f"got {type(model).__name__}")
 
 
+@recorded  # (the arguments travel to a server: continuum.models.remote)
 def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0,
          negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
@@ -87,6 +89,7 @@ def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, 
                      speculate=speculate)
 
 
+@recorded
 def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str = "auto",
           fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
           negative_prompt: NegativePrompt = None,
@@ -117,6 +120,7 @@ def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str =
                      thinking_budget=thinking_budget, speculate=speculate)
 
 
+@recorded
 def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, method: str = "exact",
            backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
            negative_prompt: NegativePrompt = None,
@@ -174,6 +178,7 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
                            reasoning=reasoning, thinking_budget=thinking_budget)
 
 
+@recorded
 def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_pattern: str | None = r"[ ]?",
          backend: str = "auto", max_string_length: int | None = None, additional_properties: bool = False,
          on_unsupported: str = "approximate", max_items: int | None = None, bounds: Any = "default",
@@ -249,6 +254,7 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
     return gen
 
 
+@recorded
 def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "lark", backend: str = "auto",
         fast_forward: bool = True, token_healing: bool = False,
         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,

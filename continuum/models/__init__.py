@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import llamacpp as _llamacpp_package  # noqa: F401 - imported first: the function below then owns the name
+from . import remote as _remote_package  # noqa: F401 - the same for models.remote
 
 if TYPE_CHECKING:
     import os
@@ -19,12 +20,13 @@ if TYPE_CHECKING:
     from .llamacpp.model import LlamaCppModel
     from .tokenizer import Tokenizer
 
-__all__ = ["Transformers", "transformers", "LlamaCpp", "llamacpp", "Tokenizer", "ModelFingerprint"]
+__all__ = ["Transformers", "transformers", "LlamaCpp", "llamacpp", "RemoteModel", "remote", "Tokenizer", "ModelFingerprint"]
 
 _LAZY = {"transformers": ("continuum.models.hf.load", "transformers"),
          "Transformers": ("continuum.models.hf.model", "Transformers"),
          "ModelFingerprint": ("continuum.models.identity", "ModelFingerprint"),
-         "LlamaCpp": ("continuum.models.llamacpp.backend", "LlamaCpp"), "Tokenizer": ("continuum.models.tokenizer", "Tokenizer")}
+         "LlamaCpp": ("continuum.models.llamacpp.backend", "LlamaCpp"), "Tokenizer": ("continuum.models.tokenizer", "Tokenizer"),
+         "RemoteModel": ("continuum.models.remote.model", "RemoteModel")}
 
 
 def llamacpp(path: str | os.PathLike | LlamaCppModel, **options: Any) -> LlamaCpp:
@@ -39,6 +41,18 @@ def llamacpp(path: str | os.PathLike | LlamaCppModel, **options: Any) -> LlamaCp
     from .llamacpp.backend import llamacpp as load
 
     return load(path, **options)
+
+
+def remote(url: str, api_key: str | None = None, model: str | None = None, timeout: float = 120.0) -> Any:
+    """The model a ``continuum serve`` at ``url`` serves, for every generator: :func:`continuum.models.remote.model.remote`
+    (docs/remote.md). Programs written for a local model run unchanged.
+
+    Example:
+        >>> model = models.remote("http://127.0.0.1:8000", api_key="sk-local-1")   # doctest: +SKIP
+    """
+    from importlib import import_module  # (not `from .remote.model import`: that edge reorders mypy's import cycle)
+
+    return import_module("continuum.models.remote.model").remote(url, api_key=api_key, model=model, timeout=timeout)
 
 
 def __getattr__(name: str):

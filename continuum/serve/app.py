@@ -172,7 +172,7 @@ class _TooLarge(Exception):
 
 def create_app(model: Any, config: ServeConfig) -> FastAPI:
     """The OpenAI-compatible app serving ``model`` (a continuum model) with ``config``."""
-    from . import chat_completions, completions, responses
+    from . import chat_completions, completions, native, responses
 
     ctx = Context(model, config)
 
@@ -229,6 +229,7 @@ def create_app(model: Any, config: ServeConfig) -> FastAPI:
     chat_completions.register(app, ctx)
     responses.register(app, ctx)
     completions.register(app, ctx)
+    native.register(app, ctx)  # continuum's own API: models.remote (docs/remote.md)
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(Guard)  # an internal error anywhere is a 500 that keeps the connection
     app.add_middleware(_Arrival)  # outermost: the arrival is taken before anything else runs

@@ -1,0 +1,143 @@
+"""The HTTP side of ``models.remote``: one pooled ``httpx`` client per model, continuum's errors travelling by name,
+and the tokenizer fetched once (and kept on disk, by its fingerprint, for the next process).
+
+Failures become continuum errors that say what to do: a server that cannot be reached or does not answer in time is a
+:class:`~continuum.errors.RemoteError` (nothing on the client changed: the call can be retried as it was); an error
+the server raised from continuum (``{"error": {"code": "IncompleteGenerationError", ...}}``) is raised here as that
+same class, with the server's message; a busy server (503, ``--max-queue``) is waited for, as its ``Retry-After``
+asks, up to the call's timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ... import errors
+from ...errors import ContinuumError, RemoteError
+
+__all__ = ["Client", "load_tokenizer"]
+
+_BUSY_WAIT_S = 60.0  # the longest a call waits for a busy server (503 + Retry-After) before it gives up
+
+
+class Client:
+    """Requests to one ``continuum serve`` (``base``: its root or its ``/v1`` URL)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 120.0):
+        base = url.rstrip("/")
+        self.base = base[:-3] if base.endswith("/v1") else base
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def get(self, path: str) -> dict:
+        return self._send("GET", path, None)
+
+    def post(self, path: str, body: dict) -> dict:
+        return self._send("POST", path, body)
+
+    def _send(self, method: str, path: str, body: dict | None) -> dict:
+        deadline = time.monotonic() + _BUSY_WAIT_S
+        while True:
+            try:
+                response = self.http.request(method, path, json=body)
+            except httpx.TimeoutException as exc:
+                raise RemoteError(f"the server at {self.base} did not answer {method} {path} within {self.timeout:g} s "
+                                  f"({type(exc).__name__}). The state you passed is unchanged: call again once the "
+                                  f"server answers, or give models.remote(..., timeout=) more time for long calls.") from None
+            except httpx.TransportError as exc:
+                raise RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
+                                  f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
+                                  f"unchanged, so the same call works once the server answers (stored states survive "
+                                  f"a restart on the same --store).") from None
+            if response.status_code == 503 and time.monotonic() < deadline:  # busy: never the caller's fault
+                time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
+                continue
+            return _answer(self.base, method, path, response)
+
+
+def _answer(base: str, method: str, path: str, response: httpx.Response) -> dict:
+    """The JSON body of a 2xx, or the error it carries raised as continuum's own."""
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    if response.is_success and isinstance(data, dict):
+        return data
+    error = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(error, dict):
+        raise RemoteError(f"{method} {base}{path} answered {response.status_code} without continuum's JSON "
+                          f"({response.text[:200]!r}): is this URL a `continuum serve` of this version?")
+    message, code = str(error.get("message")), error.get("code")
+    if code == "context_length_exceeded":
+        raise errors.ContextLengthError(message)
+    cls = getattr(errors, str(code), None)
+    if isinstance(cls, type) and issubclass(cls, ContinuumError):
+        raise _rebuilt(cls, message)
+    if response.status_code == 401:
+        raise RemoteError(f"the server at {base} refused the API key: {message} Pass models.remote(url, api_key=...).")
+    if response.status_code == 404 and "Unknown route" in message:
+        raise RemoteError(f"the server at {base} has no {path}: it is not a `continuum serve` with the native routes "
+                          f"(update it), or the URL points elsewhere.")
+    raise RemoteError(f"{method} {base}{path} failed with {response.status_code}: {message}")
+
+
+def _rebuilt(cls: type[ContinuumError], message: str) -> ContinuumError:
+    """``cls(message)``; a class whose constructor wants more (fields the server did not send) gets the message
+    alone, so ``except`` clauses and ``str(exc)`` work as for the error raised locally."""
+    try:
+        return cls(message)
+    except TypeError:
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, message)
+        return exc
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("CONTINUUM_REMOTE_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "continuum" / "remote-tokenizers"
+
+
+def load_tokenizer(client: Client, info: dict) -> Any:
+    """The server's tokenizer as a continuum :class:`~continuum.models.tokenizer.Tokenizer`: from the disk cache
+    under its fingerprint, or fetched once (``GET /v1/continuum/tokenizer``) and kept there. Its fingerprint must be
+    the server's (the same ids mean the same tokens), or :class:`RemoteError`."""
+    from transformers import AutoTokenizer
+
+    from ..tokenizer import Tokenizer
+    from .wire import TOKENIZER
+
+    fingerprint = str(info["tokenizer"]["fingerprint"])
+    folder = _cache_root() / fingerprint
+    if not (folder / "complete").exists():
+        files = client.get(TOKENIZER)["files"]
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{fingerprint}-", dir=folder.parent))
+        for name, data in files.items():
+            if "/" in name or name.startswith("."):
+                raise RemoteError(f"the server sent a tokenizer file named {name!r}: refused")
+            (tmp / name).write_bytes(base64.b64decode(data))
+        (tmp / "complete").write_text("")
+        try:
+            os.replace(tmp, folder)  # whole or absent: a concurrent fetch of the same tokenizer loses the race harmlessly
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(folder)), info["tokenizer"].get("eos_token_ids"))
+    if tokenizer.fingerprint != fingerprint:
+        raise RemoteError(f"the tokenizer fetched from {client.base} loads here with fingerprint {tokenizer.fingerprint}, "
+                          f"not the server's {fingerprint} (another transformers version?): ids would not mean the "
+                          f"same tokens on both sides. Remove {folder} and retry, or align the versions.")
+    return tokenizer

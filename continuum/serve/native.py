@@ -1,0 +1,165 @@
+"""continuum's own API over HTTP, next to the OpenAI routes: what ``models.remote`` calls (docs/remote.md).
+
+* ``GET /v1/continuum/model``: the served name, the model's and tokenizer's fingerprints, the context length;
+* ``GET /v1/continuum/tokenizer``: the tokenizer's files (base64), fetched once by each client and cached there;
+* ``POST /v1/continuum/generate``: one generator call. The body names the generator (its constructor and
+  arguments, as ``continuum.generate.spec`` records them; the sampler), the limits, the caller's rng state, and the
+  input rows (``native_state.py``: a stored state's handle and the ids past it, or all the ids). The server builds
+  the same generator on its model (cached per spec: a schema compiles once), continues the rebuilt state (only the
+  uncached suffix is computed), stores the result like a response (the same store, key and retention: per-key
+  isolation, ``kill -9`` safety, chains of parts), and answers the new tokens, log-probs, weights, the last step,
+  the stored state's id and ``usage.positions``, the positions the model computed meanwhile.
+
+Errors are continuum's own, named in the error body's ``code`` (``serve/errors.py``), so the client raises the same
+class; a handle this key does not own is a :class:`~continuum.errors.RemoteStateError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import GeneratorArgumentError
+from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, last_json, rng_from, rng_json, sampler_from
+from .errors import APIError
+from .messages import new_id
+from .native_state import answer_rows, input_state
+
+__all__ = ["register"]
+
+# what each constructor may receive over the wire (the rest of its arguments are refused: guidance, reasoning and
+# speculation are not run remotely yet, and anything else is a client of another version)
+_ARGUMENTS = {
+    "text": {"token_healing"},
+    "regex": {"pattern", "backend", "fast_forward", "token_healing"},
+    "choice": {"choices", "method", "backend", "fast_forward", "token_healing"},
+    "json": {"schema", "whitespace_pattern", "backend", "max_string_length", "additional_properties", "on_unsupported",
+             "max_items", "bounds", "fast_forward", "token_healing"},
+    "cfg": {"grammar", "syntax", "backend", "fast_forward", "token_healing"},
+}
+_GENERATORS_KEPT = 128  # generators built, least recently used out (a schema's compiled guide lives in each)
+
+
+class RowIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[int]
+    logprobs: list[float | None]
+    weight: float = 0.0
+    state: str | None = None  # the stored state this row extends, its row, and how many of its tokens
+    row: int = 0
+    cached: int = 0
+    check: int | None = None  # the last covered id (a cheap check that the handle is this row's)
+
+
+class GenerateRequest(BaseModel):
+    model: str | None = None
+    generator: dict[str, Any]
+    rows: list[RowIn]
+    batch: int
+    samples: int
+    max_tokens: int | None = None
+    stop_at: str | list[str] | None = None
+    rng: str | None = None
+
+
+class Native:
+    """The routes' work, on worker threads; generators cached by spec."""
+
+    def __init__(self, ctx: Any):
+        self.ctx, self.model = ctx, ctx.model
+        self._generators: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._files: dict[str, str] | None = None
+
+    def info(self) -> dict:
+        tok = self.model.tokenizer
+        return {"name": self.ctx.config.served_model_name, "fingerprint": self.model.fingerprint.as_dict(),
+                "context_length": self.model.context_length, "vocab_size": self.model.vocab_size,
+                "tokenizer": {"fingerprint": tok.fingerprint, "eos_token_ids": sorted(tok.eos_token_ids),
+                              "name": tok.name}}
+
+    def tokenizer_files(self) -> dict:
+        if self._files is None:
+            hf = getattr(self.model.tokenizer, "hf", None)
+            if hf is None or not hasattr(hf, "save_pretrained"):
+                raise APIError(400, "this server's tokenizer (a GGUF's) cannot be sent yet: models.remote needs a "
+                                    "transformers model on the server (docs/remote.md)", code="not_supported")
+            with tempfile.TemporaryDirectory() as tmp:
+                hf.save_pretrained(tmp)
+                self._files = {p.name: base64.b64encode(p.read_bytes()).decode()
+                               for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        return {"files": self._files}
+
+    def generator(self, spec: dict) -> Any:
+        key = json.dumps(spec, sort_keys=True)
+        with self._lock:
+            gen = self._generators.get(key)
+            if gen is not None:
+                self._generators.move_to_end(key)
+                return gen
+        gen = _build(self.model, spec)
+        with self._lock:
+            self._generators[key] = gen
+            while len(self._generators) > _GENERATORS_KEPT:
+                self._generators.popitem(last=False)
+        return gen
+
+    def generate(self, req: GenerateRequest, owner: str) -> dict:
+        from ..generate import continuous
+
+        gen = self.generator(req.generator)
+        state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples)
+        rng = rng_from(req.rng)
+        before = self.model.tokens_computed
+        out = continuous(gen)(state, max_tokens=req.max_tokens, stop_at=req.stop_at, rng=rng)
+        positions = self.model.tokens_computed - before  # (the model's counter: exact while this call runs alone)
+        sid = new_id("cs")
+        body = {"id": sid, "object": "continuum.state", "created": time.time(), "model": self.ctx.config.served_model_name}
+        self.ctx.store.put(sid, owner, body, [], out, parent=parent, base=base)  # durable before it is answered
+        return {"id": sid, "object": "continuum.generation", "batch": out.batch, "samples": out.samples,
+                "rows": answer_rows(state, out), "last": last_json(out._last), "rng": rng_json(rng),
+                "usage": {"positions": positions, "cached_tokens": sum(state._cached_real())}}
+
+
+def _build(model: Any, spec: dict) -> Any:
+    from .. import generate
+
+    kind, arguments = str(spec.get("kind")), spec.get("arguments") or {}
+    allowed = _ARGUMENTS.get(kind)
+    if allowed is None:
+        raise GeneratorArgumentError(f"generator kind {kind!r}: expected one of {sorted(_ARGUMENTS)}")
+    extra = sorted(set(arguments) - allowed)
+    if extra:
+        raise GeneratorArgumentError(f"generate.{kind} on a remote model does not take {extra} (docs/remote.md)")
+    return getattr(generate, kind)(model, sampler=sampler_from(spec.get("sampler") or {"type": "greedy"}), **arguments)
+
+
+def register(app: FastAPI, ctx: Any) -> None:
+    native = Native(ctx)
+
+    @app.get(MODEL)
+    async def model_info(request: Request) -> dict:
+        ctx.owner(request)
+        return native.info()
+
+    @app.get(TOKENIZER)
+    async def tokenizer(request: Request) -> dict:
+        ctx.owner(request)
+        return await ctx.run(native.tokenizer_files)
+
+    @app.post(GENERATE)
+    async def generate_call(req: GenerateRequest, request: Request) -> dict:
+        owner = ctx.owner(request)
+        if req.model is not None:
+            ctx.check_model(req.model)
+        return await ctx.run(lambda: native.generate(req, owner), reply=True)
