@@ -17,7 +17,7 @@ from ..loop.cfg import Guidance
 from ..samplers import Sampler, greedy
 from ..speculate import Speculator
 from .generator import ChoiceGenerator, Generator
-from .spec import recorded
+from .spec import GeneratorSpec, arguments, remember
 
 __all__ = ["text", "choice", "regex", "json", "cfg"]
 
@@ -70,7 +70,6 @@ def _check_model(model) -> None:
             f"got {type(model).__name__}")
 
 
-@recorded  # (the arguments travel to a server: continuum.models.remote)
 def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, guidance_scale: float = 1.0,
          negative_prompt: NegativePrompt = None,
          guidance_rescale: float = 0.0, cfg_mode: str = "batched", reasoning: Any = False,
@@ -82,14 +81,14 @@ def text(model, sampler: Sampler | None = None, *, token_healing: bool = False, 
         >>> gen("Once upon a time", max_tokens=10)            # doctest: +SKIP
         ' there was a little girl named Lily.'
     """
+    spec = GeneratorSpec("text", arguments(locals()))  # (what a server rebuilds it from: models.remote)
     _check_model(model)
-    return Generator(model, sampler, kind="text",
+    return remember(Generator(model, sampler, kind="text",
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget,
-                     speculate=speculate)
+                     speculate=speculate), spec)
 
 
-@recorded
 def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str = "auto",
           fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
           negative_prompt: NegativePrompt = None,
@@ -107,6 +106,7 @@ def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str =
         >>> regex(model, r"[0-9]{3}-[a-z]+")("Code: ", max_tokens=12)  # doctest: +SKIP
         '042-ab'
     """
+    spec = GeneratorSpec("regex", arguments(locals()))
     _check_model(model)
     if not isinstance(pattern, str):
         raise GeneratorArgumentError(f"regex takes a pattern string, got {type(pattern).__name__}")
@@ -114,13 +114,12 @@ def regex(model, pattern: str, sampler: Sampler | None = None, *, backend: str =
     if guide.is_done(guide.new_state()):  # nothing to generate: every call would return ""
         raise InvalidRegexError(f"the regex {pattern!r} matches only the empty string, so it can never produce text: "
                                 f"give a pattern that matches non-empty text (e.g. {pattern + '.+'!r})")
-    return Generator(model, sampler, guide, kind="regex", description=repr(pattern),
+    return remember(Generator(model, sampler, guide, kind="regex", description=repr(pattern),
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
-                     thinking_budget=thinking_budget, speculate=speculate)
+                     thinking_budget=thinking_budget, speculate=speculate), spec)
 
 
-@recorded
 def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, method: str = "exact",
            backend: str = "auto", fast_forward: bool = True, token_healing: bool = False, guidance_scale: float = 1.0,
            negative_prompt: NegativePrompt = None,
@@ -154,6 +153,7 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
         >>> choice(model, ["Positive", "Negative"])("Review: great!\nSentiment: ")  # doctest: +SKIP
         'Positive'
     """
+    spec = GeneratorSpec("choice", arguments(locals()))
     _check_model(model)
     if not isinstance(choices, str):  # (a bare str is refused by choice_regex)
         try:
@@ -171,14 +171,13 @@ def choice(model, choices: Sequence[str], sampler: Sampler | None = None, *, met
     guidance = Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode)
     sampler = greedy() if sampler is None else sampler  # the best option, like guidance's select and SGLang's
     if method == "greedy":
-        return Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
+        return remember(Generator(model, sampler, regex_for(model.tokenizer, pattern, backend), kind="choice",
                          description=repr(list(choices)), guidance=guidance, fast_forward=fast_forward,
-                         token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget)
-    return ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance, token_healing=token_healing,
-                           reasoning=reasoning, thinking_budget=thinking_budget)
+                         token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget), spec)
+    return remember(ChoiceGenerator(model, list(choices), sampler, method=method, guidance=guidance,
+                                    token_healing=token_healing, reasoning=reasoning, thinking_budget=thinking_budget), spec)
 
 
-@recorded
 def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_pattern: str | None = r"[ ]?",
          backend: str = "auto", max_string_length: int | None = None, additional_properties: bool = False,
          on_unsupported: str = "approximate", max_items: int | None = None, bounds: Any = "default",
@@ -241,6 +240,7 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
         ...      max_string_length=8)("Tag: ", max_tokens=40)   # doctest: +SKIP
         {'tag': 'blue'}
     """
+    spec = GeneratorSpec("json", arguments(locals()))
     _check_model(model)
     guide, prepared = json_for(model.tokenizer, schema, whitespace_pattern=whitespace_pattern, backend=backend,
                                max_string_length=max_string_length, additional_properties=additional_properties,
@@ -251,10 +251,9 @@ def json(model, schema: Any, sampler: Sampler | None = None, *, whitespace_patte
                     thinking_budget=thinking_budget, speculate=speculate)
     gen.exact = prepared.exact
     gen.not_enforced = tuple(map(str, (*prepared.approximated, *prepared.engine_ignored)))
-    return gen
+    return remember(gen, spec)
 
 
-@recorded
 def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "lark", backend: str = "auto",
         fast_forward: bool = True, token_healing: bool = False,
         guidance_scale: float = 1.0, negative_prompt: NegativePrompt = None,
@@ -282,12 +281,13 @@ def cfg(model, grammar: str, sampler: Sampler | None = None, *, syntax: str = "l
         >>> cfg(model, arith, samplers.greedy())("1+1=", max_tokens=30)   # doctest: +SKIP
         '(2+7)-13'
     """
+    spec = GeneratorSpec("cfg", arguments(locals()))
     _check_model(model)
     guide = grammar_for(model.tokenizer, grammar, syntax, backend)
-    return Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
+    return remember(Generator(model, sampler, guide, kind="cfg", description=repr(grammar.strip().splitlines()[0][:40]),
                      guidance=Guidance.make(model.tokenizer, guidance_scale, negative_prompt, guidance_rescale, cfg_mode),
                      fast_forward=fast_forward, token_healing=token_healing, reasoning=reasoning,
-                     thinking_budget=thinking_budget, speculate=speculate)
+                     thinking_budget=thinking_budget, speculate=speculate), spec)
 
 
 for _f in (text, regex, choice, json, cfg):

@@ -1,21 +1,20 @@
 """What a generator was built from: the constructor's name and arguments, kept on the generator.
 
 A remote model (``continuum.models.remote``) runs a whole call on the server, which builds the same generator for
-its own model; the compiled guide a generator holds cannot travel, so the generator remembers how it was made.
-Recording costs one ``inspect`` bind per generator built, nothing per call.
+its own model; the compiled guide a generator holds cannot travel, so the generator remembers how it was made. Each
+constructor in ``api.py`` takes its ``locals()`` first thing (its arguments, nothing else yet) and attaches them to
+what it returns. (Not a decorator: a wrapper's frame would take the place of the caller's in the warnings the
+constructors give, e.g. ``SchemaCoverageWarning``.)
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["GeneratorSpec", "recorded"]
+__all__ = ["GeneratorSpec", "arguments", "remember"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+G = TypeVar("G")
 
 
 @dataclass(frozen=True)
@@ -28,18 +27,12 @@ class GeneratorSpec:
     arguments: dict[str, Any]
 
 
-def recorded(fn: F) -> F:
-    """Decorate a generator constructor ``fn(model, ...)`` so the generator it returns carries ``spec``."""
-    signature = inspect.signature(fn)
+def arguments(local_names: dict[str, Any]) -> dict[str, Any]:
+    """A constructor's arguments from its ``locals()`` taken before it binds anything, the model left out."""
+    return {k: v for k, v in local_names.items() if k != "model"}
 
-    @functools.wraps(fn)
-    def make(*args: Any, **kwargs: Any) -> Any:
-        gen = fn(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.pop("model", None)
-        gen.spec = GeneratorSpec(fn.__name__, arguments)
-        return gen
 
-    return make  # type: ignore[return-value]
+def remember(gen: G, spec: GeneratorSpec) -> G:
+    """``gen`` carrying ``spec`` (``gen.spec``)."""
+    gen.spec = spec  # type: ignore[attr-defined]
+    return gen

@@ -1,0 +1,238 @@
+"""``models.remote`` (issue 58) against a real ``continuum serve`` on loopback, real httpx, no mocks.
+
+The same programs run on ``models.remote(url)`` and on the local model (the same checkpoint, transformers in this
+process) and must give the same ids and weights (1e-4: the server's engine may merge a call with others), the same
+texts and values, and the same count of positions computed (reuse is real: a continuation sends only the ids past
+its handle, and the server computes only those). The server keeps no state in memory (``--state-memory 0``), so every
+continuation loads its handle's state from the store, as after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Literal
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from conftest import FIXTURES
+
+pytestmark = pytest.mark.skipif(not (FIXTURES / "models" / "stories260K").exists(), reason="fixtures absent")
+
+MODEL = str(FIXTURES / "models" / "stories260K")
+KEYS = ("remote-key-a", "remote-key-b")
+
+
+class Pet(BaseModel):
+    kind: Literal["cat", "dog", "bird"]
+    name: str
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from benchmarks import replicas
+
+    os.environ["CONTINUUM_REMOTE_CACHE"] = str(tmp_path_factory.mktemp("remote-tokenizers"))
+    srv = replicas.Server(MODEL, tmp_path_factory.mktemp("remote") / "store", "--api-key", KEYS[0], "--api-key",
+                          KEYS[1], "--state-memory", "0", name="stories260K", key=KEYS[0])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def remote(server):
+    from continuum import models
+
+    return models.remote(server.base, api_key=KEYS[0])
+
+
+@pytest.fixture(scope="module")
+def local():
+    from continuum import models
+
+    return models.transformers(MODEL)
+
+
+def same(a, b, values: bool = True) -> None:
+    """Two states (remote, local) equal: ids, masks, texts, cached counts, weights and log-probs within 1e-4."""
+    assert torch.equal(a.token_ids, b.token_ids)
+    assert torch.equal(a.attention_masks, b.attention_masks)
+    assert list(a) == list(b)
+    assert torch.equal(a.cached_tokens, b.cached_tokens)
+    assert torch.allclose(a.weights, b.weights, atol=1e-4)
+    assert torch.allclose(a.token_logprobs, b.token_logprobs, atol=1e-4, equal_nan=True)
+    if values:
+        assert a.value == b.value
+        assert a.finish_reasons == b.finish_reasons
+
+
+def chain(model):
+    """text -> choice -> json, then a slice back to the end of the text step, resumed."""
+    from continuum import continuous, generate, samplers
+
+    story = continuous(generate.text(model, samplers.greedy()))
+    mood = continuous(generate.choice(model, [" happy", " sad", " scared"]))
+    card = continuous(generate.json(model, Pet, samplers.greedy(), whitespace_pattern=""))
+    s1 = story("Once upon a time", max_tokens=12, stop_at=".")
+    s2 = mood(s1 + " She was very")
+    s3 = card(s2 + "\nHer pet as JSON: ", max_tokens=30)
+    s4 = story(s3[:len(str(s1))] + " One day,", max_tokens=10)
+    return [s1, s2, s3, s4]
+
+
+def test_a_chain_equals_the_local_one_and_computes_as_much(remote, local):
+    from continuum import SequenceState
+
+    before_r, before_l = remote.tokens_computed, local.tokens_computed
+    got, want = chain(remote), chain(local)
+    for a, b in zip(got, want):
+        same(a, b)
+        assert isinstance(a, SequenceState) and a.model is remote
+        assert repr(a) == repr(b)
+    assert isinstance(got[2].value, Pet)  # parsed by the client's generator, as locally
+    # reuse is real: the server computed exactly the positions the local model did (the continuations sent only
+    # the ids past their handles; the whole chain costs far less than recomputing each input)
+    assert remote.tokens_computed - before_r == local.tokens_computed - before_l
+    assert remote.tokens_computed - before_r < sum(len(s.token_ids[0]) for s in want)
+
+
+def test_the_algebra_is_local_and_continuing_any_of_it_equals_local(remote, local):
+    from continuum import SequenceState, continuous, generate, samplers
+
+    def run(model):
+        text = continuous(generate.text(model, samplers.greedy()))
+        a = text(["Tom went to the park", "Once upon a time"], max_tokens=6)
+        b = text("The cat", max_tokens=5)
+        views = [a[:, :14], a + [" and", " so"], "Title. " + b, b + b, a[1, ...], a[..., -8:]]
+        stacked = SequenceState.stack([a[0, ...], b[:6]])  # rows of two stored states (and a cut)
+        outs = [text(v, max_tokens=4) for v in views] + [text(stacked, max_tokens=4)]
+        return views + [stacked] + outs
+
+    calls_before = remote.forward_calls
+    got = run(remote)
+    assert remote.forward_calls - calls_before == 2 + 7  # slicing, adding and stacking sent nothing
+    for a, b in zip(got, run(local)):
+        same(a, b, values=False)
+        assert repr(a) == repr(b)
+
+
+def test_samples_with_a_seeded_rng_and_beams_across_turns(remote, local):
+    from continuum import continuous, generate, samplers
+
+    def run(model):
+        rng = torch.Generator().manual_seed(7)
+        draw = continuous(generate.text(model, samplers.multinomial(3)))
+        beams = continuous(generate.text(model, samplers.beam_search(2)))
+        s = draw("Lily and Tom", max_tokens=6, rng=rng)
+        t = beams(s[1, :] + " Then", max_tokens=4)
+        u = beams(t + " and", max_tokens=3)  # beams continuing beams: the handle's rows, reordered by the server
+        return [s, t, u], torch.rand(3, generator=rng)  # the caller's rng moved on as a local call moves it
+
+    got, rest = run(remote)
+    want, rest_local = run(local)
+    for a, b in zip(got, want):
+        same(a, b)
+    assert torch.equal(rest, rest_local)
+
+
+def test_run_batch_of_8_equals_local(remote, local):
+    from continuum import continuous, generate, run_batch, samplers
+
+    def program_for(model):
+        text = continuous(generate.text(model, samplers.greedy()))
+        yes_no = continuous(generate.choice(model, [" yes", " no"]))
+
+        def program(name: str):
+            s = text(f"{name} went to the shop", max_tokens=5)
+            return yes_no(s + ". Was it fun?")
+        return program
+
+    names = ["Tom", "Lily", "Sue", "Max", "Ben", "Amy", "Sam", "Zoe"]
+    got = run_batch(program_for(remote), names, concurrency=8)
+    for a, b in zip(got, run_batch(program_for(local), names, concurrency=8)):
+        same(a, b)
+
+
+def test_streams_give_the_text_and_the_state(remote, local):
+    from continuum import continuous, generate, samplers
+
+    streams = [continuous(generate.text(m, samplers.greedy())).stream("Once upon a time", max_tokens=8)
+               for m in (remote, local)]
+    texts = ["".join(s) for s in streams]
+    assert texts[0] == texts[1] == streams[1].state.value
+    same(streams[0].state, streams[1].state)
+    awaited = asyncio.run(continuous(generate.text(remote, samplers.greedy())).acall("Once upon a time", max_tokens=8))
+    same(awaited, streams[1].state)
+
+
+def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
+    from continuum import continuous, generate, models, samplers
+    from continuum.errors import ContextLengthError, GeneratorArgumentError, RemoteError, RemoteStateError
+    from continuum.models.remote.handle import RemoteKV
+
+    text = continuous(generate.text(remote, samplers.greedy()))
+    s = text("Once upon a time", max_tokens=4)
+    with pytest.raises(ContextLengthError):  # raised by the server, re-raised here as the library's own class
+        text("a b " * 400, max_tokens=4)
+    with pytest.raises(GeneratorArgumentError, match="guidance_scale"):
+        continuous(generate.text(remote, samplers.greedy(), guidance_scale=2.0))("x", max_tokens=2)
+
+    other = models.remote(server.url, api_key=KEYS[1])  # (the /v1 URL works too)
+    with pytest.raises(RemoteStateError, match="for your API key"):
+        continuous(generate.text(other, samplers.greedy()))(s, max_tokens=2)  # (same server: the handle is kept)
+    bogus = _with_kv(s, RemoteKV((("cs_" + "0" * 48, 0),), s._kv.width))
+    with pytest.raises(RemoteStateError, match="no stored state"):
+        text(bogus, max_tokens=2)
+    # the state stays usable: without its handle it is sent whole, and continues as the original does
+    same(text(remote.detach(bogus), max_tokens=3), text(s, max_tokens=3))
+
+    with pytest.raises(RemoteError, match="cannot reach"):
+        models.remote("http://127.0.0.1:9", timeout=5)
+
+
+def _with_kv(state, kv):
+    from continuum import SequenceState
+
+    return SequenceState(model=state.model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
+                         weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
+
+
+def test_kill_9_between_two_calls_then_restart_continues_the_state(server, remote, local):
+    from continuum import continuous, generate, samplers
+    from continuum.errors import RemoteError
+
+    text_r = continuous(generate.text(remote, samplers.greedy()))
+    text_l = continuous(generate.text(local, samplers.greedy()))
+    s = text_r("The little dog", max_tokens=8)
+    server.kill9()
+    with pytest.raises(RemoteError, match="unchanged"):
+        text_r(s + " He", max_tokens=5)
+    server.start()
+    before = remote.tokens_computed
+    after = text_r(s + " He", max_tokens=5)  # the handle returned before the kill is in the store
+    s_l = text_l("The little dog", max_tokens=8)
+    before_l = local.tokens_computed
+    same(after, text_l(s_l + " He", max_tokens=5))
+    assert remote.tokens_computed - before == local.tokens_computed - before_l  # continued, not recomputed
+
+
+def test_regex_grammar_prefill_and_a_saved_remote_state(remote, local, tmp_path):
+    from continuum import SequenceState, continuous, generate, samplers
+
+    grammar = 'start: NAME " is " AGE\nNAME: /[A-Z][a-z]{1,6}/\nAGE: /[1-9][0-9]?/\n'
+
+    def run(model, path):
+        prefill = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=0)
+        age = continuous(generate.regex(model, r" [0-9]{1,2} years", samplers.greedy()))(prefill + ", Tom was")
+        age.save(path)  # a remote state's file keeps its handle (and its tokens, as any state file)
+        back = SequenceState.load(path, model)
+        said = continuous(generate.cfg(model, grammar, samplers.greedy()))(back + ". ", max_tokens=12)
+        return [prefill, age, back, said]
+
+    before_r, before_l = remote.tokens_computed, local.tokens_computed
+    got, want = run(remote, tmp_path / "r.safetensors"), run(local, tmp_path / "l.safetensors")
+    for a, b in zip(got, want):
+        same(a, b)
+    assert remote.tokens_computed - before_r == local.tokens_computed - before_l  # the loaded handle was reused
