@@ -353,3 +353,26 @@ def test_a_kv_budget_counts_the_step_as_it_is_laid_out(gpt2_model):
     assert [out[i] for i in range(11)] == alone
     stats = model.engine.stats()
     assert stats["peak_rows"] <= 3 and stats["peak_running_kv_bytes"] <= budget, stats
+
+
+def test_a_slab_is_laid_out_again_when_its_long_call_leaves():
+    """models/hf/merge.plan: a slab keeps the width of the longest call that was in it; when that call leaves (one dead
+    row among eight live ones: few enough to keep the slab), the short calls still decoding in it are laid out again at
+    their own width, else every row pays the long call's columns, which the kv_budget's count (Scheduler.slab_bytes)
+    prices at the live calls' width. The layout is checked on merge.plan itself: which slab, how many columns."""
+    from continuum.models.hf import merge
+    from continuum.models.hf.slab import Slab, SlabView
+    from continuum.models.request import Request
+
+    slab = Slab(layers=1, rows_cap=12, cols_cap=400)
+    slab.keys[0], slab.values[0] = torch.zeros(12, 1, 400, 2), torch.zeros(12, 1, 400, 2)
+    slab.end, slab.rows_used = 300, 9  # row 0: the long call (300 columns), gone; rows 1-8: calls of 10 columns
+
+    def short(row: int, width: int) -> Request:
+        return Request(ids=torch.ones(1, 1, dtype=torch.long), mask=torch.ones(1, width + 1, dtype=torch.long),
+                       pos=torch.full((1, 1), width), kv=SlabView((slab, row, 1, slab.end - width), width))
+
+    p = merge.plan([short(r, 10) for r in range(1, 9)], layers=1)
+    assert p.slab is not slab and p.fresh and p.cached == 10  # laid out again at the calls' own width
+    p = merge.plan([short(r, 250) for r in range(1, 9)], layers=1)
+    assert p.slab is slab and not p.fresh and p.cached == 300  # (a slab about as wide as its calls is kept: no copy)

@@ -18,8 +18,8 @@ per step. Copy-on-write, as in :mod:`continuum.models.hf.cache`: ``end`` only gr
 before it, and only never-used rows are filled with a newcomer's cache, so no state ever sees a
 value change. A newcomer (a cache that is not in place: a fork, a beam reorder, a state from
 elsewhere) is copied into spare rows, left-padded to ``end`` (its own KV, once). When that is not
-possible (no spare rows, a newcomer longer than ``end``, no spare columns, too many dead rows) the
-group is laid out in a new slab (one copy of everyone's KV).
+possible (no spare rows, a newcomer longer than ``end``, no spare columns, too many dead rows, a slab
+far wider than its calls since a long one left) the group is laid out in a new slab (one copy of everyone's KV).
 
 Requests are grouped by the number of new columns (a one-column decoding step is never padded to
 a 500-column prefill): fresh prefills (no cache) merge across lengths, right-aligned (the last
@@ -43,6 +43,7 @@ __all__ = ["Slab", "plan", "run_group", "slot_of", "groups"]
 
 _SPARE_ROWS = 0.5  # a new slab keeps this fraction of its rows (at least 4) free for joiners
 _MAX_DEAD = 0.25  # dead rows allowed in a reused slab, as a fraction of the live rows
+_WIDE_SLACK = 64  # masked columns a reused slab may have in front of its longest call (or as many as it has cached)
 _PREFILL_PAD = 1.5  # fresh prefills of different lengths share a forward while padded cells <= this x real ones
 
 
@@ -112,8 +113,11 @@ def plan(requests: list[Request], layers: int) -> Plan:
         # rows of departed calls after the last member's are left out of the forward when nobody joins
         top = slab.rows_used if newcomers else top
         dead = top - sum(r.rows for r in members)
+        need = max(r.cached for r in requests)  # a slab far wider than its calls (a long call left) is laid out again:
+        # every row pays the slab's width, which the scheduler's count (Scheduler.slab_bytes) prices at the live calls'
         if (all(r.cached <= slab.end for r in newcomers) and slab.rows_used + joining <= slab.rows_cap
-                and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and min(r.new for r in requests) == N):
+                and slab.end + N <= slab.cols_cap and dead <= _MAX_DEAD * live and min(r.new for r in requests) == N
+                and slab.end - need <= max(_WIDE_SLACK, need)):
             copies = []
             row = slab.rows_used
             for r in newcomers:
