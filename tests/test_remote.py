@@ -236,3 +236,16 @@ def test_regex_grammar_prefill_and_a_saved_remote_state(remote, local, tmp_path)
     for a, b in zip(got, want):
         same(a, b)
     assert remote.tokens_computed - before_r == local.tokens_computed - before_l  # the loaded handle was reused
+
+
+def test_a_repeated_call_gets_the_stored_answer_not_a_second_generation(remote):
+    from continuum.models.remote.wire import GENERATE
+
+    ids = remote.tokenizer.encode_prompts(["Once upon a time"])[0]
+    body = {"generator": {"kind": "text", "arguments": {}, "sampler": {"type": "multinomial", "samples": 4}},
+            "rows": [{"ids": ids, "logprobs": [None] * len(ids)}], "batch": 1, "samples": 1, "max_tokens": 8,
+            "call": "retry-1"}
+    first = remote.client.post(GENERATE, body)
+    assert remote.client.post(GENERATE, body) == first  # (unseeded samples: a second generation would differ)
+    other = remote.client.post(GENERATE, {**body, "call": "retry-2"})
+    assert other["id"] != first["id"]

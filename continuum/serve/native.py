@@ -8,7 +8,9 @@
   the same generator on its model (cached per spec: a schema compiles once), continues the rebuilt state (only the
   uncached suffix is computed), stores the result like a response (the same store, key and retention: per-key
   isolation, ``kill -9`` safety, chains of parts), and answers the new tokens, log-probs, weights, the last step,
-  the stored state's id and ``usage.positions``, the positions the model computed meanwhile.
+  the stored state's id and ``usage.positions``, the positions the model computed meanwhile. A ``call`` id makes a
+  repeat safe: the answer is stored with the state, under an id that follows from the key and the call id, and a
+  repeat of the call gets it back instead of a second generation.
 
 Errors are continuum's own, named in the error body's ``code`` (``serve/errors.py``), so the client raises the same
 class; a handle this key does not own is a :class:`~continuum.errors.RemoteStateError`.
@@ -17,6 +19,7 @@ class; a handle this key does not own is a :class:`~continuum.errors.RemoteState
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import tempfile
 import threading
@@ -70,6 +73,7 @@ class GenerateRequest(BaseModel):
     max_tokens: int | None = None
     stop_at: str | list[str] | None = None
     rng: str | None = None
+    call: str | None = None  # the client's id of this call: a repeat (a retry) gets the stored answer
 
 
 class Native:
@@ -117,18 +121,25 @@ class Native:
     def generate(self, req: GenerateRequest, owner: str) -> dict:
         from ..generate import continuous
 
+        sid = new_id("cs")
+        if req.call is not None:  # the call's stored state id follows from (key, call id): a retry finds its answer
+            sid = "cs_" + hashlib.sha256(f"{owner}:{req.call}".encode()).hexdigest()[:48]
+            done = self.ctx.store.get(sid, owner)
+            if done is not None and "answer" in done.body:
+                return done.body["answer"]
         gen = self.generator(req.generator)
         state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples)
         rng = rng_from(req.rng)
         before = self.model.tokens_computed
         out = continuous(gen)(state, max_tokens=req.max_tokens, stop_at=req.stop_at, rng=rng)
         positions = self.model.tokens_computed - before  # (the model's counter: exact while this call runs alone)
-        sid = new_id("cs")
-        body = {"id": sid, "object": "continuum.state", "created": time.time(), "model": self.ctx.config.served_model_name}
+        answer = {"id": sid, "object": "continuum.generation", "batch": out.batch, "samples": out.samples,
+                  "rows": answer_rows(state, out), "last": last_json(out._last), "rng": rng_json(rng),
+                  "usage": {"positions": positions, "cached_tokens": sum(state._cached_real())}}
+        body = {"id": sid, "object": "continuum.state", "created": time.time(), "model": self.ctx.config.served_model_name,
+                "answer": answer}
         self.ctx.store.put(sid, owner, body, [], out, parent=parent, base=base)  # durable before it is answered
-        return {"id": sid, "object": "continuum.generation", "batch": out.batch, "samples": out.samples,
-                "rows": answer_rows(state, out), "last": last_json(out._last), "rng": rng_json(rng),
-                "usage": {"positions": positions, "cached_tokens": sum(state._cached_real())}}
+        return answer
 
 
 def _build(model: Any, spec: dict) -> Any:

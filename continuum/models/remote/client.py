@@ -49,9 +49,18 @@ class Client:
 
     def _send(self, method: str, path: str, body: dict | None) -> dict:
         deadline = time.monotonic() + _BUSY_WAIT_S
+        retried = False
         while True:
             try:
                 response = self.http.request(method, path, json=body)
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+                # a connection that broke mid-request (a pooled one the server had closed): sent once more, safely,
+                # as a generation carries its call id (the server answers a repeat from the store)
+                if retried or (body is not None and "call" not in body):
+                    raise RemoteError(f"the connection to {self.base} broke during {method} {path}; the state you "
+                                      f"passed is unchanged: call again") from None
+                retried = True
+                continue
             except httpx.TimeoutException as exc:
                 raise RemoteError(f"the server at {self.base} did not answer {method} {path} within {self.timeout:g} s "
                                   f"({type(exc).__name__}). The state you passed is unchanged: call again once the "

@@ -17,6 +17,7 @@ are local, and continuing any slice of it sends the handle again.
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -130,7 +131,8 @@ class RemoteModel:
         real = state._real_rows()
         body = {"model": self.name, "generator": generator_json(gen), "batch": state.batch, "samples": state.samples,
                 "rows": _rows_json(state, real), "max_tokens": max_tokens,
-                "stop_at": list(stop_at) if isinstance(stop_at, (list, tuple)) else stop_at, "rng": rng_json(rng)}
+                "stop_at": list(stop_at) if isinstance(stop_at, (list, tuple)) else stop_at, "rng": rng_json(rng),
+                "call": secrets.token_hex(16)}  # (a retry of this request gets the stored answer, not a new call)
         data = self.client.post(GENERATE, body)
         result = self._result(data, real, gen.parse)
         if rng is not None and data.get("rng") is not None:  # the caller's generator moves on as a local call moves it
