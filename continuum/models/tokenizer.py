@@ -71,6 +71,9 @@ def check_encodable(texts: str | Sequence[str], argument: str) -> None:
                 f"(or errors='ignore' to drop it)", argument=argument, position=exc.start) from None
 
 
+_REMEMBERED, _REMEMBERED_CHARS = 4096, 256  # encode_continuation remembers texts up to this long, this many
+
+
 class Tokenizer:
     """Wraps a Hugging Face tokenizer with the operations the decoding loop needs.
 
@@ -85,6 +88,7 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: Any, generation_eos: int | Sequence[int] | None = None):
         self.hf = hf_tokenizer
+        self._continuations: dict[str, tuple[int, ...]] = {}  # encode_continuation's remembered short texts
         eos = hf_tokenizer.eos_token_id
         if hf_tokenizer.pad_token_id is None:
             if eos is None:
@@ -175,10 +179,24 @@ class Tokenizer:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def encode_continuation(self, text: str, argument: str = "the text added") -> list[int]:
-        """Tokens of ``text`` appended to an existing row (no special tokens, no SentencePiece prefix)."""
+        """Tokens of ``text`` appended to an existing row (no special tokens, no SentencePiece prefix).
+
+        Short texts are remembered (a bounded map): a program appends the same separators and scores the same
+        options call after call, and each encoding is two tokenizer calls and two decodes."""
         if not text:
             return []
+        hit = self._continuations.get(text)
+        if hit is not None:
+            return list(hit)
         check_encodable(text, argument)
+        ids = self._encode_continuation(text)
+        if len(text) <= _REMEMBERED_CHARS:
+            if len(self._continuations) >= _REMEMBERED:
+                self._continuations.clear()  # (simple bound: a working set rebuilds itself at once)
+            self._continuations[text] = tuple(ids)
+        return ids
+
+    def _encode_continuation(self, text: str) -> list[int]:
         for sentinel in _SENTINELS:
             head = self._encode_plain(sentinel)
             ids = self._encode_plain(sentinel + text)
