@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Literal
 
 import pytest
@@ -155,16 +156,49 @@ def test_run_batch_of_8_equals_local(remote, local):
         same(a, b)
 
 
-def test_streams_give_the_text_and_the_state(remote, local):
+def test_streams_send_each_step_as_the_server_decodes_and_join_to_the_local_state(remote, local):
     from continuum import continuous, generate, samplers
 
-    streams = [continuous(generate.text(m, samplers.greedy())).stream("Once upon a time", max_tokens=8)
-               for m in (remote, local)]
-    texts = ["".join(s) for s in streams]
-    assert texts[0] == texts[1] == streams[1].state.value
-    same(streams[0].state, streams[1].state)
+    def streams(model):
+        text = continuous(generate.text(model, samplers.greedy()))
+        rng = torch.Generator().manual_seed(3)
+        draws = continuous(generate.text(model, samplers.multinomial(2)))
+        beams = continuous(generate.text(model, samplers.beam_search(2)))
+        digits = continuous(generate.regex(model, r" [0-9]{2,4} years", samplers.greedy()))
+        s = text.stream("Once upon a time", max_tokens=12, stop_at=".")
+        chunks = [list(s)]
+        more = [text.stream(s.state + " She", max_tokens=6), draws.stream(["Tom", "The dog"], max_tokens=5, rng=rng),
+                beams.stream("Lily", max_tokens=4), digits.stream(s.state + " He was")]
+        chunks += [list(m) for m in more]
+        return chunks, [s.state] + [m.state for m in more]
+
+    got, want = streams(remote), streams(local)
+    assert got[0] == want[0] and len(got[0][0]) > 3  # one chunk per decoded token, as the local stream's
+    for a, b in zip(got[1], want[1]):
+        same(a, b)
     awaited = asyncio.run(continuous(generate.text(remote, samplers.greedy())).acall("Once upon a time", max_tokens=8))
-    same(awaited, streams[1].state)
+    same(awaited, continuous(generate.text(local, samplers.greedy()))("Once upon a time", max_tokens=8))
+
+    async def astream(model):
+        s = continuous(generate.text(model, samplers.greedy())).astream("The cat", max_tokens=7)
+        return [c async for c in s], s.state
+
+    (ca, sa), (cb, sb) = asyncio.run(astream(remote)), asyncio.run(astream(local))
+    assert ca == cb and len(ca) > 2
+    same(sa, sb)
+    # chunks come as the server decodes, not at the end: the first long before the last
+    started = time.perf_counter()
+    long = continuous(generate.text(remote, samplers.greedy())).stream("Once upon a time", max_tokens=120)
+    assert next(long)
+    first = time.perf_counter() - started
+    assert len(list(long)) > 60
+    assert first < 0.5 * (time.perf_counter() - started)
+    # leaving a stream early closes its request (the server stops the call); the model goes on serving
+    early = continuous(generate.text(remote, samplers.greedy())).stream("Once upon a time", max_tokens=200)
+    assert next(early)
+    early._iter.close()
+    same(continuous(generate.text(remote, samplers.greedy()))("The cat", max_tokens=3),
+         continuous(generate.text(local, samplers.greedy()))("The cat", max_tokens=3))
 
 
 def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):

@@ -160,7 +160,7 @@ class Generator:
     # the plumbing shared with continuous()
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
         if getattr(self.model, "runs_calls", False):  # models.remote: the whole call runs on the server
-            return self.model.call_steps(self, state, max_tokens, stop_at, rng)
+            return self.model.call_steps(self, state, max_tokens, stop_at, rng, track_text)
         if self.markers is not None:  # think first: the constraint wrapped (guides.reasoning), the result split
             guide = reasoning_guide(state, self.guide, self.markers, self.thinking_budget, max_tokens, extra_eos)
             if stop_at is not None and guide.initial[0] in (OPEN, THINK):  # stop strings: in the answer only
@@ -251,7 +251,7 @@ class ChoiceGenerator(Generator):
 
     def _steps(self, state: SequenceState, max_tokens, stop_at, rng, track_text: bool, extra_eos: frozenset = frozenset()):
         if getattr(self.model, "runs_calls", False):  # models.remote: the whole call runs on the server
-            return self.model.call_steps(self, state, max_tokens, stop_at, rng)
+            return self.model.call_steps(self, state, max_tokens, stop_at, rng, track_text)
         if max_tokens == 0:  # prefill only, like every generator (options end themselves: extra_eos is moot)
             return super()._steps(state, max_tokens, stop_at, rng, track_text)
         from ..loop.scoring import choose

@@ -25,17 +25,22 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import GeneratorArgumentError
 from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, last_json, rng_from, rng_json, sampler_from
-from .errors import APIError
+from .chat_completions import STREAM_HEADERS
+from .errors import APIError, from_exception
 from .messages import new_id
 from .native_state import answer_rows, input_state
+from .served import Cancelled
+from .sse import DONE, ThreadStream, sse
 
 __all__ = ["register"]
 
@@ -74,6 +79,7 @@ class GenerateRequest(BaseModel):
     stop_at: str | list[str] | None = None
     rng: str | None = None
     call: str | None = None  # the client's id of this call: a repeat (a retry) gets the stored answer
+    stream: bool = False  # server-sent events: each step's new text per row, then the answer
 
 
 class Native:
@@ -118,9 +124,11 @@ class Native:
                 self._generators.popitem(last=False)
         return gen
 
-    def generate(self, req: GenerateRequest, owner: str) -> dict:
-        from ..generate import continuous
-
+    def generate(self, req: GenerateRequest, owner: str, emit: Callable[[Any], None] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> dict:
+        """The call; its answer, stored before it is returned. ``emit``: a stream's, called with each step's text
+        as ``[[kept, added], ...]`` per row (the characters of the row's previous text it keeps, then the new ones:
+        the client rebuilds every step's texts exactly, so its chunks are a local stream's)."""
         sid = new_id("cs")
         if req.call is not None:  # the call's stored state id follows from (key, call id): a retry finds its answer
             sid = "cs_" + hashlib.sha256(f"{owner}:{req.call}".encode()).hexdigest()[:48]
@@ -131,7 +139,7 @@ class Native:
         state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples)
         rng = rng_from(req.rng)
         before = self.model.tokens_computed
-        out = continuous(gen)(state, max_tokens=req.max_tokens, stop_at=req.stop_at, rng=rng)
+        out = self._run(gen, state, req, rng, emit, cancelled)
         positions = self.model.tokens_computed - before  # (the model's counter: exact while this call runs alone)
         answer = {"id": sid, "object": "continuum.generation", "batch": out.batch, "samples": out.samples,
                   "rows": answer_rows(state, out), "last": last_json(out._last), "rng": rng_json(rng),
@@ -140,6 +148,45 @@ class Native:
                 "answer": answer}
         self.ctx.store.put(sid, owner, body, [], out, parent=parent, base=base)  # durable before it is answered
         return answer
+
+    @staticmethod
+    def _run(gen: Any, state: Any, req: GenerateRequest, rng: Any, emit: Callable[[Any], None] | None,
+             cancelled: Callable[[], bool]) -> Any:
+        from ..generate import continuous
+        from ..loop.decoding import check_max_tokens
+
+        if emit is None:
+            return continuous(gen)(state, max_tokens=req.max_tokens, stop_at=req.stop_at, rng=rng)
+        check_max_tokens(req.max_tokens)  # (what a continuous call checks first)
+        steps = gen._steps(state, req.max_tokens, req.stop_at, rng, True)  # (the steps a local stream reads)
+        sent: list[str] | None = None
+        beams = gen.sampler.is_beam_search  # (a local stream shows beams once, at the end: nothing to send per step)
+        try:
+            while True:
+                try:
+                    step = next(steps)
+                except StopIteration as stop:
+                    return stop.value
+                if cancelled():
+                    raise Cancelled()
+                if beams or step.texts is None:
+                    continue
+                texts = list(step.texts)
+                if sent is None or len(sent) != len(texts):
+                    sent = [""] * len(texts)
+                if texts != sent:
+                    emit([[_common(a, b), b[_common(a, b):]] for a, b in zip(sent, texts)])
+                sent = texts
+        finally:
+            steps.close()  # (a cancelled stream leaves the decoding loop: its rows freed)
+
+
+def _common(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _build(model: Any, spec: dict) -> Any:
@@ -169,8 +216,27 @@ def register(app: FastAPI, ctx: Any) -> None:
         return await ctx.run(native.tokenizer_files)
 
     @app.post(GENERATE)
-    async def generate_call(req: GenerateRequest, request: Request) -> dict:
+    async def generate_call(req: GenerateRequest, request: Request) -> Any:
         owner = ctx.owner(request)
         if req.model is not None:
             ctx.check_model(req.model)
-        return await ctx.run(lambda: native.generate(req, owner), reply=True)
+        if not req.stream:
+            return await ctx.run(lambda: native.generate(req, owner), reply=True)
+        stream = ThreadStream(lambda emit, cancelled: native.generate(req, owner, emit, cancelled))
+        first = await stream.get()
+        if first[0] == "error":  # (refused before its first step: an HTTP error, as without a stream)
+            raise from_exception(first[1])
+
+        async def events():
+            async for kind, item in stream.items(first):
+                if kind == "event":
+                    yield sse({"texts": item})
+                elif kind == "error":
+                    if not isinstance(item, Cancelled):
+                        yield sse(from_exception(item).body())
+                    return
+                else:
+                    yield sse({"answer": item})
+                    yield DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)

@@ -11,12 +11,14 @@ asks, up to the call's timeout.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -75,6 +77,49 @@ class Client:
                 continue
             return _answer(self.base, method, path, response)
 
+    def stream(self, path: str, body: dict) -> Iterator[dict]:
+        """``POST path`` answered by server-sent events: each event's JSON, up to ``[DONE]``. An error before the
+        first event is raised as :meth:`post` raises it; an error event mid-stream as the class it names. A connection
+        that breaks before any event is sent once more (the call id makes it safe); after one, it is a
+        :class:`RemoteError` (the chunks already read cannot be taken back)."""
+        deadline = time.monotonic() + _BUSY_WAIT_S
+        retried, started = False, False
+        while True:
+            try:
+                with self.http.stream("POST", path, json=body) as response:
+                    if response.status_code == 503 and time.monotonic() < deadline:
+                        time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
+                        continue
+                    if not response.is_success:
+                        response.read()
+                        _answer(self.base, "POST", path, response)
+                    for line in response.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            return
+                        event = json.loads(data)
+                        if isinstance(event, dict) and "error" in event:
+                            _raise_error(self.base, "POST", path, 200, event["error"], data)
+                        started = True
+                        yield event
+                    raise RemoteError(f"the stream of POST {self.base}{path} ended before its answer (the server "
+                                      f"stopped?); the state you passed is unchanged: call again")
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+                if retried or started:
+                    raise RemoteError(f"the connection to {self.base} broke during a stream of POST {path}; the state "
+                                      f"you passed is unchanged: call again") from None
+                retried = True
+            except httpx.TimeoutException as exc:
+                raise RemoteError(f"the server at {self.base} did not answer POST {path} within {self.timeout:g} s "
+                                  f"({type(exc).__name__}). The state you passed is unchanged: call again once the "
+                                  f"server answers, or give models.remote(..., timeout=) more time for long calls.") from None
+            except httpx.TransportError as exc:
+                raise RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
+                                  f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
+                                  f"unchanged, so the same call works once the server answers.") from None
+
 
 def _answer(base: str, method: str, path: str, response: httpx.Response) -> dict:
     """The JSON body of a 2xx, or the error it carries raised as continuum's own."""
@@ -85,21 +130,27 @@ def _answer(base: str, method: str, path: str, response: httpx.Response) -> dict
     if response.is_success and isinstance(data, dict):
         return data
     error = data.get("error") if isinstance(data, dict) else None
+    _raise_error(base, method, path, response.status_code, error, response.text)
+
+
+def _raise_error(base: str, method: str, path: str, status: int, error: Any, text: str) -> NoReturn:
+    """Raise what an error body (``{"error": {"message", "code", ...}}``) says: continuum's class by name, or
+    :class:`RemoteError`."""
     if not isinstance(error, dict):
-        raise RemoteError(f"{method} {base}{path} answered {response.status_code} without continuum's JSON "
-                          f"({response.text[:200]!r}): is this URL a `continuum serve` of this version?")
+        raise RemoteError(f"{method} {base}{path} answered {status} without continuum's JSON "
+                          f"({text[:200]!r}): is this URL a `continuum serve` of this version?")
     message, code = str(error.get("message")), error.get("code")
     if code == "context_length_exceeded":
         raise errors.ContextLengthError(message)
     cls = getattr(errors, str(code), None)
     if isinstance(cls, type) and issubclass(cls, ContinuumError):
         raise _rebuilt(cls, message)
-    if response.status_code == 401:
+    if status == 401:
         raise RemoteError(f"the server at {base} refused the API key: {message} Pass models.remote(url, api_key=...).")
-    if response.status_code == 404 and "Unknown route" in message:
+    if status == 404 and "Unknown route" in message:
         raise RemoteError(f"the server at {base} has no {path}: it is not a `continuum serve` with the native routes "
                           f"(update it), or the URL points elsewhere.")
-    raise RemoteError(f"{method} {base}{path} failed with {response.status_code}: {message}")
+    raise RemoteError(f"{method} {base}{path} failed with {status}: {message}")
 
 
 def _rebuilt(cls: type[ContinuumError], message: str) -> ContinuumError:

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from ...errors import BackendError, GeneratorArgumentError, ModelLoadError
+from ...errors import BackendError, GeneratorArgumentError, ModelLoadError, RemoteError
 from ...loop.checks import check_rng
+from ...loop.decoding import Step
 from ...state import SequenceState
 from ...state.core import _right_aligned
 from ..identity import ModelFingerprint
@@ -114,26 +115,48 @@ class RemoteModel:
         return RemoteKV.restore(meta)
 
     # ------------------------------------------------------------------ calls
-    def call_steps(self, gen: Any, state: SequenceState, max_tokens: int | None, stop_at: Any, rng: Any):
+    def call_steps(self, gen: Any, state: SequenceState, max_tokens: int | None, stop_at: Any, rng: Any,
+                   track_text: bool = False):
         """What ``gen._steps`` is for a local model: an iterator of steps whose return value is the new state. The
-        call runs whole on the server, so there are no steps: a stream gets the final text as one chunk."""
+        call runs whole on the server; a stream's (``track_text``) steps come from it by server-sent events as it
+        decodes, each with every row's text so far, as the local loop's steps have them."""
 
         def steps():
-            return self.call(gen, state, max_tokens, stop_at, rng)
-            yield  # (a generator function: the request is sent at the first next())
+            if not track_text:
+                return self.call(gen, state, max_tokens, stop_at, rng)
+            body, real = self._body(gen, state, max_tokens, stop_at, rng)
+            body["stream"] = True
+            texts: list[str] = []
+            for event in self.client.stream(GENERATE, body):
+                if "answer" in event:
+                    return self._finish(event["answer"], real, gen, rng)
+                changes = event["texts"]
+                if len(texts) != len(changes):
+                    texts = [""] * len(changes)
+                texts = [t[:keep] + added for t, (keep, added) in zip(texts, changes)]
+                yield Step(list(texts), False)
+            raise RemoteError(f"the stream of {self.client.base}{GENERATE} ended without its answer: call again")
 
         return steps()
 
-    def call(self, gen: Any, state: SequenceState, max_tokens: int | None, stop_at: Any,
-             rng: torch.Generator | None) -> SequenceState:
-        """One generator call on the server: ``gen`` continuing ``state``; returns the new state."""
+    def _body(self, gen: Any, state: SequenceState, max_tokens: int | None, stop_at: Any,
+              rng: torch.Generator | None) -> tuple[dict, list[tuple[list[int], list[float]]]]:
         check_rng(rng)
         real = state._real_rows()
         body = {"model": self.name, "generator": generator_json(gen), "batch": state.batch, "samples": state.samples,
                 "rows": _rows_json(state, real), "max_tokens": max_tokens,
                 "stop_at": list(stop_at) if isinstance(stop_at, (list, tuple)) else stop_at, "rng": rng_json(rng),
                 "call": secrets.token_hex(16)}  # (a retry of this request gets the stored answer, not a new call)
-        data = self.client.post(GENERATE, body)
+        return body, real
+
+    def call(self, gen: Any, state: SequenceState, max_tokens: int | None, stop_at: Any,
+             rng: torch.Generator | None) -> SequenceState:
+        """One generator call on the server: ``gen`` continuing ``state``; returns the new state."""
+        body, real = self._body(gen, state, max_tokens, stop_at, rng)
+        return self._finish(self.client.post(GENERATE, body), real, gen, rng)
+
+    def _finish(self, data: dict, real: list[tuple[list[int], list[float]]], gen: Any,
+                rng: torch.Generator | None) -> SequenceState:
         result = self._result(data, real, gen.parse)
         if rng is not None and data.get("rng") is not None:  # the caller's generator moves on as a local call moves it
             moved = rng_from(data["rng"])
