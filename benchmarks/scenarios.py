@@ -13,6 +13,7 @@ import torch
 
 from continuum import continuous, generate, samplers
 
+from .agents_bench import AGENT_SCENARIOS
 from .chat_bench import b12
 from .choice_bench import b18b
 from .common import Bench, Call, Row, collect, kv_bytes, log, make_text, measure, median, n_tokens, paired, row_from_calls
@@ -412,7 +413,7 @@ SCENARIOS: dict[str, Callable[[Bench, Config], list[Row]]] = {
     "B1": b1_b2, "B3": b3, "B4": b4, "B5": b5, "B6": b6, "B7": b7, "B8": b8, "B9": b9, "B10": b10, "B11": b11,
     "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21, **STARTUP_SCENARIOS, "B18B": b18b,
     **ENGINE_SCENARIOS, "B23": b23,
-    **LLAMACPP_SCENARIOS, **POOL_SCENARIOS, **SERVER_POOL_SCENARIOS, **SPECULATION_SCENARIOS,
+    **LLAMACPP_SCENARIOS, **POOL_SCENARIOS, **SERVER_POOL_SCENARIOS, **AGENT_SCENARIOS, **SPECULATION_SCENARIOS,
     **HYBRID_SCENARIOS,
 }
 ALIASES = {"B2": "B1"}
