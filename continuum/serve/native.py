@@ -96,18 +96,29 @@ class Native:
         return {"name": self.ctx.config.served_model_name, "fingerprint": self.model.fingerprint.as_dict(),
                 "context_length": self.model.context_length, "vocab_size": self.model.vocab_size,
                 "tokenizer": {"fingerprint": tok.fingerprint, "eos_token_ids": sorted(tok.eos_token_ids),
-                              "name": tok.name}}
+                              "name": tok.name, "kind": "gguf" if getattr(tok, "hf", None) is None else "transformers"}}
 
     def tokenizer_files(self) -> dict:
+        """The tokenizer's files (base64): a transformers tokenizer's ``save_pretrained`` folder, or a GGUF's
+        metadata as a vocab-only GGUF (``vocab.gguf``: the header and key-values, no tensors), which the client loads
+        with llama.cpp's own tokenizer code (``continuum.models.remote.gguf``)."""
         if self._files is None:
-            hf = getattr(self.model.tokenizer, "hf", None)
-            if hf is None or not hasattr(hf, "save_pretrained"):
-                raise APIError(400, "this server's tokenizer (a GGUF's) cannot be sent yet: models.remote needs a "
-                                    "transformers model on the server (docs/remote.md)", code="not_supported")
-            with tempfile.TemporaryDirectory() as tmp:
-                hf.save_pretrained(tmp)
-                self._files = {p.name: base64.b64encode(p.read_bytes()).decode()
-                               for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            tok = self.model.tokenizer
+            hf = getattr(tok, "hf", None)
+            path = getattr(getattr(tok, "model", None), "path", None)
+            if hf is not None and hasattr(hf, "save_pretrained"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    hf.save_pretrained(tmp)
+                    self._files = {p.name: base64.b64encode(p.read_bytes()).decode()
+                                   for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+            elif path is not None and str(path).lower().endswith(".gguf"):
+                from ..models.remote.gguf import vocab_only
+
+                self._files = {"vocab.gguf": base64.b64encode(vocab_only(path)).decode()}
+            else:
+                raise APIError(400, f"this server's tokenizer ({type(tok).__name__}) cannot be sent: models.remote "
+                                    f"needs a transformers or GGUF model on the server (docs/remote.md)",
+                               code="not_supported")
         return {"files": self._files}
 
     def generator(self, spec: dict) -> Any:

@@ -70,18 +70,24 @@ def input_state(model: Any, store: Any, owner: str, rows: list[Any], batch: int,
 def _check_row(r: int, row: Any, base: SequenceState) -> None:
     if not 0 <= row.row < base.rows:
         raise RemoteStateError(f"row {r}: the stored state {row.state!r} has {base.rows} row(s), not a row {row.row}")
-    cached = base._cached_real()[row.row]
     ids = base._real_rows()[row.row][0]
-    if not 0 < row.cached <= cached or (row.check is not None and ids[row.cached - 1] != row.check):
+    # (the stored state's tokens, not its KV: a backend whose KV the store does not keep, llama.cpp's, loads a stored
+    # state with its tokens only, and the tokens the handle covers past the KV are recomputed: _extend)
+    if not 0 < row.cached <= len(ids) or (row.check is not None and ids[row.cached - 1] != row.check):
         raise RemoteStateError(f"row {r}: the handle does not match the stored state {row.state!r} (row {row.row} "
-                               f"covers {cached} tokens; the handle says {row.cached}): the state was changed outside "
+                               f"has {len(ids)} tokens; the handle says {row.cached}): the state was changed outside "
                                f"the library; model.detach(state) sends its tokens instead")
 
 
 def _extend(base: SequenceState, rows: list[Any], weights: torch.Tensor, batch: int, samples: int) -> SequenceState:
-    """The rows of ``base`` that ``rows`` name, each keeping its first ``cached`` tokens' KV, then its own ids."""
+    """The rows of ``base`` that ``rows`` name, each keeping its first ``cached`` tokens' KV (those the stored state
+    still has: a llama.cpp state loaded from the store has none, and they are recomputed), then its own ids."""
     picked = base._select([row.row for row in rows], batch, samples)
-    return picked._rebuild([row.cached for row in rows], [(row.ids, nans(row.logprobs)) for row in rows], weights, None)
+    have, real = picked._cached_real(), picked._real_rows()
+    keep = [min(row.cached, h) for row, h in zip(rows, have)]
+    suffixes = [(ids[k:row.cached] + row.ids, lps[k:row.cached] + nans(row.logprobs))
+                for (ids, lps), k, row in zip(real, keep, rows)]
+    return picked._rebuild(keep, suffixes, weights, None)
 
 
 def _same(a: float, b: float) -> bool:

@@ -175,9 +175,6 @@ def load_tokenizer(client: Client, info: dict) -> Any:
     """The server's tokenizer as a continuum :class:`~continuum.models.tokenizer.Tokenizer`: from the disk cache
     under its fingerprint, or fetched once (``GET /v1/continuum/tokenizer``) and kept there. Its fingerprint must be
     the server's (the same ids mean the same tokens), or :class:`RemoteError`."""
-    from transformers import AutoTokenizer
-
-    from ..tokenizer import Tokenizer
     from .wire import TOKENIZER
 
     fingerprint = str(info["tokenizer"]["fingerprint"])
@@ -195,7 +192,16 @@ def load_tokenizer(client: Client, info: dict) -> Any:
             os.replace(tmp, folder)  # whole or absent: a concurrent fetch of the same tokenizer loses the race harmlessly
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(folder)), info["tokenizer"].get("eos_token_ids"))
+    if (folder / "vocab.gguf").exists():  # a GGUF server's: llama.cpp's tokenizer over the GGUF's vocabulary
+        from .gguf import load_gguf_tokenizer
+
+        tokenizer = load_gguf_tokenizer(folder / "vocab.gguf")
+    else:
+        from transformers import AutoTokenizer
+
+        from ..tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(folder)), info["tokenizer"].get("eos_token_ids"))
     if tokenizer.fingerprint != fingerprint:
         raise RemoteError(f"the tokenizer fetched from {client.base} loads here with fingerprint {tokenizer.fingerprint}, "
                           f"not the server's {fingerprint} (another transformers version?): ids would not mean the "

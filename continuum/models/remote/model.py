@@ -77,7 +77,7 @@ class RemoteModel:
             raise ModelLoadError(f"the server at {self.client.base} serves {info['name']!r}, not {model!r}: pass "
                                  f"model={info['name']!r} (or none), or point at the server of {model!r}")
         self.name: str = info["name"]
-        self.fingerprint = ModelFingerprint.from_dict(info["fingerprint"])
+        self.fingerprint: Any = _fingerprint(info["fingerprint"])
         self.context_length: int | None = info.get("context_length")
         self.vocab_size: int = int(info["vocab_size"])
         self.tokenizer = load_tokenizer(self.client, info)
@@ -178,6 +178,16 @@ class RemoteModel:
         weights = torch.tensor([row["weight"] for row in data["rows"]], dtype=torch.float32)
         return layout(self, rows, cached, weights, data["batch"], data["samples"], last_from(data["last"], parse),
                       data["id"])
+
+
+def _fingerprint(saved: dict) -> Any:
+    """The server's model fingerprint as its backend's class (transformers' ``ModelFingerprint``, llama.cpp's
+    ``LlamaCppFingerprint``): compared by ``same_model``, written in saved states' files."""
+    if "gguf" in saved:
+        from ..llamacpp.fingerprint import LlamaCppFingerprint
+
+        return LlamaCppFingerprint(**saved)
+    return ModelFingerprint.from_dict(saved)
 
 
 def _rows_json(state: SequenceState, real: list[tuple[list[int], list[float]]]) -> list[dict]:
