@@ -376,3 +376,31 @@ def test_a_slab_is_laid_out_again_when_its_long_call_leaves():
     assert p.slab is not slab and p.fresh and p.cached == 10  # laid out again at the calls' own width
     p = merge.plan([short(r, 250) for r in range(1, 9)], layers=1)
     assert p.slab is slab and not p.fresh and p.cached == 300  # (a slab about as wide as its calls is kept: no copy)
+
+
+@pytest.mark.parametrize("mode", ["batched", "sequential"])
+def test_guidance_calls_go_through_admission(gpt2_model, mode):
+    """Issue 56: classifier-free guidance's loop ran in its caller's thread, its forwards one-off requests, so its
+    call was never admitted: three CFG calls on a 2-row bound ran all at once (6 rows in one forward). Now both
+    branches' forwards are the call's own requests: a call of 1 prompt counts 2 rows, so they run one at a time
+    (no forward holds more than 2 rows), each result as alone."""
+    sched = gpt2_model.scheduler
+    old = sched.max_rows
+    gen = generate.text(gpt2_model, samplers.greedy(), guidance_scale=2.0, negative_prompt="The cat", cfg_mode=mode)
+    jobs = [lambda p=p: gen(p, max_tokens=6) for p in PROMPTS[:3]]
+    sizes: list[int] = []
+    real_run = gpt2_model._run
+
+    def spy(ids, mask, pos, past, logits, allowed=None):
+        sizes.append(ids.shape[0])
+        return real_run(ids, mask, pos, past, logits, allowed)
+
+    sched.max_rows = 2
+    gpt2_model._run = spy
+    try:
+        solo, together, _ = solo_and_concurrent(gpt2_model, jobs)
+    finally:
+        sched.max_rows = old
+        del gpt2_model._run
+    assert together == solo
+    assert max(sizes) <= 2, sizes

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import BatchMismatch, ContextLengthError, GeneratorArgumentError
 from ..models import kv as kvcache
+from ..models.request import Request
 from .checks import PREALLOCATED
 
 __all__ = ["guided_logprobs", "guided_scores", "Guidance", "UnconditionalBranch"]
@@ -121,13 +122,13 @@ def _left_padded(rows: list[list[int]], width: int, pad: int, device) -> tuple[t
 
 
 class UnconditionalBranch:
-    """The unconditional branch of one decoding call, and a stand-in for ``model.forward``.
+    """The unconditional branch of one decoding call, and a stand-in for the loop's forward request.
 
-    The decoding loop calls :meth:`forward` exactly as it would call the model: it runs the
-    conditional columns it is given and the unconditional branch's matching column (the same
-    generated token, the same keep flag), returns the conditional logits and KV, and keeps the
-    unconditional logits for :meth:`guide`. :meth:`reorder` makes the branch follow the
-    conditional rows (``Rows.reorder`` calls it; it returns the reordered conditional KV).
+    The decoding loop runs :meth:`forward` (``yield from``) where it would yield its request: it asks the engine for
+    the conditional columns it is given and the unconditional branch's matching column (the same generated token,
+    the same keep flag), as the call's own requests (so the call is admitted, counted, parked like any), returns
+    the conditional logits and KV, and keeps the unconditional logits for :meth:`guide`. :meth:`reorder` makes the
+    branch follow the conditional rows (``Rows.reorder`` calls it; it returns the reordered conditional KV).
 
     * ``"sequential"``: the branch has its own KV cache and a second forward per step.
     * ``"batched"``: after the first step (the conditional suffix and the negative prompt are
@@ -170,8 +171,18 @@ class UnconditionalBranch:
         assert self.kv is not None  # batched: both branches' cache, set at the prefill
         return kvcache.narrow(self.kv, rows, self.lead)
 
+    @staticmethod
+    def _run(ids, mask, pos, kv, logits: str = "last", reserve: int = 0):
+        """One forward as a request of the call's loop: the engine runs it in its next step, merged with the other
+        calls' (the call is admitted like any, its rows counted twice: ``turns.rows_per_prompt``)."""
+        req = Request(ids, mask, pos, kv, logits, reserve)
+        yield req
+        result, req.result = req.result, None
+        return result
+
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv, *, logits: str = "last", reserve: int = 0):
-        """``model.forward`` for the conditional rows (the same arguments); the unconditional branch runs alongside."""
+        """``model.forward`` for the conditional rows (the same arguments), as the loop's requests (a generator: its
+        value is the conditional ``(logits, kv)``); the unconditional branch runs alongside."""
         R = ids.shape[0]
         first = self.uncond_logits is None  # the prefill: the conditional suffix and the whole negative prompt
         if not first:  # a generated column: the same token and keep flag in the unconditional branch
@@ -180,11 +191,11 @@ class UnconditionalBranch:
             self.width += 1
         umask = self.mask[:, :self.width]
         if first or not self.batched:
-            cond, kv = self.model.forward(ids, mask, pos, kv, logits=logits, reserve=0 if self.batched else reserve)
+            cond, kv = yield from self._run(ids, mask, pos, kv, logits, 0 if self.batched else reserve)
             uids = self.prompt_ids if first else ids
             upos = kvcache.positions(umask)[:, -uids.shape[1]:]
-            self.uncond_logits, ukv = self.model.forward(uids, umask, upos, None if first else self.kv,
-                                                         reserve=0 if self.batched else reserve)
+            self.uncond_logits, ukv = yield from self._run(uids, umask, upos, None if first else self.kv, "last",
+                                                           0 if self.batched else reserve)
             if not self.batched:
                 self.kv = ukv
                 return cond, kv
@@ -199,7 +210,7 @@ class UnconditionalBranch:
         # one generated column for 2R rows: the conditional rows behind `lead` masked columns
         both_mask = torch.cat([torch.cat([umask.new_zeros((R, self.lead)), mask.to(umask.dtype)], 1), umask], 0)
         both_pos = both_mask[:, :-1].sum(1, keepdim=True)
-        out, self.kv = self.model.forward(torch.cat([ids, ids], 0), both_mask, both_pos, self.kv, logits=logits, reserve=reserve)
+        out, self.kv = yield from self._run(torch.cat([ids, ids], 0), both_mask, both_pos, self.kv, logits, reserve)
         self.uncond_logits = out[R:]
         return out[:R], self._cond_view(R)
 

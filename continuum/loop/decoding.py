@@ -29,7 +29,6 @@ from ..guides import Guide
 from ..models import kv as kvcache
 from ..models.kv import positions  # (re-exported: it lives with the cache's column layout)
 from ..models.memory import kv_bytes
-from ..models.request import Request
 from ..samplers import Sampler
 from ..speculate import Speculator, check_speculator
 from ..state import LastStep, SequenceState
@@ -126,12 +125,7 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
         try:
             with GATE.held():  # (few setups at once: the engine's steps are not starved of the GIL)
                 first = next(loop)  # the setup, up to the loop's first forward request
-            while not isinstance(first, Request):  # guidance: the branch's forwards are one-off requests,
-                if stream:  # so that loop runs here, in the caller's thread (its forwards still merged)
-                    yield first
-                with GATE.held():
-                    first = next(loop)
-        except StopIteration as done:  # nothing left to compute (max_tokens=0, or the loop ran here)
+        except StopIteration as done:  # nothing left to compute (max_tokens=0)
             engine.arrivals.arrived()
             return done.value
         except BaseException:

@@ -81,7 +81,7 @@ class CallLoop:
 
     def forward(self, start: int, end: int, logits: str = "last"):
         """The model on columns [start, end): a request the engine runs in its next step (merged with every running
-        call's); with guidance, the branch's own forwards (run by the engine's thread)."""
+        call's); with guidance, the branch's requests (both branches: :class:`~continuum.loop.cfg.UnconditionalBranch`)."""
         rows = self.rows
         mask = rows.mask[:, :end]
         if end - start == 1:  # one column: positions(mask)[:, -1:] without the cumsum (a pad column of a row
@@ -91,7 +91,8 @@ class CallLoop:
         reserve = self._reserve(end)  # columns to come: KV storage once
         if rows.branch is not None:  # guidance: runs both branches
             self.last = None
-            return rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits, reserve=reserve)
+            return (yield from rows.branch.forward(rows.ids[:, start:end], mask, pos, rows.kv, logits=logits,
+                                                   reserve=reserve))
         req = self.last = Request(rows.ids[:, start:end], mask, pos, rows.kv, logits, reserve, normalize=True,
                                   remask=self.remask)
         self.remask = False
