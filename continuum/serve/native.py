@@ -31,10 +31,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import GeneratorArgumentError
-from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, last_json, rng_from, rng_json, sampler_from
+from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from
 from .chat_completions import STREAM_HEADERS
 from .errors import APIError, from_exception
 from .messages import new_id
@@ -251,3 +251,28 @@ def register(app: FastAPI, ctx: Any) -> None:
                     yield DONE
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=STREAM_HEADERS)
+
+    @app.post(TUNNEL)
+    async def tunnel(request: Request) -> Any:
+        """The native routes through a gateway that forwards only the routes it knows (SMG: SGLang's ``/generate``,
+        its body as sent): ``{"continuum": {"route": ..., "body": ...}}``."""
+        try:
+            data = await request.json()
+        except ValueError:
+            data = None
+        inner = data.get("continuum") if isinstance(data, dict) else None
+        route = inner.get("route") if isinstance(inner, dict) else None
+        if route not in (MODEL, TOKENIZER, GENERATE):
+            raise APIError(404, "POST /generate carries models.remote's calls through gateways ({\"continuum\": "
+                                "{\"route\": \"/v1/continuum/...\", \"body\": ...}}); SGLang's /generate is not served "
+                                "here: use the OpenAI routes", code="unknown_route")
+        assert isinstance(inner, dict)
+        if route == MODEL:
+            return await model_info(request)
+        if route == TOKENIZER:
+            return await tokenizer(request)
+        try:
+            req = GenerateRequest.model_validate(inner.get("body"))
+        except ValidationError as exc:
+            raise APIError(400, f"the generate call's body is not valid: {exc}", code="invalid_request") from None
+        return await generate_call(req, request)

@@ -24,6 +24,7 @@ import httpx
 
 from ... import errors
 from ...errors import ContinuumError, RemoteError
+from .wire import TUNNEL
 
 __all__ = ["Client", "load_tokenizer"]
 
@@ -39,6 +40,14 @@ class Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
+        # behind a gateway that routes only the routes it knows (SMG: the OpenAI ones and SGLang's /generate), calls
+        # go through POST /generate, which continuum serve answers for its native routes (set at the first 404)
+        self.tunnel = False
+
+    def _route(self, method: str, path: str, body: dict | None, stream: bool = False) -> tuple[str, str, dict | None]:
+        if not self.tunnel:
+            return method, path, body
+        return "POST", TUNNEL, {"text": "", "stream": stream, "continuum": {"route": path, "body": body}}
 
     def close(self) -> None:
         self.http.close()
@@ -54,7 +63,8 @@ class Client:
         retried = False
         while True:
             try:
-                response = self.http.request(method, path, json=body)
+                verb, url, sent = self._route(method, path, body)
+                response = self.http.request(verb, url, json=sent)
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
                 # a connection that broke mid-request (a pooled one the server had closed): sent once more, safely,
                 # as a generation carries its call id (the server answers a repeat from the store)
@@ -75,6 +85,9 @@ class Client:
             if response.status_code == 503 and time.monotonic() < deadline:  # busy: never the caller's fault
                 time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
                 continue
+            if response.status_code == 404 and not self.tunnel and _unknown_url(response):
+                self.tunnel = True  # a gateway that does not know the route: through its /generate
+                continue
             return _answer(self.base, method, path, response)
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
@@ -86,7 +99,8 @@ class Client:
         retried, started = False, False
         while True:
             try:
-                with self.http.stream("POST", path, json=body) as response:
+                method, url, sent = self._route("POST", path, body, stream=True)
+                with self.http.stream(method, url, json=sent) as response:
                     if response.status_code == 503 and time.monotonic() < deadline:
                         time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
                         continue
@@ -119,6 +133,15 @@ class Client:
                 raise RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
                                   f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
                                   f"unchanged, so the same call works once the server answers.") from None
+
+
+def _unknown_url(response: httpx.Response) -> bool:
+    """A 404 from a gateway that does not route the path (SMG's ``unknown_url``), not continuum's own 404."""
+    try:
+        error = response.json().get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "unknown_url"
 
 
 def _answer(base: str, method: str, path: str, response: httpx.Response) -> dict:

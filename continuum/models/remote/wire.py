@@ -19,12 +19,15 @@ from ...errors import GeneratorArgumentError
 from ...samplers import BeamSearchSampler, GreedySampler, MultinomialSampler, Sampler
 from ...state.laststep import LastStep
 
-__all__ = ["MODEL", "GENERATE", "TOKENIZER", "floats", "nans", "sampler_json", "sampler_from", "rng_json", "rng_from",
+__all__ = ["MODEL", "GENERATE", "TOKENIZER", "TUNNEL", "floats", "nans", "sampler_json", "sampler_from", "rng_json", "rng_from",
            "last_json", "last_from"]
 
 MODEL = "/v1/continuum/model"  # what the server serves: its name, fingerprints, context length
 GENERATE = "/v1/continuum/generate"  # one generator call on stored states
 TOKENIZER = "/v1/continuum/tokenizer"  # the served model's tokenizer files, fetched once per client
+# the three above through a gateway that routes only what it knows (SMG forwards SGLang's /generate with its body
+# as sent): {"text": "", "stream": ..., "continuum": {"route": one of the three, "body": its body}}
+TUNNEL = "/generate"
 
 
 def floats(values: Sequence[float]) -> list[float | None]:
