@@ -77,7 +77,8 @@ class KVHandle(Protocol):
 
 
 def _handle(kv: Any) -> bool:
-    return kv is not None and not isinstance(kv, Sequence)
+    # (a tuple first: the Sequence ABC's isinstance is slow, and this runs many times per call and step)
+    return kv is not None and type(kv) is not tuple and not isinstance(kv, Sequence)
 
 
 def is_handle(kv: KV) -> bool:

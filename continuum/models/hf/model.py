@@ -108,8 +108,20 @@ class Transformers:
         ``model.dtype``); before any, the weights' dtype. A state whose cache has another dtype
         (e.g. made before ``model.model.double()``) is recomputed when it is continued.
         """
-        dtype = self.model.dtype
+        dtype = self._weights_dtype()
         return self._kv_dtypes.get(dtype, dtype)
+
+    def _weights_dtype(self) -> torch.dtype:
+        """``self.model.dtype`` (the first floating-point parameter's dtype), read from that parameter itself: HF's
+        property walks the module's parameters on every read, and every call asks (a few times). ``.double()``,
+        ``.half()`` and ``.to()`` change a parameter's data in place, so the remembered one follows them."""
+        p = self.__dict__.get("_dtype_param")
+        if p is None:
+            p = next((q for q in self.model.parameters() if q.is_floating_point()), None)
+            if p is None:
+                return self.model.dtype
+            self.__dict__["_dtype_param"] = p
+        return p.dtype
 
     def __repr__(self) -> str:
         return f"Transformers({type(self.model).__name__}, {self.tokenizer!r})"
@@ -127,12 +139,23 @@ class Transformers:
         (0 when the config does not say; a hybrid model's attention layers only: its snapshots are per row)."""
         from ..memory import config_kv_bytes_per_token
 
-        per = config_kv_bytes_per_token(self.model.config, self.kv_dtype.itemsize)
-        return per if self.hybrid is None else per * len(self.hybrid.attn) // max(self._layers, 1)
+        size = self.kv_dtype.itemsize
+        known = self.__dict__.setdefault("_kv_bytes_per_token", {})  # (per KV dtype: the config does not change)
+        if size not in known:
+            per = config_kv_bytes_per_token(self.model.config, size)
+            known[size] = per if self.hybrid is None else per * len(self.hybrid.attn) // max(self._layers, 1)
+        return known[size]
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        """``self.model.device`` (its first parameter's), read from that parameter (see :meth:`_weights_dtype`)."""
+        p = self.__dict__.get("_device_param")
+        if p is None:
+            p = next(self.model.parameters(), None)
+            if p is None:
+                return self.model.device
+            self.__dict__["_device_param"] = p
+        return p.device
 
     @property
     def layer_devices(self) -> tuple[torch.device, ...]:
