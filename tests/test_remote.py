@@ -16,6 +16,8 @@ from typing import Literal
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from conftest import FIXTURES
@@ -138,7 +140,7 @@ def test_samples_with_a_seeded_rng_and_beams_across_turns(remote, local):
     assert torch.equal(rest, rest_local)
 
 
-def test_run_batch_of_8_equals_local(remote, local):
+def test_run_batch_of_32_equals_local(remote, local):
     from continuum import continuous, generate, run_batch, samplers
 
     def program_for(model):
@@ -150,9 +152,12 @@ def test_run_batch_of_8_equals_local(remote, local):
             return yes_no(s + ". Was it fun?")
         return program
 
-    names = ["Tom", "Lily", "Sue", "Max", "Ben", "Amy", "Sam", "Zoe"]
-    got = run_batch(program_for(remote), names, concurrency=8)
-    for a, b in zip(got, run_batch(program_for(local), names, concurrency=8)):
+    names = [f"{n}{suffix}" for suffix in ("", " Lee", " and Tim", " Smith") for n in
+             ["Tom", "Lily", "Sue", "Max", "Ben", "Amy", "Sam", "Zoe"]]
+    got = run_batch(program_for(remote), names, concurrency=32)
+    want = run_batch(program_for(local), names, concurrency=32)
+    assert len(got) == len(want) == 32
+    for a, b in zip(got, want):
         same(a, b)
 
 
@@ -283,3 +288,65 @@ def test_a_repeated_call_gets_the_stored_answer_not_a_second_generation(remote):
     assert remote.client.post(GENERATE, body) == first  # (unseeded samples: a second generation would differ)
     other = remote.client.post(GENERATE, {**body, "call": "retry-2"})
     assert other["id"] != first["id"]
+
+
+# the state-algebra property tests' programs (tests/test_properties.py: its text strategy, its character slices)
+# drawn once and run on both models in lockstep: every step's remote state equals the local one, and every
+# continuation computes as many positions on the server as locally. CONTINUUM_REMOTE_EXAMPLES sets the profile.
+@settings(max_examples=int(os.environ.get("CONTINUUM_REMOTE_EXAMPLES", "12")), deadline=None, derandomize=True,
+          database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_state_programs_on_remote_equal_local(remote, local, data):
+    from test_properties import texts
+
+    from continuum import SequenceState, continuous, generate, samplers
+
+    from conftest import chars_key
+
+    prompts = data.draw(st.lists(texts, min_size=1, max_size=2), "prompts")
+    pair = [SequenceState.from_prompts(m, prompts) for m in (remote, local)]
+    for _ in range(data.draw(st.integers(2, 6), "steps")):
+        r, loc = pair
+        ops = ["gen", "gen", "slice", "add_text", "add_state", "radd", "select"] + (["fork"] if r.samples == 1 else [])
+        ops += ["stack"] if r.batch <= 2 else []
+        op = data.draw(st.sampled_from(ops), "op")
+        if op in ("gen", "fork"):
+            n = r.samples if op == "gen" else data.draw(st.integers(2, 3), "n")
+            kinds = (["greedy"] if n == 1 else []) + ["multinomial", "beam"]
+            kind = data.draw(st.sampled_from(kinds), "sampler")
+            k = data.draw(st.integers(1 if kind == "beam" and n > r.samples else 0, 3), "k")
+            seed = data.draw(st.integers(0, 2**16), "seed")
+            sampler = (samplers.greedy() if kind == "greedy" else samplers.multinomial(n) if kind == "multinomial"
+                       else samplers.beam_search(n))
+            if any(len(ids) == 0 for ids, _ in loc._real_rows()):
+                continue
+            counts = [m.tokens_computed for m in (remote, local)]
+            new = [continuous(generate.text(m, sampler))(s, max_tokens=k, rng=torch.Generator().manual_seed(seed))
+                   for m, s in zip((remote, local), pair)]
+            assert remote.tokens_computed - counts[0] == local.tokens_computed - counts[1]
+        elif op == "slice":
+            longest = max(len(t) for t in r)
+            sl = slice(data.draw(st.one_of(st.none(), st.integers(-longest - 1, longest + 1)), "start"),
+                       data.draw(st.one_of(st.none(), st.integers(-longest - 1, longest + 1)), "stop"))
+            tokens = data.draw(st.booleans(), "as tokens")
+            new = [s[chars_key(s, sl, tokens)] for s in pair]
+            if any(len(ids) == 0 for ids, _ in new[1]._real_rows()):
+                continue
+        elif op == "add_text":
+            extra = data.draw(texts, "text")
+            new = [s + extra for s in pair]
+        elif op == "add_state":
+            cut = data.draw(st.integers(0, max(len(t) for t in r)), "cut")
+            new = [s + s[chars_key(s, slice(None, cut), False)] for s in pair]
+        elif op == "radd":
+            prefix = data.draw(texts, "prefix")
+            new = [prefix + s for s in pair]
+        elif op == "stack":
+            new = [SequenceState.stack([s, s[::-1, ...]]) for s in pair]
+        else:
+            b = data.draw(st.lists(st.integers(0, r.batch - 1), min_size=1, max_size=3), "rows")
+            new = [s[b, ...] for s in pair]
+        if max(len(ids) for ids, _ in new[1]._real_rows()) > 400:  # (the context is 512)
+            continue
+        same(new[0], new[1], values=False)
+        pair = new

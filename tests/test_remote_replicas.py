@@ -36,19 +36,24 @@ def replicas(tmp_path_factory):
     folder = tmp_path_factory.mktemp("remote-replicas")
     os.environ["CONTINUUM_REMOTE_CACHE"] = str(folder / "tokenizers")
     postgres = pgserver.get_server(folder / "pg", cleanup_mode="stop")
-    pair = start_servers(*(functools.partial(Server, MODEL, postgres.get_uri(), "--api-key", KEY, name="stories260K",
-                                             key=KEY, log=folder / f"replica{i}.log") for i in range(2)))
-    for server in pair:
+    makers = [functools.partial(Server, MODEL, postgres.get_uri(), "--api-key", KEY, name="stories260K", key=KEY,
+                                log=folder / f"replica{i}.log") for i in range(2)]
+    gguf = FIXTURES / "models" / "stories260K-gguf" / "stories260K-f32.gguf"
+    if gguf.exists():  # another model on the same store (a handle of the first is refused there, by name)
+        makers.append(functools.partial(Server, str(gguf), postgres.get_uri(), "--api-key", KEY, "--threads", "1",
+                                        name="stories260K-gguf", key=KEY, log=folder / "gguf.log"))
+    servers = start_servers(*makers)
+    for server in servers:
         atexit.register(server.stop)
-    yield pair
-    for server in pair:
+    yield servers
+    for server in servers:
         server.stop()
     postgres.cleanup()
 
 
 @pytest.fixture(scope="module")
 def gateway(replicas, tmp_path_factory):
-    made = Gateway([f"http://127.0.0.1:{s.port}" for s in replicas], "round_robin",
+    made = Gateway([f"http://127.0.0.1:{s.port}" for s in replicas[:2]], "round_robin",
                    log=tmp_path_factory.mktemp("remote-smg") / "smg.log")
     atexit.register(made.stop)
     yield made
@@ -61,7 +66,7 @@ def _loads(replicas) -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
     total = 0
-    for server in replicas:
+    for server in replicas[:2]:
         text = httpx.get(f"{server.base}/metrics", timeout=10).text
         total += int(next(f for f in text_string_to_metric_families(text)
                           if f.name == "continuum:store_states_loaded").samples[0].value)
@@ -103,3 +108,22 @@ def test_a_chain_alternating_replicas_through_smg_equals_one_replica(replicas, g
         assert torch.allclose(a.token_logprobs, b.token_logprobs, atol=1e-4, equal_nan=True)
         assert a.value == b.value
     assert through.tokens_computed - before == one.tokens_computed - before_one  # handles reused on both replicas
+
+
+def test_a_handle_on_a_server_of_another_model_is_refused_by_name(replicas):
+    from continuum import continuous, generate, models, samplers
+    from continuum.errors import RemoteStateError
+    from continuum.models.remote.wire import GENERATE
+
+    if len(replicas) < 3:
+        pytest.skip("the GGUF fixture is absent")
+    one = models.remote(replicas[0].base, api_key=KEY)
+    s = continuous(generate.text(one, samplers.greedy()))("Once upon a time", max_tokens=4)
+    (stored, row), covered = s._kv.entries[0], int(s.cached_tokens[0, 0])
+    ids = s._real_rows()[0][0]
+    other = models.remote(replicas[2].base, api_key=KEY)  # the same store and key, another model
+    body = {"generator": {"kind": "text", "arguments": {}, "sampler": {"type": "greedy"}}, "batch": 1, "samples": 1,
+            "rows": [{"ids": ids[covered:], "logprobs": [None] * (len(ids) - covered), "state": stored, "row": row,
+                      "cached": covered, "check": ids[covered - 1]}], "max_tokens": 2}
+    with pytest.raises(RemoteStateError, match="made by the model 'stories260K'; this server serves 'stories260K-gguf'"):
+        other.client.post(GENERATE, body)

@@ -147,7 +147,8 @@ class Native:
             if done is not None and "answer" in done.body:
                 return done.body["answer"]
         gen = self.generator(req.generator)
-        state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples)
+        state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples,
+                                            self.ctx.config.served_model_name)
         rng = rng_from(req.rng)
         before = self.model.tokens_computed
         out = self._run(gen, state, req, rng, emit, cancelled)

@@ -30,8 +30,8 @@ def _unknown(sid: str) -> RemoteStateError:
                             f"without the handle, and the next call recomputes them here")
 
 
-def input_state(model: Any, store: Any, owner: str, rows: list[Any], batch: int,
-                samples: int) -> tuple[SequenceState, str | None, SequenceState | None]:
+def input_state(model: Any, store: Any, owner: str, rows: list[Any], batch: int, samples: int,
+                served: str | None = None) -> tuple[SequenceState, str | None, SequenceState | None]:
     """(the input state, the stored state every row extends or None, that state) from the request's rows."""
     if batch < 1 or samples < 1 or batch * samples != len(rows):
         raise BatchMismatch(f"{len(rows)} rows sent for batch={batch} x samples={samples}")
@@ -47,6 +47,12 @@ def input_state(model: Any, store: Any, owner: str, rows: list[Any], batch: int,
             continue
         if row.state not in stored:
             record = store.get(row.state, owner)
+            if record is not None and served is not None and record.body.get("model") not in (None, served):
+                # (replicas of several models on one store: a handle is only good on a server of its own model)
+                raise RemoteStateError(f"the stored state {row.state!r} was made by the model "
+                                       f"{record.body.get('model')!r}; this server serves {served!r}. A state moves "
+                                       f"to another model by its tokens: model.detach(state), or continue it on a "
+                                       f"generator of the new model (its cache is recomputed there)")
             state = store.state(record) if record is not None and record.body.get("object") == "continuum.state" else None
             if state is None:
                 raise _unknown(row.state)
