@@ -29,6 +29,7 @@ from .pool_bench import POOL_SCENARIOS
 from .prefix_bench import b13
 from .programs_bench import PROGRAM_SCENARIOS
 from .reasoning_bench import b23
+from .remote_bench import REMOTE_SCENARIOS
 from .serve_bench import b21
 from .server_pool_bench import SERVER_POOL_SCENARIOS
 from .speculation_bench import SPECULATION_SCENARIOS
@@ -414,6 +415,6 @@ SCENARIOS: dict[str, Callable[[Bench, Config], list[Row]]] = {
     "B12": b12, "B13": b13, "B14": b14, **PROGRAM_SCENARIOS, "B21": b21, **STARTUP_SCENARIOS, "B18B": b18b,
     **ENGINE_SCENARIOS, "B23": b23,
     **LLAMACPP_SCENARIOS, **POOL_SCENARIOS, **SERVER_POOL_SCENARIOS, **AGENT_SCENARIOS, **SPECULATION_SCENARIOS,
-    **HYBRID_SCENARIOS,
+    **HYBRID_SCENARIOS, **REMOTE_SCENARIOS,
 }
 ALIASES = {"B2": "B1"}

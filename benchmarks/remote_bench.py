@@ -1,0 +1,127 @@
+"""B30: a program on ``models.remote`` against the same program in-process, on the same model (stories260K).
+
+A ``continuum serve`` on loopback (its own process, one thread, as ``benchmarks/replicas.Server`` starts it) and
+``models.remote`` here, against ``models.transformers`` here on one thread too:
+
+* B30a: one call at a time: a chain of calls (text, then choice, then text on the state), each waiting for the
+  last. The server computes the same positions as the local model (checked), so the difference of the two wall
+  times over the calls is what the wire costs a call: HTTP, JSON, the handle's state rebuilt and the result stored.
+  Target: <= 2 ms per call on loopback.
+* B30b: ``run_batch`` of 32 programs (text, then choice) at concurrency 32: remote throughput over in-process
+  throughput (the server's engine merges the calls as the local one does). Target: >= 0.9x.
+
+Both sides share the machine's cores (the client's process and the server's), and on a shared machine the figures
+move with the other load: they are one measurement, medians of a few repetitions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .common import FIXTURES, Bench, Row, Skip, log
+
+__all__ = ["REMOTE_SCENARIOS"]
+
+MODEL = FIXTURES / "models" / "stories260K"
+NAMES = ["Tom", "Lily", "Sue", "Max", "Ben", "Amy", "Sam", "Zoe"]
+
+
+def _chain(model, calls: int, new: int):
+    from continuum import continuous, generate, samplers
+
+    text = continuous(generate.text(model, samplers.greedy()))
+    yes_no = continuous(generate.choice(model, [" yes", " no"]))
+
+    def run() -> None:
+        s = text("Once upon a time", max_tokens=new)
+        for i in range(calls - 1):
+            s = yes_no(s + " Was it fun?") if i % 2 else text(s + " Then", max_tokens=new)
+
+    return run
+
+
+def _program(model, new: int):
+    from continuum import continuous, generate, samplers
+
+    text = continuous(generate.text(model, samplers.greedy()))
+    yes_no = continuous(generate.choice(model, [" yes", " no"]))
+
+    def program(name: str):
+        s = text(f"{name} went to the shop", max_tokens=new)
+        return yes_no(s + ". Was it fun?")
+
+    return program
+
+
+def _timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def b30(bench: Bench, cfg) -> list[Row]:
+    if not (MODEL / "config.json").exists():
+        raise Skip(f"no stories260K fixture at {MODEL}")
+    import torch
+
+    from continuum import models, run_batch
+
+    from .replicas import Server
+
+    calls = 4 if cfg.smoke else 40
+    new = 2 if cfg.smoke else 8
+    batch = 4 if cfg.smoke else 32
+    reps = 1 if cfg.smoke else 5
+    folder = Path(tempfile.mkdtemp(prefix="b30-"))
+    log(f"B30: models.remote on loopback vs in-process, stories260K: a chain of {calls} calls (text {new} tokens / "
+        f"choice), run_batch of {batch}")
+    server = Server(str(MODEL), folder / "store", "--api-key", "b30", name="stories260K", key="b30")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (the server runs on one thread: OMP_NUM_THREADS=1)
+    try:
+        import os
+
+        os.environ.setdefault("CONTINUUM_REMOTE_CACHE", str(folder / "tokenizers"))
+        remote = models.remote(server.base, api_key="b30")
+        local = models.transformers(str(MODEL))
+        chains = {"local": _chain(local, calls, new), "remote": _chain(remote, calls, new)}
+        for run in chains.values():  # warm: generators compiled, connections open, the server's first forwards
+            run()
+        computed = {}
+        for name, model in (("local", local), ("remote", remote)):
+            before = model.tokens_computed
+            chains[name]()
+            computed[name] = model.tokens_computed - before
+        t_local, t_remote = (_timed(chains[n], reps) for n in ("local", "remote"))
+        overhead_ms = (t_remote - t_local) / calls * 1e3
+
+        names = [f"{NAMES[i % len(NAMES)]} {i}" for i in range(batch)]
+        programs = {"local": _program(local, new), "remote": _program(remote, new)}
+        for p in programs.values():
+            run_batch(p, names[:4], concurrency=4)
+        b_local = _timed(lambda: run_batch(programs["local"], names, concurrency=batch), reps)
+        b_remote = _timed(lambda: run_batch(programs["remote"], names, concurrency=batch), reps)
+    finally:
+        torch.set_num_threads(threads)
+        server.stop()
+    note = "one measurement on a shared 2-core machine (client and server share it, with other load): noisy"
+    log(f"B30a: {calls} calls: local {t_local * 1e3:.1f} ms, remote {t_remote * 1e3:.1f} ms -> {overhead_ms:.2f} ms/call; "
+        f"positions local {computed['local']} remote {computed['remote']}")
+    log(f"B30b: run_batch({batch}): local {b_local:.3f} s, remote {b_remote:.3f} s -> {b_local / b_remote:.2f}x")
+    return [
+        Row("B30a", f"models.remote per-call overhead on loopback ({calls} sequential calls)", "the same calls in-process",
+            overhead_ms, "<=", 2.0, "ms per call", base_s=t_local, cont_s=t_remote, base_computed=computed["local"],
+            cont_computed=computed["remote"], reps=reps,
+            notes=[note, f"positions computed: in-process {computed['local']}, server {computed['remote']}"]),
+        Row("B30b", f"models.remote run_batch of {batch} (text -> choice)", "run_batch in-process", b_local / b_remote,
+            ">=", 0.9, "x throughput", base_s=b_local, cont_s=b_remote, reps=reps, notes=[note]),
+    ]
+
+
+REMOTE_SCENARIOS = {"B30": b30}
