@@ -291,7 +291,7 @@ def test_max_tokens_none_on_a_huge_context_allocates_a_small_buffer_and_grows_it
     """A context of 2**20 positions and max_tokens=None: the loop's token buffers (Rows) start at the prompt plus
     a few hundred columns, not the context (20 MiB a row here, 16 GiB where it is unbounded), grow a few times
     (not per token) as the call goes past them, and the text equals the same call with max_tokens set."""
-    from continuum.loop import decoding
+    from continuum.loop import setup
     from continuum.loop.rows import Rows
 
     from conftest import tiny_llama
@@ -311,7 +311,7 @@ def test_max_tokens_none_on_a_huge_context_allocates_a_small_buffer_and_grows_it
             if self.ids.shape[1] > have:
                 grown.append(self.ids.shape[1])
 
-    monkeypatch.setattr(decoding, "Rows", Spy)
+    monkeypatch.setattr(setup, "Rows", Spy)
     gen = generate.text(model, samplers.greedy())
     text = gen("Once upon a time", max_tokens=400)
     assert len(model.tokenizer.encode_continuation(text)) > 300  # past the columns allocated up front

@@ -270,7 +270,7 @@ def test_max_tokens_none_on_a_huge_context_allocates_a_small_unconditional_mask(
     """Guidance on a context of 2**20 positions with max_tokens=None: the unconditional branch's mask starts at its
     prompt plus a few hundred columns, not the context, grows as the call goes past them, and the text equals the
     same call with max_tokens set."""
-    from continuum.loop import decoding
+    from continuum.loop import setup
     from continuum.loop.cfg import UnconditionalBranch
 
     from conftest import tiny_llama
@@ -283,7 +283,7 @@ def test_max_tokens_none_on_a_huge_context_allocates_a_small_unconditional_mask(
             super().__init__(*args, **kwargs)
             made.append((self.width, self.mask.shape[1]))
 
-    monkeypatch.setattr(decoding, "UnconditionalBranch", Spy)
+    monkeypatch.setattr(setup, "UnconditionalBranch", Spy)
     gen = generate.text(model, samplers.greedy(), guidance_scale=3.0, negative_prompt=NEGATIVE, cfg_mode=mode)
     text = gen("Once upon a time", max_tokens=300)
     assert len(model.tokenizer.encode_continuation(text)) > 260  # past the columns allocated up front

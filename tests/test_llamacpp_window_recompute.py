@@ -75,9 +75,9 @@ def test_a_row_found_stale_at_its_first_forward_is_recomputed(gemma, monkeypatch
     """The race the setup check cannot see: a call checked while its sequence was resident, spilled (beside a longer
     view) while the call waited for admission. Its first forward finds the window gone; every row is computed again
     from the start (``CallLoop.run``), not refused. (The server saw it: 1 of 8 agent conversations, 400.)"""
-    from continuum.loop import decoding
+    from continuum.loop import setup
 
-    monkeypatch.setattr(decoding, "recompute_stale", lambda state: state)  # as if the spill came after the setup
+    monkeypatch.setattr(setup, "recompute_stale", lambda state: state)  # as if the spill came after the setup
     text = continuous(generate.text(gemma, samplers.greedy()))
     s = text(_long_prompt(), max_tokens=4)
     assert gemma.pool.spill_idle() >= 1
