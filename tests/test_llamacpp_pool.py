@@ -131,3 +131,92 @@ def test_multinomial_300_draws_its_samples_in_groups():
     with pytest.raises(SequencesExhaustedError, match="sequence ids"):
         generate.text(model, samplers.beam_search(300))("Once upon a time", max_tokens=2)
     assert generate.text(model, samplers.greedy())("Once", max_tokens=3)  # (the model works after)
+
+
+# -- issue 56's oracle findings on a pool that states fill (tests/test_oracle.py has the histories that found them) --
+
+def _own(n_ctx: int, invariant: bool):
+    return models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx,
+                           **(dict(n_seq_max=16) if n_ctx < 512 else {}))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_cut_of_a_state_that_fills_the_pool_continues(invariant):
+    """A held state generated to the context holds every cell; a cut of it continued (text, a choice) needs only its
+    prefix, which the new rows share, and its new tokens' cells: the rest of the held state is spilled for them
+    (before: KVCacheFullError 'no free KV cell for 3 new tokens'; the state was pinned as the fork's source)."""
+    model = _own(256, invariant)
+    full = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=None)
+    assert full.finish_reasons == [["context"]] and len(row_ids(full)) >= 255
+    cut = full[..., :60] + " ok?"
+    n = len(row_ids(cut))
+    text = continuous(generate.text(model, samplers.greedy()))(cut, max_tokens=8)
+    assert row_ids(text)[:n] == row_ids(cut) and len(row_ids(text)) == n + 8
+    check_greedy_path(row_ids(text), n)
+    pick = continuous(generate.choice(model, [" the", " there", " then"]))(cut)
+    assert pick.value in (" the", " there", " then") and row_ids(pick)[:n] == row_ids(cut)
+    assert str(full).startswith(str(cut)[:-4])  # (the spilled state is intact: restored when read)
+    again = continuous(generate.text(model, samplers.greedy()))(full[..., :80], max_tokens=2)
+    assert row_ids(again)[:-2] == row_ids(full[..., :80])
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_dropped_state_gives_its_cells_back_while_an_earlier_state_of_its_line_is_held(invariant):
+    """A state continued in place to the context, then dropped: its cells beyond the longest state still held come
+    back at once (before: 1023 of 1024 cells stayed in use, and continuing the held ancestor raised KVCacheFullError)."""
+    import gc
+
+    from continuum.models.llamacpp import cells
+
+    model = _own(1024, invariant)
+    text = continuous(generate.text(model, samplers.greedy()))
+    a = text(["Once upon a time", "The cat"], max_tokens=3)
+    held = text(a, max_tokens=2)
+    full = text(held + ".", max_tokens=None)
+    assert full.finish_reasons == [["context"], ["context"]]
+    del full
+    gc.collect()
+    pool = model.pool
+    with model.llama.lock:
+        pool._collect()
+        cells.flush(pool)  # (the invariant mode keeps released cells until room is needed: count them freed)
+        assert cells.used(pool) == sum(len(row_ids(held, r)) - 1 for r in range(2))  # (the last token: uncached)
+    out = text(a, max_tokens=2)
+    for r in range(2):
+        check_greedy_path(row_ids(out, r), len(row_ids(a, r)))
+
+
+def test_a_step_keeps_the_forks_it_made_resident_while_a_token_tree_makes_room():
+    """The deterministic core of the oracle's asyncio.gather finding on a 256-cell pool: one step holds a call's
+    decode that forks 6 rows off a 2-row state and another call's choice tree. The tree is decoded after the forks,
+    and made room by spilling them (they were new, so not yet held by the step), and the call's next step had to
+    restore 6 rows of 115 positions apart: 'no room to restore a spilled state'. The forks stay resident now; the tree
+    finds no room and waits (KVCacheFullError, which the engine answers by running it at a later step)."""
+    import torch
+
+    from continuum.errors import KVCacheFullError
+    from continuum.models import kv, token_tree
+    from continuum.models.request import Request
+
+    model = _own(256, False)
+    gen = continuous(generate.text(model, samplers.greedy()))
+    x = gen(["Once upon a time", "The cat"], max_tokens=110)  # 2 x ~114 cells
+    y = gen("Lily", max_tokens=20)  # 21 more: 6 cells are left for the step
+    C, idx = kv.length(x._kv), torch.tensor([0, 0, 0, 1, 1, 1])
+    fork = Request(x._ids[idx, C:], x._mask[idx], kv.positions(x._mask)[idx, C:], x._kv.select_rows(idx), normalize=True)
+    Cy, tok = kv.length(y._kv), model.tokenizer  # (choice scoring's tree on y, as loop/scoring.py builds it)
+    t = token_tree.build(y._ids[:, Cy].tolist(), (y._mask.sum(1) - 1).tolist(),
+                         [[tok.encode_continuation(o) for o in (" cat", " dog", " big dog")]], y._mask[:, :Cy], tok.pad_token_id)
+    tree = Request(t.ids, torch.cat([y._mask[:, :Cy], t.real], 1), t.positions, y._kv, logits="all", allowed=t.allowed)
+    counters = {"forward_s": 0.0, "merged_forwards": 0, "requests_merged": 0, "fallbacks": 0}
+    model.hold([fork, tree])  # (as the engine does around a step)
+    model.run_step([fork, tree], counters)
+    model.hold([])
+    assert fork.error is None and isinstance(tree.error, KVCacheFullError)
+    views = fork.result[1].views
+    assert [v.seq_id is not None for v in views] == [True] * 6 and model.pool.spills == 0
+    del tree, y  # (the choice call waits; the fork call's next step)
+    mask = torch.cat([x._mask[idx], torch.ones(6, 1, dtype=x._mask.dtype)], 1)
+    nxt = Request(torch.tensor(fork.top[0])[:, None], mask, kv.positions(mask)[:, -1:], fork.result[1], normalize=True)
+    model.run_step([nxt], counters)
+    assert nxt.error is None and model.pool.restores == 0

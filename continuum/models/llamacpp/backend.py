@@ -33,7 +33,7 @@ from .gather import RowPlan, fill_results, plan_rows
 from .model import LlamaCppModel
 from .seqkv import SeqKV
 from .sequences import SequencePool
-from .tree import run_trees
+from .tree import TreeKV, run_trees
 from .vocab import LlamaTokenizer
 
 if TYPE_CHECKING:
@@ -194,13 +194,27 @@ class LlamaCpp:
             steps = [r for r in ok if r.new <= 1]
             for group in ([steps] if steps else []) + [[r] for r in ok if r.new > 1]:
                 self._run(group, stats)
+                self._hold_results(group)
         elif ok or not trees:
             self._run(ok, stats)
+            self._hold_results(ok)
         for group in ([[t] for t in trees] if self.llama.batch_invariant else [trees] if trees else []):
             run_trees(self, group)  # (a tree is a multi-token decode: in the invariant mode each runs alone, as above)
+            self._hold_results(group)
         stats["forward_s"] += time.perf_counter() - t
         stats["merged_forwards"] += 1
         stats["requests_merged"] += len(requests)
+
+    def _hold_results(self, requests: list[Request]) -> None:
+        """The sequences ``requests`` decoded into (new forks among them) stay held for the rest of the step: the
+        engine held only their inputs' (:meth:`hold`), so a token tree decoded after them made room by spilling a
+        running call's new rows, whose restore, without the fork's sharing, then no longer fit (the oracle: "no room
+        to restore a spilled state of 57 tokens" for 6 forks of a 2-row state on 256 cells)."""
+        for r in requests:
+            kv = r.result[1] if r.error is None and isinstance(r.result, tuple) else None
+            views = kv.views if isinstance(kv, SeqKV) else [v for vs in kv.leaves for v in vs] \
+                if isinstance(kv, TreeKV) else []
+            self.pool.held.update(id(v._seq) for v in views if v._seq is not None)
 
     def stale_rows(self, kv: SeqKV | None) -> list[int]:
         """Rows of ``kv`` a decode could not extend (a sliding window's cells gone: :mod:`.window`); the loop

@@ -133,10 +133,12 @@ def flush(pool: SequencePool) -> None:
     pool.repacks += 1
 
 
-def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = ()) -> bool:
+def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = (), spare: Iterable[_Seq] = ()) -> bool:
     """Spill idle sequences (least recently used family first) until ``cells`` cells are free; False if even every
-    idle family spilled would not free them (then nothing is spilled: the caller parks or fails). In the
-    batch-invariant mode the kept cells go first, and the pool is packed after anything was freed (:func:`flush`)."""
+    idle family spilled would not free them (then nothing is spilled: the caller parks or fails). ``spare``: the
+    sequences the operation forked from and no longer needs (their cells it reads live on in its forks), spillable
+    though a running call holds them (``SequencePool.idle``). In the batch-invariant mode the kept cells go first, and
+    the pool is packed after anything was freed (:func:`flush`)."""
     have = free(pool)
     if have >= cells:
         return True
@@ -145,7 +147,7 @@ def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = ()) -> bo
         have = free(pool)
         if have >= cells:
             return True
-    idle = pool.idle(pinned)
+    idle = pool.idle(pinned, spare)
     if not idle:
         return False
     families = sorted(_families(idle), key=lambda fam: max(s.last_use for s in fam))

@@ -218,6 +218,17 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
     return targets, forks
 
 
+def _needed(rows: Sequence[DecodeRow], targets: list[_Seq | None]) -> tuple[list[_Seq], list[_Seq]]:
+    """The sequences a decode needs resident (its targets, and the views of rows it does not extend), and those it
+    only forked from (``spare``): the fork reads their cells, so the rest of them may be spilled to make room (a
+    cut of a state that fills the pool needs only its prefix and its new tokens' cells)."""
+    pinned = [t for t in targets if t is not None]
+    pinned += [r.view._seq for r, t in zip(rows, targets) if t is None and r.view._seq is not None]
+    keep = {id(s) for s in pinned}
+    spare = [r.view._seq for r in rows if r.view._seq is not None and id(r.view._seq) not in keep]
+    return pinned, spare
+
+
 def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | None], toks: list[np.ndarray],
          flags: list[np.ndarray], n_out: int) -> np.ndarray:
     """Fill and decode the batch in chunks; on failure remove what was added (retrying once after spilling idle
@@ -230,8 +241,8 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | Non
     pos = np.concatenate([np.arange(n, n + len(t), dtype=np.int32) for _, n, t, _ in live])
     out = np.concatenate([f for _, _, _, f in live])
     logits = np.empty((n_out, model.n_vocab), np.float32)
-    pinned = [seq for seq, *_ in live] + [r.view._seq for r in rows if r.view._seq is not None]
-    cells.make_room(pool, len(token), pinned)  # (room before the decode: a failed decode is the exception path)
+    pinned, spare = _needed(rows, targets)
+    cells.make_room(pool, len(token), pinned, spare)  # (room before the decode: a failed decode is the exception path)
     if model.hybrid and len(chunks(np.concatenate([np.full(len(t), s.id, np.int32) for s, _, t, _ in live]),
                                    _buffers(pool).capacity)) > 1:
         for seq, n, _, _ in live:  # (a later chunk may fail after earlier ones committed: undo needs each row's summary)

@@ -150,7 +150,9 @@ class SequencePool:
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def _collect(self) -> None:
-        """Apply the drops the finalizers queued; release sequences nobody holds."""
+        """Apply the drops the finalizers queued; release sequences nobody holds, and cut the tail no live view
+        reaches any more off those still held."""
+        shrunk: dict[int, _Seq] = {}
         while self._dropped:
             seq, n = self._dropped.popleft()
             seq.holders[n] -= 1
@@ -161,6 +163,9 @@ class SequencePool:
                     self._release_id(seq.id)
                     seq.id = None
                 seq.blob, seq.extent, seq.snaps = None, 0, {}
+            elif n > seq.longest:
+                shrunk[id(seq)] = seq
+        window.trim(self, shrunk.values())
 
     def _release_id(self, seq_id: int) -> None:
         """Sequence ``seq_id`` leaves the pool (released or spilled): its cells dropped (kept, in the invariant mode,
@@ -213,10 +218,11 @@ class SequencePool:
         L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
         return seq_id
 
-    def idle(self, pinned: Iterable[_Seq] = ()) -> list[_Seq]:
+    def idle(self, pinned: Iterable[_Seq] = (), spare: Iterable[_Seq] = ()) -> list[_Seq]:
         """The resident sequences room can be made from: neither ``pinned`` (the operation's own) nor held by a
-        running call."""
-        keep = {id(s) for s in pinned} | self.held
+        running call, unless ``spare`` names it (a decode's fork source: the call reads its cells through the fork,
+        so a cut of a state that fills the pool can continue once the rest of it is spilled)."""
+        keep = {id(s) for s in pinned} | (self.held - {id(s) for s in spare})
         return [s for s in self._resident.values() if id(s) not in keep]
 
     def _give_back(self, seq_id: int) -> None:

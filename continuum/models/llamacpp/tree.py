@@ -220,8 +220,10 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -
     order = {(k, node): j for j, (_, k, node) in enumerate(items)}
     logits = np.empty((len(items), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
-    keep = [s for seqs in leaf_seqs for s in seqs] + [row.view._seq for row in rows if row.view._seq is not None]
-    cells.make_room(pool, len(items), keep)  # (room before the decode: a failed decode is the exception path)
+    keep = [s for seqs in leaf_seqs for s in seqs]
+    # (the rows' own sequences only lend the leaves their context: spillable, last, if the pool is full of them)
+    spare = [row.view._seq for row in rows if row.view._seq is not None]
+    cells.make_room(pool, len(items), keep, spare)  # (room before the decode: a failed decode is the exception path)
     for attempt in range(2):
         sets = [[int(leaf_seqs[k][li].id) for li in rows[k].below[node]] for _, k, node in items]  # type: ignore[arg-type]
         rc = 0

@@ -3,24 +3,26 @@
 A decode at position ``n`` needs the sequence's cells from ``n - n_swa + 1`` on (``SequencePool._window_ok``);
 llama.cpp decodes without them and returns wrong logits. Cells go missing in one way: a spilled sequence's bytes
 (``llama_state_seq_get_data``) hold only the window behind the sequence's END, so once restored, any view of it cut
-back behind that end cannot be extended. Two things follow:
+back behind that end cannot be extended. What follows:
 
 * :func:`cut_tail` before a spill: a sequence's dead tail (positions no live view reaches: rejected speculative
   drafts, tokens past a stop string) is cut first, so its bytes hold the window behind the longest live view, and
   that view stays extendable after the restore. (Found by issue 56: 2 of 8 conversations served with
   ``--speculate lookup`` got 400 ``StaleWindowError``.)
+* :func:`trim`, on every model: a dead tail is cut as soon as the longest view reaching it is dropped (its cells
+  free at once, not only at a spill; a spilled sequence keeps its bytes until it is restored or released).
 * :func:`stale` at a call's setup: the rows that still cannot be extended (a slice behind a restored window) are
   recomputed from their tokens by the caller (``continuum.loop.decoding``), never refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import cells, recurrent
 
-__all__ = ["cut_tail", "stale"]
+__all__ = ["cut_tail", "trim", "stale"]
 
 
 def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its _Seq: sequences.py imports this module)
@@ -33,6 +35,17 @@ def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its _S
         pool.drop(seq.id, n, -1)
     seq.extent = n
     pool.zombie_cells += before - cells.used(pool) if pool.zombie is not None else 0
+
+
+def trim(pool: Any, seqs: Iterable[Any]) -> None:
+    """Cut each resident ``seq`` back to its longest live view, once a longer one was dropped: a dropped state's
+    cells come back even while an earlier state of its line is held (the oracle: a 2-row state generated to the
+    context, dropped, left its 1023 cells in use and the pool full). A hybrid's sequence is cut only where its
+    recurrent summary can be restored (a snapshot there)."""
+    for seq in seqs:
+        end = seq.longest
+        if seq.id is not None and seq.holders and seq.extent > end and (not pool.model.hybrid or end in seq.snaps):
+            cut_tail(pool, seq, end)
 
 
 def stale(pool: Any, views: Sequence[Any]) -> list[int]:
