@@ -23,9 +23,14 @@ def finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
                         logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kv,
                         batch=state.batch, samples=samples)
-    real, cached = raw._real_rows(), raw._cached_real()
-    tails = [(ids[c:], lps[c:]) for (ids, lps), c in zip(real, cached)]
-    out = raw._rebuild(cached, tails, rows.weights, None)
+    if 0 < fed < rows.width and bool(rows.mask[:, fed:rows.width].all()) and bool(rows.mask[:, fed - 1].any()):
+        # (already the normal layout: every row's uncached tail real, the last cached column used; storage as _rebuild
+        out = SequenceState(model=raw._model, ids=raw._ids, mask=raw._mask, logprobs=raw._logprobs,  # leaves it)
+                            weights=rows.weights, kv=kvcache.compact(kv), batch=raw.batch, samples=raw.samples)
+    else:
+        real, cached = raw._real_rows(), raw._cached_real()
+        tails = [(ids[c:], lps[c:]) for (ids, lps), c in zip(real, cached)]
+        out = raw._rebuild(cached, tails, rows.weights, None)
     order = list(range(R))
     if sampler.is_beam_search:  # best first, by the score the search ranked with
         scores = rows.scores.tolist()
