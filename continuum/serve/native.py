@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ..errors import GeneratorArgumentError
 from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from
@@ -54,6 +55,7 @@ _ARGUMENTS = {
              "max_items", "bounds", "fast_forward", "token_healing"},
     "cfg": {"grammar", "syntax", "backend", "fast_forward", "token_healing"},
 }
+_ANSWER = TypeAdapter(Any)  # (what FastAPI's own encoding writes: NaN and infinities as null)
 _GENERATORS_KEPT = 128  # generators built, least recently used out (a schema's compiled guide lives in each)
 
 
@@ -228,12 +230,21 @@ def register(app: FastAPI, ctx: Any) -> None:
         return await ctx.run(native.tokenizer_files)
 
     @app.post(GENERATE)
+    async def generate_route(request: Request) -> Any:
+        # the body read and validated in one pass (pydantic's JSON parser), not parsed by FastAPI and then validated
+        try:
+            req = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+        return await generate_call(req, request)
+
     async def generate_call(req: GenerateRequest, request: Request) -> Any:
         owner = ctx.owner(request)
         if req.model is not None:
             ctx.check_model(req.model)
-        if not req.stream:
-            return await ctx.run(lambda: native.generate(req, owner), reply=True)
+        if not req.stream:  # (the answer's JSON written at once: no FastAPI encoding pass over every id and log-prob)
+            answer = await ctx.run(lambda: native.generate(req, owner), reply=True)
+            return Response(_ANSWER.dump_json(answer), media_type="application/json")
         stream = ThreadStream(lambda emit, cancelled: native.generate(req, owner, emit, cancelled))
         first = await stream.get()
         if first[0] == "error":  # (refused before its first step: an HTTP error, as without a stream)

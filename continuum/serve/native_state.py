@@ -88,12 +88,19 @@ def _check_row(r: int, row: Any, base: SequenceState) -> None:
 def _extend(base: SequenceState, rows: list[Any], weights: torch.Tensor, batch: int, samples: int) -> SequenceState:
     """The rows of ``base`` that ``rows`` name, each keeping its first ``cached`` tokens' KV (those the stored state
     still has: a llama.cpp state loaded from the store has none, and they are recomputed), then its own ids."""
-    picked = base._select([row.row for row in rows], batch, samples)
+    picked = base._select([row.row for row in rows], batch, samples) if not _whole(base, rows, batch, samples) else base
     have, real = picked._cached_real(), picked._real_rows()
     keep = [min(row.cached, h) for row, h in zip(rows, have)]
     suffixes = [(ids[k:row.cached] + row.ids, lps[k:row.cached] + nans(row.logprobs))
                 for (ids, lps), k, row in zip(real, keep, rows)]
     return picked._rebuild(keep, suffixes, weights, None)
+
+
+def _whole(base: SequenceState, rows: list[Any], batch: int, samples: int) -> bool:
+    """``rows`` name every row of ``base`` in order, in its shape, and no column is padding in all of them: selecting
+    them would copy ``base`` (its KV included) to an equal state (a chain's call continuing its last answer)."""
+    return (base.batch, base.samples) == (batch, samples) and [row.row for row in rows] == list(range(base.rows)) \
+        and bool(base._mask.bool().any(0).all())
 
 
 def _same(a: float, b: float) -> bool:

@@ -70,11 +70,52 @@ def _tensor_kv(state: SequenceState):
     return None if isinstance(state._kv, kvcache.KVHandle) else state._kv
 
 
+# safetensors' names of the dtypes a state file holds (anything else is written by safetensors itself)
+_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+           "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8", "torch.uint8": "U8",
+           "torch.bool": "BOOL"}
+
+
+def _layout(tensors: dict, meta: dict) -> tuple[bytes, list] | None:
+    """The safetensors file of ``tensors`` as its header (length and JSON) and the tensors' bytes in order, laid out
+    as safetensors lays them out (widest elements first, then by name: every tensor aligned); None when a tensor's
+    dtype is not one of :data:`_DTYPES`. Written directly: ``safetensors.torch.save_file`` spends ~0.4 ms per small
+    file in Python around the copy (a remote call's part, B30)."""
+    import torch
+
+    items = []
+    for name, t in tensors.items():
+        code = _DTYPES.get(str(t.dtype))
+        if code is None:
+            return None
+        items.append((name, code, t.detach().contiguous().cpu()))
+    items.sort(key=lambda item: (-item[2].element_size(), item[0]))
+    header: dict = {"__metadata__": {"continuum": json.dumps(meta)}}
+    offset, data = 0, []
+    for name, code, t in items:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+        if size:
+            data.append(t.reshape(-1).view(torch.uint8).numpy())
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # (the data starts 8-byte aligned, as safetensors pads it)
+    return len(text).to_bytes(8, "little") + text, data
+
+
 def write(path, tensors: dict, meta: dict) -> None:
     """``tensors`` (CPU, contiguous) and ``meta`` (under the ``"continuum"`` key) to a safetensors file."""
-    from safetensors.torch import save_file
+    laid = _layout(tensors, meta)
+    if laid is None:
+        from safetensors.torch import save_file
 
-    save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
+        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
+        return
+    head, data = laid
+    with open(path, "wb") as f:
+        f.write(head)
+        for chunk in data:
+            f.write(chunk)
 
 
 def save(state: SequenceState, path) -> None:
@@ -93,9 +134,13 @@ def save(state: SequenceState, path) -> None:
 
 def encode(tensors: dict, meta: dict) -> bytes:
     """What :func:`write` writes, as bytes (a database stores them: ``serve/pgstore.py``)."""
-    from safetensors.torch import save
+    laid = _layout(tensors, meta)
+    if laid is None:
+        from safetensors.torch import save
 
-    return save({k: t.contiguous().cpu() for k, t in tensors.items()}, metadata={"continuum": json.dumps(meta)})
+        return save({k: t.contiguous().cpu() for k, t in tensors.items()}, metadata={"continuum": json.dumps(meta)})
+    head, data = laid
+    return b"".join([head, *(chunk.tobytes() for chunk in data)])
 
 
 def _decode(data: bytes | bytearray | memoryview) -> tuple[dict, dict]:
