@@ -140,7 +140,7 @@ def encode(tensors: dict, meta: dict) -> bytes:
 
         return save({k: t.contiguous().cpu() for k, t in tensors.items()}, metadata={"continuum": json.dumps(meta)})
     head, data = laid
-    return b"".join([head, *(chunk.tobytes() for chunk in data)])
+    return b"".join([head, *data])  # (the arrays are C-contiguous buffers: one copy)
 
 
 def _decode(data: bytes | bytearray | memoryview) -> tuple[dict, dict]:
