@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,3 +367,35 @@ def test_real_tokenizers_slice_and_resume(real_tokenizer_model):
         assert list(cut) == [t[:n] for t in s]
         assert_reuse_exact(cut)
         assert_reuse_exact(cut + "🦙 the")
+
+
+def test_saving_over_the_file_a_state_was_loaded_from_leaves_that_state_whole(tmp_path):
+    """A state loaded from a file may read its tensors from the file's mapping (safetensors loads without copying):
+    saving another state to the same path wrote the file in place, and the loaded state's next read of its KV died
+    with a bus error (found by the oracle's long profile, which saves and loads through one path). The file is now
+    written beside and moved onto the path. In a child process: a regression kills it, not the suite."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import make_bpe_tokenizer, tiny_gpt2
+        from continuum import SequenceState, continuous, generate, models, samplers
+        tok = make_bpe_tokenizer()
+        m = models.Transformers(tiny_gpt2(len(tok)), tok)
+        text = continuous(generate.text(m, samplers.greedy()))
+        path = {str(tmp_path / "state.safetensors")!r}
+        long = text("Once upon a time " * 20, max_tokens=40)
+        long.save(path)
+        loaded = SequenceState.load(path, m)
+        text("Hi", max_tokens=2).save(path)  # a much smaller file over the same path
+        again = text(loaded[:, :, :], max_tokens=4)  # reads every column of the loaded KV
+        fresh = text(list(long), max_tokens=4)
+        assert again.token_ids[0, -4:].tolist() == fresh.token_ids[0, -4:].tolist()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=str(Path(__file__).parents[1]))
+    assert out.returncode == 0 and "ok" in out.stdout, (out.returncode, out.stderr[-2000:])

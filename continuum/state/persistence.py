@@ -19,6 +19,7 @@ whose ids mean the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 
@@ -104,18 +105,33 @@ def _layout(tensors: dict, meta: dict) -> tuple[bytes, list] | None:
 
 
 def write(path, tensors: dict, meta: dict) -> None:
-    """``tensors`` (CPU, contiguous) and ``meta`` (under the ``"continuum"`` key) to a safetensors file."""
-    laid = _layout(tensors, meta)
-    if laid is None:
-        from safetensors.torch import save_file
+    """``tensors`` (CPU, contiguous) and ``meta`` (under the ``"continuum"`` key) to a safetensors file.
 
-        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path), metadata={"continuum": json.dumps(meta)})
-        return
-    head, data = laid
-    with open(path, "wb") as f:
-        f.write(head)
-        for chunk in data:
-            f.write(chunk)
+    Written beside ``path`` and moved onto it: a state loaded from ``path`` earlier may still read its tensors from
+    the file's mapping (safetensors loads without copying), and writing the same file in place truncated what that
+    mapping shows (a bus error at the old state's next read; the oracle saved and loaded through one path). A crash
+    mid-write also leaves the old file whole."""
+    import os
+    import threading
+
+    laid = _layout(tensors, meta)
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # (beside it: the move stays on one file system)
+    try:
+        if laid is None:
+            from safetensors.torch import save_file
+
+            save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, tmp, metadata={"continuum": json.dumps(meta)})
+        else:
+            head, data = laid
+            with open(tmp, "wb") as f:
+                f.write(head)
+                for chunk in data:
+                    f.write(chunk)
+        os.replace(tmp, str(path))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def save(state: SequenceState, path) -> None:
