@@ -78,3 +78,18 @@ def version() -> str:
     import llama_cpp
 
     return str(llama_cpp.__version__)
+
+
+def meta_str(model_ptr: Any, key: str) -> str | None:
+    """A GGUF metadata value of a loaded model as text (``"general.architecture"``...), or None when absent."""
+    import ctypes
+
+    L, size = lib(), 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = int(L.llama_model_meta_val_str(model_ptr, key.encode(), buf, size))
+        if n < 0:
+            return None
+        if n < size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n + 1

@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import warnings
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelLoadError
-from ._lib import TILED_MM, lib, pin_kernels
+from ._lib import TILED_MM, lib, meta_str, pin_kernels
 from .amx import decide
 from .bufts import apply
 
@@ -246,16 +245,8 @@ class LlamaCppModel:
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as text (``"general.architecture"``, ``"tokenizer.chat_template"``...), or None."""
-        L, size = lib(), 256
         with self.lock:
-            while True:
-                buf = ctypes.create_string_buffer(size)
-                n = int(L.llama_model_meta_val_str(self.model_ptr, key.encode(), buf, size))
-                if n < 0:
-                    return None
-                if n < size:
-                    return buf.raw[:n].decode("utf-8", errors="replace")
-                size = n + 1
+            return meta_str(self.model_ptr, key)
 
     def _num(self, key: str) -> int | None:
         value = self.metadata(f"{self.architecture}.{key}")

@@ -58,6 +58,17 @@ class Client:
     def post(self, path: str, body: dict) -> dict:
         return self._send("POST", path, body)
 
+    def _unreachable(self, exc: Exception, method: str, path: str) -> RemoteError:
+        """The error for a request that got no answer: a timeout, or no connection at all (what to do, either way)."""
+        if isinstance(exc, httpx.TimeoutException):
+            return RemoteError(f"the server at {self.base} did not answer {method} {path} within {self.timeout:g} s "
+                               f"({type(exc).__name__}). The state you passed is unchanged: call again once the "
+                               f"server answers, or give models.remote(..., timeout=) more time for long calls.")
+        return RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
+                           f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
+                           f"unchanged, so the same call works once the server answers (stored states survive "
+                           f"a restart on the same --store).")
+
     def _send(self, method: str, path: str, body: dict | None) -> dict:
         deadline = time.monotonic() + _BUSY_WAIT_S
         retried = False
@@ -73,15 +84,8 @@ class Client:
                                       f"passed is unchanged: call again") from None
                 retried = True
                 continue
-            except httpx.TimeoutException as exc:
-                raise RemoteError(f"the server at {self.base} did not answer {method} {path} within {self.timeout:g} s "
-                                  f"({type(exc).__name__}). The state you passed is unchanged: call again once the "
-                                  f"server answers, or give models.remote(..., timeout=) more time for long calls.") from None
-            except httpx.TransportError as exc:
-                raise RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
-                                  f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
-                                  f"unchanged, so the same call works once the server answers (stored states survive "
-                                  f"a restart on the same --store).") from None
+            except httpx.TransportError as exc:  # (timeouts included)
+                raise self._unreachable(exc, method, path) from None
             if response.status_code == 503 and time.monotonic() < deadline:  # busy: never the caller's fault
                 time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
                 continue
@@ -125,14 +129,8 @@ class Client:
                     raise RemoteError(f"the connection to {self.base} broke during a stream of POST {path}; the state "
                                       f"you passed is unchanged: call again") from None
                 retried = True
-            except httpx.TimeoutException as exc:
-                raise RemoteError(f"the server at {self.base} did not answer POST {path} within {self.timeout:g} s "
-                                  f"({type(exc).__name__}). The state you passed is unchanged: call again once the "
-                                  f"server answers, or give models.remote(..., timeout=) more time for long calls.") from None
-            except httpx.TransportError as exc:
-                raise RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
-                                  f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
-                                  f"unchanged, so the same call works once the server answers.") from None
+            except httpx.TransportError as exc:  # (timeouts included)
+                raise self._unreachable(exc, "POST", path) from None
 
 
 def _unknown_url(response: httpx.Response) -> bool:

@@ -9,7 +9,6 @@ vocabulary; the weights never travel). The client needs llama-cpp-python, as for
 
 from __future__ import annotations
 
-import ctypes
 import struct
 import threading
 import weakref
@@ -93,17 +92,9 @@ class VocabOnlyModel:
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab_ptr))
 
     def metadata(self, key: str) -> str | None:
-        from ..llamacpp._lib import lib
+        from ..llamacpp._lib import meta_str
 
-        L, size = lib(), 256
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = int(L.llama_model_meta_val_str(self.model_ptr, key.encode(), buf, size))
-            if n < 0:
-                return None
-            if n < size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n + 1
+        return meta_str(self.model_ptr, key)
 
     @property
     def chat_template(self) -> str | None:
