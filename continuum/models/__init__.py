@@ -52,7 +52,13 @@ def remote(url: str, api_key: str | None = None, model: str | None = None, timeo
     """
     from importlib import import_module  # (not `from .remote.model import`: that edge reorders mypy's import cycle)
 
-    return import_module("continuum.models.remote.model").remote(url, api_key=api_key, model=model, timeout=timeout)
+    try:
+        module = import_module("continuum.models.remote.model")
+    except ImportError as exc:  # (its client needs httpx: the `remote` extra)
+        from ..errors import ModelLoadError
+
+        raise ModelLoadError(f"models.remote needs {exc.name or 'httpx'}: pip install 'continuum[remote]'") from exc
+    return module.remote(url, api_key=api_key, model=model, timeout=timeout)
 
 
 def __getattr__(name: str):
