@@ -141,7 +141,7 @@ class UnconditionalBranch:
     def __init__(self, guidance: Guidance, state, steps: int):
         """``steps``: the most tokens the call may generate; :attr:`steps` may be lower (context cap)."""
         model, tok = state._model, state._model.tokenizer
-        self.guidance, self.model, self.steps = guidance, model, steps
+        self.guidance, self.steps = guidance, steps
         prefixes = guidance.prefixes(state.batch, state.samples, state._ids[:, -1].tolist(), tok.bos_token_id)
         longest = max(len(p) for p in prefixes)
         ctx = model.context_length
@@ -174,7 +174,7 @@ class UnconditionalBranch:
     @staticmethod
     def _run(ids, mask, pos, kv, logits: str = "last", reserve: int = 0):
         """One forward as a request of the call's loop: the engine runs it in its next step, merged with the other
-        calls' (the call is admitted like any, its rows counted twice: ``turns.rows_per_prompt``)."""
+        calls' (the call is admitted like any, its rows counted twice: ``turns._per_prompt``)."""
         req = Request(ids, mask, pos, kv, logits, reserve)
         yield req
         result, req.result = req.result, None

@@ -20,13 +20,14 @@ def finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind
         if rows.reason[r] is None:
             rows.end(r, exhausted)
     kv = kvcache.finish(rows.kv, fed)  # (a view of merged storage gets its own copy: a small part must not pin it)
+    normal = 0 < fed < rows.width and bool(rows.mask[:, fed:rows.width].all()) and bool(rows.mask[:, fed - 1].any())
+    # (normal: already the layout _rebuild makes, every row's uncached tail real and the last cached column used; the
+    # KV compacted as _rebuild leaves it)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],
-                        logprobs=rows.lp[:, :rows.width], weights=rows.weights, kv=kv,
-                        batch=state.batch, samples=samples)
-    if 0 < fed < rows.width and bool(rows.mask[:, fed:rows.width].all()) and bool(rows.mask[:, fed - 1].any()):
-        # (already the normal layout: every row's uncached tail real, the last cached column used; storage as _rebuild
-        out = SequenceState(model=raw._model, ids=raw._ids, mask=raw._mask, logprobs=raw._logprobs,  # leaves it)
-                            weights=rows.weights, kv=kvcache.compact(kv), batch=raw.batch, samples=raw.samples)
+                        logprobs=rows.lp[:, :rows.width], weights=rows.weights,
+                        kv=kvcache.compact(kv) if normal else kv, batch=state.batch, samples=samples)
+    if normal:
+        out = raw
     else:
         real, cached = raw._real_rows(), raw._cached_real()
         tails = [(ids[c:], lps[c:]) for (ids, lps), c in zip(real, cached)]

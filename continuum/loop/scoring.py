@@ -39,7 +39,7 @@ from ..models import token_tree
 from ..models.kv import positions
 from ..samplers import Sampler
 from ..state import LastStep, SequenceState
-from ..state.combine import first_text
+from ..state.combine import first_text, no_text
 from .arrivals import GATE
 from .cancel import check_cancelled
 from .cfg import Guidance, guided_logprobs
@@ -89,7 +89,7 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
     encoded = {x: [tok.encode_continuation(x + o) for o in options] for x in set(removed)}
     row_options = [encoded[x] for x in removed]
     for r, (real, _) in enumerate(state._real_rows()):  # a row with no text yet (BOS only): as state + option reads it
-        if not removed[r] and not any(i not in tok.special_ids for i in real):
+        if not removed[r] and no_text(tok, real):
             row_options[r] = [first_text(tok, real, e, o) if e else e for e, o in zip(row_options[r], options)]
     option_ids = [row_options[i // K][i % K] for i in range(R * K)]  # per (row, option) pair
     longest, ctx = int(state._mask.sum(1).max()), model.context_length

@@ -55,10 +55,15 @@ def add(state: SequenceState, other) -> SequenceState:
     for r in range(state.rows):
         ids, lps = real[r]
         extra = tok.encode_continuation(appended[r])
-        if extra and not any(i not in tok.special_ids for i in ids):
+        if extra and no_text(tok, ids):
             extra = first_text(tok, ids, extra, appended[r])
         tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
     return state._rebuild(cached, tails, weights, state._last.edited() if state._last else None)
+
+def no_text(tok, ids: list[int]) -> bool:
+    """Whether a row's tokens hold no text yet (only special tokens, e.g. ``<s>``)."""
+    return all(i in tok.special_ids for i in ids)
+
 
 def first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
     """Tokens for ``text`` appended to a row with no text yet (only special tokens, e.g. ``<s>``).
@@ -80,7 +85,7 @@ def lead_space(state: SequenceState) -> SequenceState:
     text, so without it ``▁ 2 0 0`` (`` 200`` to a ``' [0-9]{3}'`` guide) would read ``"200"``: not a match.
     ``state`` itself when no row needs it."""
     tok, real = state._model.tokenizer, state._real_rows()
-    empty = [r for r, (ids, _) in enumerate(real) if not any(i not in tok.special_ids for i in ids)]
+    empty = [r for r, (ids, _) in enumerate(real) if no_text(tok, ids)]
     if not empty:
         return state
     piece = tok.encode_continuation(" ")

@@ -67,6 +67,7 @@ class Transformers:
         self.forward_calls = 0
         self._count_lock = threading.Lock()  # threads share one adapter: `+=` on an attribute is not atomic
         self._kv_dtypes: dict[torch.dtype, torch.dtype] = {}  # weights dtype -> KV dtype seen in forward
+        self._kv_bytes: dict[int, int] = {}  # KV bytes per token, per KV dtype size (kv_bytes_per_token)
         budget = parse_budget(prefix_cache)  # checked before anything is built on the model
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget else None
 
@@ -115,13 +116,16 @@ class Transformers:
         """``self.model.dtype`` (the first floating-point parameter's dtype), read from that parameter itself: HF's
         property walks the module's parameters on every read, and every call asks (a few times). ``.double()``,
         ``.half()`` and ``.to()`` change a parameter's data in place, so the remembered one follows them."""
-        p = self.__dict__.get("_dtype_param")
-        if p is None:
-            p = next((q for q in self.model.parameters() if q.is_floating_point()), None)
-            if p is None:
-                return self.model.dtype
-            self.__dict__["_dtype_param"] = p
-        return p.dtype
+        p = self._float_param
+        return p.dtype if p is not None else self.model.dtype
+
+    @cached_property
+    def _float_param(self) -> torch.nn.Parameter | None:
+        return next((q for q in self.model.parameters() if q.is_floating_point()), None)
+
+    @cached_property
+    def _first_param(self) -> torch.nn.Parameter | None:
+        return next(self.model.parameters(), None)
 
     def __repr__(self) -> str:
         return f"Transformers({type(self.model).__name__}, {self.tokenizer!r})"
@@ -140,22 +144,16 @@ class Transformers:
         from ..memory import config_kv_bytes_per_token
 
         size = self.kv_dtype.itemsize
-        known = self.__dict__.setdefault("_kv_bytes_per_token", {})  # (per KV dtype: the config does not change)
-        if size not in known:
+        if size not in self._kv_bytes:  # (per KV dtype: the config does not change)
             per = config_kv_bytes_per_token(self.model.config, size)
-            known[size] = per if self.hybrid is None else per * len(self.hybrid.attn) // max(self._layers, 1)
-        return known[size]
+            self._kv_bytes[size] = per if self.hybrid is None else per * len(self.hybrid.attn) // max(self._layers, 1)
+        return self._kv_bytes[size]
 
     @property
     def device(self) -> torch.device:
         """``self.model.device`` (its first parameter's), read from that parameter (see :meth:`_weights_dtype`)."""
-        p = self.__dict__.get("_device_param")
-        if p is None:
-            p = next(self.model.parameters(), None)
-            if p is None:
-                return self.model.device
-            self.__dict__["_device_param"] = p
-        return p.device
+        p = self._first_param
+        return p.device if p is not None else self.model.device
 
     @property
     def layer_devices(self) -> tuple[torch.device, ...]:
