@@ -8,6 +8,8 @@ repository, so this worktree's ``continuum`` is the one served); tests talk to i
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -94,3 +96,16 @@ class Adopt(BaseModel):
     pet: Pet
     indoor: bool
 
+
+
+@contextmanager
+def running(*makers: Callable[[], replicas.Server]) -> Iterator[list]:
+    """Servers started together (``start_servers``), stopped when the block ends, and at exit if a test run dies."""
+    servers = replicas.start_servers(*makers)
+    for server in servers:
+        atexit.register(server.stop)
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

