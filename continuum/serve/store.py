@@ -25,7 +25,6 @@ unknown one from the moment it expires.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -224,9 +223,7 @@ class Store:
 
     def _write_part(self, rid: str, state: SequenceState, start: int) -> int:
         final = self.states_dir / f"{rid}.safetensors"
-        tmp = self.states_dir / f"{rid}.tmp-{os.getpid()}-{threading.get_ident()}"
-        save_part(state, tmp, start, self.kv)
-        os.replace(tmp, final)  # atomic: the file is whole or absent
+        save_part(state, final, start, self.kv)  # (atomic: persistence.write moves a whole file onto the path)
         size = final.stat().st_size
         self.bytes_written += size
         return size
