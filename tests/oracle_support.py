@@ -251,6 +251,10 @@ def check_beams(b: Backend, inp: SequenceState, out: SequenceState, n: int, k: i
     ``b.margin``). Skipped where a beam ends early (EOS: generate keeps finished hypotheses aside)."""
     eos = b.hf.generation_config.eos_token_id
     ours_rows = real_rows(out)
+    if k == 0:  # n copies of each row, weights unchanged (generate takes no max_new_tokens=0)
+        assert [x for x, _ in ours_rows] == [ids for ids, _ in real_rows(inp) for _ in range(n)]
+        assert torch.equal(out.weights.flatten(), inp.weights.flatten().repeat_interleave(n))
+        return True
     for i, (ids, _) in enumerate(real_rows(inp)):
         res = b.hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                             do_sample=False, num_beams=n, num_return_sequences=n, max_new_tokens=k, length_penalty=0.0,

@@ -108,7 +108,7 @@ def call_strategy(variants: list[str], unbounded: bool):
         st.builds(Call, kind=st.just("greedy"), k=st.none() | k if unbounded else k, variant=v, suffix=sfx),
         st.builds(Call, kind=st.just("sample"), k=k, seed=seed, variant=v, suffix=sfx),
         st.builds(Call, kind=st.just("fork"), n=st.integers(2, 3), k=st.integers(0, 4), seed=seed, variant=v),
-        st.builds(Call, kind=st.just("beam"), n=st.integers(2, 3), k=st.integers(1, 4), variant=v),  # k=0: xfail elsewhere
+        st.builds(Call, kind=st.just("beam"), n=st.integers(2, 3), k=st.integers(0, 4), variant=v),
         st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=sfx),
         st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=st.just(" ok?")),
         st.builds(Call, kind=st.just("regex"), arg=st.sampled_from(PATTERNS), k=st.just(10), variant=v),

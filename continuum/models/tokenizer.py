@@ -178,6 +178,11 @@ class Tokenizer:
     def _encode_plain(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
+    def _encode_text(self, text: str) -> list[int]:
+        # A special token's literal in added text stays text ('a</s>b' reads 'a</s>b'), as on llama.cpp: parsed,
+        # it became the EOS token mid-row, which a row's text skips. Chats and markers use encode_special.
+        return list(self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
     def encode_continuation(self, text: str, argument: str = "the text added") -> list[int]:
         """Tokens of ``text`` appended to an existing row (no special tokens, no SentencePiece prefix).
 
@@ -198,19 +203,20 @@ class Tokenizer:
 
     def _encode_continuation(self, text: str) -> list[int]:
         for sentinel in _SENTINELS:
-            head = self._encode_plain(sentinel)
-            ids = self._encode_plain(sentinel + text)
+            head = self._encode_text(sentinel)
+            ids = self._encode_text(sentinel + text)
             if ids[: len(head)] == head and self.decode(ids) == self.decode(head) + text:
                 return ids[len(head) :]
-        return self._encode_plain(text)  # pragma: no cover - no sentinel stays separate
+        return self._encode_text(text)  # pragma: no cover - no sentinel stays separate
 
     def encode_continuations(self, texts: Sequence[str], argument: str = "the text added") -> list[list[int]]:
         """:meth:`encode_continuation` of many texts, in one batched tokenizer call where it can."""
         if not texts:
             return []
         check_encodable(list(texts), argument)
-        head = self._encode_plain(_SENTINELS[0])
-        batch = [list(ids) for ids in self.hf([_SENTINELS[0] + t for t in texts], add_special_tokens=False)["input_ids"]]
+        head = self._encode_text(_SENTINELS[0])
+        batch = [list(ids) for ids in self.hf([_SENTINELS[0] + t for t in texts], add_special_tokens=False,
+                                              split_special_tokens=True)["input_ids"]]
         head_text = self.decode(head)
         out = []
         for text, ids, decoded in zip(texts, batch, self.decode_batch(batch)):
@@ -279,6 +285,16 @@ class Tokenizer:
         """The bytes of every token id (``None`` for special tokens and unknown ids)."""
         special = self.special_ids
         return [None if idx in special else data or None for idx, data in enumerate(self._all_token_bytes)]
+
+    @cached_property
+    def byte_tokens(self) -> dict[int, int]:
+        """The token of each single byte the vocabulary spells alone (``<0xNN>``, or byte-level BPE's byte
+        characters), for the bytes 0x80-0xFF: what completes a character a kept token left incomplete."""
+        dec, out = self.bytes_decoder, {}
+        for idx, data in enumerate(dec.table if dec is not None else ()):
+            if len(data) == 1 and data[0] >= 0x80:
+                out.setdefault(data[0], idx)
+        return out
 
     def byte_offsets(self, ids: Sequence[int]) -> list[int]:
         """Cumulative byte length of the tokens: where each ends in the bytes of the row's text."""

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import SlicingError
+from .combine import first_text
 from .core import _NAN, SequenceState
-from .text import longest_token_prefix, token_char_spans
+from .text import byte_token_prefix, longest_token_prefix, token_char_spans
 
 __all__ = ["getitem", "slice_chars", "truncate", "resegment"]
 
@@ -89,7 +90,11 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
             continue
         target = texts[r][:ends[r]]
         k, n = longest_token_prefix(tok, ids, target)
-        leftover = tok.encode_continuation(target[n:])
+        split = byte_token_prefix(tok, ids, target)
+        if split is not None and split[0] > k:  # the cut ends inside a character split across tokens
+            k, leftover = split
+        else:
+            leftover = tok.encode_continuation(target[n:])
         if leftover and tok.decode(ids[:k] + leftover) != target:
             # the re-encoded text merged with a kept dangling byte token: back off a few tokens
             for k2 in range(k - 1, max(-1, k - 9), -1):
@@ -120,7 +125,7 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
         spans = token_char_spans(tok, ids)
         weights.append(math.fsum(p for p, (a, b) in zip(lps, spans) if p == p and a >= s and b <= max(e, s) and b > a))
         new_texts.append(texts[r][s:max(e, s)])
-    rows = tok.encode_prompts(new_texts)
+    rows = [_kept_text(tok, ids, t) for ids, t in zip(tok.encode_prompts(new_texts), new_texts)]
     last = None
     if state._last is not None:
         clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
@@ -130,6 +135,21 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
                        marks=_rebase_marks(state._last, bounds))
     return SequenceState._from_rows(state._model, rows, [[_NAN] * len(x) for x in rows],
                                     torch.tensor(weights, dtype=state._weights.dtype), state.batch, state.samples, last)
+
+
+def _kept_text(tok, ids: list[int], text: str) -> list[int]:
+    """A cut's prompt tokens, read back as the cut's text. A SentencePiece prompt drops the first leading space
+    of its text (``" cd"`` encodes as ``<s> ▁cd``, read ``"cd"``): the text is then appended to the prompt's
+    special tokens as a row's first text is (:func:`~continuum.state.combine.first_text`)."""
+    if not text or tok.decode(ids) == text:
+        return ids
+    special = []
+    for i in ids:
+        if i not in tok.special_ids:
+            break
+        special.append(i)
+    rest = first_text(tok, special, tok.encode_continuation(text), text)
+    return special + rest if tok.decode(special + rest) == text else ids
 
 
 def _rebase_marks(last, bounds: Sequence[tuple[int, int]]):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ..models.textbytes import ByteStream
 
-__all__ = ["longest_token_prefix", "token_char_spans", "detokenizer", "Detokenizer"]
+__all__ = ["longest_token_prefix", "byte_token_prefix", "token_char_spans", "detokenizer", "Detokenizer"]
 
 _WINDOW = 8  # tokens of left context enough to decode any single character correctly (Hugging Face decoding)
 
@@ -49,6 +49,39 @@ def longest_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int,
         if c <= common and (not pending[k - 1] or text[c:c + 1] == "\ufffd"):
             return k, c + pending[k - 1]
     return 0, 0
+
+
+def byte_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int, list[int]] | None:
+    """Where a cut to ``text`` falls inside a character split across tokens: the largest ``k`` whose tokens'
+    bytes begin ``text``'s bytes, and tokens for the rest (the split character's missing bytes as byte tokens,
+    then the text after it), or ``None`` when the cut does not leave a character incomplete there.
+
+    ``ids = [a, 0xCE, 0xBB 0xCE, 0xBB]`` (``"aλλ"``) cut to ``"aλ"`` keeps ``a, 0xCE`` and appends ``0xBB``:
+    token ``0xCE`` lies wholly in the kept text, so its cache and log-prob stay (by characters alone the
+    longest kept prefix is ``a``).
+    """
+    dec = tokenizer.bytes_decoder
+    if dec is None or not ids:
+        return None
+    data = dec.row_bytes(ids)
+    lead = data[:1] if dec.strip_space and data[:1] == b" " else b""  # (the decoder drops it: so does text)
+    want = lead + text.encode("utf-8", "surrogatepass")
+    same = next((i for i, (x, y) in enumerate(zip(data, want)) if x != y), min(len(data), len(want)))
+    ends = tokenizer.byte_offsets(ids)
+    k = next((k for k in range(len(ids), 0, -1) if ends[k - 1] <= same), 0)
+    rest = want[ends[k - 1] if k else 0:]
+    split = len(rest) - len(rest.lstrip(bytes(range(0x80, 0xC0))))  # the incomplete character's missing bytes
+    if not split:
+        return None
+    table = tokenizer.byte_tokens
+    if any(b not in table for b in rest[:split]):
+        return None
+    try:
+        after = rest[split:].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    tail = [table[b] for b in rest[:split]] + tokenizer.encode_continuation(after)
+    return (k, tail) if tokenizer.decode(list(ids[:k]) + tail) == text else None
 
 
 def token_char_spans(tokenizer, ids: Sequence[int]) -> list[tuple[int, int]]:
