@@ -64,10 +64,21 @@ class ByteDecoder:
     ``strip_space``: drop the row's first byte when it is a space (SentencePiece's ``Strip`` decoder).
     """
 
-    __slots__ = ("table", "strip_space", "kind")
+    __slots__ = ("table", "strip_space", "kind", "_singles")
 
     def __init__(self, table: Sequence[bytes], strip_space: bool, kind: str = "bytes"):
         self.table, self.strip_space, self.kind = list(table), strip_space, kind
+        self._singles: dict[int, int] | None = None
+
+    def byte_token(self, byte: int) -> int | None:
+        """A token whose bytes are ``byte`` alone (``<0xNN>``, a byte-level BPE byte), for 0x80-0xFF: what
+        completes a character a kept token left incomplete; ``None`` when the vocabulary has none."""
+        if self._singles is None:
+            self._singles = {}
+            for idx, data in enumerate(self.table):
+                if len(data) == 1 and data[0] >= 0x80:
+                    self._singles.setdefault(data[0], idx)
+        return self._singles.get(byte)
 
     @classmethod
     def of(cls, hf: Any, token_bytes: Callable[[], Sequence[bytes | None]]) -> ByteDecoder | None:

@@ -286,16 +286,6 @@ class Tokenizer:
         special = self.special_ids
         return [None if idx in special else data or None for idx, data in enumerate(self._all_token_bytes)]
 
-    @cached_property
-    def byte_tokens(self) -> dict[int, int]:
-        """The token of each single byte the vocabulary spells alone (``<0xNN>``, or byte-level BPE's byte
-        characters), for the bytes 0x80-0xFF: what completes a character a kept token left incomplete."""
-        dec, out = self.bytes_decoder, {}
-        for idx, data in enumerate(dec.table if dec is not None else ()):
-            if len(data) == 1 and data[0] >= 0x80:
-                out.setdefault(data[0], idx)
-        return out
-
     def byte_offsets(self, ids: Sequence[int]) -> list[int]:
         """Cumulative byte length of the tokens: where each ends in the bytes of the row's text."""
         out, total, lengths = [], 0, self._byte_lengths

@@ -20,6 +20,7 @@ from ..models.textbytes import ByteStream
 
 __all__ = ["longest_token_prefix", "byte_token_prefix", "token_char_spans", "detokenizer", "Detokenizer"]
 
+_CONTINUATION = bytes(range(0x80, 0xC0))  # bytes that continue a UTF-8 character
 _WINDOW = 8  # tokens of left context enough to decode any single character correctly (Hugging Face decoding)
 
 
@@ -67,20 +68,24 @@ def byte_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int, li
     lead = data[:1] if dec.strip_space and data[:1] == b" " else b""  # (the decoder drops it: so does text)
     want = lead + text.encode("utf-8", "surrogatepass")
     same = next((i for i, (x, y) in enumerate(zip(data, want)) if x != y), min(len(data), len(want)))
-    ends = tokenizer.byte_offsets(ids)
-    k = next((k for k in range(len(ids), 0, -1) if ends[k - 1] <= same), 0)
-    rest = want[ends[k - 1] if k else 0:]
-    split = len(rest) - len(rest.lstrip(bytes(range(0x80, 0xC0))))  # the incomplete character's missing bytes
+    k, end = 0, 0
+    for i in ids:  # the tokens whose bytes all lie in the common prefix
+        end += len(dec.row_bytes((i,)))
+        if end > same:
+            break
+        k += 1
+    rest = want[len(dec.row_bytes(ids[:k])):]
+    split = len(rest) - len(rest.lstrip(_CONTINUATION))  # the incomplete character's missing bytes
     if not split:
         return None
-    table = tokenizer.byte_tokens
-    if any(b not in table for b in rest[:split]):
-        return None
+    pieces = [dec.byte_token(b) for b in rest[:split]]
     try:
         after = rest[split:].decode("utf-8")
     except UnicodeDecodeError:
         return None
-    tail = [table[b] for b in rest[:split]] + tokenizer.encode_continuation(after)
+    if None in pieces:
+        return None
+    tail = [p for p in pieces if p is not None] + tokenizer.encode_continuation(after)
     return (k, tail) if tokenizer.decode(list(ids[:k]) + tail) == text else None
 
 
