@@ -67,9 +67,8 @@ from conftest import chars_key
 
 LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # Histories that hit a known bug (an xfail regression below) at once are drawn only with CONTINUUM_ORACLE_KNOWN=1, so
-# that the long profile finds new ones: on llama.cpp greedy calls without max_tokens (several rows to the context
-# outgrow a pool together: test_a_call_of_two_rows_to_the_context_of_a_small_pool_...). Drop it when they pass.
-# (The 256-cell pool is drawn by default since test_concurrent_calls_on_a_small_pool_... passes.)
+# that the long profile finds new ones. None now: greedy calls without max_tokens on llama.cpp (several rows to the
+# context outgrowing a pool together: test_a_call_of_two_rows_to_the_context_of_a_small_pool_regression) are drawn too.
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
 CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "gguf": (10, 12), "gguf-invariant": (10, 12)}  # (histories, steps)
 LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "gguf": (200, 40), "gguf-invariant": (200, 40)}  # ~5 minutes
@@ -119,7 +118,7 @@ def machine_for(name: str):
     """The state machine of one backend (its variants decide the strategies)."""
     hf = name in ("stories", "tiny")
     variants = ["plain", "prefix", "budget"] if hf else ["plain"]
-    calls = call_strategy(variants, unbounded=KNOWN and not hf)
+    calls = call_strategy(variants, unbounded=not hf)
 
     class Oracle(RuleBasedStateMachine):
         states = Bundle("states")
@@ -338,16 +337,23 @@ def test_cells_of_a_dropped_state_come_back_regression():
     check_greedy(b, out, [len(ids) for ids, _ in real_rows(a)], [ids for ids, _ in real_rows(a)])
 
 
-@pytest.mark.xfail(strict=False, reason="issue 56 oracle finding: on a 256-cell llama.cpp pool one call of 2 rows without "
-                   "max_tokens (greedy to the context: 2 x 256 positions) raises KVCacheFullError 'no free KV cell for 2 "
-                   "new tokens' once its rows outgrow the pool together, though each row alone fits: a lone call cannot "
-                   "park, and only calls with max_tokens are split into turns by cells (loop/turns.row_limit)")
+# (found by the oracle, fixed in loop/decoding.py (turns.apart): on a 256-cell llama.cpp pool one call of 2 rows
+# without max_tokens (greedy to the context: 2 x 256 positions) raised KVCacheFullError 'no free KV cell for 2 new
+# tokens' once its rows outgrew the pool together, though each row alone fits: a call alone cannot be parked, and only
+# calls with max_tokens are split by cells up front. Its rows now run again as parts, the engine parking what does not fit)
 def test_a_call_of_two_rows_to_the_context_of_a_small_pool_regression():
     b = own_llama(256)  # (a pool of its own)
     s = SequenceState.from_prompts(b.model, ["Once upon a time"] * 2)
     out = continuous(generate.text(b.model, samplers.greedy()))(s, max_tokens=None)
     assert out.finish_reasons == [["context"], ["context"]]
     check_state(b, out, [0.0, 0.0])
+    check_greedy(b, out, [len(ids) for ids, _ in real_rows(s)], [ids for ids, _ in real_rows(s)])
+    one = SequenceState.from_prompts(b.model, "Once upon a time")  # a prompt's independent samples: the same
+    seeded = torch.Generator().manual_seed(0)
+    forks = continuous(generate.text(b.model, samplers.multinomial(2)))(one, max_tokens=None, rng=seeded)
+    assert forks.finish_reasons == [["context", "context"]]
+    check_state(b, forks, [0.0, 0.0])
+    assert list(s) == ["Once upon a time"] * 2  # (the input, untouched)
 
 
 def empty_row(backend: str):

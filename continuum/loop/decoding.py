@@ -19,6 +19,7 @@ after a sampled one, the whole run is appended and computed in the same next for
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ from .finish import finish
 from .rows import Rows
 from .setup import prefill, recompute_stale, setup
 from .steps import CallLoop
-from .turns import in_turns, needs_turns
+from .turns import apart, in_turns, needs_turns
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["decode", "prefill", "recompute_stale", "Step", "check_max_tokens", "check_rng", "check_continuable",
            "positions"]
@@ -102,11 +105,18 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
         grow = rows * (new + (spec.max_draft if spec is not None else 0)) if new is not None else None
         call = engine.submit(loop, first, rows, stream=stream, kv_bytes=need, grow=grow)
         try:
-            if call.queue is None:
+            if call.queue is not None:
+                return (yield from engine.stream(call))
+            try:
                 return engine.wait(call)
-            return (yield from engine.stream(call))
+            except KVCacheFullError:  # alone, and still no room: its rows may fit apart (issue 56)
+                if not apart(state, sampler, options):
+                    raise
         finally:
             engine.close(call)  # (a no-op once the call is done)
+        logger.info("a call of %d rows without max_tokens outgrew the KV pool together: its rows run again as parts, "
+                    "each parked while the others need the room (pass max_tokens to split it up front)", rows)
+        return in_turns(decode, state, sampler, options, limit=1)
     finally:
         if getattr(model, "prefix_cache", None) is not None:
             model.prefix_cache.settle()  # prefixes registered as being computed and not inserted (an error)

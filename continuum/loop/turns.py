@@ -28,7 +28,7 @@ from ..state.combine import concat_samples
 from . import cancel
 from .checks import check_continuable, check_lengths, check_max_tokens, check_rng
 
-__all__ = ["needs_turns", "in_turns", "choice_prompts", "in_parts"]
+__all__ = ["needs_turns", "in_turns", "apart", "choice_prompts", "in_parts"]
 
 
 def _per_prompt(state: SequenceState, sampler: Sampler, options: dict) -> int:
@@ -83,10 +83,24 @@ def needs_turns(state: SequenceState, sampler: Sampler, options: dict) -> bool:
     return state.batch * per > limit and (state.batch > 1 or (per > limit and _splits_samples(state, sampler, options)))
 
 
+def apart(state: SequenceState, sampler: Sampler, options: dict) -> bool:
+    """Whether a call that found no room in a fixed pool while running alone may still complete with its rows apart:
+    rows that need not advance together (several prompts, or a prompt's independent samples; no beams, not a stream)
+    and no ``max_tokens`` (a call with it is split by its cells up front: :func:`row_limit`). Rows that together
+    outgrow the pool on their way to the context may each fit alone: as parts, the engine parks what does not fit."""
+    if options.get("max_tokens") is not None or sampler.is_beam_search or options.get("track_text"):
+        return False
+    if getattr(state._model, "capacity", None) is None:  # (no fixed pool: nothing to make room in)
+        return False
+    per = _per_prompt(state, sampler, options)
+    return state.batch > 1 or (per > 1 and _splits_samples(state, sampler, options))
+
+
 def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceState, sampler: Sampler,
-             options: dict) -> SequenceState:
-    """Run ``decode`` on parts of ``state``'s rows, at most :func:`row_limit` each, concurrently; put them back."""
-    limit, per = row_limit(state, sampler, options) or 1, _per_prompt(state, sampler, options)
+             options: dict, limit: int | None = None) -> SequenceState:
+    """Run ``decode`` on parts of ``state``'s rows, at most ``limit`` (default :func:`row_limit`) each, concurrently;
+    put them back."""
+    limit, per = limit or row_limit(state, sampler, options) or 1, _per_prompt(state, sampler, options)
     _check_up_front(state, options, sampler)
     token = cancel.CancelToken(cancel.current())
     run = _runner(token, lambda part, smp, opts: decode(part, smp, **opts))
