@@ -9,7 +9,7 @@ plain ``str`` operations and the documented rules (docs/state.md), with no call 
 
 * a prompt, a re-segmented slice (``start`` after the first character) and ``text + state`` are fresh
   prompts: their text is the tokenizer's own round trip of the string (SentencePiece drops a leading
-  space, Qwen2 normalizes to NFC);
+  space, Qwen2 normalizes to NFC), except that a SentencePiece slice keeps its leading space;
 * ``state[..., :n]`` is exactly ``t[:n]``; ``state + x`` is ``t + x`` (``x`` normalized by the
   tokenizer's normalizer, NFC for Qwen2); ``state + other`` appends other's text; stacking
   concatenates rows; row selection picks rows;
@@ -81,7 +81,13 @@ class TextModel:
         bounds = [slice(start, stop).indices(len(t))[:2] for t in rows]
         if all(s == 0 for s, _ in bounds):  # truncation: exactly the kept characters
             return [t[:max(e, 0)] for t, (_, e) in zip(rows, bounds)]
-        return [self.prompt(t[s:max(e, s)]) for t, (s, e) in zip(rows, bounds)]  # re-segmented: fresh prompts
+        return [self.cut(t[s:max(e, s)]) for t, (s, e) in zip(rows, bounds)]  # re-segmented: fresh prompts
+
+    def cut(self, text: str) -> str:
+        """A re-segmented cut: a fresh prompt's round trip, but a SentencePiece cut keeps the leading space that
+        the prompt's round trip drops (docs/state.md)."""
+        trip = self.prompt(text)
+        return text if self.spm and text.startswith(" ") and trip == text[1:] else trip
 
 
 def extends(old: str, new: str) -> bool:
@@ -264,7 +270,7 @@ def test_text_model_examples(real_tokenizer_model):
     t = list(s)[0]
     assert list(s[:3]) == [t[:3]] and list(s[..., :-2]) == [t[:-2]]
     assert list(s + " 東京🇯🇵") == [t + text.norm(" 東京🇯🇵")]
-    assert list(s[2:]) == [text.prompt(t[2:])]
+    assert list(s[2:]) == [text.cut(t[2:])]
     empty = s[:0]  # regression: SentencePiece dropped the leading space of text added to an empty row
     assert list(empty + " cd") == [" cd"] and list(empty + "  cd") == ["  cd"] and list((empty + " ") + "x") == [" x"]
 
