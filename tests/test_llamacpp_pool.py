@@ -220,3 +220,32 @@ def test_a_step_keeps_the_forks_it_made_resident_while_a_token_tree_makes_room()
     nxt = Request(torch.tensor(fork.top[0])[:, None], mask, kv.positions(mask)[:, -1:], fork.result[1], normalize=True)
     model.run_step([nxt], counters)
     assert nxt.error is None and model.pool.restores == 0
+
+
+def _resident(state) -> bool:
+    return state._kv.views[0]._seq.id is not None
+
+
+def test_idle_states_past_the_budget_are_spilled_oldest_first_and_continue_as_llama_cpp_evaluates():
+    """Every decode's attention in the unified cache runs over every cell in use, so idle cells (states held between
+    calls) slow every later step: past ``idle_cells`` beside the running ones, the least recently used idle states
+    are spilled (the newest kept); a spilled state continues from its restored cells, as llama.cpp's own evaluation
+    says (the default mode's contract)."""
+    from continuum.errors import ModelLoadError
+    from continuum.models.llamacpp import cells
+
+    m = models.llamacpp(gguf("f32"), n_threads=THREADS, n_ctx=2048, idle_cells=64)
+    gen = continuous(generate.text(m, samplers.greedy()))
+    states = [gen(f"Once upon a time, a {w}", max_tokens=40) for w in WORDS[:6]]  # 6 unrelated states of ~50 cells
+    assert [_resident(s) for s in states] == [False] * 4 + [True] * 2  # (the newest idle one and the last call's)
+    assert cells.used(m.pool) == sum(len(row_ids(s)) - 1 for s in states[-2:])  # (a state's last token is uncached)
+    old = states[0]
+    out = gen(old, max_tokens=20)  # restored, then continued
+    assert m.pool.restores >= 1 and row_ids(out)[:len(row_ids(old))] == row_ids(old)
+    check_greedy_path(row_ids(out), len(row_ids(old)))
+    roomy = models.llamacpp(gguf("f32"), n_threads=THREADS, n_ctx=2048, idle_cells=None)
+    gen = continuous(generate.text(roomy, samplers.greedy()))
+    kept = [gen(f"Once upon a time, a {w}", max_tokens=40) for w in WORDS[:6]]
+    assert all(_resident(s) for s in kept) and roomy.pool.spills == 0
+    with pytest.raises(ModelLoadError, match="idle_cells"):
+        models.llamacpp(gguf("f32"), idle_cells=-1)

@@ -80,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-ctx", type=int, default=None,
                    help="GGUF: KV cells shared by every live conversation (default: min(trained context, 8192))")
     p.add_argument("--threads", type=int, default=None, help="GGUF: llama.cpp's CPU threads (default: the cores available)")
+    p.add_argument("--idle-cells", type=_idle_cells, default="default",
+                   help="GGUF: KV cells stored conversations keep resident beside the running ones (default 256; 'none': "
+                        "all); past it the least recently used go to host memory, since every decode's attention runs "
+                        "over every cell in use (docs/llamacpp.md)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="GGUF: a reply is what it gives alone, whatever runs beside it (exact on f32/q8_0: docs/llamacpp.md)")
     p.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body accepted (default 8MiB)")
@@ -253,6 +257,22 @@ class _Preload(threading.Thread):
         return self.model
 
 
+def _idle_cells(text: str) -> int | str | None:
+    if text in ("default", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--idle-cells takes a number of cells >= 0, or 'none' (got {text!r})")
+    return value
+
+
+def _gguf_options(args: argparse.Namespace) -> dict:
+    return {} if args.idle_cells == "default" else {"idle_cells": args.idle_cells}
+
+
 def _preload(args: argparse.Namespace) -> _Preload | None:
     if not args.model.lower().endswith(".gguf") or args.dtype is not None or args.device is not None:
         return None  # (transformers; or options a GGUF refuses: _load says so)
@@ -267,17 +287,18 @@ def _load(args: argparse.Namespace, native: _Preload | None = None):
 
     gguf = args.model.lower().endswith(".gguf")
     if not gguf:
-        if args.n_ctx is not None or args.threads is not None or args.batch_invariant:
-            raise ModelLoadError("--n-ctx, --threads and --batch-invariant are llama.cpp options: serve a .gguf file")
+        if args.n_ctx is not None or args.threads is not None or args.batch_invariant or args.idle_cells != "default":
+            raise ModelLoadError("--n-ctx, --threads, --idle-cells and --batch-invariant are llama.cpp options: serve a "
+                                 ".gguf file")
         return models.transformers(args.model, device=args.device, dtype=args.dtype, prefix_cache=args.prefix_cache)
     for flag, value in (("--dtype", args.dtype), ("--device", args.device)):
         if value is not None:
             raise ModelLoadError(f"{flag} is not available for a GGUF on llama.cpp (its weights' type is the file's, "
                                  f"and it runs on the CPU): leave it out")
     if native is not None:
-        return models.llamacpp(native.result(), prefix_cache=args.prefix_cache)
+        return models.llamacpp(native.result(), prefix_cache=args.prefix_cache, **_gguf_options(args))
     return models.llamacpp(args.model, n_ctx=args.n_ctx, n_threads=args.threads, batch_invariant=args.batch_invariant,
-                           prefix_cache=args.prefix_cache)
+                           prefix_cache=args.prefix_cache, **_gguf_options(args))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 from ...errors import KVCacheFullError, ModelLoadError, SequencesExhaustedError
 from ..capacity import Capacity
 from ..request import Request
-from . import capacity, window
+from . import capacity, cells, window
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
 from .gather import RowPlan, fill_results, plan_rows
@@ -50,6 +50,9 @@ class LlamaCpp:
             pass none; ``continuum serve`` loads the GGUF on a thread while torch imports).
         prefix_cache: byte budget of the prefix cache (donor sequences, :mod:`~.prefix`; ``"64MiB"``, an int);
             ``None``/``0`` (default): off.
+        idle_cells: cells that states nobody is decoding (held between calls) keep resident at least, beside the
+            running ones' (default 256); past it the least recently used are spilled to host memory, because every
+            decode's attention runs over every cell in use (:func:`~.cells.trim_idle`). ``None``: keep all.
         n_ctx, n_threads, batch_invariant, ...: see :class:`~.model.LlamaCppModel`.
     """
 
@@ -60,10 +63,14 @@ class LlamaCpp:
         """The most rows one call decodes at once: the pool's sequence ids (a list call with more runs in turns)."""
         return self.pool.n_ids
 
-    def __init__(self, path: str | os.PathLike | LlamaCppModel, *, prefix_cache: int | str | None = None, **options: Any):
+    def __init__(self, path: str | os.PathLike | LlamaCppModel, *, prefix_cache: int | str | None = None,
+                 idle_cells: int | None = cells.IDLE_CELLS, **options: Any):
         from ..budget import parse_budget  # (the same budget syntax on both backends)
 
         budget = parse_budget(prefix_cache)  # a bad budget fails before the GGUF is loaded
+        if idle_cells is not None and (isinstance(idle_cells, bool) or not isinstance(idle_cells, int) or idle_cells < 0):
+            raise ModelLoadError(f"idle_cells must be a number of cells >= 0, or None (keep every idle state resident); "
+                                 f"got {idle_cells!r}")
         if isinstance(path, LlamaCppModel):
             if options:
                 raise ModelLoadError(f"LlamaCpp(a loaded LlamaCppModel, ...): its options are set already; drop "
@@ -80,6 +87,7 @@ class LlamaCpp:
         self.tokenizer = LlamaTokenizer(self.llama)
         self.pool = SequencePool.of(self.llama)
         self.pool.kv_bytes_per_token = self.kv_bytes_per_token  # type: ignore[attr-defined]  # (read by SeqKV.nbytes)
+        self.pool.idle_cells = idle_cells
         self.context_length: int | None = self.llama.context_length
         self.prefix_cache: Any = None
         if budget:

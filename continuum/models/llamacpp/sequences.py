@@ -127,6 +127,7 @@ class SequencePool:
         self.zombie: int | None = model.n_seq_max - 2 if model.batch_invariant and not model.hybrid else None
         self.zombie_cells = 0  # cells only the zombie holds
         self.held: set[int] = set()  # (ids of) the sequences the running calls hold: spilled last (LlamaCpp.hold)
+        self.idle_cells: int | None = cells.IDLE_CELLS  # idle cells kept resident at least (cells.trim_idle; None: all)
         self.n_ids = model.n_seq_max - (self.scratch is not None) - (self.zombie is not None)
         if self.n_ids < 1:
             raise BackendError("the batch-invariant mode needs n_seq_max >= 3 (one id pads one-token decodes, one keeps "
