@@ -12,6 +12,7 @@ import torch
 from continuum import continuous, generate, models, samplers
 from continuum.errors import ContextLengthError, StaleWindowError
 from continuum.models import kv, token_tree
+from continuum.models.llamacpp import window
 from continuum.models.request import Request
 
 from llamacpp_support import DECODE_TOL, gguf, reference_logits
@@ -112,8 +113,8 @@ def test_a_stale_window_row_fails_its_own_request_and_the_others_decode_without_
         del r
     reqs = [_next_request(s) for s in states]
     stale = reqs[1].kv.views[0].seq_id
-    window_ok = model.pool._window_ok
-    monkeypatch.setattr(model.pool, "_window_ok", lambda seq_id, n: seq_id != stale and window_ok(seq_id, n))
+    fits = window.fits
+    monkeypatch.setattr(window, "fits", lambda pool, seq_id, n: seq_id != stale and fits(pool, seq_id, n))
     stats = _counters()
     model.run_step(reqs, stats)
     for i in (0, 2):
@@ -160,8 +161,8 @@ def test_a_stale_window_row_in_a_token_tree_fails_its_own_request_only(monkeypat
     del alone
     reqs = [_tree_request(s, options) for s in states]
     stale = reqs[1].kv.views[0].seq_id
-    window_ok = model.pool._window_ok
-    monkeypatch.setattr(model.pool, "_window_ok", lambda seq_id, n: seq_id != stale and window_ok(seq_id, n))
+    fits = window.fits
+    monkeypatch.setattr(window, "fits", lambda pool, seq_id, n: seq_id != stale and fits(pool, seq_id, n))
     model.run_step(reqs, _counters())
     assert reqs[0].error is None
     torch.testing.assert_close(reqs[0].result[0], want, rtol=0, atol=0)

@@ -190,7 +190,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                 forks.append(seq)
             else:
                 pool._ensure_resident(src, pinned)
-                if not pool._window_ok(src.id, view.n_tokens):  # type: ignore[arg-type]
+                if not window.fits(pool, src.id, view.n_tokens):  # type: ignore[arg-type]
                     stale.append(i)
                     targets.append(None)
                     continue

@@ -332,17 +332,6 @@ class SequencePool:
             recurrent.forked(self, src, dst, n)
 
     # -- sliding window ------------------------------------------------------------------------------
-    def _window_ok(self, seq_id: int, n: int) -> bool:
-        """True if a decode at position ``n`` of sequence ``seq_id`` finds every cell it must attend to."""
-        if n == 0:
-            return True
-        L, mem = lib(), self.model.memory
-        lo, hi = int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
-        if self.model.hybrid:  # (its pos_min is the recurrent summary's position; no window: recurrent.py)
-            return hi >= n - 1
-        need = max(0, n - self.model.n_swa + 1) if self.model.n_swa > 0 else 0
-        return 0 <= lo <= need and hi >= n - 1
-
     def can_extend(self, view: KVView) -> bool:
         """True if tokens can be decoded after ``view`` against its own cells; False for a sliding-window state
         whose window cells were evicted (recompute it). Restores a spilled view."""
@@ -351,7 +340,7 @@ class SequencePool:
             return True
         with self.model.lock:
             self._collect()
-            return self._window_ok(self._ensure_resident(view._seq), view.n_tokens)
+            return window.fits(self, self._ensure_resident(view._seq), view.n_tokens)
 
     def positions(self, view: KVView) -> tuple[int, int]:
         """``(seq_pos_min, seq_pos_max)`` of the view's sequence as llama.cpp reports them ((-1, -1): no cells)."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
-from . import cells
+from . import cells, window
 from ._lib import lib, mark_decoded
 from .decode import _discard
 from .sequences import KVView, SequencePool, _Seq
@@ -182,7 +182,7 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
         src = row.view._seq
         if src is not None:
             pool._ensure_resident(src, pinned)
-            if not pool._window_ok(src.id, row.view.n_tokens):  # type: ignore[arg-type]
+            if not window.fits(pool, src.id, row.view.n_tokens):  # type: ignore[arg-type]
                 stale.append(i)
     if stale:
         raise StaleWindowError(

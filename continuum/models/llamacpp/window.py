@@ -1,6 +1,6 @@
 """Sliding-window states on llama.cpp (Gemma 3: ``n_swa > 0``): keeping them extendable, and finding those that are not.
 
-A decode at position ``n`` needs the sequence's cells from ``n - n_swa + 1`` on (``SequencePool._window_ok``);
+A decode at position ``n`` needs the sequence's cells from ``n - n_swa + 1`` on (:func:`fits`);
 llama.cpp decodes without them and returns wrong logits. Cells go missing in one way: a spilled sequence's bytes
 (``llama_state_seq_get_data``) hold only the window behind the sequence's END, so once restored, any view of it cut
 back behind that end cannot be extended. What follows:
@@ -21,8 +21,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import cells, recurrent
+from ._lib import lib
 
-__all__ = ["cut_tail", "trim", "stale"]
+__all__ = ["fits", "cut_tail", "trim", "stale"]
+
+
+def fits(pool: Any, seq_id: int, n: int) -> bool:
+    """True if a decode at position ``n`` of sequence ``seq_id`` finds every cell it must attend to."""
+    if n == 0:
+        return True
+    L, mem = lib(), pool.model.memory
+    lo, hi = int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
+    if pool.model.hybrid:  # (its pos_min is the recurrent summary's position; no window: recurrent.py)
+        return hi >= n - 1
+    need = max(0, n - pool.model.n_swa + 1) if pool.model.n_swa > 0 else 0
+    return 0 <= lo <= need and hi >= n - 1
 
 
 def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its _Seq: sequences.py imports this module)
@@ -63,7 +76,7 @@ def stale(pool: Any, views: Sequence[Any]) -> list[int]:
             if seq is None or view.n_tokens == 0:
                 continue
             if seq.id is not None:
-                ok = pool._window_ok(seq.id, view.n_tokens)
+                ok = fits(pool, seq.id, view.n_tokens)
             else:
                 ok = view.n_tokens >= seq.extent or seq.extent <= model.n_swa
             if not ok:
