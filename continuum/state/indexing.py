@@ -90,7 +90,7 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
             continue
         target = texts[r][:ends[r]]
         k, n = longest_token_prefix(tok, ids, target)
-        split = byte_token_prefix(tok, ids, target)
+        split = byte_token_prefix(tok, ids, target) if n < len(target) else None  # (a cut at a token's end: no split)
         if split is not None and split[0] > k:  # the cut ends inside a character split across tokens
             k, leftover = split
         else:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..models.textbytes import ByteStream
+from ..models.textbytes import _CONTINUATION, ByteStream
 
 __all__ = ["longest_token_prefix", "byte_token_prefix", "token_char_spans", "detokenizer", "Detokenizer"]
 
-_CONTINUATION = bytes(range(0x80, 0xC0))  # bytes that continue a UTF-8 character
 _WINDOW = 8  # tokens of left context enough to decode any single character correctly (Hugging Face decoding)
 
 
@@ -68,13 +67,13 @@ def byte_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int, li
     lead = data[:1] if dec.strip_space and data[:1] == b" " else b""  # (the decoder drops it: so does text)
     want = lead + text.encode("utf-8", "surrogatepass")
     same = next((i for i, (x, y) in enumerate(zip(data, want)) if x != y), min(len(data), len(want)))
-    k, end = 0, 0
+    k, kept = 0, 0
     for i in ids:  # the tokens whose bytes all lie in the common prefix
-        end += len(dec.row_bytes((i,)))
-        if end > same:
+        size = len(dec.row_bytes((i,)))
+        if kept + size > same:
             break
-        k += 1
-    rest = want[len(dec.row_bytes(ids[:k])):]
+        k, kept = k + 1, kept + size
+    rest = want[kept:]
     split = len(rest) - len(rest.lstrip(_CONTINUATION))  # the incomplete character's missing bytes
     if not split:
         return None
@@ -83,9 +82,10 @@ def byte_token_prefix(tokenizer, ids: Sequence[int], text: str) -> tuple[int, li
         after = rest[split:].decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if None in pieces:
+    tail = [p for p in pieces if p is not None]
+    if len(tail) < split:  # (a byte the vocabulary has no token of its own for)
         return None
-    tail = [p for p in pieces if p is not None] + tokenizer.encode_continuation(after)
+    tail += tokenizer.encode_continuation(after)
     return (k, tail) if tokenizer.decode(list(ids[:k]) + tail) == text else None
 
 

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 from . import seqbytes
@@ -162,26 +162,10 @@ def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = (), spare
     idle = pool.idle(pinned, spare)
     if not idle:
         return False
-    families = sorted(_families(idle), key=lambda fam: max(s.last_use for s in fam))
-    resident = set(map(id, pool._resident.values()))
-    gone: set[int] = set()
-    chosen: list[list[_Seq]] = []
-    for fam in families:  # (plan first: spilling is a copy of every cell, never done for nothing)
-        before = have
-        gone.update(map(id, fam))
-        have = total(pool) - _count(s for s in pool._resident.values() if id(s) not in gone)
-        if have > before:  # (a family whose cells live on in a held sequence frees nothing: keep it resident)
-            chosen.append(fam)
-        else:
-            gone.difference_update(map(id, fam))
-        if have >= cells:
-            break
-    if have < cells:
+    chosen = _plan(pool, _by_age(idle), lambda kept: total(pool) - kept >= cells)
+    if chosen is None:
         return False
-    for fam in chosen:
-        for s in fam:
-            if id(s) in resident and s.id is not None:
-                pool._spill(s)
+    _spill(pool, chosen)
     flush(pool)  # (the spills' holes: packed in the invariant mode)
     return True
 
@@ -195,29 +179,50 @@ def trim_idle(pool: SequencePool, pinned: Iterable[_Seq] = ()) -> int:
     if cap is None or pool.zombie is not None or pool.scratch is not None or len(pool._resident) < 2:
         return 0
     everyone = list(pool._resident.values())
-    if _count(everyone) <= cap:  # (the cheap check first: every cell counted once)
+    held = _count(everyone)
+    if held <= cap:  # (the cheap check first: every cell counted once)
         return 0
     idle = pool.idle(pinned)
     ids = set(map(id, idle))
     busy = _count(s for s in everyone if id(s) not in ids)
-    limit, extra = max(cap, busy), _count(everyone) - busy
-    if extra <= limit:
+    limit = max(cap, busy)
+    if held - busy <= limit:
         return 0
-    families = sorted(_families(idle), key=lambda fam: max(s.last_use for s in fam))[:-1]  # (the newest stays)
+    chosen = _plan(pool, _by_age(idle)[:-1], lambda kept: kept - busy <= limit, partial=True)  # (the newest stays)
+    return _spill(pool, chosen or [])
+
+
+def _by_age(seqs: list[_Seq]) -> list[list[_Seq]]:
+    """The families of ``seqs`` (:func:`_families`), least recently used first."""
+    return sorted(_families(seqs), key=lambda fam: max(s.last_use for s in fam))
+
+
+def _plan(pool: SequencePool, families: list[list[_Seq]], enough: Callable[[int], bool],
+          partial: bool = False) -> list[list[_Seq]] | None:
+    """The families to spill, in order, until ``enough(cells the resident sequences would still hold)``; a family
+    whose cells live on in a kept sequence frees nothing and stays resident. Planned before anything is spilled
+    (a spill copies every cell): None when even all of them would not be enough, unless ``partial`` (then what
+    frees the most)."""
+    resident = list(pool._resident.values())
     gone: set[int] = set()
     chosen: list[list[_Seq]] = []
+    held = _count(resident)
     for fam in families:
-        gone.update(map(id, fam))
-        after = _count(s for s in everyone if id(s) not in gone) - busy
-        if after < extra:  # (a family whose cells live on in a kept sequence frees nothing: kept resident)
+        members = set(map(id, fam))
+        after = _count(s for s in resident if id(s) not in gone and id(s) not in members)
+        if after < held:
             chosen.append(fam)
-            extra = after
-        else:
-            gone.difference_update(map(id, fam))
-        if extra <= limit:
-            break
+            gone |= members
+            held = after
+        if enough(held):
+            return chosen
+    return chosen if partial else None
+
+
+def _spill(pool: SequencePool, families: list[list[_Seq]]) -> int:
+    """Spill every resident sequence of ``families``; returns how many."""
     spilled = 0
-    for fam in chosen:
+    for fam in families:
         for s in fam:
             if s.id is not None:
                 pool._spill(s)
