@@ -95,7 +95,7 @@ def test_rolling_back_to_a_call_end_reuses_its_snapshot(lfm, ref):
     restores, before = lfm.pool.restores_recurrent, lfm.tokens_computed
     b = gen(base + " A cat", max_tokens=8)
     assert lfm.pool.restores_recurrent > restores
-    snaps = base._kv.views[0]._seq.snaps
+    snaps = base._kv.views[0].seq.snaps
     assert snaps and kvcache.nbytes(base._kv) >= sum(map(len, snaps.values()))  # (its bytes count its snapshots)
     added = b._mask[0].sum().item() - base._mask[0].sum().item() - 8
     assert lfm.tokens_computed - before == added + 8  # base's last token, the added text, 7 more steps
@@ -204,7 +204,7 @@ def test_recurrent_snapshots_stay_bounded_over_a_long_chain_of_calls(lfm):
     state = gen("a b c", max_tokens=2)
     for _ in range(MAX_SNAPSHOTS + 8):
         state = gen(state, max_tokens=2)
-    seq = state._kv.views[0]._seq
+    seq = state._kv.views[0].seq
     assert len(seq.snaps) <= MAX_SNAPSHOTS
     assert gen(state, max_tokens=3)._ids.shape[1] == state._ids.shape[1] + 3
 

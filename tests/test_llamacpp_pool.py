@@ -178,7 +178,7 @@ def test_a_dropped_state_gives_its_cells_back_while_an_earlier_state_of_its_line
     gc.collect()
     pool = model.pool
     with model.llama.lock:
-        pool._collect()
+        pool.collect()
         cells.flush(pool)  # (the invariant mode keeps released cells until room is needed: count them freed)
         assert cells.used(pool) == sum(len(row_ids(held, r)) - 1 for r in range(2))  # (the last token: uncached)
     out = text(a, max_tokens=2)
@@ -223,7 +223,7 @@ def test_a_step_keeps_the_forks_it_made_resident_while_a_token_tree_makes_room()
 
 
 def _resident(state) -> bool:
-    return state._kv.views[0]._seq.id is not None
+    return state._kv.views[0].seq.id is not None
 
 
 def test_idle_states_past_the_budget_are_spilled_oldest_first_and_continue_as_llama_cpp_evaluates():

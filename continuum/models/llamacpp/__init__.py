@@ -10,7 +10,7 @@ Modules, one job each:
   outlines-core ``Vocabulary``, the llguidance tokenizer).
 * ``sequences.py``: :class:`SequencePool` and :class:`KVView`, a state's KV as an immutable view on a refcounted
   llama.cpp sequence (forks and slices share cells, release frees, spilling to bytes when ids run out,
-  the sliding-window check).
+  the sliding-window check); ``seq.py``: :class:`~.seq.Seq`, the record of one sequence its views share.
 * ``decode.py``: :func:`decode`, many rows' new tokens in one ``llama_decode`` (:class:`DecodeRow`,
   :class:`DecodeResult`).
 * ``gather.py``: the engine's requests as decode rows, and each request's result gathered from the decode (a

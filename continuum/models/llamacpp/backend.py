@@ -96,7 +96,7 @@ class LlamaCpp:
             self.prefix_cache = DonorCache(self, budget)
         self.tokens_computed = 0
         self.forward_calls = 0
-        self._count_lock = threading.Lock()
+        self.count_lock = threading.Lock()  # for the counters above and the engine (tree.run_trees counts too)
         self.layer_devices: tuple[torch.device, ...] = ()
         self.kv_dtype = None
 
@@ -164,7 +164,7 @@ class LlamaCpp:
         if engine is None:
             from ...loop.engine import Engine
 
-            with self._count_lock:
+            with self.count_lock:
                 engine = self.__dict__.get("_engine") or Engine(self)
                 self.__dict__["_engine"] = engine
         return engine
@@ -222,7 +222,7 @@ class LlamaCpp:
             kv = r.result[1] if r.error is None and isinstance(r.result, tuple) else None
             views = kv.views if isinstance(kv, SeqKV) else [v for vs in kv.leaves for v in vs] \
                 if isinstance(kv, TreeKV) else []
-            self.pool.held.update(id(v._seq) for v in views if v._seq is not None)
+            self.pool.held.update(id(v.seq) for v in views if v.seq is not None)
 
     def stale_rows(self, kv: SeqKV | None) -> list[int]:
         """Rows of ``kv`` a decode could not extend (a sliding window's cells gone: :mod:`.window`); the loop
@@ -244,7 +244,7 @@ class LlamaCpp:
         for r in requests:
             for kv in (r.kv, r.result[1] if isinstance(r.result, tuple) else None):
                 if isinstance(kv, SeqKV):
-                    seqs.update(id(v._seq) for v in kv.views if v._seq is not None)
+                    seqs.update(id(v.seq) for v in kv.views if v.seq is not None)
         self.pool.held = seqs
 
     def _run(self, requests: list[Request], stats: dict | None = None) -> None:
@@ -282,7 +282,7 @@ class LlamaCpp:
             self._fall_back(planned, plans, exc, stats)
             return
         computed = sum(len(row.tokens) for row in rows)
-        with self._count_lock:
+        with self.count_lock:
             self.tokens_computed += computed
             self.forward_calls += 1
         fill_results(planned, plans, out, SeqKV, self.vocab_size)

@@ -7,17 +7,18 @@ from __future__ import annotations
 from ..capacity import Capacity
 from ..request import Request
 from . import cells
-from .sequences import SequencePool, _Seq
+from .seq import Seq
+from .sequences import SequencePool
 
 __all__ = ["capacity", "step_need", "request_seqs"]
 
 
-def request_seqs(requests: list[Request]) -> dict[int, _Seq]:
+def request_seqs(requests: list[Request]) -> dict[int, Seq]:
     """The sequences the requests' KV views are on (by identity)."""
-    out: dict[int, _Seq] = {}
+    out: dict[int, Seq] = {}
     for r in requests:
         for v in getattr(r.kv, "views", None) or ():
-            seq = getattr(v, "_seq", None)
+            seq = getattr(v, "seq", None)
             if seq is not None:
                 out[id(seq)] = seq
     return out
@@ -26,9 +27,9 @@ def request_seqs(requests: list[Request]) -> dict[int, _Seq]:
 def capacity(pool: SequencePool, requests: list[Request]) -> Capacity:
     """The pool's cells and ids, ``requests``' sequences counted as held (the running calls' KV: never spilled)."""
     with pool.model.lock:
-        pool._collect()
+        pool.collect()
         held = [s for s in request_seqs(requests).values() if s.id is not None]
-        return Capacity(total=cells.total(pool), used=cells.used(pool), held=cells._count(held),
+        return Capacity(total=cells.total(pool), used=cells.used(pool), held=cells.count(held),
                         ids_total=pool.n_ids, ids_held=len(held))
 
 

@@ -39,10 +39,10 @@ from . import seqbytes
 from ._lib import lib
 
 SequencePool: TypeAlias = Any  # (sequences.py imports this module: a typing import back would be a circle)
-_Seq: TypeAlias = Any
+Seq: TypeAlias = Any
 
-__all__ = ["forked", "cut", "fresh", "segments", "used", "total", "free", "flush", "make_room", "spill_cost",
-           "spill_every_idle", "trim_idle", "IDLE_CELLS"]
+__all__ = ["forked", "cut", "count", "fresh", "segments", "used", "total", "free", "flush", "make_room",
+           "spill_cost", "spill_every_idle", "trim_idle", "IDLE_CELLS"]
 
 # The idle cells a pool keeps resident beside the running ones' (at least): see trim_idle.
 IDLE_CELLS = 256
@@ -50,12 +50,12 @@ IDLE_CELLS = 256
 _KEYS = itertools.count(1)
 
 
-def fresh(seq: _Seq, own_lo: int = 0) -> None:
+def fresh(seq: Seq, own_lo: int = 0) -> None:
     """``seq`` writes its own cells from position ``own_lo`` (a new sequence, a restore, a load)."""
     seq.key, seq.own_lo, seq.inherit = next(_KEYS), own_lo, ()
 
 
-def segments(seq: _Seq) -> list[tuple[int, int, int]]:
+def segments(seq: Seq) -> list[tuple[int, int, int]]:
     """``(origin, lo, hi)`` for every run of cells ``seq`` holds (empty runs left out)."""
     out = [(o, lo, min(hi, seq.extent)) for o, lo, hi in seq.inherit if lo < min(hi, seq.extent)]
     if seq.extent > seq.own_lo:
@@ -63,13 +63,13 @@ def segments(seq: _Seq) -> list[tuple[int, int, int]]:
     return out
 
 
-def forked(src: _Seq, dst: _Seq, n: int) -> None:
+def forked(src: Seq, dst: Seq, n: int) -> None:
     """After ``seq_cp(src, dst, 0, n)``: ``dst`` shares ``src``'s cells below ``n`` and writes its own from ``n``."""
     dst.key, dst.own_lo = next(_KEYS), n
     dst.inherit = tuple((o, lo, min(hi, n)) for o, lo, hi in segments(src) if lo < n)
 
 
-def cut(seq: _Seq, n: int) -> None:
+def cut(seq: Seq, n: int) -> None:
     """Before ``seq`` is cut back to ``n`` positions (``seq_rm(seq, n, -1)``): cells it writes from ``n`` on are new
     cells, not the ones its forks may still share, so they get a new key."""
     if n >= seq.extent:
@@ -80,7 +80,8 @@ def cut(seq: _Seq, n: int) -> None:
     seq.inherit, seq.key, seq.own_lo = kept, next(_KEYS), n
 
 
-def _count(seqs: Iterable[_Seq]) -> int:
+def count(seqs: Iterable[Seq]) -> int:
+    """Cells ``seqs`` hold together, a shared cell once (per origin: the highest end of its segments less its start)."""
     top: dict[int, tuple[int, int]] = {}
     for s in seqs:
         for o, lo, hi in segments(s):
@@ -91,7 +92,7 @@ def _count(seqs: Iterable[_Seq]) -> int:
 
 def used(pool: SequencePool) -> int:
     """Cells the resident sequences hold (shared cells once), and those kept for the invariant mode (``zombie``)."""
-    return _count(pool._resident.values()) + pool.zombie_cells
+    return count(pool.resident.values()) + pool.zombie_cells
 
 
 def total(pool: SequencePool) -> int:
@@ -105,12 +106,12 @@ def free(pool: SequencePool) -> int:
     return max(0, total(pool) - used(pool))
 
 
-def spill_cost(seq: _Seq) -> int:
+def spill_cost(seq: Seq) -> int:
     """Cells a spilled sequence takes when it is restored: all of its positions (host bytes go into fresh cells)."""
     return seq.extent
 
 
-def _families(seqs: list[_Seq]) -> list[list[_Seq]]:
+def _families(seqs: list[Seq]) -> list[list[Seq]]:
     """Groups of sequences that share cells (a common origin), each group as one unit."""
     parent = list(range(len(seqs)))
 
@@ -125,7 +126,7 @@ def _families(seqs: list[_Seq]) -> list[list[_Seq]]:
         for o, _, _ in segments(s):
             j = first.setdefault(o, i)
             parent[root(i)] = root(j)
-    groups: dict[int, list[_Seq]] = {}
+    groups: dict[int, list[Seq]] = {}
     for i, s in enumerate(seqs):
         groups.setdefault(root(i), []).append(s)
     return list(groups.values())
@@ -143,7 +144,7 @@ def flush(pool: SequencePool) -> None:
     pool.repacks += 1
 
 
-def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = (), spare: Iterable[_Seq] = ()) -> bool:
+def make_room(pool: SequencePool, cells: int, pinned: Iterable[Seq] = (), spare: Iterable[Seq] = ()) -> bool:
     """Spill idle sequences (least recently used family first) until ``cells`` cells are free; False if even every
     idle family spilled would not free them (then nothing is spilled: the caller parks or fails). ``spare``: the
     sequences the operation forked from and no longer needs (their cells it reads live on in its forks), spillable
@@ -170,21 +171,21 @@ def make_room(pool: SequencePool, cells: int, pinned: Iterable[_Seq] = (), spare
     return True
 
 
-def trim_idle(pool: SequencePool, pinned: Iterable[_Seq] = ()) -> int:
+def trim_idle(pool: SequencePool, pinned: Iterable[Seq] = ()) -> int:
     """Spill the least recently used idle families (not the most recent one) while the idle sequences hold more
     cells than ``max(pool.idle_cells, the cells of the others)``: attention cost stays within about twice what the
     running sequences need (module docstring). Off with ``idle_cells=None`` and in the batch-invariant mode (its pool
     is packed as it is). Returns the sequences spilled."""
     cap = pool.idle_cells
-    if cap is None or pool.zombie is not None or pool.scratch is not None or len(pool._resident) < 2:
+    if cap is None or pool.zombie is not None or pool.scratch is not None or len(pool.resident) < 2:
         return 0
-    everyone = list(pool._resident.values())
-    held = _count(everyone)
+    everyone = list(pool.resident.values())
+    held = count(everyone)
     if held <= cap:  # (the cheap check first: every cell counted once)
         return 0
     idle = pool.idle(pinned)
     ids = set(map(id, idle))
-    busy = _count(s for s in everyone if id(s) not in ids)
+    busy = count(s for s in everyone if id(s) not in ids)
     limit = max(cap, busy)
     if held - busy <= limit:
         return 0
@@ -192,24 +193,24 @@ def trim_idle(pool: SequencePool, pinned: Iterable[_Seq] = ()) -> int:
     return _spill(pool, chosen or [])
 
 
-def _by_age(seqs: list[_Seq]) -> list[list[_Seq]]:
+def _by_age(seqs: list[Seq]) -> list[list[Seq]]:
     """The families of ``seqs`` (:func:`_families`), least recently used first."""
     return sorted(_families(seqs), key=lambda fam: max(s.last_use for s in fam))
 
 
-def _plan(pool: SequencePool, families: list[list[_Seq]], enough: Callable[[int], bool],
-          partial: bool = False) -> list[list[_Seq]] | None:
+def _plan(pool: SequencePool, families: list[list[Seq]], enough: Callable[[int], bool],
+          partial: bool = False) -> list[list[Seq]] | None:
     """The families to spill, in order, until ``enough(cells the resident sequences would still hold)``; a family
     whose cells live on in a kept sequence frees nothing and stays resident. Planned before anything is spilled
     (a spill copies every cell): None when even all of them would not be enough, unless ``partial`` (then what
     frees the most)."""
-    resident = list(pool._resident.values())
+    resident = list(pool.resident.values())
     gone: set[int] = set()
-    chosen: list[list[_Seq]] = []
-    held = _count(resident)
+    chosen: list[list[Seq]] = []
+    held = count(resident)
     for fam in families:
         members = set(map(id, fam))
-        after = _count(s for s in resident if id(s) not in gone and id(s) not in members)
+        after = count(s for s in resident if id(s) not in gone and id(s) not in members)
         if after < held:
             chosen.append(fam)
             gone |= members
@@ -219,23 +220,23 @@ def _plan(pool: SequencePool, families: list[list[_Seq]], enough: Callable[[int]
     return chosen if partial else None
 
 
-def _spill(pool: SequencePool, families: list[list[_Seq]]) -> int:
+def _spill(pool: SequencePool, families: list[list[Seq]]) -> int:
     """Spill every resident sequence of ``families``; returns how many."""
     spilled = 0
     for fam in families:
         for s in fam:
             if s.id is not None:
-                pool._spill(s)
+                pool.spill(s)
                 spilled += 1
     return spilled
 
 
-def spill_every_idle(pool: SequencePool, pinned: Iterable[_Seq]) -> bool:
+def spill_every_idle(pool: SequencePool, pinned: Iterable[Seq]) -> bool:
     """The exception path, when llama.cpp found no cell although the count said there was room (fragmentation):
     spill every idle sequence outside ``pinned``; False if there was none."""
     idle = pool.idle(pinned)
     for s in idle:
-        pool._spill(s)
+        pool.spill(s)
     kept = pool.zombie_cells
     flush(pool)
     return bool(idle) or bool(kept)

@@ -31,7 +31,8 @@ import numpy as np
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
 from . import cells, recurrent, window
 from ._lib import lib, mark_decoded
-from .sequences import KVView, SequencePool, _Seq
+from .seq import Seq
+from .sequences import KVView, SequencePool
 
 __all__ = ["DecodeRow", "DecodeResult", "decode"]
 
@@ -95,11 +96,9 @@ class _BatchBuffers:
 
 
 def _buffers(pool: SequencePool) -> _BatchBuffers:
-    buf = getattr(pool, "_batch_buffers", None)
-    if buf is None:
-        buf = _BatchBuffers(pool.model.n_batch)
-        pool._batch_buffers = buf  # type: ignore[attr-defined]
-    return buf
+    if pool.batch_buffers is None:
+        pool.batch_buffers = _BatchBuffers(pool.model.n_batch)
+    return pool.batch_buffers
 
 
 def _wanted(row: DecodeRow, i: int) -> np.ndarray:
@@ -134,7 +133,7 @@ def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
     n_vocab = model.n_vocab
     toks, flags = [], []
     for i, row in enumerate(rows):
-        pool._check(row.view)
+        pool.check(row.view)
         t = np.asarray(list(row.tokens), dtype=np.int64)
         if t.size and (t.min() < 0 or t.max() >= n_vocab):
             raise GeneratorArgumentError(f"row {i}: token ids must be in [0, {n_vocab}), got {t.min()}..{t.max()}")
@@ -146,13 +145,13 @@ def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
     counts = [int(f.sum()) for f in flags]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
     with model.lock:
-        pool._collect()
+        pool.collect()
         targets, forks = _plan(pool, rows)
         try:
             logits = _run(pool, rows, targets, toks, flags, offsets[-1])
         except BaseException:
             for fork in forks:
-                _discard(pool, fork)
+                discard(pool, fork)
             raise
         views = []
         for row, target, new in zip(rows, targets, toks):
@@ -164,32 +163,32 @@ def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
         return DecodeResult(views, logits, offsets)
 
 
-def _discard(pool: SequencePool, seq: _Seq) -> None:
+def discard(pool: SequencePool, seq: Seq) -> None:
     """Free a sequence no view holds (a fork made for a decode that failed)."""
     if seq.id is not None and not seq.holders:
-        pool._release_id(seq.id)
+        pool.release_id(seq.id)
         seq.id = None
 
 
-def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | None], list[_Seq]]:
+def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[Seq | None], list[Seq]]:
     """The sequence each row decodes into: its own (in place) when no live view of it is longer and no earlier
     row took it, else a fork. Raises StaleWindowError (after undoing the forks) for rows missing window cells."""
-    pinned: list[_Seq] = [r.view._seq for r in rows if r.view._seq is not None]
-    targets: list[_Seq | None] = []
-    forks: list[_Seq] = []
+    pinned: list[Seq] = [r.view.seq for r in rows if r.view.seq is not None]
+    targets: list[Seq | None] = []
+    forks: list[Seq] = []
     claimed: set[int] = set()
     stale: list[int] = []
     try:
         for i, row in enumerate(rows):
-            view, src = row.view, row.view._seq
+            view, src = row.view, row.view.seq
             if not len(row.tokens):
                 targets.append(None)
                 continue
             if src is None:
-                seq = pool._new_seq(pinned)
+                seq = pool.new_seq(pinned)
                 forks.append(seq)
             else:
-                pool._ensure_resident(src, pinned)
+                pool.ensure_resident(src, pinned)
                 if not window.fits(pool, src.id, view.n_tokens):  # type: ignore[arg-type]
                     stale.append(i)
                     targets.append(None)
@@ -199,7 +198,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
                         window.cut_tail(pool, src, view.n_tokens)
                     seq = src
                 else:
-                    seq = pool._new_seq(pinned)
+                    seq = pool.new_seq(pinned)
                     forks.append(seq)
                     pool.share(src, seq, view.n_tokens)
             claimed.add(id(seq))
@@ -207,29 +206,29 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[_Seq | No
             targets.append(seq)
     except BaseException:
         for seq in forks:
-            _discard(pool, seq)
+            discard(pool, seq)
         raise
     if stale:
         for seq in forks:
-            _discard(pool, seq)
+            discard(pool, seq)
         raise StaleWindowError(
             f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
             f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=stale)
     return targets, forks
 
 
-def _needed(rows: Sequence[DecodeRow], targets: list[_Seq | None]) -> tuple[list[_Seq], list[_Seq]]:
+def _needed(rows: Sequence[DecodeRow], targets: list[Seq | None]) -> tuple[list[Seq], list[Seq]]:
     """The sequences a decode needs resident (its targets, and the views of rows it does not extend), and those it
     only forked from (``spare``): the fork reads their cells, so the rest of them may be spilled to make room (a
     cut of a state that fills the pool needs only its prefix and its new tokens' cells)."""
     pinned = [t for t in targets if t is not None]
-    pinned += [r.view._seq for r, t in zip(rows, targets) if t is None and r.view._seq is not None]
+    pinned += [r.view.seq for r, t in zip(rows, targets) if t is None and r.view.seq is not None]
     keep = {id(s) for s in pinned}
-    spare = [r.view._seq for r in rows if r.view._seq is not None and id(r.view._seq) not in keep]
+    spare = [r.view.seq for r in rows if r.view.seq is not None and id(r.view.seq) not in keep]
     return pinned, spare
 
 
-def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[_Seq | None], toks: list[np.ndarray],
+def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None], toks: list[np.ndarray],
          flags: list[np.ndarray], n_out: int) -> np.ndarray:
     """Fill and decode the batch in chunks; on failure remove what was added (retrying once after spilling idle
     sequences when llama.cpp found no free cell)."""

@@ -76,11 +76,11 @@ class LlamaCppFingerprint:
 
 def fingerprint_of(model: LlamaCppModel) -> LlamaCppFingerprint:
     """The fingerprint of ``model``'s KV blobs (computed once per model)."""
-    fp = getattr(model, "_kv_fingerprint", None)
+    fp = model.kv_fingerprint
     if fp is None:
         fp = LlamaCppFingerprint(gguf=gguf_hash(model.path), kv_type=model.kv_type, flash_attn=model.flash_attn,
                                  kv_unified=True, batch_invariant=model.batch_invariant, llama_cpp=version())
-        model._kv_fingerprint = fp  # type: ignore[attr-defined]
+        model.kv_fingerprint = fp
     return fp
 
 

@@ -124,6 +124,8 @@ class LlamaCppModel:
         self.path = check_gguf(path)
         flash_attn = _check_options(n_ctx, n_threads, n_seq_max, n_batch, n_ubatch, flash_attn, kv_type)
         self.lock = threading.RLock()
+        self.pool_ref: Any = None  # a weak reference to its one SequencePool (sequences.SequencePool.of)
+        self.kv_fingerprint: Any = None  # what its KV blobs are valid for (fingerprint.fingerprint_of, computed once)
         self.flash_attn, self.kv_type, self.batch_invariant = bool(flash_attn), kv_type, bool(batch_invariant)
         self.n_threads = n_threads or _cores()
         self._pin_kernels()

@@ -48,7 +48,7 @@ def save_kv(model: Any, kv: SeqKV) -> tuple[dict[str, torch.Tensor], dict[str, A
     keys: list[Any] = []
     longest: dict[Any, KVView] = {}
     for v in kv.views:
-        seq = getattr(v, "_seq", None)
+        seq = getattr(v, "seq", None)
         key = None if seq is None or v.n_tokens == 0 else ((id(seq), v.n_tokens) if window else id(seq))
         keys.append(key)
         if key is not None and (key not in longest or v.n_tokens > longest[key].n_tokens):

@@ -5,7 +5,7 @@ A llama.cpp sequence of a hybrid model holds attention cells (one per position, 
 ``seq_rm``) and ONE recurrent summary, the state after its last position (llama.cpp refuses to cut it back:
 "partial removal" of a recurrent memory fails). A view ``(sequence, n)`` of :mod:`.sequences` is therefore usable
 for decoding only where the summary can be had at ``n``: the sequence ends there (``extent == n``), or a
-**snapshot** was kept at ``n`` (``_Seq.snaps[n]``: the recurrent part alone, ``llama_state_seq_get_data_ext`` with
+**snapshot** was kept at ``n`` (``Seq.snaps[n]``: the recurrent part alone, ``llama_state_seq_get_data_ext`` with
 ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``, a few KB to a few MB per row).
 
 Policy (bounded, documented in docs/hybrid.md):
@@ -21,7 +21,7 @@ Policy (bounded, documented in docs/hybrid.md):
 
 Example:
     >>> kv = gen("Once upon a time", max_tokens=8)._kv          # a SeqKV on an LFM2 GGUF   # doctest: +SKIP
-    >>> kv.views[0]._seq.snaps                                  # none yet: the sequence ends there   # doctest: +SKIP
+    >>> kv.views[0].seq.snaps                                   # none yet: the sequence ends there   # doctest: +SKIP
     {}
 """
 
@@ -35,9 +35,9 @@ from ...errors import BackendError
 from . import cells
 from ._lib import lib
 
-# (the pool, its sequences and views are sequences.py's SequencePool, _Seq and KVView, typed Any here: sequences.py
-SequencePool: TypeAlias = Any  # imports this module, and a typing import back would be a circle)
-_Seq: TypeAlias = Any
+# (the pool, its sequences and views are sequences.py's SequencePool, seq.py's Seq and KVView, typed Any here:
+SequencePool: TypeAlias = Any  # sequences.py imports this module, and a typing import back would be a circle)
+Seq: TypeAlias = Any
 KVView: TypeAlias = Any
 
 __all__ = ["snapshot", "keep_end", "keep_ends", "forked", "usable", "restore_at", "rewind", "undo"]
@@ -59,7 +59,7 @@ def snapshot(pool: SequencePool, seq_id: int) -> bytes:
 MAX_SNAPSHOTS = 32  # per sequence, as transformers' HybridKV keeps (a long chat of many calls must not grow unbounded)
 
 
-def keep_end(pool: SequencePool, seq: _Seq) -> None:
+def keep_end(pool: SequencePool, seq: Seq) -> None:
     """Snapshot ``seq`` at its end unless one is kept there (before it is extended or cut in place); at most
     ``MAX_SNAPSHOTS`` are kept, the oldest dropped first, except where a live view ends (a state the user holds
     must stay continuable without a recompute)."""
@@ -78,14 +78,14 @@ def keep_end(pool: SequencePool, seq: _Seq) -> None:
 def keep_ends(pool: SequencePool, views: Iterable[KVView]) -> None:
     """Snapshot the summary of each view's sequence that ends where the view does (a call's result: ``settle``)."""
     with pool.model.lock:
-        pool._collect()
+        pool.collect()
         for v in views:
-            seq = v._seq
+            seq = v.seq
             if seq is not None and seq.id is not None and v.n_tokens == seq.extent:
                 keep_end(pool, seq)
 
 
-def forked(pool: SequencePool, src: _Seq, dst: _Seq, n: int) -> None:
+def forked(pool: SequencePool, src: Seq, dst: Seq, n: int) -> None:
     """After ``seq_cp(src, dst, 0, n)``: ``dst``'s summary put at ``n`` and the snapshots before it shared (one is
     taken at ``n`` when ``src`` ends there: a fork's rows, samples or options, can then be cut back to it)."""
     if n == src.extent:
@@ -94,7 +94,7 @@ def forked(pool: SequencePool, src: _Seq, dst: _Seq, n: int) -> None:
     dst.snaps = {p: b for p, b in src.snaps.items() if p <= n}
 
 
-def usable(seq: _Seq | None, n: int) -> int:
+def usable(seq: Seq | None, n: int) -> int:
     """The longest prefix ``<= n`` of ``seq`` whose recurrent summary can be had: ``n`` at the sequence's end or at
     a snapshot, else the nearest snapshot before it (0: none, recompute from the start)."""
     if seq is None or n == 0 or n == seq.extent or n in seq.snaps:
@@ -102,7 +102,7 @@ def usable(seq: _Seq | None, n: int) -> int:
     return max((p for p in seq.snaps if p <= n), default=0)
 
 
-def restore_at(pool: SequencePool, src: _Seq, dst_id: int, n: int) -> None:
+def restore_at(pool: SequencePool, src: Seq, dst_id: int, n: int) -> None:
     """Put ``src``'s recurrent summary at ``n`` into sequence ``dst_id`` (a fork's, after ``seq_cp`` copied the
     attention cells and ``src``'s latest summary): nothing to do when ``src`` ends at ``n``."""
     if n == src.extent:
@@ -123,7 +123,7 @@ def _set(pool: SequencePool, seq_id: int, blob: bytes) -> bool:
     return ok
 
 
-def rewind(pool: SequencePool, seq: _Seq, n: int) -> None:
+def rewind(pool: SequencePool, seq: Seq, n: int) -> None:
     """Cut ``seq`` back to its first ``n`` positions: the snapshot at ``n`` restored (llama.cpp cannot cut a
     recurrent summary), then the attention cells past ``n`` removed."""
     assert seq.id is not None
@@ -136,7 +136,7 @@ def rewind(pool: SequencePool, seq: _Seq, n: int) -> None:
         del seq.snaps[p]
 
 
-def undo(pool: SequencePool, seq: _Seq, n: int) -> None:
+def undo(pool: SequencePool, seq: Seq, n: int) -> None:
     """After a failed decode that llama.cpp did not undo (an abort mid-batch): ``seq`` back to ``n`` positions from
     its snapshot there; without one its cells are all removed, so a view on it fails loudly (positions no longer
     continue) instead of decoding against a summary that moved on."""

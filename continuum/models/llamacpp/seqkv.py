@@ -46,7 +46,7 @@ class SeqKV:
             return None
         if columns >= self.length():
             return self
-        out = self._cut(self.cols[:, :columns])
+        out = self.cut(self.cols[:, :columns])
         return out if out.length() else None  # (a hybrid's rows with no usable summary: recompute from the start)
 
     def keep(self, mask: torch.Tensor) -> SeqKV:
@@ -65,9 +65,9 @@ class SeqKV:
             return self
         width = self.cols.shape[1]
         first = torch.where(differ.any(1), differ.long().argmax(1), width)  # each row's first differing column
-        return self._cut(self.cols & (torch.arange(width)[None, :] < first[:, None]))
+        return self.cut(self.cols & (torch.arange(width)[None, :] < first[:, None]))
 
-    def _cut(self, cols: torch.Tensor) -> SeqKV:
+    def cut(self, cols: torch.Tensor) -> SeqKV:
         """The KV of ``cols`` (each row's real columns a prefix of its own): each view shortened to its row's count.
         On a hybrid model, cut further back (every row) to where each row's recurrent summary can be had
         (:func:`.recurrent.usable`): the state recomputes the columns after it."""
@@ -106,11 +106,11 @@ class SeqKV:
         per_token = getattr(self.views[0].pool, "kv_bytes_per_token", 0) if self.views else 0
         longest: dict[int, int] = {}
         for v in self.views:
-            s = getattr(v, "_seq", None)
+            s = getattr(v, "seq", None)
             if s is not None and id(s) not in seen:
                 longest[id(s)] = max(longest.get(id(s), 0), v.n_tokens)
         seen.update(longest)
-        seqs = {id(v._seq): v._seq for v in self.views if v._seq is not None and id(v._seq) in longest}
+        seqs = {id(v.seq): v.seq for v in self.views if v.seq is not None and id(v.seq) in longest}
         snaps = sum(len(b) for q in seqs.values() for b in q.snaps.values())  # (a hybrid's recurrent snapshots)
         return per_token * sum(longest.values()) + snaps
 
@@ -132,7 +132,7 @@ def _recurrent_cut(views: list[KVView], cols: torch.Tensor) -> torch.Tensor:
     position where its recurrent summary can be had (its sequence's end or a snapshot)."""
     while cols.shape[1]:
         counts = cols.sum(1).tolist()
-        use = [recurrent.usable(v._seq, int(n)) for v, n in zip(views, counts)]
+        use = [recurrent.usable(v.seq, int(n)) for v, n in zip(views, counts)]
         if use == counts:
             break
         ranks = cols.long().cumsum(1)  # the column holding each row's u-th real token, plus one (0 for u = 0)

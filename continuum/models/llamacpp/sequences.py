@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,29 +37,9 @@ from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, S
 from . import cells, recurrent, seqbytes, window
 from ._lib import lib
 from .model import LlamaCppModel
+from .seq import Seq
 
 __all__ = ["SequencePool", "KVView"]
-
-
-class _Seq:
-    """One llama.cpp sequence's content, shared by the views that hold it: resident under an id, or spilled."""
-
-    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps", "key", "own_lo", "inherit")
-
-    def __init__(self, pool: SequencePool, seq_id: int | None):
-        self.pool, self.id = pool, seq_id
-        self.extent = 0  # positions 0..extent-1 are in the sequence (its pos_max + 1)
-        self.holders: Counter[int] = Counter()  # live views by length
-        self.blob: bytes | None = None  # the spilled sequence's bytes when id is None
-        self.last_use = 0
-        self.snaps: dict[int, bytes] = {}  # a hybrid model's recurrent summaries at earlier positions (recurrent.py)
-        self.key, self.own_lo = 0, 0  # where its cells came from (cells.py: shared cells once)
-        self.inherit: tuple[tuple[int, int, int], ...] = ()
-        cells.fresh(self)
-
-    @property
-    def longest(self) -> int:
-        return max(self.holders) if self.holders else 0
 
 
 class KVView:
@@ -67,13 +47,14 @@ class KVView:
 
     Attributes:
         pool: the :class:`SequencePool` (hence the model) the cells belong to.
+        seq: the :class:`~.seq.Seq` it is a view of (None: no cells), shared with the other views of it.
         n_tokens: the number of positions the view sees.
     """
 
-    __slots__ = ("pool", "_seq", "n_tokens", "_finalizer", "__weakref__")
+    __slots__ = ("pool", "seq", "n_tokens", "_finalizer", "__weakref__")
 
-    def __init__(self, pool: SequencePool, seq: _Seq | None, n_tokens: int):
-        self.pool, self._seq, self.n_tokens = pool, seq, n_tokens
+    def __init__(self, pool: SequencePool, seq: Seq | None, n_tokens: int):
+        self.pool, self.seq, self.n_tokens = pool, seq, n_tokens
         if seq is not None:
             seq.holders[n_tokens] += 1
             self._finalizer: Any = weakref.finalize(self, pool._dropped.append, (seq, n_tokens))
@@ -81,7 +62,7 @@ class KVView:
             self._finalizer = None
 
     def __repr__(self) -> str:
-        where = "empty" if self._seq is None else ("spilled" if self._seq.id is None else f"seq {self._seq.id}")
+        where = "empty" if self.seq is None else ("spilled" if self.seq.id is None else f"seq {self.seq.id}")
         return f"KVView({where}, n_tokens={self.n_tokens})"
 
     def __len__(self) -> int:
@@ -90,7 +71,7 @@ class KVView:
     @property
     def seq_id(self) -> int | None:
         """The llama.cpp sequence id now holding the cells (None: empty, spilled, or released)."""
-        return None if self._seq is None else self._seq.id
+        return None if self.seq is None else self.seq.id
 
     @property
     def released(self) -> bool:
@@ -114,11 +95,11 @@ class SequencePool:
     """The sequence ids of one model's context, the views on them, and spilling when ids run out."""
 
     def __init__(self, model: LlamaCppModel):
-        owner = getattr(model, "_pool", None)
+        owner = model.pool_ref
         if owner is not None and owner() is not None:
             raise BackendError("a llama.cpp model has one SequencePool (its sequence ids and cells): use model's own, "
                                "SequencePool.of(model)")
-        model._pool = weakref.ref(self)  # type: ignore[attr-defined]
+        model.pool_ref = weakref.ref(self)
         self.model = model
         # the batch-invariant mode keeps the last id for the scratch row that pads a one-token decode (decode.py)
         self.scratch: int | None = model.n_seq_max - 1 if model.batch_invariant else None
@@ -133,9 +114,10 @@ class SequencePool:
             raise BackendError("the batch-invariant mode needs n_seq_max >= 3 (one id pads one-token decodes, one keeps "
                                "released cells)")
         self._free: list[int] = list(range(self.n_ids - 1, -1, -1))  # pop() hands out 0 first
-        self._resident: dict[int, _Seq] = {}
-        self._dropped: deque[tuple[_Seq, int]] = deque()  # filled by view finalizers, applied under the lock
+        self.resident: dict[int, Seq] = {}  # the resident sequences by id (others read it; the pool writes it)
+        self._dropped: deque[tuple[Seq, int]] = deque()  # filled by view finalizers, applied under the lock
         self._clock = itertools.count(1)
+        self.batch_buffers: Any = None  # decode.py's llama_batch arrays (made by its first decode, then reused)
         self.spills = self.restores = self.repacks = 0  # counters, for tests and benchmarks
         self.snapshots = self.restores_recurrent = 0  # a hybrid model's recurrent snapshots taken and restored
         with model.lock:
@@ -145,15 +127,15 @@ class SequencePool:
     def of(cls, model: LlamaCppModel) -> SequencePool:
         """The model's pool (made on first use)."""
         with model.lock:
-            owner = getattr(model, "_pool", None)
+            owner = model.pool_ref
             pool = owner() if owner is not None else None
             return pool if pool is not None else cls(model)
 
     # -- bookkeeping ----------------------------------------------------------------------------
-    def _collect(self) -> None:
+    def collect(self) -> None:
         """Apply the drops the finalizers queued; release sequences nobody holds, and cut the tail no live view
-        reaches any more off those still held."""
-        shrunk: dict[int, _Seq] = {}
+        reaches any more off those still held. Call under the model's lock before reading the pool's sequences."""
+        shrunk: dict[int, Seq] = {}
         while self._dropped:
             seq, n = self._dropped.popleft()
             seq.holders[n] -= 1
@@ -161,18 +143,18 @@ class SequencePool:
                 del seq.holders[n]
             if not seq.holders:
                 if seq.id is not None:
-                    self._release_id(seq.id)
+                    self.release_id(seq.id)
                     seq.id = None
                 seq.blob, seq.extent, seq.snaps = None, 0, {}
             elif n > seq.longest:
                 shrunk[id(seq)] = seq
         window.trim(self, shrunk.values())
 
-    def _release_id(self, seq_id: int) -> None:
+    def release_id(self, seq_id: int) -> None:
         """Sequence ``seq_id`` leaves the pool (released or spilled): its cells dropped (kept, in the invariant mode,
-        counted as such), its id free again."""
+        counted as such), its id free again. Under the model's lock; the caller sets its ``Seq.id`` to None."""
         before = cells.used(self)
-        self._resident.pop(seq_id, None)
+        self.resident.pop(seq_id, None)
         self.drop(seq_id)
         if self.zombie is not None:
             self.zombie_cells += before - cells.used(self)
@@ -188,68 +170,72 @@ class SequencePool:
             L.llama_memory_seq_cp(self.model.memory, seq_id, self.zombie, p0, p1)
         L.llama_memory_seq_rm(self.model.memory, seq_id, p0, p1)
 
-    def _touch(self, seq: _Seq) -> None:
+    def _touch(self, seq: Seq) -> None:
         seq.last_use = next(self._clock)
 
     @property
     def n_free(self) -> int:
         """Sequence ids free now (after releasing what nobody holds)."""
         with self.model.lock:
-            self._collect()
+            self.collect()
             return len(self._free)
 
     @property
     def n_resident(self) -> int:
         with self.model.lock:
-            self._collect()
-            return len(self._resident)
+            self.collect()
+            return len(self.resident)
 
-    def _acquire(self, pinned: Iterable[_Seq] = ()) -> int:
+    def _acquire(self, pinned: Iterable[Seq] = ()) -> int:
         """A free sequence id, spilling the least recently used sequence outside ``pinned`` if none is free."""
-        self._collect()
+        self.collect()
         if not self._free:
             idle = self.idle(pinned)
             if not idle:
                 raise SequencesExhaustedError(
                     f"all {self.n_ids} llama.cpp sequence ids are in use by the rows of this step: run fewer "
                     "rows at once (max_rows), or load the model with a larger n_seq_max (at most 256)")
-            self._spill(min(idle, key=lambda s: s.last_use))
+            self.spill(min(idle, key=lambda s: s.last_use))
         seq_id = self._free.pop()
         L = lib()
         L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
         return seq_id
 
-    def idle(self, pinned: Iterable[_Seq] = (), spare: Iterable[_Seq] = ()) -> list[_Seq]:
+    def idle(self, pinned: Iterable[Seq] = (), spare: Iterable[Seq] = ()) -> list[Seq]:
         """The resident sequences room can be made from: neither ``pinned`` (the operation's own) nor held by a
         running call, unless ``spare`` names it (a decode's fork source: the call reads its cells through the fork,
         so a cut of a state that fills the pool can continue once the rest of it is spilled)."""
         keep = {id(s) for s in pinned} | (self.held - {id(s) for s in spare})
-        return [s for s in self._resident.values() if id(s) not in keep]
+        return [s for s in self.resident.values() if id(s) not in keep]
 
     def _give_back(self, seq_id: int) -> None:
         """Return an id taken by :meth:`_acquire` that no sequence holds (a failed load): its cells cleared."""
         lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)
         self._free.append(seq_id)
 
-    def _new_seq(self, pinned: Iterable[_Seq] = ()) -> _Seq:
-        seq = _Seq(self, self._acquire(pinned))
-        self._resident[seq.id] = seq  # type: ignore[index]
+    def new_seq(self, pinned: Iterable[Seq] = ()) -> Seq:
+        """A new, empty resident sequence (spilling the least recently used idle one outside ``pinned`` when no id is
+        free). Under the model's lock; no view holds it yet: :meth:`release_id` it if none will."""
+        seq = Seq(self, self._acquire(pinned))
+        self.resident[seq.id] = seq  # type: ignore[index]
         self._touch(seq)
         return seq
 
-    def _spill(self, seq: _Seq) -> None:
+    def spill(self, seq: Seq) -> None:
+        """Resident ``seq`` to host bytes (its ``blob``), its id and cells freed (:meth:`ensure_resident` restores it).
+        Under the model's lock."""
         assert seq.id is not None
         if self.model.n_swa > 0 and not self.model.hybrid and seq.extent > seq.longest:
             window.cut_tail(self, seq, seq.longest)  # (its bytes hold the window behind the end: see window.py)
         seq.blob = seqbytes.get(self.model, seq.id)
-        self._release_id(seq.id)
+        self.release_id(seq.id)
         seq.id = None
         self.spills += 1
 
-    def _ensure_resident(self, seq: _Seq, pinned: Iterable[_Seq] = ()) -> int:
+    def ensure_resident(self, seq: Seq, pinned: Iterable[Seq] = ()) -> int:
         """``seq``'s id, restoring a spilled sequence into a free one. If llama.cpp refuses the bytes (no room in
         the KV cache: cell pressure) the id goes back to the free list and ``seq`` stays spilled, its blob intact,
-        so it can be restored once there is room."""
+        so it can be restored once there is room. Under the model's lock."""
         if seq.id is None:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
@@ -270,7 +256,7 @@ class SequencePool:
                 raise
             seq.id, seq.blob = seq_id, None
             cells.fresh(seq)  # (fresh cells: its prefix is no longer shared with its family)
-            self._resident[seq_id] = seq
+            self.resident[seq_id] = seq
             self.restores += 1
         self._touch(seq)
         return seq.id
@@ -278,10 +264,10 @@ class SequencePool:
     def spill_idle(self) -> int:
         """Spill every resident sequence to host bytes now (ids and cells freed); returns how many."""
         with self.model.lock:
-            self._collect()
-            seqs = list(self._resident.values())
+            self.collect()
+            seqs = list(self.resident.values())
             for seq in seqs:
-                self._spill(seq)
+                self.spill(seq)
             return len(seqs)
 
     # -- views ------------------------------------------------------------------------------------
@@ -289,7 +275,8 @@ class SequencePool:
         """A view with no cells (a state before its first decode)."""
         return KVView(self, None, 0)
 
-    def _check(self, view: KVView) -> None:
+    def check(self, view: KVView) -> None:
+        """Raise :class:`~continuum.errors.BackendError` unless ``view`` is a live view of this pool."""
         if view.pool is not self:
             raise BackendError("a KV view of another llama.cpp model (or pool) was used here")
         if view.released:
@@ -297,31 +284,31 @@ class SequencePool:
 
     def slice(self, view: KVView, n: int) -> KVView:
         """The first ``n`` positions of ``view`` (the same sequence: no llama call)."""
-        self._check(view)
+        self.check(view)
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= view.n_tokens:
             raise SlicingError(f"a KV view of {view.n_tokens} tokens cannot be cut to {n!r}")
         with self.model.lock:
-            self._collect()
-            return KVView(self, view._seq if n else None, n)
+            self.collect()
+            return KVView(self, view.seq if n else None, n)
 
-    def fork(self, view: KVView, n: int | None = None, pinned: Iterable[_Seq] = ()) -> KVView:
+    def fork(self, view: KVView, n: int | None = None, pinned: Iterable[Seq] = ()) -> KVView:
         """A view of the first ``n`` (default all) positions of ``view`` on a new sequence, sharing its cells."""
-        self._check(view)
+        self.check(view)
         n = view.n_tokens if n is None else n
         if not 0 <= n <= view.n_tokens:
             raise SlicingError(f"a KV view of {view.n_tokens} tokens cannot be forked at {n}")
-        if n == 0 or view._seq is None:
+        if n == 0 or view.seq is None:
             return self.empty()
         with self.model.lock:
-            self._collect()
-            src = view._seq
-            self._ensure_resident(src, pinned)
-            dst = self._new_seq([src, *pinned])
+            self.collect()
+            src = view.seq
+            self.ensure_resident(src, pinned)
+            dst = self.new_seq([src, *pinned])
             view = KVView(self, dst, n)  # (held: a failed restore in share releases it)
             self.share(src, dst, n)
             return view
 
-    def share(self, src: _Seq, dst: _Seq, n: int) -> None:
+    def share(self, src: Seq, dst: Seq, n: int) -> None:
         """``dst`` (a new, empty sequence) holds ``src``'s first ``n`` positions: the cells shared (``seq_cp``, a bit
         per cell), counted once (``cells.forked``), and on a hybrid the recurrent summary at ``n`` restored (seq_cp
         copied ``src``'s latest). The one way a sequence is forked (views, decode's forks, token trees)."""
@@ -335,21 +322,21 @@ class SequencePool:
     def can_extend(self, view: KVView) -> bool:
         """True if tokens can be decoded after ``view`` against its own cells; False for a sliding-window state
         whose window cells were evicted (recompute it). Restores a spilled view."""
-        self._check(view)
-        if view._seq is None:
+        self.check(view)
+        if view.seq is None:
             return True
         with self.model.lock:
-            self._collect()
-            return window.fits(self, self._ensure_resident(view._seq), view.n_tokens)
+            self.collect()
+            return window.fits(self, self.ensure_resident(view.seq), view.n_tokens)
 
     def positions(self, view: KVView) -> tuple[int, int]:
         """``(seq_pos_min, seq_pos_max)`` of the view's sequence as llama.cpp reports them ((-1, -1): no cells)."""
-        self._check(view)
-        if view._seq is None:
+        self.check(view)
+        if view.seq is None:
             return (-1, -1)
         with self.model.lock:
-            self._collect()
-            seq_id, L = self._ensure_resident(view._seq), lib()
+            self.collect()
+            seq_id, L = self.ensure_resident(view.seq), lib()
             return int(L.llama_memory_seq_pos_min(self.model.memory, seq_id)), \
                 int(L.llama_memory_seq_pos_max(self.model.memory, seq_id))
 
@@ -358,23 +345,23 @@ class SequencePool:
         """llama.cpp's bytes of exactly the view's positions (``llama_state_seq_get_data``). Shared cells are
         written out; a sliding-window model writes only the window behind the end (the state can be extended
         after loading, not cut further back)."""
-        self._check(view)
-        if view._seq is None:
+        self.check(view)
+        if view.seq is None:
             return b""
         with self.model.lock:
-            self._collect()
-            seq = view._seq
+            self.collect()
+            seq = view.seq
             if seq.id is None and seq.extent == view.n_tokens and seq.blob is not None:
                 return seq.blob
-            self._ensure_resident(seq)
+            self.ensure_resident(seq)
             if seq.extent == view.n_tokens:
                 return seqbytes.get(self.model, seq.id)  # type: ignore[arg-type]
             tmp = self.fork(view, pinned=[seq])
             try:
-                return seqbytes.get(self.model, tmp._seq.id)  # type: ignore[union-attr, arg-type]
+                return seqbytes.get(self.model, tmp.seq.id)  # type: ignore[union-attr, arg-type]
             finally:
                 tmp.release()
-                self._collect()
+                self.collect()
 
     def from_bytes(self, blob: bytes, n_tokens: int) -> KVView:
         """A view on a new sequence loaded from :meth:`to_bytes` output of ``n_tokens`` positions.
@@ -384,7 +371,7 @@ class SequencePool:
         if n_tokens == 0:
             return self.empty()
         with self.model.lock:
-            self._collect()
+            self.collect()
             seq_id = self._acquire()
             try:
                 seqbytes.set_(self.model, seq_id, blob)
@@ -395,8 +382,8 @@ class SequencePool:
             if hi != n_tokens - 1:
                 self._give_back(seq_id)
                 raise BackendError(f"the sequence bytes hold positions up to {hi}, not the {n_tokens} tokens of the state")
-            seq = _Seq(self, seq_id)
+            seq = Seq(self, seq_id)
             seq.extent = n_tokens
-            self._resident[seq_id] = seq
+            self.resident[seq_id] = seq
             self._touch(seq)
             return KVView(self, seq, n_tokens)

@@ -38,9 +38,9 @@ def special_texts(tok: Any) -> dict[str, str]:
     for name, call in _SPECIALS.items():
         if call is None or not hasattr(L, call):
             continue
-        idx = int(getattr(L, call)(tok._vocab))
+        idx = int(getattr(L, call)(tok.model.vocab_ptr))
         if 0 <= idx < tok.n_vocab:
-            out[name] = tok._piece(idx, True).decode("utf-8", errors="replace")
+            out[name] = tok.piece(idx, True).decode("utf-8", errors="replace")
     return out
 
 

@@ -39,8 +39,9 @@ import torch
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
 from . import cells, window
 from ._lib import lib, mark_decoded
-from .decode import _discard
-from .sequences import KVView, SequencePool, _Seq
+from .decode import discard
+from .seq import Seq
+from .sequences import KVView, SequencePool
 
 if TYPE_CHECKING:
     from ..request import Request
@@ -116,7 +117,7 @@ def run_trees(backend: Any, requests: list[Request]) -> None:
     group: list[tuple[Request, list[_Row]]] = []
     used = 0
     for r, rows in plans:
-        need = sum(len(row.leaves) for row in rows) + len({id(row.view._seq) for row in rows if row.view._seq})
+        need = sum(len(row.leaves) for row in rows) + len({id(row.view.seq) for row in rows if row.view.seq})
         if group and used + need > pool.n_ids:
             _run_group(backend, group)
             group, used = [], 0
@@ -131,14 +132,14 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
     rows = [row for _, req_rows in group for row in req_rows]
     try:
         with model.lock:
-            pool._collect()
+            pool.collect()
             leaf_seqs = _fork_leaves(pool, rows)
             try:
                 logits, order = _decode(pool, rows, leaf_seqs)
             except BaseException:
                 for seqs in leaf_seqs:
                     for seq in seqs:
-                        _discard(pool, seq)
+                        discard(pool, seq)
                 raise
             views = []
             for row, seqs in zip(rows, leaf_seqs):
@@ -163,14 +164,14 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
         cols = r.kv.cols if r.kv is not None else torch.zeros((R, 0), dtype=torch.bool)
         r.result, r.error = (lg, TreeKV(req_rows, views[first:first + R], cols, T)), None
         first += R
-    with backend._count_lock:
+    with backend.count_lock:
         backend.tokens_computed += len(logits)
         backend.forward_calls += 1
 
 
-def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
+def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[Seq]]:
     """One new sequence per leaf of every row, holding the row's context cells (``seq_cp``: shared)."""
-    pinned: list[_Seq] = [row.view._seq for row in rows if row.view._seq is not None]
+    pinned: list[Seq] = [row.view.seq for row in rows if row.view.seq is not None]
     need = sum(len(row.leaves) for row in rows)
     if need + len({id(s) for s in pinned}) > pool.n_ids:
         raise SequencesExhaustedError(
@@ -179,36 +180,36 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[_Seq]]:
             "(e.g. slice the state's samples), fewer options, or use generate.choice(..., method='greedy')")
     stale = []
     for i, row in enumerate(rows):
-        src = row.view._seq
+        src = row.view.seq
         if src is not None:
-            pool._ensure_resident(src, pinned)
+            pool.ensure_resident(src, pinned)
             if not window.fits(pool, src.id, row.view.n_tokens):  # type: ignore[arg-type]
                 stale.append(i)
     if stale:
         raise StaleWindowError(
             f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
             f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=stale)
-    out: list[list[_Seq]] = []
-    seqs: list[_Seq] = []
+    out: list[list[Seq]] = []
+    seqs: list[Seq] = []
     try:
         for row in rows:
             seqs = []
             for _ in row.leaves:
-                seq = pool._new_seq(pinned)
+                seq = pool.new_seq(pinned)
                 seqs.append(seq)
                 pinned.append(seq)
-                if row.view._seq is not None:  # (the context's cells shared; a hybrid's summary at its end)
-                    pool.share(row.view._seq, seq, row.view.n_tokens)
+                if row.view.seq is not None:  # (the context's cells shared; a hybrid's summary at its end)
+                    pool.share(row.view.seq, seq, row.view.n_tokens)
             out.append(seqs)
     except BaseException:
         for made in out + [seqs]:
             for seq in made:
-                _discard(pool, seq)
+                discard(pool, seq)
         raise
     return out
 
 
-def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -> tuple[np.ndarray, dict]:
+def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) -> tuple[np.ndarray, dict]:
     """Every node of every row once, by depth (ancestors first), with the ids of the leaves below it; every node
     outputs logits. Returns the logits in batch order and ``(row, node) -> index`` into them. On failure the
     leaves hold only the context again (llama.cpp found no free cell: idle sequences are spilled and the tree is
@@ -222,7 +223,7 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[_Seq]]) -
     step = model.n_batch - (pool.scratch is not None)
     keep = [s for seqs in leaf_seqs for s in seqs]
     # (the rows' own sequences only lend the leaves their context: spillable, last, if the pool is full of them)
-    spare = [row.view._seq for row in rows if row.view._seq is not None]
+    spare = [row.view.seq for row in rows if row.view.seq is not None]
     cells.make_room(pool, len(items), keep, spare)  # (room before the decode: a failed decode is the exception path)
     for attempt in range(2):
         sets = [[int(leaf_seqs[k][li].id) for li in rows[k].below[node]] for _, k, node in items]  # type: ignore[arg-type]
@@ -321,12 +322,12 @@ class TreeKV:
             views.append(view)
         out = SeqKV(views, cols)
         # (a hybrid: an option that is a prefix of another ends inside a leaf's sequence, where no recurrent summary
-        return out._cut(cols) if self.rows and self.rows[0].view.pool.model.hybrid else out  # is kept: cut back)
+        return out.cut(cols) if self.rows and self.rows[0].view.pool.model.hybrid else out  # is kept: cut back)
 
     def nbytes(self, seen: set | None = None) -> int:
         from .seqkv import SeqKV
 
-        views = [v for row in self.leaves for v in row] + [row.view for row in self.rows if row.view._seq is not None]
+        views = [v for row in self.leaves for v in row] + [row.view for row in self.rows if row.view.seq is not None]
         return SeqKV(views, torch.zeros((len(views), 0), dtype=torch.bool)).nbytes(seen) if views else 0
 
     def settle(self) -> TreeKV:

@@ -127,7 +127,8 @@ class LlamaTokenizer:
                 raise TokenizerError(f"llama.cpp cannot tokenize a text of {len(data)} bytes")
             cap = -n
 
-    def _piece(self, token: int, special: bool) -> bytes:
+    def piece(self, token: int, special: bool) -> bytes:
+        """llama.cpp's bytes for ``token`` (``llama_token_to_piece``; ``special``: control tokens as their text)."""
         L, size = lib(), 64
         while True:
             buf = ctypes.create_string_buffer(size)
@@ -143,7 +144,7 @@ class LlamaTokenizer:
 
     @cached_property
     def _pieces(self) -> list[bytes]:
-        return [self._piece(i, False) for i in range(self.n_vocab)]
+        return [self.piece(i, False) for i in range(self.n_vocab)]
 
     @cached_property
     def add_space_prefix(self) -> bool:
@@ -192,7 +193,7 @@ class LlamaTokenizer:
         """The text of a row: its tokens' bytes as UTF-8, without the space ``add_space_prefix`` put first;
         ``skip_special=False``: control tokens written as their text (``<end_of_turn>``), as a template renders them."""
         if not skip_special:
-            return b"".join(self._piece(i, True) for i in ids).decode("utf-8", errors="replace")
+            return b"".join(self.piece(i, True) for i in ids).decode("utf-8", errors="replace")
         return self.bytes_decoder.decode(ids)
 
     @cached_property

@@ -38,7 +38,7 @@ def fits(pool: Any, seq_id: int, n: int) -> bool:
     return 0 <= lo <= need and hi >= n - 1
 
 
-def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its _Seq: sequences.py imports this module)
+def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its Seq: sequences.py imports this module)
     """Cut resident ``seq`` back to its first ``n`` positions (a tail no live view reaches; under the model's lock)."""
     before = cells.used(pool)
     cells.cut(seq, n)
@@ -70,9 +70,9 @@ def stale(pool: Any, views: Sequence[Any]) -> list[int]:
         return []
     out = []
     with model.lock:
-        pool._collect()
+        pool.collect()
         for i, view in enumerate(views):
-            seq = view._seq
+            seq = view.seq
             if seq is None or view.n_tokens == 0:
                 continue
             if seq.id is not None:
