@@ -5,7 +5,7 @@ Run ``python -m benchmarks`` (or ``python benchmarks/run.py``); ``--quick`` for 
 See ``docs/benchmarks.md``.
 
 Benchmarks use continuum's public API only, plus one hook the tests use too: PyTorch forward hooks on
-the wrapped Hugging Face module (``model.model.register_forward_hook``; ``common.ForwardCounter`` and
-``common.KVPeak``). This package must not import torch at import time: the runner sets OpenMP
+the wrapped Hugging Face module (``model.model.register_forward_hook``; ``counting.ForwardCounter`` and
+``counting.KVPeak``). This package must not import torch at import time: the runner sets OpenMP
 environment variables before torch is loaded.
 """

@@ -26,8 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-from .common import FIXTURES, Bench, Row, Skip, log
 from .llamacpp_bench import gguf_bench
+from .model import FIXTURES, Bench
+from .results import Row, Skip, log
 from .server_pool_bench import _llama_server, _stop
 
 __all__ = ["b29", "AGENT_SCENARIOS"]

@@ -15,7 +15,10 @@ import torch
 from continuum import generate, samplers
 from continuum.chat import Chat
 
-from .common import FIXTURES, Bench, ForwardCounter, Row, log, make_text, measure, median
+from .counting import ForwardCounter
+from .measurement import measure, median
+from .model import FIXTURES, Bench, make_text
+from .results import Row, log
 
 # SmolLM2-Instruct's chat template (used when the fixture file is absent)
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou "

@@ -19,7 +19,10 @@ import torch
 
 from continuum import continuous, generate, models, samplers
 
-from .common import Bench, KVPeak, Row, log, make_text, median, n_tokens, paired, row_from_calls
+from .counting import KVPeak
+from .measurement import median, paired
+from .model import Bench, make_text, n_tokens
+from .results import Row, log, row_from_calls
 
 __all__ = ["b18b"]
 

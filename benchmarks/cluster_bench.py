@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .common import configure_threads, load_bench, make_text
+from .model import configure_threads, load_bench, make_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -157,8 +157,10 @@ def _finish(proc: subprocess.Popen, world: int, timeout: float) -> None:
 def b14(bench, cfg) -> list:
     import torch.distributed as dist
 
-    from .common import Row, Skip, log, make_text, median
     from .helpers import user_turns
+    from .measurement import median
+    from .model import make_text
+    from .results import Row, Skip, log
 
     if not (dist.is_available() and dist.is_gloo_available()):
         raise Skip("torch.distributed with gloo is not available")

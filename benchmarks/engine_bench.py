@@ -25,8 +25,9 @@ from collections.abc import Callable
 import continuum
 from continuum import continuous, generate, samplers
 
-from .common import FIXTURES, Bench, Row, Skip, load_bench, log, make_text
+from .model import FIXTURES, Bench, load_bench, make_text
 from .programs_bench import _compare, _hf_generate_batch, _reps, _rows, _size
+from .results import Row, Skip, log
 
 __all__ = ["b22", "ENGINE_SCENARIOS"]
 

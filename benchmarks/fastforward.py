@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from continuum import continuous, generate, samplers
 
-from .common import Bench, Row, log, make_text, median, n_tokens, paired
 from .helpers import complete, json_schema, new_tokens
+from .measurement import median, paired
+from .model import Bench, make_text, n_tokens
+from .results import Row, log
 
 __all__ = ["b10"]
 
@@ -37,7 +39,8 @@ def _stories():
 
     from continuum import models
 
-    from .common import FIXTURES, ForwardCounter
+    from .counting import ForwardCounter
+    from .model import FIXTURES
 
     path = FIXTURES / "models" / "stories260K"
     if not path.exists():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import LoopbackProcess, free_port
+from .serving import LoopbackProcess, free_port
 
 __all__ = ["Gateway", "smg_binary"]
 

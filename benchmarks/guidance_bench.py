@@ -3,7 +3,7 @@
 Greedy text for a batch of prompts, three generators built once: unguided, CFG with
 ``cfg_mode="batched"`` (one forward of 2x rows per step) and ``cfg_mode="sequential"`` (two
 forwards per step). Time per token: paired repetitions against the unguided generator in the same
-run (see ``common.paired``). Peak memory: the growth of the process's peak RSS during one call
+run (see ``measurement.paired``). Peak memory: the growth of the process's peak RSS during one call
 (``/proc/self/clear_refs`` reset) with glibc's mmap threshold fixed at 64 KiB (every larger tensor is
 its own mapping, returned to the system when freed) and ``malloc_trim(0)`` before each call (free
 heap pages are given back, so reusing them counts again): the RSS growth is then the peak of the
@@ -19,7 +19,9 @@ import torch
 
 from continuum import continuous, generate, samplers
 
-from .common import Bench, Row, _read_status, collect, log, make_text, median, paired, peak_rss_mb, reset_peak_rss, row_from_calls
+from .measurement import _read_status, collect, median, paired, peak_rss_mb, reset_peak_rss
+from .model import Bench, make_text
+from .results import Row, log, row_from_calls
 
 
 def _glibc():

@@ -15,7 +15,9 @@ import torch
 from continuum import IncompleteGenerationError, SequenceState
 from continuum.errors import SchemaViolationError
 
-from .common import Bench, Call, log, n_tokens, paired
+from .measurement import Call, paired
+from .model import Bench, n_tokens
+from .results import log
 
 __all__ = ["hf_generate", "new_tokens", "real_len", "real_ids", "complete", "fresh", "compare_with_hf", "json_schema"]
 

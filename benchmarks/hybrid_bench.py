@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 
-from .common import FIXTURES, Bench, Row, Skip, log
+from .model import FIXTURES, Bench
+from .results import Row, Skip, log
 
 __all__ = ["HYBRID_SCENARIOS"]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import FIXTURES  # noqa: E402
+from benchmarks.model import FIXTURES  # noqa: E402
 
 ENGINES = ("outlines", "llguidance")
 

@@ -164,7 +164,7 @@ def run(args) -> int:
 if __name__ == "__main__":  # python -m benchmarks.jsonschema_e2e: the --model mode on stories260K by default
     import runpy
 
-    from benchmarks.common import FIXTURES
+    from benchmarks.model import FIXTURES
 
     argv = sys.argv[1:]
     if not any(a == "--model" or a.startswith("--model=") for a in argv):

@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .common import FIXTURES, Bench, Row, Skip, paired, row_from_calls
 from .llamacpp_chat import b24g
 from .llamacpp_invariant import PROMPTS, b24h
 from .llamacpp_rows import b24f, more_rows
+from .measurement import paired
+from .model import FIXTURES, Bench
+from .results import Row, Skip, row_from_calls
 
 __all__ = ["LLAMACPP_SCENARIOS"]
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import FIXTURES, Row
+from .model import FIXTURES
+from .results import Row
 
 __all__ = ["b24g", "USER_TURNS"]
 

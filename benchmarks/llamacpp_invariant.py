@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import Row
+from .results import Row
 
 __all__ = ["PROMPTS", "b24h"]
 

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .common import CORPUS, Row, log, median
+from .measurement import median
+from .model import CORPUS
+from .results import Row, log
 
 __all__ = ["more_rows", "text_of", "b24b", "b24d", "b24f"]
 
@@ -144,7 +146,7 @@ class _Batched:
 def b24d(cfg, ours, note: str) -> Row:
     from continuum import continuous, generate, run_batch, samplers
 
-    from .common import paired
+    from .measurement import paired
 
     n_new = 4 if cfg.smoke else 32 if cfg.quick else 64
     reps = 1 if cfg.smoke else max(2, cfg.reps)
@@ -174,7 +176,7 @@ def b24d(cfg, ours, note: str) -> Row:
 
 
 class _NoCounter:
-    """``common.measure`` reads forward counts from a transformers model; llama.cpp has none to read here."""
+    """``measurement.measure`` reads forward counts from a transformers model; llama.cpp has none to read here."""
 
     class counter:
         @staticmethod

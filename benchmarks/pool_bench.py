@@ -23,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from .common import Bench, Row
 from .llamacpp_bench import gguf_bench
+from .model import Bench
+from .results import Row
 
 TILED_MM = "GGML_CPU_TILED_MM"
 

@@ -23,7 +23,9 @@ import time
 
 from continuum import generate, models, samplers
 
-from .common import Bench, Row, log, make_text, median, n_tokens
+from .measurement import median
+from .model import Bench, make_text, n_tokens
+from .results import Row, log
 
 __all__ = ["b13"]
 

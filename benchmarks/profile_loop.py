@@ -32,7 +32,7 @@ def _setup(args):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from benchmarks.common import load_bench, make_text
+    from benchmarks.model import load_bench, make_text
     from continuum import continuous, generate, samplers
 
     torch.set_num_threads(args.threads)

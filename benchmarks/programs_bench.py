@@ -32,7 +32,10 @@ import continuum
 from continuum import continuous, generate, models, samplers
 from continuum.chat import Chat
 
-from .common import CORPUS, FIXTURES, Bench, Call, ForwardCounter, Row, log, make_text, measure, row_from_calls
+from .counting import ForwardCounter
+from .measurement import Call, measure
+from .model import CORPUS, FIXTURES, Bench, make_text
+from .results import Row, log, row_from_calls
 
 __all__ = ["b15", "b16", "b17", "b18", "b19", "b20", "PROGRAM_SCENARIOS"]
 

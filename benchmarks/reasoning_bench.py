@@ -20,7 +20,10 @@ import torch
 from continuum import generate, samplers
 from continuum.chat import Chat
 
-from .common import FIXTURES, Bench, ForwardCounter, Row, Skip, log, measure, median
+from .counting import ForwardCounter
+from .measurement import measure, median
+from .model import FIXTURES, Bench
+from .results import Row, Skip, log
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 USERS = ["What is the capital of France? Explain briefly.", "And the one of Italy, and why is it famous?",

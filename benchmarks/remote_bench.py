@@ -26,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import FIXTURES, Bench, Row, Skip, log
+from .model import FIXTURES, Bench
+from .results import Row, Skip, log
 
 __all__ = ["REMOTE_SCENARIOS"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import LoopbackProcess, free_port, wait_healthy
+from .serving import LoopbackProcess, free_port, wait_healthy
 
 __all__ = ["Server", "metrics", "start_servers"]
 

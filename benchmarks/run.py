@@ -63,13 +63,15 @@ def main(argv=None) -> int:
 
     import torch
 
-    from benchmarks import common
+    from benchmarks import measurement
     from benchmarks.config import QUICK
+    from benchmarks.model import configure_threads, load_average, load_bench
+    from benchmarks.results import Skip, format_markdown, format_table, log, write_json
     from benchmarks.scenarios import ALIASES, SCENARIOS, Config
 
-    common.configure_threads(args.threads)
+    configure_threads(args.threads)
     cfg = Config.smoke_mode() if args.smoke else Config.quick_mode() if args.quick else Config()
-    common.COLLECT = not cfg.smoke
+    measurement.COLLECT = not cfg.smoke
     if args.reps is not None:
         cfg.reps = cfg.b1_reps = cfg.heavy_reps = cfg.b6_reps = max(1, args.reps)
     if args.clients is not None:
@@ -83,8 +85,8 @@ def main(argv=None) -> int:
         return 2
 
     start = time.perf_counter()
-    load0 = common.load_average()
-    bench = common.load_bench(args.model, seed=args.seed, tiny=cfg.smoke)
+    load0 = load_average()
+    bench = load_bench(args.model, seed=args.seed, tiny=cfg.smoke)
     mode = ("SMOKE mode (each scenario once at toy size: figures mean nothing, targets not checked)" if cfg.smoke
             else "QUICK mode (fewer repetitions, shorter generations)" if cfg.quick else "full mode")
     header = [
@@ -108,20 +110,20 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             got = SCENARIOS[name](bench, cfg)
-        except common.Skip as why:
+        except Skip as why:
             print(f"{name}: skipped ({why})", flush=True)
             ran[name] = {"rows": [], "skipped": str(why), "seconds": time.perf_counter() - t0}
             continue
-        common.log(f"  {name} done in {time.perf_counter() - t0:.1f}s")
+        log(f"  {name} done in {time.perf_counter() - t0:.1f}s")
         ran[name] = {"rows": [r.id for r in got], "skipped": None, "seconds": time.perf_counter() - t0}
         for r in got:
             r.checked = not cfg.smoke
         rows.extend(got)
     elapsed = time.perf_counter() - start
-    load1 = common.load_average()
+    load1 = load_average()
 
     print()
-    print(common.format_table(rows))
+    print(format_table(rows))
     print()
     for r in rows:
         for n in r.notes:
@@ -150,9 +152,9 @@ def main(argv=None) -> int:
             "load_average": [load0, load1], "seconds": elapsed, "settings": cfg.describe(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.json:
-        common.write_json(args.json, meta, rows)
+        write_json(args.json, meta, rows)
     if args.markdown:
-        Path(args.markdown).write_text(common.format_markdown(rows) + "\n")
+        Path(args.markdown).write_text(format_markdown(rows) + "\n")
     if args.plot:
         from benchmarks.plots import plot_rows
         sub = f"{bench.name.split(' (')[0]} · {meta['mode']} mode · {meta['date']} · load average {load0 and round(load0, 1)}"

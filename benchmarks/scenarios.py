@@ -16,8 +16,8 @@ from continuum import continuous, generate, samplers
 from .agents_bench import AGENT_SCENARIOS
 from .chat_bench import b12
 from .choice_bench import b18b
-from .common import Bench, Call, Row, collect, kv_bytes, log, make_text, measure, median, n_tokens, paired, row_from_calls
 from .config import Config
+from .counting import kv_bytes
 from .distributed_bench import b14
 from .engine_bench import ENGINE_SCENARIOS
 from .fastforward import b10
@@ -25,11 +25,14 @@ from .guidance_bench import b11
 from .helpers import compare_with_hf, complete, fresh, hf_generate, json_schema, new_tokens, real_len, user_turns
 from .hybrid_bench import HYBRID_SCENARIOS
 from .llamacpp_bench import LLAMACPP_SCENARIOS
+from .measurement import Call, collect, measure, median, paired, peak_rss_mb, reset_peak_rss
+from .model import Bench, make_text, n_tokens
 from .pool_bench import POOL_SCENARIOS
 from .prefix_bench import b13
 from .programs_bench import PROGRAM_SCENARIOS
 from .reasoning_bench import b23
 from .remote_bench import REMOTE_SCENARIOS
+from .results import Row, log, row_from_calls
 from .serve_bench import b21
 from .server_pool_bench import SERVER_POOL_SCENARIOS
 from .speculation_bench import SPECULATION_SCENARIOS
@@ -376,8 +379,6 @@ def b8(bench: Bench, cfg: Config) -> list[Row]:
 
 # ---------------------------------------------------------------------------------------------- B9
 def b9(bench: Bench, cfg: Config) -> list[Row]:
-    from .common import peak_rss_mb, reset_peak_rss
-
     prompt = make_text(bench.tok, min(cfg.b9_prompt, bench.context - 8), offset=13)
     k = cfg.b9_samples
     one = continuous(generate.text(bench.model, samplers.greedy()))

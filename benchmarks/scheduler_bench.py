@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .common import configure_threads, load_bench, make_text
+from .model import configure_threads, load_bench, make_text
 
 
 def run_threads(jobs) -> list:

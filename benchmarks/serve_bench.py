@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 from .chat_bench import chat_bench_model, smollm2_template
-from .common import Bench, Row, Skip, free_port, in_threads, log, make_text, wait_healthy
+from .model import Bench, make_text
+from .results import Row, Skip, log
+from .serving import free_port, in_threads, wait_healthy
 
 __all__ = ["b21"]
 

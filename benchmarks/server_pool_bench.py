@@ -26,9 +26,11 @@ import threading
 import time
 from pathlib import Path
 
-from .common import Bench, Row, Skip, free_port, log, wait_healthy
 from .llamacpp_bench import gguf_bench
+from .model import Bench
 from .pool_bench import _prompts, _throughput
+from .results import Row, Skip, log
+from .serving import free_port, wait_healthy
 
 __all__ = ["b26_serve", "SERVER_POOL_SCENARIOS"]
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import time
 
-from .common import Bench, Row, log
 from .llamacpp_bench import gguf_bench
+from .model import Bench
+from .results import Row, log
 
 __all__ = ["SPECULATION_SCENARIOS"]
 
@@ -134,7 +135,7 @@ def b25(bench: Bench, cfg) -> list[Row]:
 def b25f(bench: Bench, cfg) -> list[Row]:
     from continuum import continuous, generate, models, samplers, speculate
 
-    from .common import FIXTURES
+    from .model import FIXTURES
 
     path = FIXTURES / "models" / "stories260K"
     if not path.exists():

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from .common import Bench, Row, Skip, free_port, log, stop_process, wait_healthy
 from .llamacpp_bench import gguf_bench
+from .model import Bench
+from .results import Row, Skip, log
+from .serving import free_port, stop_process, wait_healthy
 
 __all__ = ["STARTUP_SCENARIOS", "ready_seconds"]
 

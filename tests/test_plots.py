@@ -12,7 +12,7 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the repository
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import Row  # noqa: E402
+from benchmarks.results import Row  # noqa: E402
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -16,7 +16,8 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the repository
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import Bench, ForwardCounter, _gpt2_tokenizer  # noqa: E402
+from benchmarks.counting import ForwardCounter  # noqa: E402
+from benchmarks.model import Bench, _gpt2_tokenizer  # noqa: E402
 from benchmarks.programs_bench import PROGRAM_SCENARIOS  # noqa: E402
 
 

@@ -172,7 +172,7 @@ def test_the_password_appears_nowhere(replicas):
 
 
 def test_a_store_where_nothing_listens_fails_without_showing_its_password(model_dir):  # noqa: F811
-    from benchmarks.common import free_port
+    from benchmarks.serving import free_port
 
     url = f"postgresql://postgres:{SECRET}@127.0.0.1:{free_port()}/postgres"
     cmd = [sys.executable, "-m", "continuum", "serve", model_dir, "--store", url, "--port", str(free_port())]

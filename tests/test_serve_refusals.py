@@ -84,7 +84,7 @@ def test_internal_error_keeps_the_connection(lib, tmp_path):
     import httpx
     import uvicorn
 
-    from benchmarks.common import free_port
+    from benchmarks.serving import free_port
     from continuum.serve.app import ServeConfig, create_app
 
     app = create_app(lib, ServeConfig(served_model_name=MODEL, store=tmp_path / "store"))

@@ -130,7 +130,7 @@ def test_a_failed_build_is_reported_once_and_waiting_requests_learn_it():
 # --------------------------------------------------------------------------- a real server on a real GGUF
 pytest.importorskip("llama_cpp")
 
-from benchmarks.common import free_port, wait_healthy  # noqa: E402
+from benchmarks.serving import free_port, wait_healthy  # noqa: E402
 
 from llamacpp_support import gguf  # noqa: E402
 from serve_support import ROOT  # noqa: E402
