@@ -13,6 +13,7 @@ import torch
 from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
+from ..loop import coalesce
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..programs.aio import AsyncStream, to_thread
@@ -179,6 +180,12 @@ class Generator:
                       speculate=self.speculate)
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
+        key = coalesce.key_of(self, state, max_tokens, stop_at, rng)
+        if key is not None:  # inside a run_batch program: run as one call with the same calls arriving meanwhile
+            return coalesce.run(key, self, state, lambda s: self._run_alone(s, max_tokens, stop_at, rng))
+        return self._run_alone(state, max_tokens, stop_at, rng)
+
+    def _run_alone(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         gen = self._steps(state, max_tokens, stop_at, rng, False)
         while True:
             try:

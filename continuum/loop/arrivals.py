@@ -84,6 +84,10 @@ class Arrivals:
             self._local.program -= 1
             self.arrived()
 
+    def in_program(self) -> bool:
+        """Whether this thread runs a ``run_batch`` program (its calls may run as one: :mod:`.coalesce`)."""
+        return bool(getattr(self._local, "program", 0))
+
     def resumed(self) -> None:
         """This thread woke from a wait on the engine: inside a program, it is on its way to its next call."""
         if getattr(self._local, "program", 0):
@@ -100,10 +104,10 @@ class Arrivals:
             if counted:
                 self.arrive()
 
-    def gather(self, last_step_s: float) -> None:
+    def gather(self, last_step_s: float, longest: float = GATHER_MAX_S, after: float = GATHER_NEXT_S) -> None:
         """Wait while calls are arriving: at most ``last_step_s`` (within ``GATHER_MIN_S``-``GATHER_CAP_S``; 0: no
-        wait), extended to ``GATHER_NEXT_S`` after each arrival while they keep coming (a cohort being set up:
-        ``run_batch``'s workers one after another), never past ``GATHER_MAX_S``. Returns at once when nobody
+        wait), extended to ``after`` (``GATHER_NEXT_S``) after each arrival while they keep coming (a cohort being set up:
+        ``run_batch``'s workers one after another), never past ``longest``. Returns at once when nobody
         is arriving (a lone call's steps never yield: ``sleep(0)`` costs a time slice on a loaded machine)."""
         if not self.count or last_step_s <= 0:
             return
@@ -111,11 +115,11 @@ class Arrivals:
         deadline = start + min(max(last_step_s, GATHER_MIN_S), GATHER_CAP_S)
         with self._cond:
             seen = self._done
-            while self.count and (left := deadline - (now := time.perf_counter())) > 0:
+            while self.count and (left := deadline - time.perf_counter()) > 0:
                 self._cond.wait(left)
                 if self._done != seen:  # someone arrived: the others may be right behind
                     seen = self._done
-                    deadline = min(max(deadline, now + GATHER_NEXT_S), start + GATHER_MAX_S)
+                    deadline = min(max(deadline, time.perf_counter() + after), start + longest)
 
 
 class Gate:

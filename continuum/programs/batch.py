@@ -29,6 +29,7 @@ from ..loop.arrivals import ARRIVALS
 from ..loop.cancel import Cancelled, CancelToken, bound, check_cancelled, current
 from ..loop.ranks import call_key, current_key
 from .arguments import check_flags, check_int, check_program_and_inputs
+from .heap import frozen_heap
 
 __all__ = ["run_batch", "check_cancelled"]
 
@@ -206,7 +207,8 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
     if SERIAL_UNDER_TORCHRUN and _several_ranks():
         concurrency = 1
     run = _Run(program, iter(inputs), concurrency)
-    run.wait(progress, total)
+    with frozen_heap():  # (no full collection walks the imports' objects while the programs run)
+        run.wait(progress, total)
     if run.feed_error is not None:
         raise run.feed_error
     n = next(run.count)

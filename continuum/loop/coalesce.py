@@ -1,0 +1,144 @@
+"""Calls of one generator that arrive together run as ONE list call: ``run_batch``'s programs in lockstep.
+
+The instances of a ``run_batch`` program make the same calls at about the same time (a chain's next call
+in every instance at once). Alone, each call pays its own Python: the state's text re-tokenized, the checks,
+its rows, choice scoring's tree and softmax, its finish (~1-3 ms a call, issue 57), while a list call over
+the same rows pays it once. So a call made inside a ``run_batch`` program waits, as the engine's step does
+(:mod:`.arrivals`), while other instances are on their way to a call; every call of the same generator, with
+the same arguments, that arrived meanwhile runs as one call on the stacked states
+(:meth:`~continuum.SequenceState.stack`), and each caller gets its own rows back, as a state of its own
+(``SequenceState._select``: compact, its own cache). A list call computes each row as it would alone
+(invariant 1), so the callers get what they would alone.
+
+Only calls whose result cannot depend on their company join: greedy sampling (a draw would depend on which
+rows share the random stream), no ``rng``, no unfinished constrained step to resume in the input (its guide
+state is per call), one process (under torchrun every rank must make the same calls), a local model
+(``models.remote`` runs whole calls on the server), not llama.cpp's batch-invariant mode (it promises bits alone,
+and a list call's torch ops over more rows may round differently). The first caller of a cohort leads: it waits for the
+others (while they keep coming, at most ``GATHER_S``), runs the joint call and hands each follower its rows; where the
+joint call fails, every caller runs its own call alone, so an error reaches only its owner, as without this.
+
+Example:
+    >>> continuum.run_batch(lambda x: choose(text(x, max_tokens=8) + "\\nMood:").value, inputs)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..samplers import GreedySampler
+from ..state import SequenceState
+from .arrivals import ARRIVALS, GATHER_CAP_S
+from .cancel import Cancelled, current
+
+__all__ = ["key_of", "run", "stats", "reset_stats", "ENABLED", "MAX_ROWS"]
+
+ENABLED = True  # False: every call runs its own loop, merged only by the engine's steps (tests of that path)
+MAX_ROWS = 256  # rows of one joint call; a cohort past it starts a second joint call (they share the engine's steps)
+GATHER_S, GATHER_NEXT_S = 1.0, 0.02  # the longest a leader waits for its cohort while its members keep arriving,
+# each within GATHER_NEXT_S of the last (only the cohort waits: its members' Python runs meanwhile)
+
+_lock = threading.Lock()
+_open: dict[tuple, _Cohort] = {}  # the cohort each key's next caller joins, while its leader waits
+_counts = {"joint_calls": 0, "calls_joined": 0, "joint_failures": 0}
+
+
+def stats() -> dict:
+    """Joint calls run so far in this process (``joint_calls``), the callers' calls they ran (``calls_joined``), and
+    joint calls that failed and ran each caller alone (``joint_failures``)."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+
+
+class _Cohort:
+    """The calls that run as one: their input states in arrival order, then each one's result."""
+
+    __slots__ = ("generator", "states", "rows", "done", "results", "failed")
+
+    def __init__(self, generator: Any):
+        self.generator = generator  # (held: the key names it by id)
+        self.states: list[SequenceState] = []
+        self.rows = 0
+        self.done = threading.Event()
+        self.results: list[SequenceState] = []
+        self.failed = False
+
+
+def key_of(generator: Any, state: SequenceState, max_tokens: int | None, stop_at: Any, rng: Any) -> tuple | None:
+    """What calls share to run as one (the generator, its arguments, the caller's run), or None: this call runs
+    alone (not inside a ``run_batch`` program, or its result could depend on its company; see the module)."""
+    if not ENABLED or rng is not None or not ARRIVALS.in_program() or not isinstance(generator.sampler, GreedySampler):
+        return None
+    last = state._last
+    model = generator.model
+    if (last is not None and last.guide_states is not None) or getattr(model, "runs_calls", False) \
+            or getattr(getattr(model, "llama", None), "batch_invariant", False) or _several_ranks():
+        return None
+    token = current()
+    stops = tuple(stop_at) if isinstance(stop_at, (list, tuple)) else stop_at
+    return (id(generator), max_tokens, stops, state.samples, id(token.parent) if token is not None else None)
+
+
+def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[SequenceState], SequenceState]) -> SequenceState:
+    """``alone(state)``, run jointly with the calls of the same ``key`` that arrive meanwhile."""
+    with _lock:
+        cohort = _open.get(key)
+        leader = cohort is None or cohort.rows + state.rows > MAX_ROWS
+        if leader:
+            cohort = _open[key] = _Cohort(generator)
+        assert cohort is not None
+        index = len(cohort.states)
+        cohort.states.append(state)
+        cohort.rows += state.rows
+    ARRIVALS.arrived()  # (waiting here: the engine's steps and the other leaders do not wait for this thread)
+    if not leader:
+        cohort.done.wait()
+        ARRIVALS.claim()  # (the leader counted this thread as arriving again: it goes on in its program)
+        return alone(state) if cohort.failed else cohort.results[index]
+    ARRIVALS.gather(GATHER_CAP_S, GATHER_S, GATHER_NEXT_S)  # the rest of the cohort on its way
+    with _lock:
+        if _open.get(key) is cohort:
+            del _open[key]
+    states = cohort.states  # (closed: nobody joins a cohort that left _open)
+    ARRIVALS.arrive()  # (setting up the joint call)
+    try:
+        if len(states) == 1:
+            return alone(state)
+        try:
+            joint = alone(SequenceState.stack(states))
+            cohort.results = _split(joint, states)
+        except (Exception, Cancelled):  # every caller runs alone: each error to its owner (Cancelled: each stops)
+            cohort.failed = True
+        with _lock:
+            _counts["joint_calls"] += 1
+            _counts["calls_joined"] += len(states)
+            _counts["joint_failures"] += cohort.failed
+    finally:
+        for _ in range(len(states) - 1):
+            ARRIVALS.expect()  # (each follower is on its way to its next call from now)
+        cohort.done.set()
+    return alone(state) if cohort.failed else cohort.results[0]
+
+
+def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceState]:
+    """Each caller's rows of the joint result (batch-major: a caller's batch items and their samples together)."""
+    out, row, samples = [], 0, joint.samples
+    for s in states:
+        n = s.batch * samples
+        out.append(joint._select(range(row, row + n), s.batch, samples))
+        row += n
+    return out
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -1,0 +1,111 @@
+"""Calls of one generator that arrive together in ``run_batch`` programs run as one list call (loop/coalesce.py).
+
+References: each program run alone, one after another (ids equal, weights within 1e-4), and the model's own
+forward over each returned state's ids (``assert_reuse_exact``: the cache a caller gets back is its own rows').
+That calls were joined is read from the module's counters; what must not be joined (a sampled draw, an
+unfinished constrained step to resume, different arguments) is checked the same way, and an error in one
+program's call reaches that program only.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_run_batch import same
+
+import continuum
+from continuum import continuous, generate, samplers
+from continuum.errors import ContextLengthError
+from continuum.loop import coalesce
+
+from conftest import assert_reuse_exact
+
+PROMPTS = [f"{w} {i}" for i, w in enumerate(["Once upon a time", "The dog", "She said", "Numbers: 1 2", "Le café",
+                                              "Review: ok", "A tree", "Why"] * 3)]
+
+
+def chain(model):
+    text = continuous(generate.text(model, samplers.greedy()))
+    pick = continuous(generate.choice(model, [" happy", " sad", " angry"], samplers.greedy()))
+    number = continuous(generate.regex(model, r"[0-9]{2}", samplers.greedy()))
+
+    def program(prompt: str):
+        s = text(prompt, max_tokens=6)
+        c = pick(s + "\nMood:")
+        n = number(c + "\nAge: ", max_tokens=4)
+        return s, c, n, c.value, n.value
+
+    return program
+
+
+def test_chains_run_as_joint_calls_and_equal_each_alone(model):
+    program = chain(model)
+    solo = [program(p) for p in PROMPTS]
+    coalesce.reset_stats()
+    got = continuum.run_batch(program, PROMPTS, concurrency=len(PROMPTS))
+    joined = coalesce.stats()
+    assert all(same(a, b) for a, b in zip(got, solo))
+    for states in got[:4]:
+        for s in states[:3]:
+            assert_reuse_exact(s)  # (each caller's own rows of the joint cache, nothing of the others')
+    # 72 calls: three per program; joined, they take a few joint calls (how the cohorts fall depends on timing)
+    assert joined["calls_joined"] >= len(PROMPTS) and joined["joint_calls"] <= 0.5 * joined["calls_joined"], joined
+    assert joined["joint_failures"] == 0
+
+
+def test_a_failing_call_reaches_its_own_program_only(gpt2_model):
+    """One input is too long for the model's context: the joint call fails, so each caller runs alone; that program
+    gets ContextLengthError, the others what they get alone."""
+    program = chain(gpt2_model)
+    prompts = PROMPTS[:8] + ["word " * 400] + PROMPTS[8:16]
+    coalesce.reset_stats()
+    got = continuum.run_batch(program, prompts, concurrency=len(prompts), return_exceptions=True)
+    assert isinstance(got[8], ContextLengthError)
+    rest = [g for i, g in enumerate(got) if i != 8]
+    assert all(same(a, program(p)) for a, p in zip(rest, PROMPTS[:16]))
+    assert coalesce.stats()["joint_failures"] >= 1
+
+
+def test_what_could_depend_on_company_runs_alone(gpt2_model):
+    """A sampled draw (no rng: which rows share the random stream would change it), an unfinished regex step
+    resumed by the next call (its guide state is per call) and calls with different max_tokens are not joined
+    with each other; results equal each alone where they are deterministic."""
+    m = gpt2_model
+    sampled = continuous(generate.text(m, samplers.multinomial()))
+    coalesce.reset_stats()
+    continuum.run_batch(lambda p: sampled(p, max_tokens=3), PROMPTS[:8], concurrency=8)
+    assert coalesce.stats()["calls_joined"] == 0
+
+    number = continuous(generate.regex(m, r"[0-9]{6}", samplers.greedy()))
+
+    def resumed(prompt: str):
+        first = number(prompt + " n=", max_tokens=2)  # joined: nothing to resume yet
+        return first, number(first, max_tokens=6)  # resumes the unfinished pattern: alone
+
+    solo = [resumed(p) for p in PROMPTS[:8]]
+    coalesce.reset_stats()
+    got = continuum.run_batch(resumed, PROMPTS[:8], concurrency=8)
+    assert all(same(a, b) for a, b in zip(got, solo))
+    assert all(a[1].value == b[1].value for a, b in zip(got, solo))
+    assert coalesce.stats()["calls_joined"] <= 8
+
+    text = continuous(generate.text(m, samplers.greedy()))
+    lengths = [2 + i % 3 for i in range(9)]
+    solo_texts = [list(text(p, max_tokens=k)) for p, k in zip(PROMPTS, lengths)]
+    coalesce.reset_stats()
+    got_texts = continuum.run_batch(lambda i: list(text(PROMPTS[i], max_tokens=lengths[i])), range(9), concurrency=9)
+    assert got_texts == solo_texts
+    assert coalesce.stats()["joint_calls"] >= 3 or coalesce.stats()["calls_joined"] == 0  # (one per max_tokens at most)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plain_generators_and_lists_of_prompts_join_too(gpt2_model, enabled, monkeypatch):
+    """Non-continuous calls (values, not states) and calls on lists of prompts: each program gets its own values,
+    shaped as alone."""
+    monkeypatch.setattr(coalesce, "ENABLED", enabled)
+    gen = generate.text(gpt2_model, samplers.greedy())
+
+    def program(i: int):
+        return gen(PROMPTS[i], max_tokens=4), gen(PROMPTS[i:i + 1 + i % 3], max_tokens=4)
+
+    solo = [program(i) for i in range(12)]
+    assert continuum.run_batch(program, range(12), concurrency=12) == solo
