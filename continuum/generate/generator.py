@@ -14,6 +14,7 @@ from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop import coalesce
+from ..loop.arrivals import GATE
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..programs.aio import AsyncStream, to_thread
@@ -221,8 +222,9 @@ class Generator:
         With several samples or beams, each prompt gets a list of values (beams best first).
         """
         check_max_tokens(max_tokens)
-        state = self._run(self._prompt_state(prompts), max_tokens, stop_at, rng)
-        return self._value(prompts, state)
+        with GATE.held():  # (continuum's own Python, few threads at once: no GIL convoy; released while waiting)
+            state = self._run(self._prompt_state(prompts), max_tokens, stop_at, rng)
+            return self._value(prompts, state)
 
     def stream(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
                rng: torch.Generator | None = None) -> Stream:

@@ -28,9 +28,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from ..models import kv as kvcache
 from ..samplers import GreedySampler
 from ..state import SequenceState
-from .arrivals import ARRIVALS, GATHER_CAP_S
+from .arrivals import ARRIVALS, GATE, GATHER_CAP_S
 from .cancel import Cancelled, current
 
 __all__ = ["key_of", "run", "stats", "reset_stats", "ENABLED", "MAX_ROWS"]
@@ -100,10 +103,12 @@ def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[Seque
         cohort.rows += state.rows
     ARRIVALS.arrived()  # (waiting here: the engine's steps and the other leaders do not wait for this thread)
     if not leader:
-        cohort.done.wait()
+        with GATE.waiting():
+            cohort.done.wait()
         ARRIVALS.claim()  # (the leader counted this thread as arriving again: it goes on in its program)
         return alone(state) if cohort.failed else cohort.results[index]
-    ARRIVALS.gather(GATHER_CAP_S, GATHER_S, GATHER_NEXT_S)  # the rest of the cohort on its way
+    with GATE.waiting():
+        ARRIVALS.gather(GATHER_CAP_S, GATHER_S, GATHER_NEXT_S)  # the rest of the cohort on its way
     with _lock:
         if _open.get(key) is cohort:
             del _open[key]
@@ -129,11 +134,31 @@ def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[Seque
 
 
 def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceState]:
-    """Each caller's rows of the joint result (batch-major: a caller's batch items and their samples together)."""
+    """Each caller's rows of the joint result (batch-major: a caller's batch items and their samples together).
+
+    On transformers a caller's rows are views of the joint result (its tensors and its cache): no copy per caller,
+    each view without the leading columns that are padding in all its rows; a caller whose rows are less than
+    half the joint cache's width gets its own copy instead (``_select``), so a short row never keeps a long
+    one's storage alive. Another backend's handle selects its rows (``_select``)."""
     out, row, samples = [], 0, joint.samples
+    C = kvcache.length(joint._kv)
+    views = joint._kv is None or not kvcache.is_handle(joint._kv)
+    real = joint._mask != 0
+    first = real.to(torch.int8).argmax(1).tolist()  # each row's first real column
+    suffix_real = real[:, C:].all(0)  # the uncached suffix: right-aligned, so real in every row (else: _select)
     for s in states:
         n = s.batch * samples
-        out.append(joint._select(range(row, row + n), s.batch, samples))
+        lead = min(min(first[row:row + n]), C)
+        if views and bool(suffix_real.all()) and 2 * (C - lead) >= C:
+            last = joint._last.select(range(row, row + n)) if joint._last is not None else None
+            kv = None if joint._kv is None or lead == C else tuple(
+                (k[row:row + n, :, lead:], v[row:row + n, :, lead:]) for k, v in joint._kv)
+            out.append(SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:],
+                                     mask=joint._mask[row:row + n, lead:], logprobs=joint._logprobs[row:row + n, lead:],
+                                     weights=joint._weights[row:row + n], kv=kv, batch=s.batch, samples=samples,
+                                     last=last))
+        else:
+            out.append(joint._select(range(row, row + n), s.batch, samples))
         row += n
     return out
 

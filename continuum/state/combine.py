@@ -161,27 +161,27 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
     C, S = max(c for c, _ in widths), max(w for _, w in widths)
     pad_id = first._model.tokenizer.pad_token_id
-
-    def padded(t: torch.Tensor, c: int, w: int, fill) -> torch.Tensor:
-        rows = t.shape[0]
-        gap1, gap2 = t.new_full((rows, C - c), fill), t.new_full((rows, S - w), fill)
-        return torch.cat([gap1, t[:, :c], gap2, t[:, c:]], 1)
-
-    ids = torch.cat([padded(s._ids, c, w, pad_id) for s, (c, w) in zip(states, widths)])
-    mask = torch.cat([padded(s._mask, c, w, 0) for s, (c, w) in zip(states, widths)])
-    lp = torch.cat([padded(s._logprobs, c, w, _NAN) for s, (c, w) in zip(states, widths)])
+    R = sum(s.rows for s in states)
+    ids = first._ids.new_full((R, C + S), pad_id)
+    mask = first._mask.new_zeros((R, C + S))
+    lp = first._logprobs.new_full((R, C + S), _NAN)
+    row = 0
+    for s, (c, w) in zip(states, widths):  # cached columns right-aligned at C, the suffix at C + S
+        for out, t in ((ids, s._ids), (mask, s._mask), (lp, s._logprobs)):
+            out[row:row + s.rows, C - c:C] = t[:, :c]
+            out[row:row + s.rows, C + S - w:] = t[:, c:]
+        row += s.rows
     kv = None
     if C and kvcache.is_handle(next(s._kv for s in states if s._kv is not None)):
         kv = kvcache.stack_rows([_handle_of(s, states) for s in states], C)
-    elif C:
+    elif C:  # new storage: each state's cached columns right-aligned at C, zeros before (masked, never NaN)
         ref = next(s._kv for s in states if s._kv is not None)
         layers = []
         for i, (k0, _) in enumerate(ref):
             ks, vs = [], []
             for s, (c, _) in zip(states, widths):
-                shape = (s.rows, k0.shape[1], C - c, k0.shape[3])
-                gap = k0.new_zeros(shape)
-                ks.append(torch.cat([gap, s._kv[i][0]], 2) if c and s._kv is not None else gap)  # c > 0: cached
+                gap = k0.new_zeros((s.rows, k0.shape[1], C - c, k0.shape[3]))  # (cat: ~3x faster than slice writes)
+                ks.append(torch.cat([gap, s._kv[i][0]], 2) if c and s._kv is not None else gap)
                 vs.append(torch.cat([gap, s._kv[i][1]], 2) if c and s._kv is not None else gap)
             layers.append((torch.cat(ks), torch.cat(vs)))
         kv = tuple(layers)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import BatchMismatch, ContinuumTypeError
+from ..loop.arrivals import GATE
 from ..models import kv as kvcache
 from .laststep import LastStep, read_values
 
@@ -130,8 +131,10 @@ class SequenceState:
             lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
         else:
             ids, mask, lp = tail_ids, tail_mask, tail_lp
+        # (compact only what a cut made smaller: appending keeps the storage this state already viewed, e.g. its
+        # rows of a joint call's result, loop/coalesce.py)
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
-                             kv=kvcache.compact(kv), batch=self.batch, samples=self.samples, last=last)
+                             kv=kvcache.compact(kv) if C2 < C else kv, batch=self.batch, samples=self.samples, last=last)
 
     # ------------------------------------------------------------------ per-row views (memoised)
     @property
@@ -331,17 +334,20 @@ class SequenceState:
 
     # ------------------------------------------------------------------ indexing, adding, stacking, persistence
     def __getitem__(self, key) -> SequenceState | str | list[str]:
-        return indexing.getitem(self, key)
+        with GATE.held():  # (few threads in continuum's Python at once: loop/arrivals.Gate)
+            return indexing.getitem(self, key)
 
     def _truncate(self, ends: Sequence[int]) -> SequenceState:
         """Keep the first ``ends[r]`` characters of each row, reusing the cache of what stays."""
         return indexing.truncate(self, ends)
 
     def __add__(self, other) -> SequenceState:
-        return combine.add(self, other)
+        with GATE.held():
+            return combine.add(self, other)
 
     def __radd__(self, other) -> SequenceState:
-        return combine.radd(self, other)
+        with GATE.held():
+            return combine.radd(self, other)
 
     @staticmethod
     def stack(states: Sequence[SequenceState]) -> SequenceState:
@@ -386,6 +392,9 @@ def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]]
                    device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-pad ragged rows into (ids, mask, logprobs) tensors."""
     width = max((len(r) for r in rows), default=0)
+    if width and all(len(r) == width for r in rows):  # (no padding: a lone prompt, a joint call's rows)
+        return (torch.tensor(rows, dtype=torch.long).to(device), torch.ones((len(rows), width), dtype=torch.long).to(device),
+                torch.tensor(lps, dtype=torch.float32).to(device))
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     lp = torch.full((len(rows), width), _NAN, dtype=torch.float32)
