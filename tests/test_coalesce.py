@@ -109,3 +109,32 @@ def test_plain_generators_and_lists_of_prompts_join_too(gpt2_model, enabled, mon
 
     solo = [program(i) for i in range(12)]
     assert continuum.run_batch(program, range(12), concurrency=12) == solo
+
+
+def test_joint_choices_on_llama_cpp_pick_what_llama_cpp_scores_best():
+    """llama.cpp's default mode (its logits depend on how tokens were batched): programs' text -> choice calls run as
+    joint calls (at most the engine's 32 rows each); every pick is the option llama-cpp-python's own evaluation of
+    the state's ids plus the option scores best (where the margin exceeds the decode tolerance), with its weight."""
+    from test_llamacpp_choice import reference_scores
+
+    from llamacpp_support import DECODE_TOL, fp32_model, row_ids
+
+    m = fp32_model()
+    text = continuous(generate.text(m, samplers.greedy()))
+    options = [" cat", " dog", " big dog", " dragon"]
+    pick = continuous(generate.choice(m, options, samplers.greedy()))
+
+    def program(prompt: str):
+        base = text(prompt, max_tokens=5) + " Then a"
+        return base, pick(base)
+
+    coalesce.reset_stats()
+    got = continuum.run_batch(program, PROMPTS[:12], concurrency=12)
+    assert coalesce.stats()["joint_calls"] >= 2 and coalesce.stats()["calls_joined"] >= 12
+    for base, c in got:
+        ref = reference_scores(m, row_ids(base), options)
+        best = max(ref, key=ref.get)
+        if ref[best] - sorted(ref.values())[-2] > DECODE_TOL["f32"]:
+            assert c.value == best
+        gain = float(c.weights[0, 0]) - float(base.weights[0, 0])  # (a state's weight sums every step's)
+        assert abs(gain - ref[c.value]) < DECODE_TOL["f32"]

@@ -175,7 +175,9 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
 
     Each instance runs on a worker thread; concurrent generator calls on one model share forwards, so
     a program written for one input runs batched, and every instance returns what it returns alone
-    (give a sampling call its own ``rng`` for that). Inputs are pulled one at a time as workers free
+    (give a sampling call its own ``rng`` for that). Greedy calls of one generator with the same arguments
+    that the instances make together run as ONE list call, each instance getting its own rows back
+    (:mod:`continuum.loop.coalesce`, docs/concurrency.md). Inputs are pulled one at a time as workers free
     up: a generator of a million inputs never holds more than ``concurrency`` running instances.
 
     Args:
