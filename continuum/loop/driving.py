@@ -11,7 +11,9 @@ from typing import Any
 
 from ..errors import ContinuumError
 from ..models.request import Request
+from .arrivals import ARRIVALS
 from .call import Call
+from .host import HOST
 
 __all__ = ["Driving"]
 
@@ -75,6 +77,8 @@ class Driving:
             thread.join(timeout=10)
 
     def _wake(self) -> None:
+        if HOST.take(self):  # (run_batch's calling thread drives: loop/host.py)
+            return
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 if not _ENGINES:
@@ -89,7 +93,7 @@ class Driving:
         me = threading.get_ident()
         while True:
             with self._cond:
-                while not (self._has_work() and self._driver is None):
+                while not (self._has_work() and self._driver is None and not HOST.active):
                     if self._closing:
                         return
                     self._cond.wait()
@@ -106,6 +110,29 @@ class Driving:
                 with self._cond:
                     self._driver = None
                     self._cond.notify_all()
+
+    @staticmethod
+    def _hop() -> bool:
+        """A run_batch worker's wait while its caller hosts (loop/host.py): the host drives, not this thread (the
+        waiter asks it with ``_wake()`` once its call or request is in the inbox, then sleeps on its event)."""
+        return HOST.active and ARRIVALS.in_program()
+
+    def _drive_pending(self) -> None:
+        """Run steps until no call is left, in this thread (run_batch's host), unless someone drives already."""
+        with self._cond:
+            if self._driver is not None or not self._has_work():
+                return
+            self._driver = threading.get_ident()
+        try:
+            while True:
+                self._step()
+                with self._cond:
+                    if not self._has_work():
+                        break
+        except Exception as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, as its thread does)
+            self._fail_all(exc)
+        finally:
+            self._release()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:

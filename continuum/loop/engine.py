@@ -15,19 +15,18 @@ Where things happen::
                                                            runs to its next forward request (or ends)
     the caller waits on ONE event (a stream reads a queue) ◀── its call ended: result or error
 
-Who drives (runs the steps): a lone non-streaming call drives inline, in its own thread (it costs
-what a call always cost: no thread hop). Calls that arrive meanwhile join its next step. When the
-driver's own call ends and others remain, the engine's thread (one daemon per model, started on
-first use) takes over; it sleeps on a condition while no call runs (no polling, no CPU when idle).
-A waiting caller is woken once, when its call is done; a stream's consumer once per chunk.
+Who drives (runs the steps): a lone non-streaming call drives inline, in its own thread (no thread hop);
+calls that arrive meanwhile join its next step. When the driver's own call ends and others remain, the
+engine's thread (one daemon per model) takes over; it sleeps on a condition while no call runs. While
+``run_batch``'s caller hosts (host.py), it drives instead, for its workers' calls. A waiting caller is
+woken once, when its call is done; a stream's consumer once per chunk.
 
 A call is a *coroutine*: ``decoding._decode`` yields a :class:`~continuum.models.request.Request` where
 it needs the model and a ``Step`` after each step (handed to its stream, if any). Everything a call
 does between two forwards (guides, sampler, stop strings, fast-forward, beam reorders) is its own
-code, unchanged; only the forward and its log-softmax are shared. Forwards a call makes outside its
-loop (a prefill for ``max_tokens=0``, choice scoring's token tree, classifier-free guidance's first
-prefill) are *one-off requests*: merged into the next step when the engine runs, run at once when it
-is idle (or when the driver itself makes them, inside a step).
+code; only the forward and its log-softmax are shared. Forwards a call makes outside its loop (a
+prefill for ``max_tokens=0``, choice scoring's token tree, CFG's first prefill) are *one-off requests*:
+merged into the next step when the engine runs, run at once when it is idle (or by the driver itself).
 
 Errors: a merged forward that raises is re-run per request (the error reaches only its owner); a call
 whose loop raises ends with that error, the others go on. Cancellation (Ctrl-C, a cancelled task, a
@@ -150,10 +149,13 @@ class Engine(Driving):
     def wait(self, call: Call) -> Any:
         """The call's final state: drive the engine inline when nobody does, else sleep until it is done."""
         me = threading.get_ident()
+        hop = self._hop()
         with self._cond:
-            drive = self._driver is None and not call.done
+            drive = self._driver is None and not call.done and not hop
             if drive:
                 self._driver = me
+        if hop:
+            self._wake()
         try:
             with GATE.waiting():
                 self._until_done(call, drive)
@@ -202,6 +204,7 @@ class Engine(Driving):
         itself makes it, inside a step."""
         me = threading.get_ident()
         self.arrivals.arrived()  # (a call's setup making a one-off request: the step must not wait for it)
+        hop = self._hop()
         with self._cond:
             alone = self._driver == me
             if not alone:
@@ -209,13 +212,15 @@ class Engine(Driving):
                 req.key = next_key() if self._ranks is not None else None
                 req.event = threading.Event()
                 self._inbox.append(req)
-                drive = self._driver is None
+                drive = self._driver is None and not hop
                 if drive:
                     self._driver = me
                 elif self._ranks is not None:
                     self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if alone:
             return self._model.forward_now(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
+        if hop:
+            self._wake()
         try:
             with GATE.waiting():
                 self._until_done(req, drive)
@@ -366,13 +371,11 @@ class Engine(Driving):
 
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters: ``steps``, ``busy_s`` (time in steps), ``forward_s`` (in the model's forwards: the
-        merged forwards' log-softmax included), ``outside_forward_share`` (the engine's own share of a step),
-        ``merged_forwards``, ``requests_merged``, ``alone``, ``fallbacks``,
-        ``wakeups`` (callers woken: one per call); at the largest merged step ``peak_rows`` and
-        ``peak_padding`` (KV cells of the merged cache, holes and dead rows included, over real tokens);
-        ``peak_kv_bytes``: the largest slab's storage; ``p99_step_s``: the 99th percentile of a step's
-        time while several calls ran (the wait between two tokens of one call)."""
+        """Counters: ``steps``, ``busy_s`` (time in steps), ``forward_s`` (in the model's forwards, the merged ones'
+        log-softmax included), ``outside_forward_share``, ``merged_forwards``, ``requests_merged``, ``alone``,
+        ``fallbacks``, ``wakeups`` (callers woken: one per call); at the largest merged step ``peak_rows`` and
+        ``peak_padding`` (KV cells, holes and dead rows included, over real tokens); ``peak_kv_bytes`` (the largest
+        slab); ``p99_step_s`` (a step's 99th percentile while several calls ran: the wait between two tokens)."""
         with self._cond:
             out = report(self._stats, self._steps)
             out["running_calls"], out["running_rows"] = len(self._running), self.scheduler.rows

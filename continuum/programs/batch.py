@@ -22,11 +22,13 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 from ..errors import ProgramError
 from ..loop.arrivals import ARRIVALS
 from ..loop.cancel import Cancelled, CancelToken, bound, check_cancelled, current
+from ..loop.host import HOST
 from ..loop.ranks import call_key, current_key
 from .arguments import check_flags, check_int, check_program_and_inputs
 from .heap import frozen_heap
@@ -129,6 +131,7 @@ class _Run:
             self.alive -= 1
             if self.alive == 0:
                 self.finished.set()
+                HOST.nudge()  # (the caller, hosting, sleeps on the host's condition)
 
     def wait(self, progress: bool, total: int | None) -> None:
         """Start the workers and wait for them; on Ctrl-C, cancel them all, wait until they left, re-raise."""
@@ -137,8 +140,14 @@ class _Run:
         try:
             with self.lock:
                 self._spawn()
-            with ARRIVALS.away():  # (a nested run_batch: its caller's program waits for workers, not the engine)
-                while not self.finished.wait(_POLL):  # a timeout: a pending Ctrl-C is delivered between two waits
+            # (a nested run_batch: its caller's program waits for workers, not the engine; a caller outside any
+            # program drives the engines' steps meanwhile: loop/host.py)
+            with ARRIVALS.away(), HOST.hosting() if not ARRIVALS.in_program() else nullcontext() as host:
+                while not self.finished.is_set():  # (a pending Ctrl-C is delivered between two waits)
+                    if host is not None:
+                        host.serve(_POLL, self.finished)
+                    else:
+                        self.finished.wait(_POLL)
                     if bar is not None:
                         _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
         except BaseException:  # KeyboardInterrupt (or anything raised in this thread): stop every instance
