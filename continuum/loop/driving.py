@@ -15,9 +15,16 @@ from .arrivals import ARRIVALS
 from .call import Call
 from .host import HOST
 
-__all__ = ["Driving"]
+__all__ = ["Driving", "never_drive"]
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
+_local = threading.local()
+
+
+def never_drive() -> None:
+    """This thread (a long-lived pool's: asyncio's workers, a server's) never runs the engines' steps itself: they
+    run on each engine's own thread (or the run_batch host), so the threads computing stay few (see ``_hop``)."""
+    _local.never = True
 
 
 def _stop_all() -> None:
@@ -113,9 +120,11 @@ class Driving:
 
     @staticmethod
     def _hop() -> bool:
-        """A run_batch worker's wait while its caller hosts (loop/host.py): the host drives, not this thread (the
-        waiter asks it with ``_wake()`` once its call or request is in the inbox, then sleeps on its event)."""
-        return HOST.active and ARRIVALS.in_program()
+        """Whether this thread leaves the steps to another (the waiter asks with ``_wake()`` once its call or request
+        is in the inbox, then sleeps on its event): a run_batch worker while its caller hosts (loop/host.py), and a
+        pool thread (``acall``, the server's requests: :func:`never_drive`), whose OpenMP team would otherwise
+        live on beside the engine's and slow every thread's operations (host.py says why)."""
+        return (HOST.active and ARRIVALS.in_program()) or getattr(_local, "never", False)
 
     def _drive_pending(self) -> None:
         """Run steps until no call is left, in this thread (run_batch's host), unless someone drives already."""

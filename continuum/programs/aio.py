@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..loop.cancel import Cancelled, CancelToken, bound, current
+from ..loop.driving import never_drive
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
 
@@ -38,6 +39,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _call(token: CancelToken, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    never_drive()  # (the engine's own thread computes: loop/driving.py)
     with bound(token):
         return fn(*args, **kwargs)
 
@@ -62,6 +64,7 @@ def _produce(stream, token: CancelToken, put: Callable[[str, Any], None]) -> Non
 
     A plain function (not a method of :class:`AsyncStream`): the worker must not keep the async stream
     alive, so that dropping it (``break`` out of ``async for``) cancels the call."""
+    never_drive()
     with bound(token):
         try:
             for chunk in stream:

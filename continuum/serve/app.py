@@ -22,6 +22,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ..loop.driving import never_drive
 from .errors import APIError, Guard, install_handlers
 from .queue import ADMITTED, ARRIVAL
 from .retention import RetentionTimer
@@ -29,6 +30,14 @@ from .served import ServedModel
 from .stores import open_store
 
 __all__ = ["Context", "ServeConfig", "create_app"]
+
+
+def _pooled(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` for anyio's worker pool: the thread never drives the engine (loop/driving.never_drive)."""
+    def run() -> Any:
+        never_drive()
+        return fn()
+    return run
 
 
 @dataclass
@@ -97,13 +106,14 @@ class Context:
         waiting for the model while it waits for a thread (``--max-queue``: 503 past it), and no longer once the
         thread starts it or its client leaves (a cancelled wait frees its place at once)."""
         if not reply:
-            return await anyio.to_thread.run_sync(fn, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(_pooled(fn), limiter=self.limiter)
         self.served.queue.enter()
         started = False
 
         def work() -> Any:
             nonlocal started
             started = True
+            never_drive()  # (the engine's own thread computes: loop/driving.py)
             self.served.queue.leave()
             ADMITTED.set(True)  # (this thread's copy of the request's context: it waited, it is not refused now)
             return fn()
