@@ -24,6 +24,7 @@ import httpx
 
 from ... import errors
 from ...errors import ContinuumError, RemoteError
+from ...loop.arrivals import GATE
 from .wire import TUNNEL
 
 __all__ = ["Client", "load_tokenizer"]
@@ -70,6 +71,10 @@ class Client:
                            f"a restart on the same --store).")
 
     def _send(self, method: str, path: str, body: dict | None) -> dict:
+        with GATE.waiting():  # (a wait on the network: other callers' Python runs meanwhile, loop/arrivals.Gate)
+            return self._send_now(method, path, body)
+
+    def _send_now(self, method: str, path: str, body: dict | None) -> dict:
         deadline = time.monotonic() + _BUSY_WAIT_S
         retried = False
         while True:
@@ -99,6 +104,10 @@ class Client:
         first event is raised as :meth:`post` raises it; an error event mid-stream as the class it names. A connection
         that breaks before any event is sent once more (the call id makes it safe); after one, it is a
         :class:`RemoteError` (the chunks already read cannot be taken back)."""
+        with GATE.waiting():  # (a wait on the network, as in _send)
+            yield from self._stream_now(path, body)
+
+    def _stream_now(self, path: str, body: dict) -> Iterator[dict]:
         deadline = time.monotonic() + _BUSY_WAIT_S
         retried, started = False, False
         while True:
