@@ -139,6 +139,9 @@ class Gate:
 
     @contextmanager
     def held(self) -> Iterator[None]:
+        if getattr(self._local, "exempt", False):  # (a thread running the engine's steps never waits here)
+            yield
+            return
         depth = getattr(self._local, "depth", 0)
         if not depth:
             self._sem.acquire()
@@ -149,6 +152,17 @@ class Gate:
             self._local.depth -= 1
             if not self._local.depth:
                 self._sem.release()
+
+    @contextmanager
+    def exempt(self) -> Iterator[None]:
+        """Around a thread's run of the engine's steps: the calls' code it resumes (which may slice or add states)
+        does not take the gate, so a step never waits for callers that may wait for it (a model's lock)."""
+        before = getattr(self._local, "exempt", False)
+        self._local.exempt = True
+        try:
+            yield
+        finally:
+            self._local.exempt = before
 
     @contextmanager
     def waiting(self) -> Iterator[None]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ContinuumError
 from ..models.request import Request
-from .arrivals import ARRIVALS
+from .arrivals import ARRIVALS, GATE
 from .call import Call
 from .host import HOST
 
@@ -56,8 +56,9 @@ class Driving:
             item.event.wait()
             return
         try:
-            while not item.done:
-                self._step()
+            with GATE.exempt():
+                while not item.done:
+                    self._step()
         finally:
             self._release()
 
@@ -106,11 +107,12 @@ class Driving:
                     self._cond.wait()
                 self._driver = me
             try:
-                while True:
-                    self._step()
-                    with self._cond:
-                        if not self._has_work():
-                            break
+                with GATE.exempt():
+                    while True:
+                        self._step()
+                        with self._cond:
+                            if not self._has_work():
+                                break
             except BaseException as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, keep serving)
                 self._fail_all(exc)
             finally:
@@ -133,11 +135,12 @@ class Driving:
                 return
             self._driver = threading.get_ident()
         try:
-            while True:
-                self._step()
-                with self._cond:
-                    if not self._has_work():
-                        break
+            with GATE.exempt():
+                while True:
+                    self._step()
+                    with self._cond:
+                        if not self._has_work():
+                            break
         except Exception as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, as its thread does)
             self._fail_all(exc)
         finally:
