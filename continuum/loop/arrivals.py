@@ -22,12 +22,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
 
-__all__ = ["Arrivals", "ARRIVALS", "Gate", "GATE", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S", "GATHER_MAX_S"]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+__all__ = ["Arrivals", "ARRIVALS", "Gate", "GATE", "gated", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S", "GATHER_MAX_S"]
 
 GATHER_MIN_S, GATHER_CAP_S = 0.001, 0.02  # the bounds of a step's wait for calls on their way
 GATHER_NEXT_S = 0.005  # after an arrival, how long the next one is waited for (a thread's start and setup)
@@ -181,3 +186,12 @@ class Gate:
 
 ARRIVALS = Arrivals()  # the process's (every engine waits for the same callers)
 GATE = Gate()
+
+
+def gated(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` run holding :data:`GATE` (continuum's own Python, few threads at once: no GIL convoy)."""
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        with GATE.held():
+            return fn(*args, **kwargs)
+    return run

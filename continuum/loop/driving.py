@@ -107,12 +107,7 @@ class Driving:
                     self._cond.wait()
                 self._driver = me
             try:
-                with GATE.exempt():
-                    while True:
-                        self._step()
-                        with self._cond:
-                            if not self._has_work():
-                                break
+                self._steps_while_work()
             except BaseException as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, keep serving)
                 self._fail_all(exc)
             finally:
@@ -128,6 +123,15 @@ class Driving:
         live on beside the engine's and slow every thread's operations (host.py says why)."""
         return (HOST.active and ARRIVALS.in_program()) or getattr(_local, "never", False)
 
+    def _steps_while_work(self) -> None:
+        """Steps, in this thread (the driver), until no call is left."""
+        with GATE.exempt():
+            while True:
+                self._step()
+                with self._cond:
+                    if not self._has_work():
+                        return
+
     def _drive_pending(self) -> None:
         """Run steps until no call is left, in this thread (run_batch's host), unless someone drives already."""
         with self._cond:
@@ -135,12 +139,7 @@ class Driving:
                 return
             self._driver = threading.get_ident()
         try:
-            with GATE.exempt():
-                while True:
-                    self._step()
-                    with self._cond:
-                        if not self._has_work():
-                            break
+            self._steps_while_work()
         except Exception as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, as its thread does)
             self._fail_all(exc)
         finally:

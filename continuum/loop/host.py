@@ -58,13 +58,8 @@ class Host:
                 with self._cond:
                     self._thread = None
                     left, self._pending = self._pending, []
-                from .driving import _ENGINES
-
-                for engine in left:  # (their own threads take over)
+                for engine in left:  # (their own threads take over; one with no work left sleeps until _wake)
                     engine._wake()
-                for engine in list(_ENGINES):  # (an engine's thread that deferred to the host looks again)
-                    with engine._cond:
-                        engine._cond.notify_all()
 
     def take(self, engine: Any) -> bool:
         """``engine`` has work and nobody drives it: the host will (True), or there is no host (False)."""

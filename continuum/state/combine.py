@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
+from ..loop.arrivals import gated
 from ..models import kv as kvcache
 from ..models.tokenizer import check_encodable
 from .convert import check_same_model
@@ -39,6 +40,7 @@ def per_row_texts(state: SequenceState, other: str | Sequence[str], op: str) -> 
     check_encodable(other, _ARGUMENT[op] + ": item")
     return [other[r // state.samples] for r in range(state.rows)]
 
+@gated  # (state + text in 128 threads at once: few in continuum's Python, loop/arrivals.Gate)
 def add(state: SequenceState, other) -> SequenceState:
     """``state + other``: append text (one string, one per batch row) or another state's text."""
     if isinstance(other, SequenceState):
@@ -98,6 +100,7 @@ def lead_space(state: SequenceState) -> SequenceState:
     return state._rebuild(cached, tails, state._weights, state._last)
 
 
+@gated
 def radd(state: SequenceState, other) -> SequenceState:
     """``text + state``: prepend text; the result is re-tokenized as a prompt (no cache)."""
     if not isinstance(other, (str, list, tuple)):

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from ..errors import BatchMismatch, ContinuumTypeError
-from ..loop.arrivals import GATE
 from ..models import kv as kvcache
 from .laststep import LastStep, read_values
+from .layout import NAN as _NAN
+from .layout import right_aligned
 
 __all__ = ["SequenceState", "LastStep"]
 
-_NAN = float("nan")
 
 
 def _as_list(value: Any) -> list:
@@ -89,7 +89,7 @@ class SequenceState:
     @classmethod
     def _from_rows(cls, model, rows: list[list[int]], lps: list[list[float]], weights: torch.Tensor, batch: int,
                    samples: int, last: LastStep | None) -> SequenceState:
-        ids, mask, lp = _right_aligned(rows, lps, model.tokenizer.pad_token_id, model.device)
+        ids, mask, lp = right_aligned(rows, lps, model.tokenizer.pad_token_id, model.device)
         return cls(model=model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=None, batch=batch,
                    samples=samples, last=last)
 
@@ -119,7 +119,7 @@ class SequenceState:
             C2 = int(last_col.max()) + 1
         else:
             C2 = 0
-        tail_ids, tail_mask, tail_lp = _right_aligned([t for t, _ in tails], [p for _, p in tails],
+        tail_ids, tail_mask, tail_lp = right_aligned([t for t, _ in tails], [p for _, p in tails],
                                                       self._model.tokenizer.pad_token_id, device)
         kv = kvcache.crop(self._kv, C2)
         if C2 and not torch.equal(kept[:, :C2], region[:, :C2].bool()):
@@ -131,8 +131,7 @@ class SequenceState:
             lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
         else:
             ids, mask, lp = tail_ids, tail_mask, tail_lp
-        # (compact only what a cut made smaller: appending keeps the storage this state already viewed, e.g. its
-        # rows of a joint call's result, loop/coalesce.py)
+        # (compact only what a cut made smaller: appending keeps what this state viewed, e.g. a joint call's rows)
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
                              kv=kvcache.compact(kv) if C2 < C else kv, batch=self.batch, samples=self.samples, last=last)
 
@@ -277,7 +276,7 @@ class SequenceState:
     def _compact(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "compact" not in self._cache:
             real = self._real_rows()
-            self._cache["compact"] = _right_aligned([r for r, _ in real], [p for _, p in real],
+            self._cache["compact"] = right_aligned([r for r, _ in real], [p for _, p in real],
                                                     self._model.tokenizer.pad_token_id, self._ids.device)
         return self._cache["compact"]
 
@@ -334,20 +333,17 @@ class SequenceState:
 
     # ------------------------------------------------------------------ indexing, adding, stacking, persistence
     def __getitem__(self, key) -> SequenceState | str | list[str]:
-        with GATE.held():  # (few threads in continuum's Python at once: loop/arrivals.Gate)
-            return indexing.getitem(self, key)
+        return indexing.getitem(self, key)
 
     def _truncate(self, ends: Sequence[int]) -> SequenceState:
         """Keep the first ``ends[r]`` characters of each row, reusing the cache of what stays."""
         return indexing.truncate(self, ends)
 
     def __add__(self, other) -> SequenceState:
-        with GATE.held():
-            return combine.add(self, other)
+        return combine.add(self, other)
 
     def __radd__(self, other) -> SequenceState:
-        with GATE.held():
-            return combine.radd(self, other)
+        return combine.radd(self, other)
 
     @staticmethod
     def stack(states: Sequence[SequenceState]) -> SequenceState:
@@ -386,24 +382,6 @@ class SequenceState:
         ``"continuum"`` logger; the next generator recomputes it in one pass.
         """
         return persistence.load(path, model)
-
-
-def _right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]], pad: int,
-                   device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad ragged rows into (ids, mask, logprobs) tensors."""
-    width = max((len(r) for r in rows), default=0)
-    if width and all(len(r) == width for r in rows):  # (no padding: a lone prompt, a joint call's rows)
-        return (torch.tensor(rows, dtype=torch.long).to(device), torch.ones((len(rows), width), dtype=torch.long).to(device),
-                torch.tensor(lps, dtype=torch.float32).to(device))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    lp = torch.full((len(rows), width), _NAN, dtype=torch.float32)
-    for i, (r, row_lps) in enumerate(zip(rows, lps)):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-            mask[i, width - len(r):] = 1
-            lp[i, width - len(r):] = torch.tensor(row_lps, dtype=torch.float32)
-    return ids.to(device), mask.to(device), lp.to(device)
 
 
 # the operations live in their own modules; they import this one, so they are bound here, last

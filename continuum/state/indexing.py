@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import SlicingError
+from ..loop.arrivals import gated
 from .combine import first_text
 from .core import _NAN, SequenceState
 from .text import byte_token_prefix, longest_token_prefix, token_char_spans
@@ -20,6 +21,7 @@ from .text import byte_token_prefix, longest_token_prefix, token_char_spans
 __all__ = ["getitem", "slice_chars", "truncate", "resegment"]
 
 
+@gated
 def getitem(state: SequenceState, key) -> SequenceState | str | list[str]:
     """``state[key]``: select batch/sample rows and cut text (see :class:`SequenceState`)."""
     key = key if isinstance(key, tuple) else (key,)

@@ -28,7 +28,7 @@ from ...errors import BackendError, GeneratorArgumentError, ModelLoadError, Remo
 from ...loop.checks import check_rng
 from ...loop.decoding import Step
 from ...state import SequenceState
-from ...state.core import _right_aligned
+from ...state.layout import right_aligned
 from ..identity import ModelFingerprint
 from .client import Client, load_tokenizer
 from .handle import RemoteKV
@@ -214,9 +214,9 @@ def layout(model: RemoteModel, rows: Sequence[tuple[list[int], list[float]]], ca
     covered tokens right-aligned in the first columns, the rest after them (the layout every state has: KV columns
     first, the uncached suffix last, so the algebra cuts and stacks it like any other)."""
     pad = model.tokenizer.pad_token_id
-    head = _right_aligned([ids[:c] for (ids, _), c in zip(rows, cached)], [lp[:c] for (_, lp), c in zip(rows, cached)],
+    head = right_aligned([ids[:c] for (ids, _), c in zip(rows, cached)], [lp[:c] for (_, lp), c in zip(rows, cached)],
                           pad, model.device)
-    tail = _right_aligned([ids[c:] for (ids, _), c in zip(rows, cached)], [lp[c:] for (_, lp), c in zip(rows, cached)],
+    tail = right_aligned([ids[c:] for (ids, _), c in zip(rows, cached)], [lp[c:] for (_, lp), c in zip(rows, cached)],
                           pad, model.device)
     width = head[0].shape[1]
     kv = RemoteKV(tuple((stored, r) for r in range(len(rows))), width) if width else None
