@@ -26,7 +26,9 @@ from ..samplers import MultinomialSampler, Sampler
 from ..state import SequenceState
 from ..state.combine import concat_samples
 from . import cancel
+from .arrivals import GATE
 from .checks import check_continuable, check_lengths, check_max_tokens, check_rng
+from .driving import never_drive
 
 __all__ = ["needs_turns", "in_turns", "apart", "choice_prompts", "in_parts"]
 
@@ -176,6 +178,7 @@ def _runner(token: cancel.CancelToken, loop: Callable[..., Generator[Any, None, 
     or, set here, the call's own, cancelled when the caller is interrupted or a part fails (the others stop at their
     next step)."""
     def run(job: tuple) -> Any:
+        never_drive()  # (a short-lived thread: the engine's own thread, or run_batch's host, computes)
         try:
             with cancel.bound(token):
                 steps = loop(*job)
@@ -201,7 +204,12 @@ def _at_once(state: SequenceState, part_rows: int) -> int:
 def _run_all(run: Callable[[Any], Any], jobs: list, token: cancel.CancelToken, at_once: int) -> list:
     """The parts on ``at_once`` worker threads, results in order. The first failure (or the caller's Ctrl-C while it
     waits) cancels the others, which leave at their next step (those not started never start); the caller gets that
-    first error, the cancelled parts' own errors dropped."""
+    first error, the cancelled parts' own errors dropped. The caller waits off the gate: the parts need it."""
+    with GATE.waiting():
+        return _run_parts(run, jobs, token, at_once)
+
+
+def _run_parts(run: Callable[[Any], Any], jobs: list, token: cancel.CancelToken, at_once: int) -> list:
     pool = ThreadPoolExecutor(min(len(jobs), at_once), thread_name_prefix="continuum-turns")
     futures = [pool.submit(run, job) for job in jobs]
     try:
