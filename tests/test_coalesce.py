@@ -138,3 +138,36 @@ def test_joint_choices_on_llama_cpp_pick_what_llama_cpp_scores_best():
             assert c.value == best
         gain = float(c.weights[0, 0]) - float(base.weights[0, 0])  # (a state's weight sums every step's)
         assert abs(gain - ref[c.value]) < DECODE_TOL["f32"]
+
+
+def test_a_thread_blocked_while_holding_the_gate_never_hangs_the_others(monkeypatch):
+    """The gate (continuum's own Python, a few threads at once) is released around every wait continuum knows of;
+    were a holder blocked on something else, another thread goes on without it after GATE_WAIT_S, and the gate's
+    count stays whole (nothing released twice)."""
+    import threading
+    import time
+
+    from continuum.loop import arrivals
+
+    monkeypatch.setattr(arrivals, "GATE_WAIT_S", 0.2)
+    gate, holding, release = arrivals.Gate(1), threading.Event(), threading.Event()
+
+    def holder():
+        with gate.held():
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    holding.wait(5)
+    start = time.perf_counter()
+    with gate.held():
+        waited = time.perf_counter() - start
+    assert 0.15 < waited < 2
+    release.set()
+    t.join(5)
+    start = time.perf_counter()
+    with gate.held(), gate.waiting():
+        pass
+    assert time.perf_counter() - start < 0.1  # (free again, once: the timed-out holder released nothing)
+    assert gate._sem.acquire(blocking=False) and not gate._sem.acquire(blocking=False)

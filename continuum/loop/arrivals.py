@@ -23,12 +23,14 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ParamSpec, TypeVar
 
+log = logging.getLogger("continuum")
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -37,6 +39,7 @@ __all__ = ["Arrivals", "ARRIVALS", "Gate", "GATE", "gated", "GATHER_MIN_S", "GAT
 GATHER_MIN_S, GATHER_CAP_S = 0.001, 0.02  # the bounds of a step's wait for calls on their way
 GATHER_NEXT_S = 0.005  # after an arrival, how long the next one is waited for (a thread's start and setup)
 GATHER_MAX_S = 0.1  # the longest a step waits while arrivals keep coming
+GATE_WAIT_S = 2.0  # the longest a thread waits for the gate before going on without it (Gate._take)
 
 
 class Arrivals:
@@ -149,14 +152,21 @@ class Gate:
             return
         depth = getattr(self._local, "depth", 0)
         if not depth:
-            self._sem.acquire()
+            self._take()
         self._local.depth = depth + 1
         try:
             yield
         finally:
             self._local.depth -= 1
-            if not self._local.depth:
+            if not self._local.depth and self._local.owned:
                 self._sem.release()
+
+    def _take(self) -> None:
+        """Take the gate, or go on without it after ``GATE_WAIT_S``: a holder blocked on something that needs this
+        thread would otherwise hang both (every wait continuum knows of releases the gate; this is the net)."""
+        self._local.owned = self._sem.acquire(timeout=GATE_WAIT_S)
+        if not self._local.owned:
+            log.debug("the gate was not free within %.0f s: going on without it", GATE_WAIT_S)
 
     @contextmanager
     def exempt(self) -> Iterator[None]:
@@ -175,12 +185,13 @@ class Gate:
         depth = getattr(self._local, "depth", 0)
         if depth:
             self._local.depth = 0
-            self._sem.release()
+            if self._local.owned:
+                self._sem.release()
         try:
             yield
         finally:
             if depth:
-                self._sem.acquire()
+                self._take()
                 self._local.depth = depth
 
 
