@@ -146,11 +146,24 @@ def test_database_restart_under_load_answers_503_then_recovers(cluster):
     load.stop()
     # meanwhile the clients got 503s, never another error, never a hang
     assert load.errors and all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in load.errors)
-    for _, r in load.returned:  # nothing returned is lost
-        assert second.client().responses.retrieve(r.id).output_text == r.output_text
+    for _, r in load.returned:  # nothing returned is lost (a replica whose pool is still reconnecting says 503: retry)
+        assert _retrieve_when_back(second, r.id).output_text == r.output_text
     assert _orphans(postgres.get_uri()) == 0
     log = second.log.read_text()
     assert "retention pass failed" in log and SECRET not in log  # (psycopg's pool warnings included)
+
+
+def _retrieve_when_back(server: Server, response_id: str, within: float = 30.0):
+    """``responses.retrieve``, retried while the replica answers 503 (its database pool reconnecting after a restart
+    backs off for a few seconds: the 503 says so, with Retry-After), for at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return server.client().responses.retrieve(response_id)
+        except openai.APIStatusError as exc:
+            if exc.status_code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_a_replica_started_without_its_database_says_so(model_dir, tmp_path):  # noqa: F811
