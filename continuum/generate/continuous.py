@@ -8,7 +8,7 @@ from typing import cast
 import torch
 
 from ..errors import ContinuumTypeError
-from ..loop.arrivals import GATE
+from ..loop.arrivals import gated
 from ..loop.decoding import check_max_tokens
 from ..programs.aio import AsyncStream, to_thread
 from ..state import SequenceState
@@ -54,12 +54,12 @@ class ContinuousGenerator:
         # that model's cache and is recomputed in one pass; another tokenizer raises TokenizerMismatch.
         return state.to_model(self.generator.model)
 
+    @gated  # (continuum's own Python, few threads at once: no GIL convoy; released while waiting)
     def __call__(self, inputs: Input, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
                  rng: torch.Generator | None = None) -> SequenceState:
         """Generate from ``inputs`` and return the new state (the input is never modified)."""
         check_max_tokens(max_tokens)
-        with GATE.held():  # (continuum's own Python, few threads at once: no GIL convoy; released while waiting)
-            return self.generator._run(self._state(inputs), max_tokens, stop_at, rng)
+        return self.generator._run(self._state(inputs), max_tokens, stop_at, rng)
 
     def stream(self, inputs: Input, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
                rng: torch.Generator | None = None) -> Stream:

@@ -14,7 +14,7 @@ from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop import coalesce
-from ..loop.arrivals import GATE
+from ..loop.arrivals import gated
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
 from ..programs.aio import AsyncStream, to_thread
@@ -215,6 +215,7 @@ class Generator:
             return value
         return [value]  # a list of one prompt gives a list
 
+    @gated  # (continuum's own Python, few threads at once: no GIL convoy; released while waiting)
     def __call__(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
                  rng: torch.Generator | None = None):
         """Generate for one prompt (returns a value) or a list of prompts (returns a list).
@@ -222,9 +223,8 @@ class Generator:
         With several samples or beams, each prompt gets a list of values (beams best first).
         """
         check_max_tokens(max_tokens)
-        with GATE.held():  # (continuum's own Python, few threads at once: no GIL convoy; released while waiting)
-            state = self._run(self._prompt_state(prompts), max_tokens, stop_at, rng)
-            return self._value(prompts, state)
+        state = self._run(self._prompt_state(prompts), max_tokens, stop_at, rng)
+        return self._value(prompts, state)
 
     def stream(self, prompts: Prompt, max_tokens: int | None = None, stop_at: str | Sequence[str] | None = None,
                rng: torch.Generator | None = None) -> Stream:

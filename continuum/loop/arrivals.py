@@ -98,7 +98,7 @@ class Arrivals:
 
     def resumed(self) -> None:
         """This thread woke from a wait on the engine: inside a program, it is on its way to its next call."""
-        if getattr(self._local, "program", 0):
+        if self.in_program():
             self.arrive()
 
     @contextmanager

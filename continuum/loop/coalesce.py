@@ -7,7 +7,7 @@ the same rows pays it once. So a call made inside a ``run_batch`` program waits,
 (:mod:`.arrivals`), while other instances are on their way to a call; every call of the same generator, with
 the same arguments, that arrived meanwhile runs as one call on the stacked states
 (:meth:`~continuum.SequenceState.stack`), and each caller gets its own rows back, as a state of its own
-(``SequenceState._select``: compact, its own cache). A list call computes each row as it would alone
+(views of the joint result, or a copy of its rows: :func:`_split`). A list call computes each row as it would alone
 (invariant 1), so the callers get what they would alone.
 
 Only calls whose result cannot depend on their company join: greedy sampling (a draw would depend on which
@@ -145,14 +145,14 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
     one's storage alive. Another backend's handle selects its rows (``_select``)."""
     out, row, samples = [], 0, joint.samples
     C = kvcache.length(joint._kv)
-    views = joint._kv is None or not kvcache.is_handle(joint._kv)
     real = joint._mask != 0
     first = real.to(torch.int8).argmax(1).tolist()  # each row's first real column
-    suffix_real = real[:, C:].all(0)  # the uncached suffix: right-aligned, so real in every row (else: _select)
+    # views: transformers' tensors, and an uncached suffix real in every row (right-aligned; else _select drops holes)
+    views = (joint._kv is None or not kvcache.is_handle(joint._kv)) and bool(real[:, C:].all())
     for s in states:
         n = s.batch * samples
         lead = min(min(first[row:row + n]), C)
-        if views and bool(suffix_real.all()) and 2 * (C - lead) >= C:
+        if views and 2 * (C - lead) >= C:
             last = joint._last.select(range(row, row + n)) if joint._last is not None else None
             kv = None if joint._kv is None or lead == C else tuple(
                 (k[row:row + n, :, lead:], v[row:row + n, :, lead:]) for k, v in joint._kv)

@@ -1,13 +1,13 @@
 """The objects alive when ``run_batch`` starts, kept out of the garbage collector's full collections while it runs.
 
 A full collection (CPython's generation 2) walks every tracked object, and after importing torch and
-transformers that is ~400,000 of them: ~180 ms each on a 2-core machine. A ``run_batch`` of many programs
-allocates fast enough (states, their rows, the threads' frames) to trigger one every few hundred
-milliseconds, and each pause stops every thread: B22b at 128 programs took 0.83-0.95 s a run with them,
-0.52 s without. ``gc.freeze()`` moves every object tracked now to a permanent generation that collections
-skip (vLLM freezes its heap once its engine has started, for the same pauses); ``gc.unfreeze()`` when the
-last running ``run_batch`` ends gives them back, so nothing is kept for good: a cycle that became garbage
-meanwhile is collected by the next full collection. Nested and concurrent ``run_batch`` calls freeze once.
+transformers that is ~386,000 of them: ~180 ms each on a 2-core machine, every thread stopped meanwhile. A
+``run_batch`` of many programs allocates enough (states, their rows, the threads' frames) to trigger them:
+4 runs of B22b at 128 programs paid 1-2 full collections, 210-465 ms in all; frozen, none. ``gc.freeze()``
+moves every object tracked now to a permanent generation that collections skip (vLLM freezes its heap once its
+engine has started, for the same pauses); ``gc.unfreeze()`` when the last running ``run_batch`` ends gives them
+back, so nothing is kept for good: a cycle that became garbage meanwhile is collected by the next full
+collection. Nested and concurrent ``run_batch`` calls freeze once.
 ``CONTINUUM_GC_FREEZE=0`` turns it off.
 
 Example:

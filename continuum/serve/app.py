@@ -113,13 +113,12 @@ class Context:
         def work() -> Any:
             nonlocal started
             started = True
-            never_drive()  # (the engine's own thread computes: loop/driving.py)
             self.served.queue.leave()
             ADMITTED.set(True)  # (this thread's copy of the request's context: it waited, it is not refused now)
             return fn()
 
         try:
-            return await anyio.to_thread.run_sync(work, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(_pooled(work), limiter=self.limiter)
         finally:
             if not started:
                 self.served.queue.leave()

@@ -34,7 +34,6 @@ from .layout import right_aligned
 __all__ = ["SequenceState", "LastStep"]
 
 
-
 def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else [value]
 
