@@ -7,8 +7,9 @@ counts the completion tokens the servers report. The model is B26's (Gemma 3 270
   (200), p50 / p99 latency in the notes; the figure is the share answered (== 1.0).
 * B26d: ``continuum serve`` vs llama-server ``-np 16`` (per-slot KV, its defaults), 16 clients x 64 tokens:
   tokens/s ratio (>= 0.95x).
-* B26e: ``run_batch`` in process at 64 and 128 programs vs llama-server with as many slots and clients:
-  tokens/s ratio at the larger count (>= 0.8x), both counts in the notes.
+* B26e: ``run_batch`` in process at 32, 64 and 128 programs vs llama-server with as many slots and clients:
+  tokens/s ratio at the largest count (>= 0.9x, issue 57), every count in the notes.
+  (That throughput grows with load is B26a's row: 128 programs against the best at fewer.)
 
 llama-server is a C++ build (``cmake --build build --target llama-server`` in llama-cpp-python's vendored
 llama.cpp, ~10 minutes on 2 cores): B26d and B26e run when ``LLAMA_SERVER`` names the binary, else they are skipped
@@ -139,7 +140,7 @@ def b26_serve(bench: Bench, cfg) -> list[Row]:
                     notes=[f"model: {name}; {threads} threads each"]))
     from continuum import models
 
-    counts = [4, 8] if cfg.smoke else [64, 128]
+    counts = [2, 4, 8] if cfg.smoke else [32, 64, 128]
     tokens = 8 if cfg.smoke else 48
     model = models.llamacpp(path, n_threads=threads, n_ctx=16384)
     ours_e = [_throughput(model, n, tokens)[0] for n in counts]
@@ -152,7 +153,7 @@ def b26_serve(bench: Bench, cfg) -> list[Row]:
         finally:
             _stop(proc)
     rows.append(Row("B26e", f"run_batch vs llama-server (per-slot KV), {counts[-1]} programs / clients",
-                    f"llama-server -np {counts[-1]}", ours_e[-1] / theirs_e[-1], ">=", 0.8, "x tokens/s",
+                    f"llama-server -np {counts[-1]}", ours_e[-1] / theirs_e[-1], ">=", 0.9, "x tokens/s",
                     base_tps=theirs_e[-1], cont_tps=ours_e[-1],
                     notes=[f"model: {name}; {tokens} tokens each; " + ", ".join(
                         f"{n}: {a:.0f} vs {b:.0f} tokens/s" for n, a, b in zip(counts, ours_e, theirs_e))]))

@@ -140,7 +140,7 @@ def test_samples_with_a_seeded_rng_and_beams_across_turns(remote, local):
     assert torch.equal(rest, rest_local)
 
 
-def test_run_batch_of_32_equals_local(remote, local):
+def test_run_batch_of_32_equals_local(server, remote, local):
     from continuum import continuous, generate, run_batch, samplers
 
     def program_for(model):
@@ -154,11 +154,25 @@ def test_run_batch_of_32_equals_local(remote, local):
 
     names = [f"{n}{suffix}" for suffix in ("", " Lee", " and Tim", " Smith") for n in
              ["Tom", "Lily", "Sue", "Max", "Ben", "Amy", "Sam", "Zoe"]]
+    joined = _joined(server)
     got = run_batch(program_for(remote), names, concurrency=32)
     want = run_batch(program_for(local), names, concurrency=32)
     assert len(got) == len(want) == 32
     for a, b in zip(got, want):
         same(a, b)
+    # the 32 requests of each stage reached the server together: the server ran some of them as one list call
+    # (loop/coalesce), and each still got what it gets alone (above)
+    assert _joined(server) - joined >= 2
+
+
+def _joined(server) -> int:
+    """Requests' calls the server ran inside joint calls so far, from its ``/metrics``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    return int(next(f for f in text_string_to_metric_families(text)
+                    if f.name == "continuum:calls_joined").samples[0].value)
 
 
 def test_streams_send_each_step_as_the_server_decodes_and_join_to_the_local_state(remote, local):

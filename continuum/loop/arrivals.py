@@ -80,6 +80,12 @@ class Arrivals:
             self.arrived()
         self._local.counted = True
 
+    def forget(self) -> None:
+        """A thread announced by :meth:`expect` that will not come (a server request whose worker never started)."""
+        with self._cond:
+            self.count -= 1
+            self._cond.notify_all()
+
     @contextmanager
     def program(self) -> Iterator[None]:
         """A ``run_batch`` worker runs one program: it is arriving whenever it is not waiting on the engine

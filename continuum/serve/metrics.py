@@ -96,6 +96,8 @@ def install_metrics(app: FastAPI, ctx: Any) -> None:
     if tally is not None:
         tally.on_timing = lambda op, seconds: store.labels(name, op).observe(seconds)
 
+    from ..loop import coalesce
+
     def live() -> list[tuple[str, str, float]]:
         # the engine's scheduler counts its parks (continuum/loop/scheduler.py): a parked call is vLLM's preempted
         # request (out of the steps, its KV spilled, resumed later), so the one count is exposed under both names
@@ -103,6 +105,9 @@ def install_metrics(app: FastAPI, ctx: Any) -> None:
         out = [("vllm:num_preemptions", "Calls preempted: parked (their KV spilled) for want of room in the KV pool",
                 parked),
                ("continuum:parked_calls", "Calls parked (their KV spilled) for want of room in the KV pool", parked)]
+        joint = coalesce.stats()  # (the process's: calls that clients sent together, run as one list call)
+        out += [("continuum:joint_calls", "List calls that ran several requests' greedy calls as one", joint["joint_calls"]),
+                ("continuum:calls_joined", "Requests' calls run inside a joint call", joint["calls_joined"])]
         if tally is not None:
             out += [("continuum:store_states_loaded", "States loaded from the store (not resident)", tally.loads),
                     ("continuum:store_states_resident", "States continued from memory (no load)", tally.resident)]

@@ -35,6 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ..errors import GeneratorArgumentError
+from ..loop.arrivals import ARRIVALS
 from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from
 from .chat_completions import STREAM_HEADERS
 from .errors import APIError, from_exception
@@ -155,6 +156,7 @@ class Native:
         before = self.model.tokens_computed
         out = self._run(gen, state, req, rng, emit, cancelled)
         positions = self.model.tokens_computed - before  # (the model's counter: exact while this call runs alone)
+        ARRIVALS.arrived()  # (the store's write below is not on the way to a call: steps do not wait for it)
         answer = {"id": sid, "object": "continuum.generation", "batch": out.batch, "samples": out.samples,
                   "rows": answer_rows(state, out), "last": last_json(out._last), "rng": rng_json(rng),
                   "usage": {"positions": positions, "cached_tokens": sum(state._cached_real())}}
@@ -193,6 +195,35 @@ class Native:
                 sent = texts
         finally:
             steps.close()  # (a cancelled stream leaves the decoding loop: its rows freed)
+
+
+class _OnItsWay:
+    """A plain (unstreamed) generate call, counted as on its way to the engine (:mod:`continuum.loop.arrivals`) from
+    its route on, and run as a ``run_batch`` program is: calls of one generator with the same arguments that clients
+    send together run as ONE list call (:mod:`continuum.loop.coalesce`: greedy calls only, each row what it would
+    be alone), and the first one's wait for the others sees those still in the event loop or waiting for a thread.
+    ``close`` after the call: a worker that never started gives its count back."""
+
+    __slots__ = ("_lock", "_taken")
+
+    def __init__(self) -> None:
+        self._lock, self._taken = threading.Lock(), False
+        ARRIVALS.expect()
+
+    def _take(self) -> bool:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        return not taken
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        if self._take():
+            ARRIVALS.claim()  # (this worker's from now: program() counts it while it is not waiting on the engine)
+        with ARRIVALS.program():
+            return fn()
+
+    def close(self) -> None:
+        if self._take():
+            ARRIVALS.forget()
 
 
 def _common(a: str, b: str) -> int:
@@ -243,7 +274,11 @@ def register(app: FastAPI, ctx: Any) -> None:
         if req.model is not None:
             ctx.check_model(req.model)
         if not req.stream:  # (the answer's JSON written at once: no FastAPI encoding pass over every id and log-prob)
-            answer = await ctx.run(lambda: native.generate(req, owner), reply=True)
+            way = _OnItsWay()
+            try:
+                answer = await ctx.run(lambda: way.run(lambda: native.generate(req, owner)), reply=True)
+            finally:
+                way.close()
             return Response(_ANSWER.dump_json(answer), media_type="application/json")
         stream = ThreadStream(lambda emit, cancelled: native.generate(req, owner, emit, cancelled))
         first = await stream.get()
