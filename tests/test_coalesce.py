@@ -52,6 +52,40 @@ def test_chains_run_as_joint_calls_and_equal_each_alone(model):
     assert joined["joint_failures"] == 0
 
 
+def test_acalls_gathered_together_join_and_equal_each_alone(model):
+    """``asyncio.gather`` of acalls (a chain of awaits per input): the calls handed to the worker pool together run
+    as joint calls, and each task gets what it gets alone; a task cancelled meanwhile takes nothing from the others."""
+    import asyncio
+
+    text = continuous(generate.text(model, samplers.greedy()))
+    pick = continuous(generate.choice(model, [" happy", " sad", " angry"], samplers.greedy()))
+
+    async def program(prompt: str):
+        s = await text.acall(prompt, max_tokens=6)
+        return s, await pick.acall(s + "\nMood:")
+
+    async def main():
+        return await asyncio.gather(*(program(p) for p in PROMPTS))
+
+    async def with_a_cancelled_task():
+        tasks = [asyncio.ensure_future(program(p)) for p in PROMPTS[:8]]
+        await asyncio.sleep(0)
+        tasks[3].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    solo = [(text(p, max_tokens=6),) for p in PROMPTS]
+    solo = [(s, pick(s + "\nMood:")) for (s,) in solo]
+    coalesce.reset_stats()
+    got = asyncio.run(main())
+    joined = coalesce.stats()
+    assert all(same(a, b) for a, b in zip(got, solo))
+    assert joined["calls_joined"] >= len(PROMPTS) and joined["joint_calls"] <= 0.5 * joined["calls_joined"], joined
+    assert_reuse_exact(got[5][1])
+    rest = asyncio.run(with_a_cancelled_task())
+    assert isinstance(rest[3], asyncio.CancelledError)
+    assert all(same(a, b) for i, (a, b) in enumerate(zip(rest, solo)) if i != 3)
+
+
 def test_a_failing_call_reaches_its_own_program_only(gpt2_model):
     """One input is too long for the model's context: the joint call fails, so each caller runs alone; that program
     gets ContextLengthError, the others what they get alone."""

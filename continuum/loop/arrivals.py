@@ -34,7 +34,8 @@ log = logging.getLogger("continuum")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-__all__ = ["Arrivals", "ARRIVALS", "Gate", "GATE", "gated", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S", "GATHER_MAX_S"]
+__all__ = ["Arrivals", "ARRIVALS", "Handoff", "Gate", "GATE", "gated", "GATHER_MIN_S", "GATHER_CAP_S", "GATHER_NEXT_S",
+           "GATHER_MAX_S"]
 
 GATHER_MIN_S, GATHER_CAP_S = 0.001, 0.02  # the bounds of a step's wait for calls on their way
 GATHER_NEXT_S = 0.005  # after an arrival, how long the next one is waited for (a thread's start and setup)
@@ -199,6 +200,44 @@ class Gate:
             if depth:
                 self._take()
                 self._local.depth = depth
+
+
+class Handoff:
+    """A call handed to another thread (``acall``'s worker pool, a server's request threads), counted as on its way
+    to the engine from the moment it is handed over, and run there as a ``run_batch`` program is: calls of one
+    generator with the same arguments handed over together run as ONE list call (:mod:`.coalesce`; greedy calls
+    only, each row what it is alone), and the first one's wait for the others sees those still queued for a thread.
+
+    Example::
+
+        handoff = Handoff()                                  # in the thread that hands the call over
+        try:
+            result = pool.submit(handoff.run, call).result()
+        finally:
+            handoff.close()                                  # a worker that never started gives its count back
+    """
+
+    __slots__ = ("_lock", "_taken")
+
+    def __init__(self) -> None:
+        self._lock, self._taken = threading.Lock(), False
+        ARRIVALS.expect()
+
+    def _take(self) -> bool:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        return not taken
+
+    def run(self, fn: Callable[[], R]) -> R:
+        """In the worker: ``fn()``, counted as arriving whenever it is not waiting on the engine."""
+        if self._take():
+            ARRIVALS.claim()  # (this worker's from now on)
+        with ARRIVALS.program():
+            return fn()
+
+    def close(self) -> None:
+        if self._take():
+            ARRIVALS.forget()
 
 
 ARRIVALS = Arrivals()  # the process's (every engine waits for the same callers)

@@ -3,7 +3,8 @@
 The instances of a ``run_batch`` program make the same calls at about the same time (a chain's next call
 in every instance at once). Alone, each call pays its own Python: the state's text re-tokenized, the checks,
 its rows, choice scoring's tree and softmax, its finish (~1-3 ms a call, issue 57), while a list call over
-the same rows pays it once. So a call made inside a ``run_batch`` program waits, as the engine's step does
+the same rows pays it once. So a call made inside a ``run_batch`` program (or handed to a worker thread as one is:
+``acall``, a server's requests; :class:`~.arrivals.Handoff`) waits, as the engine's step does
 (:mod:`.arrivals`), while other instances are on their way to a call; every call of the same generator, with
 the same arguments, that arrived meanwhile runs as one call on the stacked states
 (:meth:`~continuum.SequenceState.stack`), and each caller gets its own rows back, as a state of its own
@@ -79,7 +80,7 @@ class _Cohort:
 
 def key_of(generator: Any, state: SequenceState, max_tokens: int | None, stop_at: Any, rng: Any) -> tuple | None:
     """What calls share to run as one (the generator, its arguments, the caller's run), or None: this call runs
-    alone (not inside a ``run_batch`` program, or its result could depend on its company; see the module)."""
+    alone (not inside a ``run_batch`` program or a handoff, or its result could depend on its company; see the module)."""
     if not ENABLED or rng is not None or not ARRIVALS.in_program() or not isinstance(generator.sampler, GreedySampler):
         return None
     last = state._last

@@ -2,8 +2,10 @@
 
 A generator call is a blocking call; here it runs on one of continuum's shared worker threads (a bounded
 pool of :data:`ASYNC_WORKERS`; a worker waiting for the engine holds no CPU), so the event loop stays free
-and concurrent ``acall``\\ s (``asyncio.gather``) are calls the model's engine runs in one step. A stream
-runs on a worker too and hands its chunks to the event loop through a queue.
+and concurrent ``acall``\\ s (``asyncio.gather``) are calls the model's engine runs in one step; greedy calls of
+one generator with the same arguments run as ONE list call, as ``run_batch``'s programs do
+(:class:`~continuum.loop.arrivals.Handoff`, :mod:`continuum.loop.coalesce`). A stream runs on a worker too and hands
+its chunks to the event loop through a queue.
 
 Cancellation is cooperative (:mod:`continuum.loop.cancel`): cancelling the awaiting task, or closing an
 async stream (``break`` out of ``async for``, ``aclose()``), stops the call at its next decoding step.
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ..loop.arrivals import Handoff
 from ..loop.cancel import Cancelled, CancelToken, bound, current
 from ..loop.driving import never_drive
 
@@ -38,10 +41,10 @@ def _pool() -> ThreadPoolExecutor:
         return _executor
 
 
-def _call(token: CancelToken, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _call(token: CancelToken, handoff: Handoff, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     never_drive()  # (the engine's own thread computes: loop/driving.py)
     with bound(token):
-        return fn(*args, **kwargs)
+        return handoff.run(lambda: fn(*args, **kwargs))
 
 
 async def to_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -49,7 +52,8 @@ async def to_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     at its next decoding step (the ``CancelledError`` is raised at once, the worker leaves right after)."""
     loop = asyncio.get_running_loop()
     token = CancelToken(parent=current())
-    future = loop.run_in_executor(_pool(), functools.partial(_call, token, fn, args, kwargs))
+    handoff = Handoff()  # (calls gathered together run as one list call where they can: loop/coalesce)
+    future = loop.run_in_executor(_pool(), functools.partial(_call, token, handoff, fn, args, kwargs))
     try:
         return await future
     except asyncio.CancelledError:
@@ -57,6 +61,8 @@ async def to_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
     except Cancelled:  # a parent token was cancelled: a BaseException must not escape into the event loop
         raise asyncio.CancelledError() from None
+    finally:
+        handoff.close()
 
 
 def _produce(stream, token: CancelToken, put: Callable[[str, Any], None]) -> None:

@@ -35,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ..errors import GeneratorArgumentError
-from ..loop.arrivals import ARRIVALS
+from ..loop.arrivals import ARRIVALS, Handoff
 from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from
 from .chat_completions import STREAM_HEADERS
 from .errors import APIError, from_exception
@@ -197,35 +197,6 @@ class Native:
             steps.close()  # (a cancelled stream leaves the decoding loop: its rows freed)
 
 
-class _OnItsWay:
-    """A plain (unstreamed) generate call, counted as on its way to the engine (:mod:`continuum.loop.arrivals`) from
-    its route on, and run as a ``run_batch`` program is: calls of one generator with the same arguments that clients
-    send together run as ONE list call (:mod:`continuum.loop.coalesce`: greedy calls only, each row what it would
-    be alone), and the first one's wait for the others sees those still in the event loop or waiting for a thread.
-    ``close`` after the call: a worker that never started gives its count back."""
-
-    __slots__ = ("_lock", "_taken")
-
-    def __init__(self) -> None:
-        self._lock, self._taken = threading.Lock(), False
-        ARRIVALS.expect()
-
-    def _take(self) -> bool:
-        with self._lock:
-            taken, self._taken = self._taken, True
-        return not taken
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        if self._take():
-            ARRIVALS.claim()  # (this worker's from now: program() counts it while it is not waiting on the engine)
-        with ARRIVALS.program():
-            return fn()
-
-    def close(self) -> None:
-        if self._take():
-            ARRIVALS.forget()
-
-
 def _common(a: str, b: str) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -274,11 +245,12 @@ def register(app: FastAPI, ctx: Any) -> None:
         if req.model is not None:
             ctx.check_model(req.model)
         if not req.stream:  # (the answer's JSON written at once: no FastAPI encoding pass over every id and log-prob)
-            way = _OnItsWay()
+            # counted as on its way from here: plain calls that clients send together run as one list call
+            handoff = Handoff()  # (loop/coalesce; greedy calls only, each row what it is alone)
             try:
-                answer = await ctx.run(lambda: way.run(lambda: native.generate(req, owner)), reply=True)
+                answer = await ctx.run(lambda: handoff.run(lambda: native.generate(req, owner)), reply=True)
             finally:
-                way.close()
+                handoff.close()
             return Response(_ANSWER.dump_json(answer), media_type="application/json")
         stream = ThreadStream(lambda emit, cancelled: native.generate(req, owner, emit, cancelled))
         first = await stream.get()
