@@ -1,9 +1,10 @@
 """``GET /metrics`` in Prometheus text format with the names routers and autoscalers read (vLLM's): requests
 running and waiting, KV cache usage, prompt and generation tokens, preemptions, time to first token (from the
 request's arrival), end-to-end latency; and continuum's own under ``continuum:``: cached prompt tokens, calls
-parked for room in the KV pool, states loaded from the store vs found resident, and the store's load and save
-latency. Every metric carries ``model_name`` (the served model's name), as vLLM's do: dashboards built for vLLM
-select on it. Each app has its own registry, so several apps in one process (tests) do not collide.
+parked for room in the KV pool, requests' calls run as one list call, states loaded from the store vs found
+resident, and the store's load and save latency. Every metric carries ``model_name`` (the served model's name), as
+vLLM's do: dashboards built for vLLM select on it. Each app has its own registry, so several apps in one process
+(tests) do not collide.
 
 Gauges and the engine's counters are read at scrape time (their owners keep the numbers); per-request
 figures are observed when a generation ends (``ReplyQueue.on_generation``) or a store loads or saves a
