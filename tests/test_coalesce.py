@@ -205,3 +205,39 @@ def test_a_thread_blocked_while_holding_the_gate_never_hangs_the_others(monkeypa
         pass
     assert time.perf_counter() - start < 0.1  # (free again, once: the timed-out holder released nothing)
     assert gate._sem.acquire(blocking=False) and not gate._sem.acquire(blocking=False)
+
+
+def test_a_handed_off_call_waits_for_company_briefly_while_others_keep_arriving(model):
+    """On a busy server someone is nearly always arriving. A handed-off call (acall, a server request) waits for
+    company at most GATHER_MAX_S (0.1 s), not a run_batch cohort's second: with an arrival every 10 ms throughout,
+    a lone greedy acall still returns in well under that second, and equals the call made alone."""
+    import asyncio
+    import threading
+    import time
+
+    from continuum.loop.arrivals import ARRIVALS
+
+    text = continuous(generate.text(model, samplers.greedy()))
+    want = text(PROMPTS[0], max_tokens=4)
+    stop = threading.Event()
+
+    def busy():  # other clients' requests being set up, one after another: someone is always arriving
+        while not stop.is_set():
+            ARRIVALS.arrive()
+            time.sleep(0.01)
+            ARRIVALS.arrived()
+
+    others = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
+    for t in others:
+        t.start()
+        time.sleep(0.005)
+    try:
+        start = time.perf_counter()
+        got = asyncio.run(text.acall(PROMPTS[0], max_tokens=4))
+        took = time.perf_counter() - start
+    finally:
+        stop.set()
+        for t in others:
+            t.join(5)
+    assert same(got, want)
+    assert took < 0.7, took  # (a run_batch cohort's leader would wait up to GATHER_S = 1 s here)

@@ -88,20 +88,29 @@ class Arrivals:
             self._cond.notify_all()
 
     @contextmanager
-    def program(self) -> Iterator[None]:
+    def program(self, patience: float | None = None) -> Iterator[None]:
         """A ``run_batch`` worker runs one program: it is arriving whenever it is not waiting on the engine
-        (:meth:`resumed` counts it again after each wait)."""
+        (:meth:`resumed` counts it again after each wait). ``patience``: the longest its calls wait for company
+        (:mod:`.coalesce`; None: the default, for a program's lockstep cohorts)."""
         self._local.program = getattr(self._local, "program", 0) + 1
+        before = getattr(self._local, "patience", None)
+        self._local.patience = patience
         self.arrive()
         try:
             yield
         finally:
             self._local.program -= 1
+            self._local.patience = before
             self.arrived()
 
     def in_program(self) -> bool:
         """Whether this thread runs a ``run_batch`` program (its calls may run as one: :mod:`.coalesce`)."""
         return bool(getattr(self._local, "program", 0))
+
+    def patience(self, default: float) -> float:
+        """The longest this thread's call waits for company: its program's ``patience``, else ``default``."""
+        mine = getattr(self._local, "patience", None)
+        return default if mine is None else mine
 
     def resumed(self) -> None:
         """This thread woke from a wait on the engine: inside a program, it is on its way to its next call."""
@@ -219,9 +228,12 @@ class Handoff:
 
     __slots__ = ("_lock", "_taken")
 
-    def __init__(self) -> None:
-        self._lock, self._taken = threading.Lock(), False
-        ARRIVALS.expect()
+    def __init__(self, early: bool = True) -> None:
+        """``early``: counted from now (the handing thread); else from the worker's start (a pool that may queue the
+        call for long: a server's, whose queued requests would otherwise hold every step's wait at its bound)."""
+        self._lock, self._taken = threading.Lock(), not early
+        if early:
+            ARRIVALS.expect()
 
     def _take(self) -> bool:
         with self._lock:
@@ -229,10 +241,12 @@ class Handoff:
         return not taken
 
     def run(self, fn: Callable[[], R]) -> R:
-        """In the worker: ``fn()``, counted as arriving whenever it is not waiting on the engine."""
+        """In the worker: ``fn()``, counted as arriving whenever it is not waiting on the engine. Its call waits for
+        company at most ``GATHER_MAX_S``, as a step does: on a busy server someone is nearly always arriving, and a
+        call must not wait up to a program cohort's second for calls that may never join it."""
         if self._take():
             ARRIVALS.claim()  # (this worker's from now on)
-        with ARRIVALS.program():
+        with ARRIVALS.program(patience=GATHER_MAX_S):
             return fn()
 
     def close(self) -> None:

@@ -44,7 +44,8 @@ MAX_ROWS = 256  # rows of one joint call (at most the engine's max_rows: 32 on l
 # second joint call, and they share the engine's steps (measured on Gemma, llama.cpp: 128-row joint calls in turns
 # ran at 156-177 tokens/s, four 32-row ones side by side as fast as 128 calls merged by the engine)
 GATHER_S, GATHER_NEXT_S = 1.0, 0.02  # the longest a leader waits for its cohort while its members keep arriving,
-# each within GATHER_NEXT_S of the last (only the cohort waits: its members' Python runs meanwhile)
+# each within GATHER_NEXT_S of the last (only the cohort waits: its members' Python runs meanwhile); a handed-off call
+# (acall, a server's request: arrivals.Handoff) waits at most arrivals.GATHER_MAX_S
 
 _lock = threading.Lock()
 _open: dict[tuple, _Cohort] = {}  # the cohort each key's next caller joins, while its leader waits
@@ -112,7 +113,7 @@ def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[Seque
         ARRIVALS.claim()  # (the leader counted this thread as arriving again: it goes on in its program)
         return alone(state) if cohort.failed else cohort.results[index]
     with GATE.waiting():
-        ARRIVALS.gather(GATHER_CAP_S, GATHER_S, GATHER_NEXT_S)  # the rest of the cohort on its way
+        ARRIVALS.gather(GATHER_CAP_S, ARRIVALS.patience(GATHER_S), GATHER_NEXT_S)  # the rest of the cohort on its way
     with _lock:
         if _open.get(key) is cohort:
             del _open[key]

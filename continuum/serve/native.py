@@ -245,12 +245,11 @@ def register(app: FastAPI, ctx: Any) -> None:
         if req.model is not None:
             ctx.check_model(req.model)
         if not req.stream:  # (the answer's JSON written at once: no FastAPI encoding pass over every id and log-prob)
-            # counted as on its way from here: plain calls that clients send together run as one list call
-            handoff = Handoff()  # (loop/coalesce; greedy calls only, each row what it is alone)
-            try:
-                answer = await ctx.run(lambda: handoff.run(lambda: native.generate(req, owner)), reply=True)
-            finally:
-                handoff.close()
+            # plain calls that clients send together run as one list call (loop/coalesce: greedy calls only, each row
+            # what it is alone); counted as on their way from their worker's start, not while queued for a worker
+            # (a full pool's queue would hold every step's wait for arrivals at its bound)
+            handoff = Handoff(early=False)
+            answer = await ctx.run(lambda: handoff.run(lambda: native.generate(req, owner)), reply=True)
             return Response(_ANSWER.dump_json(answer), media_type="application/json")
         stream = ThreadStream(lambda emit, cancelled: native.generate(req, owner, emit, cancelled))
         first = await stream.get()
