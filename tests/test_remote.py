@@ -304,6 +304,41 @@ def test_a_repeated_call_gets_the_stored_answer_not_a_second_generation(remote):
     assert other["id"] != first["id"]
 
 
+def test_a_copy_of_a_call_sent_while_it_runs_gets_the_same_answer(remote):
+    """The client resends a call when its connection breaks, possibly while the server still runs the first copy:
+    the copy waits for that one and gets its answer (unseeded samples: a second generation would differ), and the
+    stored state is the one answered (continuing it with the answer's last token as the check is accepted)."""
+    import threading
+
+    from continuum.models.remote.wire import GENERATE
+
+    ids = remote.tokenizer.encode_prompts(["Once upon a time"])[0]
+    for attempt in range(3):
+        body = {"generator": {"kind": "text", "arguments": {}, "sampler": {"type": "multinomial", "samples": 2}},
+                "rows": [{"ids": ids, "logprobs": [None] * len(ids)}], "batch": 1, "samples": 1, "max_tokens": 24,
+                "call": f"in-flight-{attempt}"}
+        answers: list = [None, None]
+        go = threading.Barrier(2)
+
+        def send(i: int) -> None:
+            go.wait()
+            answers[i] = remote.client.post(GENERATE, body)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert answers[0] == answers[1] and answers[0] is not None
+    row = answers[0]["rows"][0]
+    full = ids + row["ids"]
+    more = remote.client.post(GENERATE, {
+        "generator": {"kind": "text", "arguments": {}, "sampler": {"type": "greedy"}},
+        "rows": [{"ids": full[len(full) - 1:], "logprobs": [None], "state": answers[0]["id"], "row": 0,
+                  "cached": len(full) - 1, "check": full[-2]}], "batch": 1, "samples": 1, "max_tokens": 2})
+    assert more["rows"][0]["ids"]
+
+
 # the state-algebra property tests' programs (tests/test_properties.py: its text strategy, its character slices)
 # drawn once and run on both models in lockstep: every step's remote state equals the local one, and every
 # continuation computes as many positions on the server as locally. CONTINUUM_REMOTE_EXAMPLES sets the profile.

@@ -92,6 +92,7 @@ class Native:
         self.ctx, self.model = ctx, ctx.model
         self._generators: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._calls: dict[str, threading.Event] = {}  # calls with an id running now (a resent copy waits for them)
         self._files: dict[str, str] | None = None
 
     def info(self) -> dict:
@@ -143,12 +144,37 @@ class Native:
         """The call; its answer, stored before it is returned. ``emit``: a stream's, called with each step's text
         as ``[[kept, added], ...]`` per row (the characters of the row's previous text it keeps, then the new ones:
         the client rebuilds every step's texts exactly, so its chunks are a local stream's)."""
-        sid = new_id("cs")
-        if req.call is not None:  # the call's stored state id follows from (key, call id): a retry finds its answer
-            sid = "cs_" + hashlib.sha256(f"{owner}:{req.call}".encode()).hexdigest()[:48]
+        if req.call is None:
+            return self._generate(new_id("cs"), req, owner, emit, cancelled)
+        # the call's stored state id follows from (key, call id): a retry finds its answer. A copy of a call still
+        # running here (the client resent it when its connection broke) waits for that one's answer instead of
+        # generating a second (a sampled call would differ, and its state file would replace the first's)
+        sid = "cs_" + hashlib.sha256(f"{owner}:{req.call}".encode()).hexdigest()[:48]
+        while True:
             done = self.ctx.store.get(sid, owner)
             if done is not None and "answer" in done.body:
                 return done.body["answer"]
+            with self._lock:
+                running = self._calls.get(sid)
+                if running is None:
+                    self._calls[sid] = mine = threading.Event()
+            if running is None:
+                break
+            running.wait()  # (then its stored answer; or, if it failed, this copy runs)
+        try:
+            return self._generate(sid, req, owner, emit, cancelled)
+        except Exception:
+            done = self.ctx.store.get(sid, owner)  # (another replica stored this call first: its answer stands)
+            if done is not None and "answer" in done.body:
+                return done.body["answer"]
+            raise
+        finally:
+            with self._lock:
+                del self._calls[sid]
+            mine.set()
+
+    def _generate(self, sid: str, req: GenerateRequest, owner: str, emit: Callable[[Any], None] | None,
+                  cancelled: Callable[[], bool]) -> dict:
         gen = self.generator(req.generator)
         state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples,
                                             self.ctx.config.served_model_name)
