@@ -320,7 +320,7 @@ def test_a_copy_of_a_call_sent_while_it_runs_gets_the_same_answer(remote):
         answers: list = [None, None]
         go = threading.Barrier(2)
 
-        def send(i: int) -> None:
+        def send(i: int, go=go, answers=answers, body=body) -> None:
             go.wait()
             answers[i] = remote.client.post(GENERATE, body)
 
