@@ -8,7 +8,8 @@ where its cells came from, as *segments*: ``(origin, lo, hi)``, positions ``lo .
 sequence's own cells are ``(key, own_lo, extent)``; a fork at ``n`` inherits its source's segments clipped at
 ``n``. Every segment of one origin starts at the same position (that origin's ``own_lo``), so the cells in use are,
 per origin, ``max(hi) - lo`` over the resident sequences' segments. A restored sequence (written back from host
-bytes into fresh cells) owns all its cells again: its prefix is no longer shared.
+bytes into fresh cells) owns all its cells again, unless it shares the prefix it had from the same cells with a
+relative restored before it again (:func:`common_prefix`, ``SequencePool._reshare``).
 
 Making room (:func:`make_room`) spills the least recently used idle sequences, a family (sequences sharing cells)
 as one unit, and only until the cells asked for are free, instead of every idle sequence: states a program holds
@@ -41,7 +42,7 @@ from ._lib import lib
 SequencePool: TypeAlias = Any  # (sequences.py imports this module: a typing import back would be a circle)
 Seq: TypeAlias = Any
 
-__all__ = ["forked", "cut", "count", "fresh", "segments", "used", "total", "free", "flush", "make_room",
+__all__ = ["forked", "common_prefix", "cut", "count", "fresh", "segments", "used", "total", "free", "flush", "make_room",
            "spill_cost", "spill_every_idle", "trim_idle", "IDLE_CELLS"]
 
 # The idle cells a pool keeps resident beside the running ones' (at least): see trim_idle.
@@ -67,6 +68,18 @@ def forked(src: Seq, dst: Seq, n: int) -> None:
     """After ``seq_cp(src, dst, 0, n)``: ``dst`` shares ``src``'s cells below ``n`` and writes its own from ``n``."""
     dst.key, dst.own_lo = next(_KEYS), n
     dst.inherit = tuple((o, lo, min(hi, n)) for o, lo, hi in segments(src) if lo < n)
+
+
+def common_prefix(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> int:
+    """Positions ``0 .. n-1`` that two segment lists had from the same cells (the same origins, run by run)."""
+    n = 0
+    for (oa, la, ha), (ob, lb, hb) in zip(sorted(a, key=lambda x: x[1]), sorted(b, key=lambda x: x[1])):
+        if oa != ob or la != n or lb != n:
+            break
+        n = min(ha, hb)
+        if ha != hb:
+            break
+    return n
 
 
 def cut(seq: Seq, n: int) -> None:
