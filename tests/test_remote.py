@@ -167,12 +167,7 @@ def test_run_batch_of_32_equals_local(server, remote, local):
 
 def _joined(server) -> int:
     """Requests' calls the server ran inside joint calls so far, from its ``/metrics``."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.base}/metrics", timeout=10).text
-    return int(next(f for f in text_string_to_metric_families(text)
-                    if f.name == "continuum:calls_joined").samples[0].value)
+    return int(server.metrics()["continuum:calls_joined_total"])
 
 
 def test_streams_send_each_step_as_the_server_decodes_and_join_to_the_local_state(remote, local):

@@ -59,15 +59,7 @@ def gateway(replicas, tmp_path_factory):
 
 def _loads(replicas) -> int:
     """States the replicas loaded from the database (not resident), from their ``/metrics``."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0
-    for server in replicas[:2]:
-        text = httpx.get(f"{server.base}/metrics", timeout=10).text
-        total += int(next(f for f in text_string_to_metric_families(text)
-                          if f.name == "continuum:store_states_loaded").samples[0].value)
-    return total
+    return sum(int(server.metrics()["continuum:store_states_loaded_total"]) for server in replicas[:2])
 
 
 def chain(model):
