@@ -6,6 +6,7 @@ damaged, the KV is dropped with a warning and recomputed in one pass; a truncate
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 
@@ -74,6 +75,26 @@ def test_rows_on_one_sequence_are_saved_once(model, tmp_path):
     ref = draws(two, max_tokens=6, rng=torch.Generator().manual_seed(1))
     assert list(ours) == list(ref) and torch.equal(ours.weights, ref.weights)
     assert computed == model.tokens_computed - before <= 3 * 6  # the uncached last token and the new ones per row
+
+
+def test_a_state_loaded_while_released_cells_fill_the_pool_keeps_its_kv(tmp_path, caplog):
+    """The invariant mode keeps a released state's cells until room is needed (sequences.py: drop). A load while they
+    fill the pool must make that room, as a restore does, not drop the file's KV (found: it was refused and
+    recomputed)."""
+    small = models.llamacpp(gguf("f32"), batch_invariant=True, n_threads=2, n_ctx=256)
+    s = _greedy(small)("Once upon a time", max_tokens=40)
+    s.save(tmp_path / "s.safetensors")
+    big = _greedy(small)("Lily and Tom went", max_tokens=170)
+    del big
+    gc.collect()  # (its ~176 cells now kept by the pool's zombie id: with s's ~44, fewer free than s's bytes need)
+    with caplog.at_level(logging.WARNING, logger="continuum"):
+        back = SequenceState.load(tmp_path / "s.safetensors", small)
+    assert not [r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage()]
+    assert kv.length(back._kv) == kv.length(s._kv) > 0
+    ours, computed = _continue(small, back)
+    ref, ref_computed = _continue(small, s)
+    assert computed == ref_computed <= 10  # nothing recomputed
+    assert str(ours) == str(ref) and torch.equal(ours.weights, ref.weights)
 
 
 def test_a_file_from_another_gguf_is_recomputed_with_a_warning(model, tmp_path, caplog):

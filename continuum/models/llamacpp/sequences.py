@@ -241,17 +241,13 @@ class SequencePool:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
             try:
-                # room first (least recently used idle families, only as much as it takes), then the bytes; a refusal
-                # anyway (fragmentation) makes room once more
-                cells.make_room(self, cells.spill_cost(seq), [seq, *pinned])
-                try:
-                    seqbytes.set_(self.model, seq_id, seq.blob)
-                except BackendError:
-                    if not cells.spill_every_idle(self, [seq, *pinned]) or not seqbytes.try_set(self.model, seq_id, seq.blob):
-                        raise KVCacheFullError(
-                            f"no room to restore a spilled state of {seq.extent} tokens (n_ctx={self.model.n_ctx} cells "
-                            "shared by every live state): load the model with a larger n_ctx, or keep fewer states alive"
-                        ) from None
+                self._write(seq_id, seq.blob, cells.spill_cost(seq), [seq, *pinned])
+            except BackendError as exc:
+                self._give_back(seq_id)
+                raise KVCacheFullError(
+                    f"no room to restore a spilled state of {seq.extent} tokens (n_ctx={self.model.n_ctx} cells "
+                    "shared by every live state): load the model with a larger n_ctx, or keep fewer states alive"
+                ) from exc
             except BaseException:
                 self._give_back(seq_id)  # (otherwise every refused restore leaks an id, until none is left)
                 raise
@@ -264,6 +260,19 @@ class SequencePool:
             self._reshare(seq, before)
         self._touch(seq)
         return seq.id
+
+    def _write(self, seq_id: int, blob: bytes, cost: int, pinned: Iterable[Seq]) -> None:
+        """Write ``blob`` (``cost`` cells) into the free id ``seq_id``: room first (the least recently used idle
+        families outside ``pinned``, only as much as it takes; in the invariant mode its kept cells first), then the
+        bytes; a refusal anyway (fragmentation) spills every idle sequence and tries once more. Raises llama.cpp's
+        refusal (:class:`~continuum.errors.BackendError`) if that fails too; the id's cells are then empty."""
+        cells.make_room(self, cost, pinned)
+        try:
+            seqbytes.set_(self.model, seq_id, blob)
+        except BackendError:
+            if not cells.spill_every_idle(self, pinned):
+                raise
+            seqbytes.set_(self.model, seq_id, blob)
 
     def _reshare(self, seq: Seq, before: list) -> None:
         """A restored ``seq`` shares its prefix again with a resident relative restored before it (a fork family
@@ -406,7 +415,8 @@ class SequencePool:
             self.collect()
             seq_id = self._acquire()
             try:
-                seqbytes.set_(self.model, seq_id, blob)
+                # (room as for a restore: in the invariant mode the released cells it keeps would refuse the bytes)
+                self._write(seq_id, blob, n_tokens, ())
             except BaseException:
                 self._give_back(seq_id)
                 raise
