@@ -12,11 +12,12 @@ call alone (``tests/test_scheduler_plan.py`` checks the weights bit for bit).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from continuum import continuous, generate, models, run_batch, samplers
-from continuum.errors import ContextLengthError, KVCacheFullError
+from continuum.errors import ContextLengthError
 
-from llamacpp_support import DECODE_TOL, check_greedy_path, gguf, row_ids
+from llamacpp_support import DECODE_TOL, check_greedy_path, gemma_path, gguf, row_ids
 
 WORDS = ["cat", "dog", "bird", "king", "girl", "boy", "tree", "ship", "sun", "moon", "fish", "frog"]
 PROMPTS = [f"Once upon a time, a {w} {i}" for i in range(4) for w in WORDS]  # 48
@@ -257,10 +258,8 @@ def test_idle_states_past_the_budget_are_spilled_oldest_first_and_continue_as_ll
 # (llama.cpp's per-sequence state API); restored apart they took 3 x ~108 cells, more than the pool, so continuing
 # the fork was refused with KVCacheFullError ("no room to restore a spilled state of 108 tokens") although it fitted.
 # Now a restored member shares the prefix it had from the same cells with a relative restored before it
-# (SequencePool._reshare), in the default mode; not yet in the invariant mode (xfail below).
+# (SequencePool._reshare), in both modes.
 def _spilled_fork_family(invariant: bool, n_ctx: int):
-    import torch
-
     m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx, n_seq_max=16)
     text = continuous(generate.text(m, samplers.greedy()))
     three = continuous(generate.text(m, samplers.multinomial(3)))
@@ -281,6 +280,33 @@ def test_a_spilled_fork_family_that_fitted_resident_continues():
     assert (more.token_logprobs.nan_to_num() - roomy.token_logprobs.nan_to_num()).abs().max() <= DECODE_TOL["f32"]
 
 
-@pytest.mark.xfail(strict=True, raises=KVCacheFullError, reason="the invariant mode restores a family without sharing")
-def test_a_spilled_fork_family_in_the_invariant_mode_continues():
-    _spilled_fork_family(True, 256)
+def test_a_spilled_fork_family_in_the_invariant_mode_continues_bit_for_bit():
+    """The same in the batch-invariant mode, where the restored family's cells must stay in position order: the
+    same tokens and log-probs, bit for bit, as on the roomy pool."""
+    m, more = _spilled_fork_family(True, 256)
+    assert m.pool.spills > 0 and m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
+    _, roomy = _spilled_fork_family(True, 2048)
+    assert list(more) == list(roomy) and torch.equal(more.weights, roomy.weights)
+    assert torch.equal(more.token_logprobs.nan_to_num(), roomy.token_logprobs.nan_to_num())
+
+
+@pytest.mark.slow
+def test_a_spilled_fork_family_on_a_sliding_window_model_continues():
+    """Gemma 3 (a 512-token window): each restored member's bytes hold every position in the base cache but only the
+    window behind its end in the window cache. Three samples of a ~535-token prompt fit a 1,280-cell pool resident
+    (~545 cells), not restored apart (3 x ~540); shared again on restore, the forks continue, and their greedy
+    continuations are llama-cpp-python's own (past the window: the relative's window cells must be the right ones)."""
+    from test_llamacpp_window_recompute import COLORS, STORY, _ids
+
+    m = models.llamacpp(str(gemma_path()), n_ctx=1280, n_threads=THREADS, flash_attn=False)
+    prompt = "".join(STORY.format(i=i, c=COLORS[i % 6], n=10 + i) for i in range(12))
+    forks = continuous(generate.text(m, samplers.multinomial(3)))(prompt, max_tokens=4, rng=torch.Generator().manual_seed(0))
+    start = len(_ids(forks[0, 0, :]))
+    assert 520 < start < 560
+    continuous(generate.text(m, samplers.greedy()))("The lighthouse keeper wrote down " * 160, max_tokens=2)
+    assert m.pool.spills >= 3  # (~800 cells: the idle family was spilled)
+    greedy3 = continuous(generate.text(m, samplers.multinomial(3, top_k=1)))  # (each row its argmax: greedy)
+    more = greedy3(forks, max_tokens=6)
+    assert m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
+    for j in range(3):
+        check_greedy_path(_ids(more[0, j, :]), len(_ids(forks[0, j, :])), kind="gemma", flash_attn=False)

@@ -69,10 +69,9 @@ LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # Histories that hit a known bug (an xfail regression below) at once are drawn only with CONTINUUM_ORACLE_KNOWN=1, so
 # that the long profile finds new ones. None now: greedy calls without max_tokens on llama.cpp (several rows to the
 # context outgrowing a pool together: test_a_call_of_two_rows_to_the_context_of_a_small_pool_regression) are drawn too.
-# Open in the batch-invariant mode (the long profile finds it now and then): on the 256-cell pool, continuing a fork
-# family that was spilled, each member's bytes holding its own copy of the shared prefix, is refused with "no room to
-# restore a spilled state" though it fitted resident. The default mode shares the prefix again on restore
-# (SequencePool._reshare; test_llamacpp_pool.py::test_a_spilled_fork_family_*).
+# The spilled fork family that the long profile found in both modes (each member's bytes holding its own copy of the
+# shared prefix, refused with "no room to restore a spilled state" though it fitted resident) shares the prefix again
+# on restore (SequencePool._reshare; test_llamacpp_pool.py::test_a_spilled_fork_family_*).
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
 CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "gguf": (10, 12), "gguf-invariant": (10, 12)}  # (histories, steps)
 LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "gguf": (200, 40), "gguf-invariant": (200, 40)}  # ~5 minutes

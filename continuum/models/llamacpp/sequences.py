@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
-from . import cells, recurrent, seqbytes, window
+from . import cells, recurrent, reshare, seqbytes, window
 from ._lib import lib
 from .model import LlamaCppModel
 from .seq import Seq
@@ -120,7 +120,7 @@ class SequencePool:
         self.batch_buffers: Any = None  # decode.py's llama_batch arrays (made by its first decode, then reused)
         self.spills = self.restores = self.repacks = 0  # counters, for tests and benchmarks
         self.snapshots = self.restores_recurrent = 0  # a hybrid model's recurrent snapshots taken and restored
-        self.reshared = 0  # restored sequences that share their prefix with a restored relative again (_reshare)
+        self.reshared = 0  # restored sequences that share their prefix with a restored relative again (reshare.py)
         with model.lock:
             lib().llama_memory_clear(model.memory, True)
 
@@ -257,7 +257,7 @@ class SequencePool:
             seq.was = (seq.key, before)
             self.resident[seq_id] = seq
             self.restores += 1
-            self._reshare(seq, before)
+            reshare.reshare(self, seq, before)
         self._touch(seq)
         return seq.id
 
@@ -273,34 +273,6 @@ class SequencePool:
             if not cells.spill_every_idle(self, pinned):
                 raise
             seqbytes.set_(self.model, seq_id, blob)
-
-    def _reshare(self, seq: Seq, before: list) -> None:
-        """A restored ``seq`` shares its prefix again with a resident relative restored before it (a fork family
-        spilled member by member: each blob holds the shared prefix again, and restored apart they took n times its
-        cells, so a family that fitted resident could not come back). The prefix both had from the same cells is
-        bit for bit the same: ``seq``'s copy is dropped and the relative's shared (``seq_cp``). Not in the invariant
-        mode (tried, with the dropped copy kept by the zombie id: the pair of tests passed bit for bit, but the long
-        oracle then refused an 18-token restore there, not yet understood), nor with a sliding window or recurrent
-        state (their restored bytes are not every position's cells)."""
-        if self.zombie is not None or self.model.n_swa > 0 or self.model.hybrid:
-            return
-        best, n = None, 0
-        for other in self.resident.values():
-            if other is seq or other.was is None:
-                continue
-            key, was = other.was
-            now = next((hi for o, lo, hi in cells.segments(other) if o == key and lo == 0), 0)  # (still its restored cells)
-            m = min(cells.common_prefix(before, was), now)
-            if m > n:
-                best, n = other, m
-        if best is None or n < 16:  # (a few cells are not worth two llama calls)
-            return
-        L = lib()
-        L.llama_memory_seq_rm(self.model.memory, seq.id, 0, n)
-        L.llama_memory_seq_cp(self.model.memory, best.id, seq.id, 0, n)
-        cells.forked(best, seq, n)
-        seq.was = None
-        self.reshared += 1
 
     def spill_idle(self) -> int:
         """Spill every resident sequence to host bytes now (ids and cells freed); returns how many."""
