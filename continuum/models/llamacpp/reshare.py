@@ -5,8 +5,9 @@ Spilled, each member is written as its own bytes, the shared prefix in each (lla
 no other form), so restored apart the family took n times the prefix's cells: one that fitted resident was refused
 ("no room to restore a spilled state", found by the long oracle on a 256-cell pool). :func:`reshare` runs after each
 restore: the prefix the restored sequence had from the same cells as a relative restored before it (the cells'
-origins, ``cells.common_prefix``) is bit for bit the same, so its copy is dropped and the relative's shared. The peak
-is one extra member's prefix, for the moment between its bytes and the drop.
+origins, ``cells.common_prefix``) is bit for bit the same, so its copy is dropped and the relative's shared. The
+relative is a member restored before it, or one that was never spilled (a running call held it while the idle
+members went). The peak is one extra member's prefix, for the moment between its bytes and the drop.
 
 * The batch-invariant mode: the dropped copy is kept by the zombie id like every drop (no hole opens below a live
   cell), and the sequence's cells stay in position order (the relative's bytes were written before its own, below).
@@ -32,18 +33,21 @@ MIN_CELLS = 16  # a shorter common prefix is not worth two llama calls
 
 def reshare(pool: Any, seq: Any, before: list) -> bool:
     """After resident ``seq`` (a ``Seq`` of ``pool``) was restored from bytes that held ``before`` (its segments,
-    ``cells.segments``), share the longest prefix it had from the same cells with a relative restored before it.
+    ``cells.segments``), share the longest prefix it had from the same cells with a resident relative: one that
+    still holds those cells (never spilled), or one restored before it.
     Under the model's lock. Returns True if it did."""
     model = pool.model
     if model.hybrid:
         return False
     best, n = None, 0
     for other in pool.resident.values():
-        if other is seq or other.was is None:
+        if other is seq:
             continue
-        key, was = other.was
-        now = next((hi for o, lo, hi in cells.segments(other) if o == key and lo == 0), 0)  # (still its restored cells)
-        m = min(cells.common_prefix(before, was), now)
+        m = cells.common_prefix(before, cells.segments(other))  # a relative never spilled: the very cells
+        if other.was is not None:  # one restored before it: the cells its bytes were written into
+            key, was = other.was
+            now = next((hi for o, lo, hi in cells.segments(other) if o == key and lo == 0), 0)  # (still those cells)
+            m = max(m, min(cells.common_prefix(before, was), now))
         if m > n and _window_kept(pool, other, seq, m):
             best, n = other, m
     if best is None or n < MIN_CELLS:
