@@ -9,7 +9,7 @@ sequence's own cells are ``(key, own_lo, extent)``; a fork at ``n`` inherits its
 ``n``. Every segment of one origin starts at the same position (that origin's ``own_lo``), so the cells in use are,
 per origin, ``max(hi) - lo`` over the resident sequences' segments. A restored sequence (written back from host
 bytes into fresh cells) owns all its cells again, unless it shares the prefix it had from the same cells with a
-relative restored before it again (:func:`common_prefix`, :mod:`.reshare`).
+resident relative again (:func:`common_prefix`, :mod:`.reshare`).
 
 Making room (:func:`make_room`) spills the least recently used idle sequences, a family (sequences sharing cells)
 as one unit, and only until the cells asked for are free, instead of every idle sequence: states a program holds
