@@ -247,7 +247,7 @@ def real_tokenizer_model(request):
 
 def next_logits_via_cache(state) -> torch.Tensor:
     """Next-token logits computed the way continuing ``state`` computes them: its uncached suffix on its cache."""
-    from continuum.models.hf.cache import length, positions
+    from continuum.models.kv import length, positions
 
     C = length(state._kv)
     logits, _ = state.model.forward(state._ids[:, C:], state._mask, positions(state._mask)[:, C:], state._kv)
@@ -283,10 +283,17 @@ def count_forward_tokens(model):
 
 
 # ---------------------------------------------------------------- shared by the property tests
+def kv_layers(state) -> tuple:
+    """A transformers state's KV tensors, ``((keys, values), ...)`` (what its TensorKV holds; () without a KV)."""
+    from continuum.models import kv
+
+    return kv.tensors(state._kv) or ()
+
+
 def snapshot(state) -> dict:
     return {
         "ids": state._ids.clone(), "mask": state._mask.clone(), "lp": state._logprobs.clone(),
-        "w": state._weights.clone(), "kv": [(k.clone(), v.clone()) for k, v in (state._kv or ())], "texts": list(state),
+        "w": state._weights.clone(), "kv": [(k.clone(), v.clone()) for k, v in kv_layers(state)], "texts": list(state),
     }
 
 
@@ -298,7 +305,7 @@ def check_unchanged(state, snap: dict) -> None:
     """Invariant 2: nothing changed a state after it was built."""
     assert _same(state._ids, snap["ids"]) and _same(state._mask, snap["mask"])
     assert _same(state._logprobs, snap["lp"]) and _same(state._weights, snap["w"])
-    kv = state._kv or ()
+    kv = kv_layers(state)
     assert len(kv) == len(snap["kv"])
     for (k, v), (k0, v0) in zip(kv, snap["kv"]):
         assert _same(k, k0) and _same(v, v0), "a KV tensor of an earlier state was modified"

@@ -1,4 +1,5 @@
-"""KV-cache storage (continuum/cache.py): in-place appends, copy-on-write, row selection, shrinking."""
+"""KV-cache storage (continuum/models/hf/cache.py, the tensors a transformers state's TensorKV holds): in-place appends,
+copy-on-write, row selection, shrinking."""
 
 from __future__ import annotations
 
@@ -7,21 +8,22 @@ import torch
 from continuum.models.hf import cache as kvcache
 from continuum.models.hf import dynamic
 from continuum.models.hf.cache import positions
+from continuum.models.hf.tensorkv import TensorKV
 
 
 def _prefill(model, n: int, rows: int = 1, reserve: int = 0):
     ids = torch.randint(5, 200, (rows, n), generator=torch.Generator().manual_seed(n))
     mask = torch.ones_like(ids)
     _, kv = model.forward(ids, mask, positions(mask), None, logits="none", reserve=reserve)
-    return ids, kv
+    return ids, kv.tensors()
 
 
 def _step(model, ids, kv, token: int, reserve: int = 0):
     new = torch.full((ids.shape[0], 1), token)
     ids = torch.cat([ids, new], 1)
     mask = torch.ones_like(ids)
-    logits, kv = model.forward(new, mask, positions(mask)[:, -1:], kv, reserve=reserve)
-    return ids, kv, logits
+    logits, kv = model.forward(new, mask, positions(mask)[:, -1:], TensorKV(kv), reserve=reserve)
+    return ids, kv.tensors(), logits
 
 
 def _fresh_logits(model, ids):
@@ -110,7 +112,12 @@ def _uncached(state):
 
 
 def _arena_storages(state):
-    return {k.untyped_storage().data_ptr() for k, _ in state._kv or ()}
+    return {k.untyped_storage().data_ptr() for k, _ in _layers(state) or ()}
+
+
+def _layers(state):
+    """A state's KV tensors (what its TensorKV holds)."""
+    return None if state._kv is None else state._kv.tensors()
 
 
 def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
@@ -126,9 +133,12 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
     greedy = continuous(generate.text(gpt2_model, samplers.greedy()))
     big = greedy("Once upon a time", max_tokens=200)
     tiny = big[:12]
-    per_column = kvcache.nbytes(big._kv) // big._kv[0][0].untyped_storage().nbytes() * big._kv[0][0][:, :, :1].numel() * 4
-    assert kvcache.nbytes(tiny._kv) == per_column * kvcache.length(tiny._kv)
-    big_storage = weakref.ref(big._kv[0][0].untyped_storage())
+    k0 = _layers(big)[0][0]
+    k0 = _layers(big)[0][0]
+    per_column = kvcache.nbytes(_layers(big)) // k0.untyped_storage().nbytes() * k0[:, :, :1].numel() * 4
+    del k0  # (it would keep big's storage alive)
+    assert kvcache.nbytes(_layers(tiny)) == per_column * kvcache.length(_layers(tiny))
+    big_storage = weakref.ref(_layers(big)[0][0].untyped_storage())
     backed_off = big[: len(str(big)) - 3]  # backing off a few characters stays a view
     assert _arena_storages(backed_off) == _arena_storages(big)
     del big, backed_off
@@ -140,7 +150,7 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
     many = continuous(generate.text(gpt2_model, samplers.multinomial(8)))(
         "Once upon a time", max_tokens=60, rng=torch.Generator().manual_seed(0))
     one = many[0, 3, :]
-    assert kvcache.nbytes(one._kv) * 4 < kvcache.nbytes(many._kv)  # 1 row of 8
+    assert kvcache.nbytes(_layers(one)) * 4 < kvcache.nbytes(_layers(many))  # 1 row of 8
     assert_reuse_exact(one)
     assert list(greedy(one, max_tokens=4)) == list(greedy(_uncached(one), max_tokens=4))
 
@@ -150,10 +160,10 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
         s = greedy(s + " more", max_tokens=4)
         kept.append(s[:3])
     seen: set = set()
-    held = sum(kvcache.nbytes(k._kv, seen) for k in kept)
-    assert held * 2 < kvcache.nbytes(s._kv), (held, kvcache.nbytes(s._kv))  # was 2.5x before compaction
+    held = sum(kvcache.nbytes(_layers(k), seen) for k in kept)
+    assert held * 2 < kvcache.nbytes(_layers(s)), (held, kvcache.nbytes(_layers(s)))  # was 2.5x before compaction
     late = kept[15:]  # made once the chain was long: each holds exactly its own columns
-    assert [kvcache.nbytes(k._kv) for k in late] == [per_column * kvcache.length(k._kv) for k in late]
+    assert [kvcache.nbytes(_layers(k)) for k in late] == [per_column * kvcache.length(_layers(k)) for k in late]
 
 
 def test_forward_passes_the_cache_under_the_keyword_the_model_takes(gpt2_model, llama_model):
@@ -172,13 +182,13 @@ def test_forward_passes_the_cache_under_the_keyword_the_model_takes(gpt2_model, 
             s = continuous(generate.text(model, samplers.greedy()))("Hello", max_tokens=3)
             continuous(generate.text(model, samplers.greedy()))(s + " there", max_tokens=2)
         assert not [w for w in caught if "past_key_values" in str(w.message)]
-        assert kvcache.length(s._kv) > 0
+        assert s._kv.length() > 0
 
 
 def test_the_transformers_adapter_implements_the_backend_protocol(gpt2_model, llama_model):
     """The loop reaches a model only through ``models.protocol.Backend`` and its KV only through ``models.kv``:
-    the transformers adapter implements both (tensor tuples are its KV), and ``models.kv`` gives the same results
-    as the transformers cache functions it hands them to."""
+    the transformers adapter implements both (its KV is a handle, TensorKV, over tensor tuples), and ``models.kv``
+    gives the same results as the transformers cache functions on those tensors."""
     from continuum import continuous, generate, samplers
     from continuum.models import kv
     from continuum.models.protocol import Backend
@@ -187,11 +197,11 @@ def test_the_transformers_adapter_implements_the_backend_protocol(gpt2_model, ll
         assert isinstance(model, Backend)
         gen = continuous(generate.text(model, samplers.multinomial(3)))
         s = gen("Hello there", max_tokens=4, rng=torch.Generator().manual_seed(0))
-        assert not isinstance(s._kv, kv.KVHandle)
-        assert kv.length(s._kv) == kvcache.length(s._kv) > 0
-        assert kv.nbytes(s._kv) == kvcache.nbytes(s._kv)
+        assert isinstance(s._kv, kv.KVHandle) and not kv.is_handle(s._kv) and kv.tensors(s._kv) is _layers(s)
+        assert kv.length(s._kv) == kvcache.length(_layers(s)) > 0
+        assert kv.nbytes(s._kv) == kvcache.nbytes(_layers(s))
         rows = torch.tensor([2, 0])
-        picked, ref = kv.select_rows(s._kv, rows), kvcache.select_rows(s._kv, rows)
-        assert all(torch.equal(a, b) for pa, pb in zip(picked, ref) for a, b in zip(pa, pb))
+        picked, ref = kv.select_rows(s._kv, rows), kvcache.select_rows(_layers(s), rows)
+        assert all(torch.equal(a, b) for pa, pb in zip(kv.tensors(picked), ref) for a, b in zip(pa, pb))
         cropped = kv.crop(s._kv, 3)
         assert kv.length(cropped) == 3 and kv.length(kv.crop(s._kv, 0)) == 0

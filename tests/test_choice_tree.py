@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from continuum import continuous, generate, models, samplers
-from continuum.models.hf import cache as kvcache
+from continuum.models import kv as kvcache
 
 from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 

@@ -144,7 +144,7 @@ def test_batched_equals_sequential(model, sampler):
     assert out["batched"].texts == out["sequential"].texts
     torch.testing.assert_close(out["batched"].weights, out["sequential"].weights, atol=1e-4, rtol=0)
     for state in out.values():  # the result keeps only the conditional rows' cache, and reusing it is exact
-        assert state._kv[0][0].shape[0] == state.rows
+        assert state._kv.tensors()[0][0].shape[0] == state.rows
         assert_reuse_exact(state)
 
 

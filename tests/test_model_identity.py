@@ -15,7 +15,7 @@ import torch
 from continuum import ModelMismatch, SequenceState, TokenizerMismatch, continuous, generate, models, samplers
 from continuum.errors import GeneratorArgumentError
 
-from conftest import _sharpen, count_forward_tokens, next_logits_fresh, next_logits_via_cache, tiny_llama
+from conftest import _sharpen, count_forward_tokens, kv_layers, next_logits_fresh, next_logits_via_cache, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +52,14 @@ def real_ids(state) -> list[list[int]]:
 
 
 def snapshot(state):
-    kv = [(k.clone(), v.clone()) for k, v in state._kv or ()]
+    kv = [(k.clone(), v.clone()) for k, v in kv_layers(state)]
     return state._ids.clone(), state._mask.clone(), state._weights.clone(), kv, list(state)
 
 
 def assert_unchanged(state, snap):
     ids, mask, weights, kv, texts = snap
     assert torch.equal(state._ids, ids) and torch.equal(state._mask, mask) and torch.equal(state._weights, weights)
-    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(state._kv or (), kv))
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv_layers(state), kv))
     assert list(state) == texts
 
 
@@ -190,7 +190,7 @@ def test_load_into_same_model_keeps_cache(pair, tmp_path, caplog):
     finally:
         handle.remove()
     # nothing cached is recomputed: the uncached suffix (one token per row) once, then one column per step
-    suffix = loaded._ids.shape[1] - loaded._kv[0][0].shape[2]
+    suffix = loaded._ids.shape[1] - loaded._kv.length()
     assert counter["calls"] <= 4 and counter["tokens"] == 2 * (suffix + counter["calls"] - 1)
     assert list(out) == list(expected) and torch.equal(out.weights, expected.weights)
 
@@ -255,7 +255,7 @@ def test_state_after_model_dtype_change_is_recomputed(spm_tokenizer, caplog):
     assert converted._kv is None and real_ids(converted) == real_ids(s)
     calls = m.forward_calls
     out = greedy_c(m)(s, max_tokens=4)
-    assert out._kv[0][0].dtype == torch.float64
+    assert out._kv.dtype() == torch.float64
     for row, ids in enumerate(real_ids(s)):
         assert real_ids(out)[row][len(ids):] == reference_greedy(m, ids, 4)
     assert m.forward_calls - calls <= 4
@@ -263,7 +263,7 @@ def test_state_after_model_dtype_change_is_recomputed(spm_tokenizer, caplog):
     assert_unchanged(s, snap)  # the float32 state itself is untouched
     # stacking a float32 state with a float64 one recomputes only the float32 one
     stacked = SequenceState.stack([s, out])
-    assert stacked._kv[0][0].dtype == torch.float64 and stacked.cached_tokens[2:].min() > 0
+    assert stacked._kv.dtype() == torch.float64 and stacked.cached_tokens[2:].min() > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
@@ -273,7 +273,7 @@ def test_state_after_model_device_change_is_moved(spm_tokenizer):  # pragma: no 
     s = greedy_c(m)("Once upon a time", max_tokens=4)
     m.model.to("cuda")
     moved = s.to_model(m)
-    assert moved._ids.device.type == "cuda" and moved._kv[0][0].device.type == "cuda"
+    assert moved._ids.device.type == "cuda" and moved._kv.tensors()[0][0].device.type == "cuda"
     assert torch.equal(moved.cached_tokens, s.cached_tokens)
     out = greedy_c(m)(s, max_tokens=4)
     assert real_ids(out)[0][len(real_ids(s)[0]):] == reference_greedy(m, real_ids(s)[0], 4)

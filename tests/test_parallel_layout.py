@@ -199,9 +199,8 @@ def test_device_map_gives_the_single_device_results(llama_dir, tmp_path, offload
 
 
 def kvcache_devices(state):
-    from continuum.models.hf import cache as kvcache
 
-    return kvcache.devices(state._kv)
+    return state._kv.devices()
 
 
 # ---------------------------------------------------------------- the torchrun example, in one process

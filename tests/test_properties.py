@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from continuum import SequenceState, SlicingError, continuous, generate, samplers
 from continuum.errors import ContextLengthError, GeneratorArgumentError
-from continuum.models.hf import cache as kvcache
+from continuum.models import kv as kvcache
 from continuum.state.text import longest_token_prefix
 
 from conftest import GPT2_BYTES, chars_key, check_unchanged, count_forward_tokens, snapshot

@@ -242,7 +242,7 @@ def test_a_lone_call_never_touches_merged_storage(gpt2_model):
     from continuum.models.hf.slab import slot_of
 
     state = continuous(generate.text(gpt2_model, samplers.greedy()))(PROMPTS[0], max_tokens=4)
-    assert isinstance(state, SequenceState) and slot_of(state._kv) is None
+    assert isinstance(state, SequenceState) and slot_of(state._kv.raw) is None
 
 
 def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(bpe_tokenizer):
@@ -362,6 +362,7 @@ def test_a_slab_is_laid_out_again_when_its_long_call_leaves():
     prices at the live calls' width. The layout is checked on merge.plan itself: which slab, how many columns."""
     from continuum.models.hf import merge
     from continuum.models.hf.slab import Slab, SlabView
+    from continuum.models.hf.tensorkv import TensorKV
     from continuum.models.request import Request
 
     slab = Slab(layers=1, rows_cap=12, cols_cap=400)
@@ -370,7 +371,7 @@ def test_a_slab_is_laid_out_again_when_its_long_call_leaves():
 
     def short(row: int, width: int) -> Request:
         return Request(ids=torch.ones(1, 1, dtype=torch.long), mask=torch.ones(1, width + 1, dtype=torch.long),
-                       pos=torch.full((1, 1), width), kv=SlabView((slab, row, 1, slab.end - width), width))
+                       pos=torch.full((1, 1), width), kv=TensorKV(SlabView((slab, row, 1, slab.end - width), width)))
 
     p = merge.plan([short(r, 10) for r in range(1, 9)], layers=1)
     assert p.slab is not slab and p.fresh and p.cached == 10  # laid out again at the calls' own width

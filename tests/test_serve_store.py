@@ -153,7 +153,8 @@ def _equal_states(a, b, kv: bool = True) -> None:
     assert torch.equal(a.token_logprobs.nan_to_num(7.0), b.token_logprobs.nan_to_num(7.0))
     assert torch.equal(a.weights, b.weights) and a._last == b._last
     if kv:
-        assert len(a._kv) == len(b._kv) and all(torch.equal(x, y) for la, lb in zip(a._kv, b._kv) for x, y in zip(la, lb))
+        ka, kb = a._kv.tensors(), b._kv.tensors()
+        assert len(ka) == len(kb) and all(torch.equal(x, y) for la, lb in zip(ka, kb) for x, y in zip(la, lb))
 
 
 @pytest.mark.parametrize("kv", [True, False])

@@ -29,7 +29,7 @@ import torch
 
 from continuum import SequenceState, continuous, generate, samplers
 
-from conftest import next_logits_via_cache
+from conftest import kv_layers, next_logits_via_cache
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ USER = ["Tell me more.", " And then?", " café crème", " 東京", " 🤗 ok", "
 def state_tensors(state: SequenceState) -> list[torch.Tensor]:
     """Every tensor a state holds: token rows and, per layer, its KV views."""
     out = [state._ids, state._mask, state._logprobs, state._weights]
-    for k, v in state._kv or ():
+    for k, v in kv_layers(state):
         out += [k, v]
     return out
 

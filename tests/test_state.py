@@ -11,7 +11,7 @@ import torch
 from continuum import BatchMismatch, SampleMismatch, SequenceState, SlicingError, continuous, generate, samplers
 from continuum.errors import StateFileError
 
-from conftest import assert_reuse_exact, count_forward_tokens
+from conftest import assert_reuse_exact, count_forward_tokens, kv_layers
 
 PROMPTS = ["Once upon a time", "Le café 東京 🤗", "The dog"]
 
@@ -21,7 +21,7 @@ def greedy_c(model):
 
 
 def snapshot(state: SequenceState):
-    tensors = [state._ids, state._mask, state._logprobs, state._weights] + [t for kv in (state._kv or ()) for t in kv]
+    tensors = [state._ids, state._mask, state._logprobs, state._weights] + [t for kv in kv_layers(state) for t in kv]
     return [t.clone() for t in tensors], tensors
 
 
@@ -91,7 +91,7 @@ def test_in_place_appends_never_change_other_states(model):
     g = greedy_c(model)
     s = g(PROMPTS, max_tokens=4)
     a = g(s, max_tokens=3)  # appends in place after s's columns
-    storage = lambda st: st._kv[0][0].untyped_storage().data_ptr()  # noqa: E731
+    storage = lambda st: kv_layers(st)[0][0].untyped_storage().data_ptr()  # noqa: E731
     assert storage(a) == storage(s)
     snap_s, snap_a = snapshot(s), snapshot(a)
     b = g(s, max_tokens=3)  # a already wrote past s: b must not write there
@@ -129,8 +129,8 @@ def test_fork_prefills_once_and_shares_cache(model):
     s = greedy_c(model)("Once upon a time", max_tokens=4)
     fork = continuous(generate.text(model, samplers.multinomial(4)))(s, max_tokens=0)
     assert fork.shape == (1, 4)
-    base = s._kv[0][0].untyped_storage().data_ptr()
-    assert all(k.untyped_storage().data_ptr() == base for k, _ in fork._kv[:1])
+    base = kv_layers(s)[0][0].untyped_storage().data_ptr()
+    assert all(k.untyped_storage().data_ptr() == base for k, _ in kv_layers(fork)[:1])
     assert_reuse_exact(fork)
 
 
@@ -215,7 +215,7 @@ def test_slicing_batched_rows_at_different_token_counts(model):
         resumed = g(cut, max_tokens=2)
     finally:
         handle.remove()
-    uncached = cut._ids.shape[1] - cut._kv[0][0].shape[-2]
+    uncached = cut._ids.shape[1] - cut._kv.length()
     assert counter["tokens"] == cut.rows * uncached + cut.rows  # suffix once, then one column
     assert_reuse_exact(resumed)
 
@@ -337,7 +337,7 @@ def test_a_part_as_bytes_loads_as_its_file(model, tmp_path):
     from_file = load_part(tmp_path / "p.safetensors", model, base)
     from_bytes = load_part(part_bytes(s, start), model, base)
     assert start > 0 and list(from_bytes) == list(from_file) == list(s)
-    assert all(torch.equal(a, b) for pa, pb in zip(from_bytes._kv, from_file._kv) for a, b in zip(pa, pb))
+    assert all(torch.equal(a, b) for pa, pb in zip(kv_layers(from_bytes), kv_layers(from_file)) for a, b in zip(pa, pb))
     assert list(greedy_c(model)(from_bytes, max_tokens=3)) == list(greedy_c(model)(s, max_tokens=3))
     with pytest.raises(StateFileError):
         load_part(b"garbage bytes", model, None)

@@ -150,14 +150,14 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
     real = joint._mask != 0
     first = real.to(torch.int8).argmax(1).tolist()  # each row's first real column
     # views: transformers' tensors, and an uncached suffix real in every row (right-aligned; else _select drops holes)
-    views = (joint._kv is None or not kvcache.is_handle(joint._kv)) and bool(real[:, C:].all())
+    views = (joint._kv is None or kvcache.tensors(joint._kv) is not None) and bool(real[:, C:].all())
     for s in states:
         n = s.batch * samples
         lead = min(min(first[row:row + n]), C)
         if views and 2 * (C - lead) >= C:
             last = joint._last.select(range(row, row + n)) if joint._last is not None else None
-            kv = None if joint._kv is None or lead == C else tuple(
-                (k[row:row + n, :, lead:], v[row:row + n, :, lead:]) for k, v in joint._kv)
+            kv = None if joint._kv is None or lead == C else kvcache.narrow(  # (views: a contiguous range of rows)
+                kvcache.select_rows(joint._kv, torch.arange(row, row + n)), n, lead)
             out.append(SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:],
                                      mask=joint._mask[row:row + n, lead:], logprobs=joint._logprobs[row:row + n, lead:],
                                      weights=joint._weights[row:row + n], kv=kv, batch=s.batch, samples=samples,

@@ -1,15 +1,18 @@
 """The KV cache as the decoding loop and the state algebra see it, whatever the backend.
 
 A state's KV covers columns ``[0, length)`` of its rows' layout (left padding and holes included: column
-``j`` of the KV is column ``j`` of the state's tokens). What it is depends on the model's backend:
+``j`` of the KV is column ``j`` of the state's tokens). Every backend's KV is a handle (:class:`KVHandle`), or
+``None`` when nothing is cached:
 
-* transformers (:mod:`continuum.models.hf.cache`): a plain tuple ``((keys, values), ...)`` of torch tensors, one
-  pair per layer, or a lazy view of the engine's merged storage (a ``Sequence`` of such pairs);
-* any other backend: an object implementing :class:`KVHandle` (its own storage, e.g. a llama.cpp sequence per row).
+* transformers: :class:`~continuum.models.hf.tensorkv.TensorKV`, per-layer ``(keys, values)`` torch tensors (or
+  the lazy view of the engine's merged storage); a hybrid model's :class:`~continuum.models.hf.recurrent.HybridKV`;
+* llama.cpp: :class:`~continuum.models.llamacpp.seqkv.SeqKV`, views on the model's sequences;
+* a remote model: :class:`~continuum.models.remote.handle.RemoteKV`, the server's stored state.
 
-The loop, the engine and ``state/`` call only the functions below; each hands a handle its own method and a
-tensor tuple to the transformers code. Every operation returns a new KV and never changes what another state
-sees (invariant 2): a backend whose storage is shared (llama.cpp's cells) copies on write or forks.
+The loop, the engine and ``state/`` call only the functions below, each the handle's own method (``None`` handled
+here). Code that works on the tensors themselves asks for them (:func:`tensors`: None for a backend's own storage).
+Every operation returns a new KV and never changes what another state sees (invariant 2): a backend whose storage is
+shared (llama.cpp's cells) copies on write or forks.
 
 Example:
     >>> from continuum.models import kv
@@ -19,27 +22,32 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .hf import cache as _hf
-from .hf.cache import RESERVE_CAP, positions
-from .hf.slab import slot_of
+__all__ = ["KVHandle", "KV", "tensors", "from_tensors", "is_handle", "length", "select_rows", "crop", "keep", "narrow", "finish",
+           "compact", "stack_rows", "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
 
-__all__ = ["KVHandle", "KV", "is_handle", "length", "select_rows", "crop", "keep", "narrow", "finish", "compact", "stack_rows",
-           "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
+KV = Any  # a KVHandle, or None (nothing cached)
 
-KV = Any  # a tensor tuple (transformers), a KVHandle (other backends), or None (nothing cached)
+RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of every column of a token matrix: the number of real tokens before it (holes and
+    padding do not count), as the KV's column layout needs them."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
 
 
 @runtime_checkable
 class KVHandle(Protocol):
-    """The KV of a batch of rows held by a backend's own storage: what a backend other than transformers implements.
+    """The KV of a batch of rows, whatever holds it: what every backend implements.
 
     Rows are in the state's order; ``length()`` columns of the layout are covered. Handles are values: no method
-    changes ``self`` or anything another handle sees.
+    changes ``self`` or anything another handle sees. Optional methods, used where a handle has them: ``tensors()``
+    (torch tensors, :func:`tensors`), ``finish(columns)`` (:func:`finish`), ``dtype()``, ``devices()``,
+    ``to_devices(where)``.
     """
 
     def length(self) -> int:
@@ -76,29 +84,39 @@ class KVHandle(Protocol):
         ...
 
 
-def _handle(kv: Any) -> bool:
-    # (a tuple first: the Sequence ABC's isinstance is slow, and this runs many times per call and step)
-    return kv is not None and type(kv) is not tuple and not isinstance(kv, Sequence)
+def tensors(kv: KV) -> Any:
+    """The KV as per-layer ``(keys, values)`` torch tensors (a transformers state's: state files, the server's stored
+    parts, rows realigned or views taken of them), or None for a backend's own storage (llama.cpp's cells) or no KV."""
+    get = getattr(kv, "tensors", None)
+    return None if get is None else get()
+
+
+def from_tensors(model: Any, layers: Any) -> KV:
+    """``model``'s KV over per-layer ``(keys, values)`` tensors (read from a file, or laid out anew), each layer on
+    its layer's device; None for no tensors, or a backend whose KV is not torch tensors."""
+    make = getattr(model, "kv_from_tensors", None)
+    return None if layers is None or make is None else make(layers)
 
 
 def is_handle(kv: KV) -> bool:
-    """True for a backend's own KV (a :class:`KVHandle`), False for transformers' tensors or ``None``."""
-    return _handle(kv)
+    """True for a backend's own KV storage (llama.cpp's sequences, a hybrid's snapshots, a remote handle): not torch
+    tensors one can view or save (:func:`tensors`), and not ``None``."""
+    return kv is not None and getattr(kv, "tensors", None) is None
 
 
 def length(kv: KV) -> int:
     """Columns covered (0 for ``None``)."""
-    return kv.length() if _handle(kv) else _hf.length(kv)
+    return 0 if kv is None else kv.length()
 
 
 def select_rows(kv: KV, rows: torch.Tensor) -> KV:
     """Rows ``rows`` of ``kv``, in that order (forks, beams, slicing the batch)."""
-    return kv.select_rows(rows) if _handle(kv) else _hf.select_rows(kv, rows)
+    return None if kv is None else kv.select_rows(rows)
 
 
 def crop(kv: KV, columns: int) -> KV:
     """The first ``columns`` columns of ``kv``."""
-    return kv.crop(columns) if _handle(kv) else _hf.crop(kv, columns)
+    return None if kv is None else kv.crop(columns)
 
 
 def keep(kv: KV, mask: torch.Tensor) -> KV:
@@ -106,70 +124,66 @@ def keep(kv: KV, mask: torch.Tensor) -> KV:
     cached tokens (``state[..., :n]`` keeps a different count per row). Transformers attends by the attention mask,
     so its tensors stay, as new views: the old ones may be a merged slab's rows, and the slab keeps its rows' mask
     from step to step (a continuation taken for a slab member in place would attend to the cut columns through it);
-    a handle cuts its storage's views (llama.cpp attends to every cell of a view)."""
-    if _handle(kv):
-        return kv.keep(mask)
-    return None if kv is None else tuple((k.narrow(2, 0, k.shape[2]), v.narrow(2, 0, v.shape[2])) for k, v in kv)
+    llama.cpp cuts its storage's views (it attends to every cell of a view)."""
+    return None if kv is None else kv.keep(mask)
 
 
 def narrow(kv: KV, rows: int, lead: int) -> KV:
     """The first ``rows`` rows of ``kv`` without their first ``lead`` columns (CFG's conditional rows in a batch of
     both branches, behind the masked columns that right-align them with the unconditional ones)."""
-    if _handle(kv):
-        return kv.narrow(rows, lead)
-    return tuple((k[:rows, :, lead:], v[:rows, :, lead:]) for k, v in kv)
+    return kv.narrow(rows, lead)
 
 
 def finish(kv: KV, columns: int) -> KV:
-    """What a finished call hands to its result state: its first ``columns`` columns, in storage of its own when
-    they were a view of the engine's merged storage (a small part of it must not pin the rest), else with the
-    room allocated ahead given back."""
-    if _handle(kv):
-        out = kv.crop(columns)
-        return None if out is None else out.settle()
-    merged = slot_of(kv) is not None
-    out = _hf.crop(tuple(kv) if kv is not None else None, columns)  # (the engine's lazy views are made here)
-    return _hf.compact(out) if merged else _hf.shrink(out)
+    """What a finished call hands to its result state: its first ``columns`` columns, with the storage it no longer
+    needs given back (a handle's own ``finish`` where it has one: transformers copies a small part of the engine's
+    merged storage out, so it does not pin the rest; else ``crop`` then ``settle``)."""
+    if kv is None:
+        return None
+    own = getattr(kv, "finish", None)
+    if own is not None:
+        return own(columns)
+    out = kv.crop(columns)
+    return None if out is None else out.settle()
 
 
 def compact(kv: KV) -> KV:
     """``kv`` in storage of its own when it is a small part of a bigger one (a slice must not pin the rest)."""
-    return kv.settle() if _handle(kv) else _hf.compact(kv)
+    return None if kv is None else kv.settle()
 
 
 def stack_rows(kvs: list[KV], width: int, reserve: int = 0) -> KV:
     """The rows of ``kvs`` one after another, each right-aligned to ``width`` columns."""
-    if any(_handle(k) for k in kvs):
-        return type(next(k for k in kvs if _handle(k))).stack(kvs, width, reserve)
-    return _hf.stack_rows(kvs, width, reserve)
+    return type(next(k for k in kvs if k is not None)).stack(kvs, width, reserve)
 
 
 def gather_paths(kv: KV, rows: torch.Tensor, start: int, split: int, index: torch.Tensor, mask: torch.Tensor) -> KV:
     """Choice scoring's chosen pairs from a token tree's KV: for each output row ``j``, the columns ``[start, split)``
     of row ``rows[j]`` followed by its tree columns ``split + index[j, i]``; ``mask`` ``(len(rows), split - start +
     index.shape[1])`` says which of those columns are real (holes on the left of shorter paths are masked). ``kv``
-    is only read. Transformers copies the columns into new storage; a handle (llama.cpp) picks views of the
-    sequences that hold each path."""
-    if _handle(kv):
-        return kv.gather_paths(rows, start, split, index, mask)
-    return _hf.gather_paths(kv, rows, start, split, index)
+    is only read. Transformers copies the columns into new storage; llama.cpp picks views of the sequences that
+    hold each path."""
+    return None if kv is None else kv.gather_paths(rows, start, split, index, mask)
 
 
 def nbytes(kv: KV, seen: set | None = None) -> int:
     """Bytes of storage ``kv`` holds, shared storage counted once."""
-    return kv.nbytes(seen) if _handle(kv) else _hf.nbytes(kv, seen)
+    return 0 if kv is None else kv.nbytes(seen)
 
 
 def dtype(kv: KV) -> torch.dtype | None:
-    """The dtype of the KV tensors (``None`` for a handle or no KV: the backend keeps its own types)."""
-    return None if kv is None or _handle(kv) else kv[0][0].dtype
+    """The dtype of the KV tensors (``None`` for no KV or a handle whose backend keeps its own types)."""
+    own = getattr(kv, "dtype", None)
+    return None if own is None else own()
 
 
 def devices(kv: KV) -> tuple[torch.device, ...] | None:
-    """The device of each layer's tensors (``None`` for a handle: its storage is the backend's)."""
-    return None if _handle(kv) else _hf.devices(kv)
+    """The device of each layer's tensors (``None``: no KV, or storage a backend keeps where it keeps it)."""
+    own = getattr(kv, "devices", None)
+    return None if own is None else own()
 
 
 def to_devices(kv: KV, where: tuple[torch.device, ...] | None) -> KV:
-    """``kv`` with each layer on its device (a handle stays where its backend keeps it)."""
-    return kv if _handle(kv) or where is None else _hf.to_devices(kv, where)
+    """``kv`` with each layer on its device (a handle without tensors stays where its backend keeps it)."""
+    own = getattr(kv, "to_devices", None)
+    return kv if own is None or where is None else own(where)

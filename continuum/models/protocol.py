@@ -11,15 +11,18 @@ A backend provides:
 * **one engine step** (:meth:`Backend.run_step`): every running call's :class:`~continuum.models.request.Request`
   of the step, run the backend's own way (transformers: merged forwards in slabs; llama.cpp: one ``llama_decode``
   with a sequence per row), each request getting its result or its own error;
-* **the KV as a value** (:mod:`continuum.models.kv`): a tensor tuple on transformers, a
-  :class:`~continuum.models.kv.KVHandle` elsewhere, with select rows, crop, stack, finish and bytes;
+* **the KV as a value** (:mod:`continuum.models.kv`): a :class:`~continuum.models.kv.KVHandle` (transformers'
+  tensors in a ``TensorKV``, llama.cpp's sequence views in a ``SeqKV``), with select rows, crop, stack, finish and
+  bytes;
 * **the tokenizer** (:class:`continuum.models.tokenizer.Tokenizer`'s interface: encode, decode by bytes, every
   token's bytes, the end-of-generation ids, the outlines-core vocabulary and the llguidance tokenizer);
 * **an identity** (``fingerprint``, ``same_model``): a KV computed by another model is never used (invariant 5).
 
-A backend whose KV is a handle (not tensors) also provides ``save_kv(kv) -> (tensors, meta)`` and
-``load_kv(tensors, meta) -> kv`` for state files (``continuum.state.persistence``; a file whose KV no backend method
-reads is recomputed), and a token tree's KV its own ``gather_paths`` (:func:`continuum.models.kv.gather_paths`).
+A backend whose KV is torch tensors provides ``kv_from_tensors(layers) -> kv`` (a state file's or a stored part's
+tensors as its handle: :func:`continuum.models.kv.from_tensors`); one whose KV is its own storage provides
+``save_kv(kv) -> (tensors, meta)`` and ``load_kv(tensors, meta) -> kv`` for state files
+(``continuum.state.persistence``; a file whose KV no backend method reads is recomputed), and a token tree's KV its
+own ``gather_paths`` (:func:`continuum.models.kv.gather_paths`).
 
 Example:
     >>> from continuum.models.protocol import Backend

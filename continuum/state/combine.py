@@ -178,16 +178,17 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     if C and kvcache.is_handle(next(s._kv for s in states if s._kv is not None)):
         kv = kvcache.stack_rows([_handle_of(s, states) for s in states], C)
     elif C:  # new storage: each state's cached columns right-aligned at C, zeros before (masked, never NaN)
-        ref = next(s._kv for s in states if s._kv is not None)
+        own = [kvcache.tensors(s._kv) for s in states]
+        ref = next(t for t in own if t is not None)
         layers = []
         for i, (k0, _) in enumerate(ref):
             ks, vs = [], []
-            for s, (c, _) in zip(states, widths):
+            for s, t, (c, _) in zip(states, own, widths):
                 gap = k0.new_zeros((s.rows, k0.shape[1], C - c, k0.shape[3]))  # (cat: ~3x faster than slice writes)
-                ks.append(torch.cat([gap, s._kv[i][0]], 2) if c and s._kv is not None else gap)
-                vs.append(torch.cat([gap, s._kv[i][1]], 2) if c and s._kv is not None else gap)
+                ks.append(torch.cat([gap, t[i][0]], 2) if c and t is not None else gap)
+                vs.append(torch.cat([gap, t[i][1]], 2) if c and t is not None else gap)
             layers.append((torch.cat(ks), torch.cat(vs)))
-        kv = tuple(layers)
+        kv = kvcache.from_tensors(first._model, tuple(layers))
     weights = torch.cat([s._weights for s in states])
     last = None
     lasts = [s._last for s in states if s._last is not None]

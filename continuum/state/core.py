@@ -209,11 +209,12 @@ class SequenceState:
 
         Its columns follow the private layout (see the module docstring), not :attr:`token_ids`.
         """
-        if self._kv is None or isinstance(self._kv, kvcache.KVHandle):
+        layers = kvcache.tensors(self._kv)
+        if layers is None:
             return self._kv
         from ..models.hf.dynamic import to_dynamic_cache
 
-        return to_dynamic_cache(self._kv, self._model.config)
+        return to_dynamic_cache(layers, self._model.config)
 
     def _last_step(self) -> LastStep:
         if self._last is None:

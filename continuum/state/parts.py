@@ -40,8 +40,9 @@ def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = 
     if base is None or base.rows != state.rows or base._ids.device != state._ids.device:
         return 0
     n = min(base._ids.shape[1], state._ids.shape[1])
+    mine, theirs = kvcache.tensors(state._kv), kvcache.tensors(base._kv)
     if kv and not (kvcache.is_handle(state._kv) or kvcache.is_handle(base._kv)):
-        if state._kv is None or base._kv is None or len(state._kv) != len(base._kv):
+        if mine is None or theirs is None or len(mine) != len(theirs):
             return 0
         n = min(n, kvcache.length(state._kv), kvcache.length(base._kv))
     same = (state._ids[:, :n] == base._ids[:, :n]) & (state._mask[:, :n] == base._mask[:, :n])
@@ -49,8 +50,8 @@ def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = 
     same &= (lp_a == lp_b) | (lp_a.isnan() & lp_b.isnan())
     bad = (~same.all(0)).nonzero()
     n = int(bad[0]) if len(bad) else n
-    if kv and n and state._kv is not None and base._kv is not None and not kvcache.is_handle(state._kv):
-        for (k, v), (bk, bv) in zip(state._kv, base._kv):
+    if kv and n and mine is not None and theirs is not None:
+        for (k, v), (bk, bv) in zip(mine, theirs):
             if not (_same(k[..., :n, :], bk[..., :n, :]) and _same(v[..., :n, :], bv[..., :n, :])):
                 return 0  # recomputed rather than kept: values may differ in the last bits, so nothing is shared
     return n
@@ -63,7 +64,7 @@ def _join(base: torch.Tensor, own: torch.Tensor, start: int) -> torch.Tensor:
 def _part(state: SequenceState, start: int, kv: bool) -> tuple[dict, dict]:
     tensors = {"ids": state._ids[:, start:], "mask": state._mask[:, start:], "logprobs": state._logprobs[:, start:],
                "weights": state._weights}
-    layers = state._kv if kv and not kvcache.is_handle(state._kv) else None
+    layers = kvcache.tensors(state._kv) if kv else None
     for i, (k, v) in enumerate(layers or ()):
         tensors[f"k{i}"], tensors[f"v{i}"] = k[..., start:, :], v[..., start:, :]
     meta = metadata(state)
@@ -104,14 +105,14 @@ def load_part(path, model, base: SequenceState | None) -> SequenceState:
             ids = torch.cat([base._ids[:, :start], tensors["ids"]], 1)
             mask = torch.cat([base._mask[:, :start], tensors["mask"]], 1)
             lps = torch.cat([base._logprobs[:, :start], tensors["logprobs"]], 1)
-            if kv is not None and base._kv is not None and kvcache.length(base._kv) >= start:
-                kv = tuple((_join(bk, k, start), _join(bv, v, start)) for (bk, bv), (k, v) in zip(base._kv, kv))
+            theirs = kvcache.tensors(base._kv)
+            if kv is not None and theirs is not None and kvcache.length(base._kv) >= start:
+                kv = tuple((_join(bk, k, start), _join(bv, v, start)) for (bk, bv), (k, v) in zip(theirs, kv))
             else:
                 kv = None
         else:
             ids, mask, lps = tensors["ids"], tensors["mask"], tensors["logprobs"]
-        if kv is not None and len(kv) == len(model.layer_devices):
-            kv = kvcache.to_devices(kv, model.layer_devices)
+        kv = kvcache.from_tensors(model, kv)
         state = SequenceState(model=model, ids=ids, mask=mask, logprobs=lps, weights=tensors["weights"], kv=kv,
                               batch=meta["batch"], samples=meta["samples"], last=last_step(meta["last"]))
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:

@@ -66,9 +66,9 @@ def metadata(state: SequenceState) -> dict:
 
 
 def _tensor_kv(state: SequenceState):
-    """The KV tensors a state file holds: a transformers cache; another backend's KV is not written (the loaded
-    state recomputes it in one pass when continued)."""
-    return None if isinstance(state._kv, kvcache.KVHandle) else state._kv
+    """The KV tensors a state file holds: a transformers cache's (another backend's KV is written by the backend,
+    ``model.save_kv``, or not at all: the loaded state recomputes it in one pass when continued)."""
+    return kvcache.tensors(state._kv)
 
 
 # safetensors' names of the dtypes a state file holds (anything else is written by safetensors itself)
@@ -142,7 +142,7 @@ def save(state: SequenceState, path) -> None:
         tensors[f"k{i}"], tensors[f"v{i}"] = k, v
     meta = metadata(state)
     saver = getattr(state._model, "save_kv", None)
-    if isinstance(state._kv, kvcache.KVHandle) and saver is not None:  # another backend's KV: its own format
+    if kvcache.is_handle(state._kv) and saver is not None:  # another backend's KV: its own format
         handle_tensors, meta["kv_handle"] = saver(state._kv)
         tensors.update(handle_tensors)
     write(path, tensors, meta)
@@ -255,10 +255,9 @@ def load(path, model) -> SequenceState:
     """
     meta, tensors = read(path, model)
     try:
-        kv = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
-        if kv is not None and len(kv) == len(model.layer_devices):  # device_map: each layer where its layer runs
-            kv = kvcache.to_devices(kv, model.layer_devices)
-        dropped = kv is not None and foreign(meta, model, path)
+        layers = tuple((tensors[f"k{i}"], tensors[f"v{i}"]) for i in range(meta["layers"])) or None
+        dropped = layers is not None and foreign(meta, model, path)
+        kv = None if dropped else kvcache.from_tensors(model, layers)
         if meta.get("kv_handle") is not None:
             kv = _handle_kv(meta, tensors, model, path)
             dropped = kv is None

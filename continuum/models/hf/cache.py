@@ -1,4 +1,5 @@
-"""Functional KV-cache operations.
+"""Functional KV-cache operations on transformers' tensors (what :class:`~.tensorkv.TensorKV`, the handle the
+rest of continuum holds, runs).
 
 A cache here is a plain tuple ``((keys, values), ...)``, one pair per layer, each tensor of shape
 ``(rows, heads, columns, head_dim)``. Column ``j`` of the cache holds the keys/values of column
@@ -29,21 +30,14 @@ import threading
 
 import torch
 
+from ..kv import RESERVE_CAP, positions  # noqa: F401  (the layout's, backend-neutral; here for this backend's modules)
+
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 __all__ = ["KV", "positions", "select_rows", "crop", "shrink", "compact",
            "gather_columns", "gather_paths", "nbytes", "length", "stack_rows", "assemble", "devices", "to_devices"]
 
 
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of every column of a token matrix: the number of real tokens before it (holes and
-    padding do not count), as the cache's column layout needs them."""
-    return (mask.cumsum(1) - 1).clamp(min=0)
-
-
-RESERVE_CAP = 1024  # KV columns allocated ahead at most (an open-ended generation grows in chunks)
 _MIN_SLACK = 64  # spare columns of a new arena beyond the caller's reserve: the next turn's short append fits
 
 

@@ -38,6 +38,7 @@ import torch
 from ..request import Request, normalized
 from . import cache as kvcache
 from .slab import Slab, SlabView, slot_of
+from .tensorkv import layers_of
 
 __all__ = ["Slab", "plan", "run_group", "slot_of", "groups"]
 
@@ -68,17 +69,18 @@ class Plan:
 
 def _in_place(r: Request) -> tuple[Slab, int, int, int] | None:
     """The slot of ``r``'s cache when it is exactly a view a merged forward handed out, ending at its slab's end."""
-    if isinstance(r.kv, SlabView):  # handed out as it is: its slot is its layout
-        slab, row, rows, start = r.kv.slot
-        return r.kv.slot if rows == r.rows and slab.end == start + r.kv.width else None
-    slot = slot_of(r.kv)
-    if slot is None or r.kv is None:
+    kv = layers_of(r.kv)
+    if isinstance(kv, SlabView):  # handed out as it is: its slot is its layout
+        slab, row, rows, start = kv.slot
+        return kv.slot if rows == r.rows and slab.end == start + kv.width else None
+    slot = slot_of(kv)
+    if slot is None or kv is None:
         return None
     slab, row, rows, start = slot
     C = r.cached
-    if rows != r.rows or slab.end != start + C or len(r.kv) != len(slab.keys):
+    if rows != r.rows or slab.end != start + C or len(kv) != len(slab.keys):
         return None
-    for (k, v), K, V in zip(r.kv, slab.keys, slab.values):  # every layer, not only the marked one
+    for (k, v), K, V in zip(kv, slab.keys, slab.values):  # every layer, not only the marked one
         if K is None or V is None or k.shape != (rows, K.shape[1], C, K.shape[3]) or k.data_ptr() != K[row, :, start].data_ptr() \
                 or v.data_ptr() != V[row, :, start].data_ptr() or k.stride() != K.stride():
             return None
@@ -122,7 +124,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
             row = slab.rows_used
             for r in newcomers:
                 first[id(r)] = row
-                copies.append((r.kv, row, r.rows))
+                copies.append((layers_of(r.kv), row, r.rows))
                 row += r.rows
             return Plan(slab, requests, [first[id(r)] for r in requests], slab.end, N, row if newcomers else top, copies,
                         joiners=newcomers)
@@ -136,7 +138,7 @@ def plan(requests: list[Request], layers: int) -> Plan:
     row = 0
     for r in requests:
         starts.append(row)
-        fill.append((r.kv, row, r.rows))
+        fill.append((layers_of(r.kv), row, r.rows))
         row += r.rows
     return Plan(new, requests, starts, C, N, row, fill, fresh=True, joiners=list(requests))
 

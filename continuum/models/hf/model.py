@@ -16,10 +16,11 @@ import torch
 from ..identity import ModelFingerprint, fingerprint_of
 from ..tokenizer import Tokenizer
 from . import hybrid
-from .cache import KV
+from .cache import to_devices
 from .dynamic import cache_kwargs, from_dynamic_cache, layer_kinds, to_dynamic_cache
 from .hybrid import HybridSpec, spec_of
 from .prefix_cache import PrefixCache, parse_budget
+from .tensorkv import TensorKV, layers_of, wrap
 
 if TYPE_CHECKING:
     from ...loop.engine import Engine
@@ -206,19 +207,20 @@ class Transformers:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: KV | None,
+        cache: TensorKV | None,
         *,
         logits: str = "last",
         reserve: int = 0,
         allowed: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, KV]:
+    ) -> tuple[torch.Tensor | None, TensorKV | None]:
         """Run ``input_ids`` (the uncached columns) on top of ``cache``.
 
         ``attention_mask`` covers cached + new columns (zeros anywhere are fine).
         Returns the logits (float32) of the last column ``(rows, vocab)`` (``logits="last"``), of
         every new column ``(rows, new, vocab)`` (``"all"``) or ``None`` (``"none"``), and the KV
-        tensors covering all columns. ``cache`` is not modified. ``reserve``: columns the caller will
-        append after this call (decoding steps to come), so the KV storage is allocated once.
+        covering all columns (:class:`~.tensorkv.TensorKV`; a hybrid model's :class:`~.recurrent.HybridKV`).
+        ``cache`` is not modified. ``reserve``: columns the caller will append after this call (decoding steps to
+        come), so the KV storage is allocated once.
         ``allowed``: a boolean ``(rows, new, cached + new)`` matrix, which columns each new column
         attends to, instead of "every real column up to itself" (a token tree: options scored side
         by side after one context, see :mod:`continuum.loop.scoring`); ``position_ids`` then say where
@@ -250,7 +252,7 @@ class Transformers:
         if self.hybrid is not None:
             return hybrid.forward(self, self.hybrid, input_ids, attention_mask, position_ids, cache, logits=logits,
                                   reserve=reserve, allowed=allowed)
-        past = to_dynamic_cache(cache, self.config, reserve)
+        past = to_dynamic_cache(layers_of(cache), self.config, reserve)
         out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed)
         with self._count_lock:
             self.tokens_computed += input_ids.numel()
@@ -258,7 +260,14 @@ class Transformers:
         kv = from_dynamic_cache(past)
         if cache is None and kv:  # a cache computed from scratch: remember what dtype these weights produce
             self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
-        return result, kv
+        return result, wrap(kv or None)
+
+    def kv_from_tensors(self, layers) -> TensorKV:
+        """The KV handle over per-layer ``(keys, values)`` (a state file's, a stored part's), each layer on its
+        layer's device (a ``device_map``)."""
+        if len(layers) == len(self.layer_devices):
+            layers = to_devices(layers, self.layer_devices)
+        return TensorKV(layers)
 
     def save_kv(self, kv) -> tuple[dict, dict]:
         """A hybrid model's KV for a state file (:func:`continuum.models.hf.hybrid.save_kv`)."""

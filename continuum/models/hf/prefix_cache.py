@@ -40,6 +40,7 @@ from ...errors import PrefixCacheArgumentError
 from ..budget import parse_budget
 from . import cache as kvcache
 from . import prefix_reuse
+from .tensorkv import layers_of
 
 if TYPE_CHECKING:  # at run time state is imported where a state is built: continuum.models (which holds the
     from ...state import SequenceState  # prefix cache) is imported by state's own modules
@@ -109,7 +110,7 @@ class PrefixCache:
 
     def remember(self, model, ids: torch.Tensor, mask: torch.Tensor, kv: kvcache.KV, owner: int | None = None) -> None:
         """Keep the prefixes a prefill just computed (:func:`.prefix_reuse.remember`)."""
-        prefix_reuse.remember(model, ids, mask, kv, owner)
+        prefix_reuse.remember(model, ids, mask, layers_of(kv), owner)
 
     # -- the table (every method below runs under self._lock) -------------------------------
     def _drop_all(self) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from ...loop.arrivals import GATE
 from . import cache as kvcache
+from .tensorkv import TensorKV
 
 if TYPE_CHECKING:
     from ...state import SequenceState
@@ -47,7 +48,7 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
     cache = getattr(state._model, "prefix_cache", None)
     if cache is None or _timing_dependent(state._model):
         return state
-    B, C = cache.block_size, kvcache.length(state._kv)
+    B, C = cache.block_size, (0 if state._kv is None else state._kv.length())
     real, own = state._real_rows(), state._cached_real()
     todo = [r for r in range(state.rows) if (len(real[r][0]) - 1) // B * B > own[r]]
     if not todo:
@@ -78,7 +79,7 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
     if not hits:
         return state
     try:
-        if state._kv is not None and state._kv[0][0].dtype != next(iter(hits.values()))[0].kv[0][0].dtype:
+        if state._kv is not None and state._kv.dtype() != next(iter(hits.values()))[0].kv[0][0].dtype:
             return state  # a cache of another dtype (to_model recomputes such states)
         return _relayout(state, hits, B, C, room)
     finally:
@@ -127,8 +128,8 @@ def _relayout(state: SequenceState, hits: dict[int, list[_Block]], B: int, C: in
             parts.append([])
             continue
         assert state._kv is not None, "a row with cached columns (h > 0) means the state holds a KV cache"
-        parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv)])
-    kv = kvcache.assemble(parts, width, (total - width) + min(room, kvcache.RESERVE_CAP))
+        parts.append([tuple((k[r:r + 1, :, lead[r]:C], v[r:r + 1, :, lead[r]:C]) for k, v in state._kv.tensors())])
+    kv = TensorKV(kvcache.assemble(parts, width, (total - width) + min(room, kvcache.RESERVE_CAP)))
     from ...state import SequenceState
 
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=state._weights, kv=kv,

@@ -61,7 +61,7 @@ class SlabView(Sequence):
         return iter(self.materialize())
 
 
-def slot_of(kv: kvcache.KV | None) -> tuple[Slab, int, int, int] | None:
+def slot_of(kv: kvcache.KV | SlabView | None) -> tuple[Slab, int, int, int] | None:
     """``(slab, first row, row count, first column)`` when ``kv`` is a view a merged forward handed out."""
     if kv is None:
         return None

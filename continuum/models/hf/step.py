@@ -8,6 +8,7 @@ import time
 
 from ..request import Request, normalized
 from . import merge
+from .tensorkv import TensorKV, layers_of
 
 __all__ = ["run_requests"]
 
@@ -19,11 +20,11 @@ def run_requests(model, batch: list[Request], stats: dict) -> None:
     alone = [r for r in batch if recurrent or not r.mergeable]
     merged = [] if recurrent else [r for r in batch if r.mergeable]
     for group in merge.groups(merged):
-        if len(group) == 1 and merge.slot_of(group[0].kv) is None:
+        if len(group) == 1 and merge.slot_of(layers_of(group[0].kv)) is None:
             alone.append(group[0])
             continue
         try:
-            p = merge.plan(group, len(group[0].kv) if group[0].kv is not None else model._layers)
+            p = merge.plan(group, len(layers_of(group[0].kv)) if group[0].kv is not None else model._layers)
             t = time.perf_counter()
             results = merge.run_group(model, p)
             stats["forward_s"] += time.perf_counter() - t
@@ -33,7 +34,7 @@ def run_requests(model, batch: list[Request], stats: dict) -> None:
             continue
         _note(p, stats)
         for r, (lg, kv) in zip(group, results):  # a one-off request's owner gets plain views (a loop: lazy ones)
-            r.result, r.error = (lg, kv if r.event is None else tuple(kv)), None
+            r.result, r.error = (lg, TensorKV(kv if r.event is None else tuple(kv))), None
         stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], p.slab.nbytes())
         with model._count_lock:
             model.tokens_computed += sum(r.rows * r.new for r in group)
