@@ -71,7 +71,11 @@ LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # context outgrowing a pool together: test_a_call_of_two_rows_to_the_context_of_a_small_pool_regression) are drawn too.
 # The spilled fork family that the long profile found in both modes (each member's bytes holding its own copy of the
 # shared prefix, refused with "no room to restore a spilled state" though it fitted resident) shares the prefix again
-# on restore (SequencePool._reshare; test_llamacpp_pool.py::test_a_spilled_fork_family_*).
+# on restore (models/llamacpp/reshare.py; test_llamacpp_pool.py::test_a_spilled_fork_family_*, and a member spilled
+# beside a resident relative: test_a_member_spilled_beside_a_resident_relative_*).
+# Open, in the gguf profile's threads rule, each seen once in six long runs and not replayed by hypothesis (timing):
+# "no room to restore a spilled state of 255 tokens" on the 256-cell pool in a call's first forward, and a greedy
+# token 426 where the reference's argmax is 427 past position 450 on the 1,024-cell pool (prefix cache on).
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
 CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "gguf": (10, 12), "gguf-invariant": (10, 12)}  # (histories, steps)
 LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "gguf": (200, 40), "gguf-invariant": (200, 40)}  # ~5 minutes
