@@ -197,7 +197,7 @@ def test_the_transformers_adapter_implements_the_backend_protocol(gpt2_model, ll
         assert isinstance(model, Backend)
         gen = continuous(generate.text(model, samplers.multinomial(3)))
         s = gen("Hello there", max_tokens=4, rng=torch.Generator().manual_seed(0))
-        assert isinstance(s._kv, kv.KVHandle) and not kv.is_handle(s._kv) and kv.tensors(s._kv) is _layers(s)
+        assert isinstance(s._kv, kv.KVHandle) and not kv.opaque(s._kv) and kv.tensors(s._kv) is _layers(s)
         assert kv.length(s._kv) == kvcache.length(_layers(s)) > 0
         assert kv.nbytes(s._kv) == kvcache.nbytes(_layers(s))
         rows = torch.tensor([2, 0])

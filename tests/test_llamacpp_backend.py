@@ -32,7 +32,7 @@ def _ids(state) -> list[int]:
 def test_implements_the_backend_protocol_and_greedy_follows_llama_cpp(model):
     assert isinstance(model, Backend)
     s = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=30)
-    assert kv.is_handle(s._kv) and kv.length(s._kv) > 0
+    assert kv.opaque(s._kv) and kv.length(s._kv) > 0
     prompt = len(model.tokenizer.encode_prompts(["Once upon a time"])[0])
     _check_greedy_path(_ids(s), prompt)
 

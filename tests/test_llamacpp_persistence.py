@@ -51,7 +51,7 @@ def test_save_load_restores_the_kv_without_recomputing_and_continues_exactly(mod
     s = _greedy(model)("Once upon a time", max_tokens=12)
     s.save(tmp_path / "s.safetensors")
     back = SequenceState.load(tmp_path / "s.safetensors", model)
-    assert kv.is_handle(back._kv) and kv.length(back._kv) == kv.length(s._kv) > 0
+    assert kv.opaque(back._kv) and kv.length(back._kv) == kv.length(s._kv) > 0
     assert str(back) == str(s) and torch.equal(back.weights, s.weights)
     ours, computed = _continue(model, back)
     ref, ref_computed = _continue(model, s)

@@ -34,7 +34,7 @@ def test_a_transformers_state_continues_on_llama_cpp_recomputed_in_one_prefill(m
     before, calls = model.tokens_computed, model.forward_calls
     one = gen(s, max_tokens=1)
     assert model.tokens_computed - before == len(ids) and model.forward_calls - calls == 1  # every id once, one decode
-    assert kv.is_handle(one._kv) and kv.tensors(s._kv) is not None  # s untouched: its transformers tensors kept
+    assert kv.opaque(one._kv) and kv.tensors(s._kv) is not None  # s untouched: its transformers tensors kept
     s2 = gen(s, max_tokens=16)
     assert _ids(s2)[:len(ids)] == ids and str(s2).startswith(str(s))
     _check_greedy_path(_ids(s2), len(ids))  # llama.cpp's own greedy continuation of the same ids

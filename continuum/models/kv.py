@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVHandle", "KV", "tensors", "from_tensors", "is_handle", "length", "select_rows", "crop", "keep", "narrow", "finish",
+__all__ = ["KVHandle", "KV", "tensors", "from_tensors", "opaque", "length", "select_rows", "crop", "keep", "narrow", "finish",
            "compact", "stack_rows", "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
 
 KV = Any  # a KVHandle, or None (nothing cached)
@@ -98,9 +98,9 @@ def from_tensors(model: Any, layers: Any) -> KV:
     return None if layers is None or make is None else make(layers)
 
 
-def is_handle(kv: KV) -> bool:
-    """True for a backend's own KV storage (llama.cpp's sequences, a hybrid's snapshots, a remote handle): not torch
-    tensors one can view or save (:func:`tensors`), and not ``None``."""
+def opaque(kv: KV) -> bool:
+    """True for a KV whose storage is the backend's own (llama.cpp's sequences, a hybrid's snapshots, a remote
+    handle): no torch tensors one can view or save (:func:`tensors`); False for transformers' tensors or ``None``."""
     return kv is not None and getattr(kv, "tensors", None) is None
 
 

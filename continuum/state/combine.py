@@ -175,7 +175,7 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
             out[row:row + s.rows, C + S - w:] = t[:, c:]
         row += s.rows
     kv = None
-    if C and kvcache.is_handle(next(s._kv for s in states if s._kv is not None)):
+    if C and kvcache.opaque(next(s._kv for s in states if s._kv is not None)):
         kv = kvcache.stack_rows([_handle_of(s, states) for s in states], C)
     elif C:  # new storage: each state's cached columns right-aligned at C, zeros before (masked, never NaN)
         own = [kvcache.tensors(s._kv) for s in states]

@@ -62,7 +62,7 @@ def to_model(state: SequenceState, model) -> SequenceState:
         return uncached(state, model)
     kv, dev = state._kv, model.device
     holds = getattr(model, "holds", None)
-    if kvcache.is_handle(kv) and model is not state._model and holds is not None and not holds(kv):
+    if kvcache.opaque(kv) and model is not state._model and holds is not None and not holds(kv):
         return uncached(state, model)  # the same weights in another instance: its cells live in the other's pool
     if kvcache.dtype(kv) is not None and kvcache.dtype(kv) != model.kv_dtype:
         logger.warning("This state's KV cache is %s but the model now computes %s (its dtype changed after the "

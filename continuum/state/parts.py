@@ -41,7 +41,7 @@ def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = 
         return 0
     n = min(base._ids.shape[1], state._ids.shape[1])
     mine, theirs = kvcache.tensors(state._kv), kvcache.tensors(base._kv)
-    if kv and not (kvcache.is_handle(state._kv) or kvcache.is_handle(base._kv)):
+    if kv and not (kvcache.opaque(state._kv) or kvcache.opaque(base._kv)):
         if mine is None or theirs is None or len(mine) != len(theirs):
             return 0
         n = min(n, kvcache.length(state._kv), kvcache.length(base._kv))

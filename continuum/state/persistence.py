@@ -142,7 +142,7 @@ def save(state: SequenceState, path) -> None:
         tensors[f"k{i}"], tensors[f"v{i}"] = k, v
     meta = metadata(state)
     saver = getattr(state._model, "save_kv", None)
-    if kvcache.is_handle(state._kv) and saver is not None:  # another backend's KV: its own format
+    if kvcache.opaque(state._kv) and saver is not None:  # another backend's KV: its own format
         handle_tensors, meta["kv_handle"] = saver(state._kv)
         tensors.update(handle_tensors)
     write(path, tensors, meta)
