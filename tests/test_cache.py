@@ -10,6 +10,8 @@ from continuum.models.hf import dynamic
 from continuum.models.hf.cache import positions
 from continuum.models.hf.tensorkv import TensorKV
 
+from conftest import kv_layers
+
 
 def _prefill(model, n: int, rows: int = 1, reserve: int = 0):
     ids = torch.randint(5, 200, (rows, n), generator=torch.Generator().manual_seed(n))
@@ -112,12 +114,7 @@ def _uncached(state):
 
 
 def _arena_storages(state):
-    return {k.untyped_storage().data_ptr() for k, _ in _layers(state) or ()}
-
-
-def _layers(state):
-    """A state's KV tensors (what its TensorKV holds)."""
-    return None if state._kv is None else state._kv.tensors()
+    return {k.untyped_storage().data_ptr() for k, _ in kv_layers(state)}
 
 
 def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
@@ -133,12 +130,11 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
     greedy = continuous(generate.text(gpt2_model, samplers.greedy()))
     big = greedy("Once upon a time", max_tokens=200)
     tiny = big[:12]
-    k0 = _layers(big)[0][0]
-    k0 = _layers(big)[0][0]
-    per_column = kvcache.nbytes(_layers(big)) // k0.untyped_storage().nbytes() * k0[:, :, :1].numel() * 4
+    k0 = kv_layers(big)[0][0]
+    per_column = kvcache.nbytes(kv_layers(big)) // k0.untyped_storage().nbytes() * k0[:, :, :1].numel() * 4
     del k0  # (it would keep big's storage alive)
-    assert kvcache.nbytes(_layers(tiny)) == per_column * kvcache.length(_layers(tiny))
-    big_storage = weakref.ref(_layers(big)[0][0].untyped_storage())
+    assert kvcache.nbytes(kv_layers(tiny)) == per_column * kvcache.length(kv_layers(tiny))
+    big_storage = weakref.ref(kv_layers(big)[0][0].untyped_storage())
     backed_off = big[: len(str(big)) - 3]  # backing off a few characters stays a view
     assert _arena_storages(backed_off) == _arena_storages(big)
     del big, backed_off
@@ -150,7 +146,7 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
     many = continuous(generate.text(gpt2_model, samplers.multinomial(8)))(
         "Once upon a time", max_tokens=60, rng=torch.Generator().manual_seed(0))
     one = many[0, 3, :]
-    assert kvcache.nbytes(_layers(one)) * 4 < kvcache.nbytes(_layers(many))  # 1 row of 8
+    assert kvcache.nbytes(kv_layers(one)) * 4 < kvcache.nbytes(kv_layers(many))  # 1 row of 8
     assert_reuse_exact(one)
     assert list(greedy(one, max_tokens=4)) == list(greedy(_uncached(one), max_tokens=4))
 
@@ -160,10 +156,10 @@ def test_small_slices_and_single_samples_do_not_pin_big_caches(gpt2_model):
         s = greedy(s + " more", max_tokens=4)
         kept.append(s[:3])
     seen: set = set()
-    held = sum(kvcache.nbytes(_layers(k), seen) for k in kept)
-    assert held * 2 < kvcache.nbytes(_layers(s)), (held, kvcache.nbytes(_layers(s)))  # was 2.5x before compaction
+    held = sum(kvcache.nbytes(kv_layers(k), seen) for k in kept)
+    assert held * 2 < kvcache.nbytes(kv_layers(s)), (held, kvcache.nbytes(kv_layers(s)))  # was 2.5x before compaction
     late = kept[15:]  # made once the chain was long: each holds exactly its own columns
-    assert [kvcache.nbytes(_layers(k)) for k in late] == [per_column * kvcache.length(_layers(k)) for k in late]
+    assert [kvcache.nbytes(kv_layers(k)) for k in late] == [per_column * kvcache.length(kv_layers(k)) for k in late]
 
 
 def test_forward_passes_the_cache_under_the_keyword_the_model_takes(gpt2_model, llama_model):
@@ -197,11 +193,11 @@ def test_the_transformers_adapter_implements_the_backend_protocol(gpt2_model, ll
         assert isinstance(model, Backend)
         gen = continuous(generate.text(model, samplers.multinomial(3)))
         s = gen("Hello there", max_tokens=4, rng=torch.Generator().manual_seed(0))
-        assert isinstance(s._kv, kv.KVHandle) and not kv.opaque(s._kv) and kv.tensors(s._kv) is _layers(s)
-        assert kv.length(s._kv) == kvcache.length(_layers(s)) > 0
-        assert kv.nbytes(s._kv) == kvcache.nbytes(_layers(s))
+        assert isinstance(s._kv, kv.KVHandle) and not kv.opaque(s._kv) and kv.tensors(s._kv) is kv_layers(s)
+        assert kv.length(s._kv) == kvcache.length(kv_layers(s)) > 0
+        assert kv.nbytes(s._kv) == kvcache.nbytes(kv_layers(s))
         rows = torch.tensor([2, 0])
-        picked, ref = kv.select_rows(s._kv, rows), kvcache.select_rows(_layers(s), rows)
+        picked, ref = kv.select_rows(s._kv, rows), kvcache.select_rows(kv_layers(s), rows)
         assert all(torch.equal(a, b) for pa, pb in zip(kv.tensors(picked), ref) for a, b in zip(pa, pb))
         cropped = kv.crop(s._kv, 3)
         assert kv.length(cropped) == 3 and kv.length(kv.crop(s._kv, 0)) == 0

@@ -430,6 +430,7 @@ def test_a_cut_of_a_merged_result_attends_only_to_the_columns_it_kept(model):
     attended to the cut tokens through the slab's old mask (log-probs 0.05 off on a tiny Llama). Reference: a fresh
     forward of the HF model over the cut's tokens (``assert_reuse_exact``), and greedy continuation's log-probs."""
     from continuum.models.hf.slab import slot_of
+    from continuum.models.hf.tensorkv import layers_of
 
     text = continuous(generate.text(model, samplers.greedy()))
     fork = continuous(generate.text(model, samplers.multinomial(3)))
@@ -442,7 +443,7 @@ def test_a_cut_of_a_merged_result_attends_only_to_the_columns_it_kept(model):
                                                            lambda: text(prompts, max_tokens=2)], concurrency=2)
     tested = 0
     for state in results:
-        if slot_of(state._kv.raw) is None:  # (not a slab view: a result the slab did not hand out)
+        if slot_of(layers_of(state._kv)) is None:  # (not a slab view: a result the slab did not hand out)
             continue
         n = min(len(t) for t in state)  # the shortest row keeps every cached token; longer rows lose some
         cut = state[chars_key(state, slice(None, n))]

@@ -240,9 +240,10 @@ def test_padding_is_reported_and_bounded(gpt2_model):
 def test_a_lone_call_never_touches_merged_storage(gpt2_model):
     """Alone, a call runs its forward directly: its state's cache is the usual arena, not a slab."""
     from continuum.models.hf.slab import slot_of
+    from continuum.models.hf.tensorkv import layers_of
 
     state = continuous(generate.text(gpt2_model, samplers.greedy()))(PROMPTS[0], max_tokens=4)
-    assert isinstance(state, SequenceState) and slot_of(state._kv.raw) is None
+    assert isinstance(state, SequenceState) and slot_of(layers_of(state._kv)) is None
 
 
 def test_in_batch_prefix_sharing_computes_a_shared_prefix_once(bpe_tokenizer):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from ...loop.arrivals import GATE
+from ..kv import length as kv_length
 from . import cache as kvcache
 from .tensorkv import TensorKV
 
@@ -48,7 +49,7 @@ def reuse(state: SequenceState, room: int = 0) -> SequenceState:
     cache = getattr(state._model, "prefix_cache", None)
     if cache is None or _timing_dependent(state._model):
         return state
-    B, C = cache.block_size, (0 if state._kv is None else state._kv.length())
+    B, C = cache.block_size, kv_length(state._kv)
     real, own = state._real_rows(), state._cached_real()
     todo = [r for r in range(state.rows) if (len(real[r][0]) - 1) // B * B > own[r]]
     if not todo:

@@ -49,11 +49,6 @@ class TensorKV:
         layers = self._layers
         return layers if type(layers) is tuple else layers.materialize()  # type: ignore[union-attr]
 
-    @property
-    def raw(self) -> _hf.KV | SlabView:
-        """The tuple, or the merged storage's lazy view as the step handed it out (``merge.py`` recognises it)."""
-        return self._layers
-
     def dtype(self) -> torch.dtype:
         return self.tensors()[0][0].dtype
 

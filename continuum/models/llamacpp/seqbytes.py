@@ -9,7 +9,7 @@ from typing import Any
 from ...errors import BackendError
 from ._lib import lib
 
-__all__ = ["get", "set_", "try_set", "repack"]
+__all__ = ["get", "set_", "repack"]
 
 
 def get(model: Any, seq_id: int) -> bytes:
@@ -31,15 +31,6 @@ def set_(model: Any, seq_id: int, blob: bytes) -> None:
         L.llama_memory_seq_rm(model.memory, seq_id, -1, -1)
         raise BackendError("llama.cpp refused the sequence bytes (another model, KV type or flash-attention "
                            "setting, or no room in the KV cache): recompute the state from its tokens")
-
-
-def try_set(model: Any, seq_id: int, blob: bytes) -> bool:
-    """:func:`set_`, False instead of the error."""
-    try:
-        set_(model, seq_id, blob)
-    except BackendError:
-        return False
-    return True
 
 
 def repack(model: Any) -> None:

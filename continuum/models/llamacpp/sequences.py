@@ -120,7 +120,7 @@ class SequencePool:
         self.batch_buffers: Any = None  # decode.py's llama_batch arrays (made by its first decode, then reused)
         self.spills = self.restores = self.repacks = 0  # counters, for tests and benchmarks
         self.snapshots = self.restores_recurrent = 0  # a hybrid model's recurrent snapshots taken and restored
-        self.reshared = 0  # restored sequences that share their prefix with a restored relative again (reshare.py)
+        self.reshared = 0  # restored sequences that share their prefix with a resident relative again (reshare.py)
         with model.lock:
             lib().llama_memory_clear(model.memory, True)
 
