@@ -17,7 +17,7 @@ import torch
 from continuum import continuous, generate, models, run_batch, samplers
 from continuum.errors import ContextLengthError
 
-from llamacpp_support import DECODE_TOL, check_greedy_path, gemma_path, gguf, row_ids
+from llamacpp_support import DECODE_TOL, check_greedy_path, gemma_path, gguf, reference_logits, row_ids
 
 WORDS = ["cat", "dog", "bird", "king", "girl", "boy", "tree", "ship", "sun", "moon", "fish", "frog"]
 PROMPTS = [f"Once upon a time, a {w} {i}" for i in range(4) for w in WORDS]  # 48
@@ -257,8 +257,19 @@ def test_idle_states_past_the_budget_are_spilled_oldest_first_and_continue_as_ll
 # another call needs the room, and each member is written as its own blob with the shared prefix duplicated
 # (llama.cpp's per-sequence state API); restored apart they took 3 x ~108 cells, more than the pool, so continuing
 # the fork was refused with KVCacheFullError ("no room to restore a spilled state of 108 tokens") although it fitted.
-# Now a restored member shares the prefix it had from the same cells with a relative restored before it
-# (SequencePool._reshare), in both modes.
+# Now a restored member shares the prefix it had from the same cells with a resident relative
+# (models/llamacpp/reshare.py), in both modes.
+def _llama_cpp_agrees(state, first: int, flash_attn: bool) -> None:
+    """Each row's log-probs from position ``first`` on are llama-cpp-python's own over the same ids (one prefill, the
+    independent reference), within the decode tolerance."""
+    for ids, mask, lps in zip(state.token_ids, state.attention_masks, state.token_logprobs):
+        keep = mask.bool()
+        ids, lps = ids[keep].tolist(), lps[keep]
+        ref = torch.log_softmax(torch.from_numpy(reference_logits("f32", ids, flash_attn=flash_attn, first=first - 1)), -1)
+        want = ref[torch.arange(len(ids) - first), torch.tensor(ids[first:])]
+        assert (lps[first:] - want).abs().max() <= DECODE_TOL["f32"], (lps[first:], want)
+
+
 def _spilled_fork_family(invariant: bool, n_ctx: int):
     m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx, n_seq_max=16)
     text = continuous(generate.text(m, samplers.greedy()))
@@ -267,12 +278,13 @@ def _spilled_fork_family(invariant: bool, n_ctx: int):
     forks = three(s, max_tokens=4, rng=torch.Generator().manual_seed(0))  # ~115 cells, shared
     text(["The cat sat", "A dog ran"], max_tokens=100)  # needs the room: the fork family is spilled
     more = three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
+    _llama_cpp_agrees(more, len(row_ids(s)), m.llama.flash_attn)
     return m, more
 
 
 def test_a_spilled_fork_family_that_fitted_resident_continues():
     """Continued after its spill on a 256-cell pool, the forks get what they get on a pool where nothing spills:
-    the same tokens, and log-probs within the default mode's tolerance."""
+    the same tokens, and log-probs within the default mode's tolerance (and within it of llama-cpp-python's own)."""
     m, more = _spilled_fork_family(False, 256)
     assert m.pool.spills > 0 and m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
     _, roomy = _spilled_fork_family(False, 2048)
@@ -318,18 +330,22 @@ def test_a_member_spilled_beside_a_resident_relative_shares_its_prefix_again(inv
     spilled state of 140 tokens". A running call holds one member of a fork family while the idle ones are spilled;
     restored, they shared nothing with the member that never left (only with relatives restored before them), so
     3 x ~108 cells were asked of 256. Staged here by spilling two of three samples; their continuation equals the
-    same program's on a 2,048-cell pool where nothing spills (bit for bit in the invariant mode)."""
+    same program's on a 2,048-cell pool where nothing spills (bit for bit in the invariant mode), and its log-probs
+    are llama-cpp-python's over the same ids."""
     def run(n_ctx: int, spill: bool):
         m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx, n_seq_max=16)
         s = continuous(generate.text(m, samplers.greedy()))("Once upon a time", max_tokens=100)
         three = continuous(generate.text(m, samplers.multinomial(3)))
         forks = three(s, max_tokens=4, rng=torch.Generator().manual_seed(0))
+        first = len(row_ids(s))
         del s
         if spill:
             with m.pool.model.lock:
                 for view in forks._kv.views[1:]:
                     m.pool.spill(view.seq)
-        return m, three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
+        more = three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
+        _llama_cpp_agrees(more, first, m.llama.flash_attn)
+        return m, more
 
     m, more = run(256, True)
     assert m.pool.spills >= 2 and m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
