@@ -353,3 +353,52 @@ def test_a_member_spilled_beside_a_resident_relative_shares_its_prefix_again(inv
     assert list(more) == list(roomy)
     tol = 0.0 if invariant else DECODE_TOL["f32"]
     assert (more.token_logprobs.nan_to_num() - roomy.token_logprobs.nan_to_num()).abs().max() <= tol
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_spilled_sequence_s_bytes_cut_back_are_llama_cpp_s_own_bytes_of_the_cut_sequence(flash_attn):
+    """``seqbytes.cut`` (a spilled sequence's bytes, cells at positions below n only) gives byte for byte what
+    llama.cpp writes for the same sequence after ``seq_rm(seq, n, -1)``, with V rows (flash attention) or V
+    transposed; bytes it cannot read whole come back as None."""
+    from continuum.models.llamacpp import seqbytes, window
+
+    m = models.llamacpp(gguf("f32"), n_threads=THREADS, n_ctx=512, flash_attn=flash_attn)
+    s = continuous(generate.text(m, samplers.greedy()))(["Once upon a time", "The dog"], max_tokens=60)
+    pool, seq = m.pool, s._kv.views[1].seq
+    with m.llama.lock:
+        full = seqbytes.get(m.llama, seq.id)
+        assert seqbytes.cut(full, 10**6) == full
+        for n in (40, 17, 5, 1):
+            window.cut_tail(pool, seq, n)
+            assert seqbytes.cut(full, n) == seqbytes.get(m.llama, seq.id), n
+    assert seqbytes.cut(full[:-1], 5) is None and seqbytes.cut(full + b"\0", 5) is None
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_spilled_state_whose_longest_view_was_dropped_restores_only_what_its_views_reach(invariant):
+    """The long oracle's "no room to restore a spilled state of 255 tokens" (gguf threads, a 256-cell pool): a state
+    generated to the context was spilled, then dropped while a short cut of it lived on; the cut's restore wrote the
+    whole 255-position bytes back, more than the cells a running call left free, though the cut fits. Now a spilled
+    sequence's bytes are cut back with its longest view, and the cut continues as llama-cpp-python evaluates it."""
+    import gc
+
+    from continuum.models.llamacpp import cells
+
+    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=256, n_seq_max=16)
+    text = continuous(generate.text(m, samplers.greedy()))
+    full = text("Once upon a time", max_tokens=None)
+    cut = full[..., :30]
+    pool, seq = m.pool, full._kv.views[0].seq
+    with m.llama.lock:
+        pool.spill(seq)
+    del full
+    gc.collect()
+    running = text("The cat sat on the mat", max_tokens=180)  # ~190 cells, held as a running call's
+    with m.llama.lock:
+        pool.held = {id(running._kv.views[0].seq)}
+        pool.ensure_resident(seq)  # (before: KVCacheFullError, 255 cells asked of the ~66 free)
+        assert seq.extent == len(row_ids(cut)) - 1 and cells.used(pool) <= 256
+        pool.held = set()
+    out = text(cut, max_tokens=6)
+    assert row_ids(out)[:len(row_ids(cut))] == row_ids(cut)
+    _llama_cpp_agrees(out, len(row_ids(cut)), m.llama.flash_attn)

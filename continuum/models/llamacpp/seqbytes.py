@@ -4,12 +4,15 @@ and a restore, or a loaded state file, writes back (into whatever free cells lla
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import Any
+
+import numpy as np
 
 from ...errors import BackendError
 from ._lib import lib
 
-__all__ = ["get", "set_", "repack"]
+__all__ = ["get", "set_", "repack", "cut"]
 
 
 def get(model: Any, seq_id: int) -> bytes:
@@ -45,3 +48,82 @@ def repack(model: Any) -> None:
     if n != size or int(L.llama_state_set_data(ctx, buf, n)) != n:
         raise BackendError("llama.cpp could not write the context's cells back while packing them; the model's states "
                            "must be recomputed")
+
+
+_MAGIC = 0xAF143CD8  # (llama-context.cpp: io_magic, before the source seq id)
+
+
+class _Layout(ValueError):
+    """The bytes are not in the layout :func:`cut` reads."""
+
+
+def cut(blob: bytes, n: int) -> bytes | None:
+    """``blob`` (:func:`get`'s bytes of one sequence) with only its cells at positions below ``n``: what ``get``
+    returns after ``seq_rm(seq, n, -1)``. A spilled sequence whose longest view was dropped restores only the cells
+    its views reach (its whole bytes took cells it does not need: a restore that fitted was refused). None where the
+    bytes are not the attention caches' layout this reads: a header ``0xaf143cd8, seq_id`` (newer llama.cpp), then
+    ``llama_kv_cache::state_write``'s, one section per cache: ``n_stream``; per stream ``cell_count``, the cells'
+    ``(pos, 1, seq_id)``, ``v_trans``, ``n_layer``, each layer's K rows, then V rows (or V element columns when
+    transposed). Every byte must be read exactly, so a layout this does not know (a recurrent cache, M-RoPE
+    positions, another llama.cpp) gives None: keep the blob."""
+    try:
+        view, out, off = memoryview(blob), [], 0
+        if len(view) >= 8 and struct.unpack_from("<I", view)[0] == _MAGIC:
+            out.append(bytes(view[:8]))
+            off = 8
+        while off < len(view):
+            off = _section(view, off, n, out)
+    except (_Layout, struct.error, ValueError):
+        return None
+    return b"".join(out)
+
+
+def _take(view: memoryview, off: int, fmt: str) -> tuple[Any, int]:
+    size = struct.calcsize(fmt)
+    if off + size > len(view):
+        raise _Layout("truncated")
+    return struct.unpack_from(fmt, view, off), off + size
+
+
+def _rows(view: memoryview, off: int, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    size = int(np.prod(shape))
+    if off + size > len(view):
+        raise _Layout("truncated")
+    return np.frombuffer(view, np.uint8, size, off).reshape(shape), off + size
+
+
+def _section(view: memoryview, off: int, n: int, out: list[bytes]) -> int:
+    """One cache's section from ``off``, its cells below ``n`` appended to ``out``; returns the offset after it."""
+    (n_stream,), off = _take(view, off, "<I")
+    if not 1 <= n_stream <= 256:
+        raise _Layout("n_stream")
+    out.append(struct.pack("<I", n_stream))
+    for _ in range(n_stream):
+        (count,), off = _take(view, off, "<I")
+        if count == 0:
+            out.append(struct.pack("<I", 0))
+            continue
+        meta, off = _rows(view, off, (count, 12))
+        cells = meta.view("<i4")
+        if not (cells[:, 1] == 1).all():
+            raise _Layout("a cell of several sequences")  # (the whole context's layout, or positions with an ext)
+        keep = cells[:, 0] < n
+        kept = int(keep.sum())
+        out.append(struct.pack("<I", kept))
+        (v_trans, n_layer), off = _take(view, off, "<II")
+        if v_trans > 1 or not 0 < n_layer <= 4096:
+            raise _Layout("v_trans, n_layer")
+        parts = [meta[keep].tobytes(), struct.pack("<II", v_trans, n_layer)]
+        for _k_or_v in range(1 if v_trans else 2):
+            for _layer in range(n_layer):
+                head, off = _take(view, off, "<iQ")
+                rows, off = _rows(view, off, (count, head[1]))
+                parts += [struct.pack("<iQ", *head), rows[keep].tobytes()]
+        if v_trans:
+            for _layer in range(n_layer):
+                head, off = _take(view, off, "<iII")
+                cols, off = _rows(view, off, (head[2], count, head[1]))
+                parts += [struct.pack("<iII", *head), cols[:, keep].tobytes()]
+        if kept:  # (llama.cpp writes nothing after a stream's count of 0)
+            out.extend(parts)
+    return off

@@ -10,7 +10,8 @@ back behind that end cannot be extended. What follows:
   that view stays extendable after the restore. (Found by issue 56: 2 of 8 conversations served with
   ``--speculate lookup`` got 400 ``StaleWindowError``.)
 * :func:`trim`, on every model: a dead tail is cut as soon as the longest view reaching it is dropped (its cells
-  free at once, not only at a spill; a spilled sequence keeps its bytes until it is restored or released).
+  free at once, not only at a spill; a spilled sequence's bytes are cut too, :func:`cut_spilled`, where they hold
+  every position).
 * :func:`stale` at a call's setup: the rows that still cannot be extended (a slice behind a restored window) are
   recomputed from their tokens by the caller (``continuum.loop.decoding``), never refused.
 """
@@ -20,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import cells, recurrent
+from . import cells, recurrent, seqbytes
 from ._lib import lib
 
-__all__ = ["fits", "cut_tail", "trim", "stale"]
+__all__ = ["fits", "cut_tail", "cut_spilled", "trim", "stale"]
 
 
 def fits(pool: Any, seq_id: int, n: int) -> bool:
@@ -59,6 +60,23 @@ def trim(pool: Any, seqs: Iterable[Any]) -> None:
         end = seq.longest
         if seq.id is not None and seq.holders and seq.extent > end and (not pool.model.hybrid or end in seq.snaps):
             cut_tail(pool, seq, end)
+        elif seq.id is None and seq.blob is not None and seq.holders and seq.extent > end:
+            cut_spilled(seq, end)
+
+
+def cut_spilled(seq: Any, n: int) -> None:
+    """Cut spilled ``seq``'s bytes back to its first ``n`` positions (its longest view was dropped after the spill):
+    restored whole, they took cells no view reaches, so a restore that fitted was refused, and the scheduler priced
+    it at its old extent. Left whole on hybrids (the recurrent summary is at the old end), on sliding-window models
+    when the bytes hold only the window behind their end (:func:`stale` reads that end), and where llama.cpp's bytes
+    are in a layout :func:`~.seqbytes.cut` does not read."""
+    model = seq.pool.model
+    if model.hybrid or (model.n_swa > 0 and seq.extent > model.n_swa):
+        return
+    blob = seqbytes.cut(seq.blob, n)
+    if blob is not None:
+        cells.cut(seq, n)
+        seq.blob, seq.extent = blob, n
 
 
 def stale(pool: Any, views: Sequence[Any]) -> list[int]:
