@@ -11,6 +11,12 @@ per origin, ``max(hi) - lo`` over the resident sequences' segments. A restored s
 bytes into fresh cells) owns all its cells again, unless it shares the prefix it had from the same cells with a
 resident relative again (:func:`common_prefix`, :mod:`.reshare`).
 
+Beside where its cells are, each sequence records what they hold, its *content* (:func:`content`): the same
+segments, except that cells written back from host bytes keep the origins of the cells the bytes were read from.
+Two sequences with a common content prefix hold bit-identical KV there, however often either was spilled and
+restored since (the long oracle: a member of a fork family spilled twice, a relative still spilled, shared nothing
+when restored, and "no room to restore a spilled state of 125 tokens").
+
 Making room (:func:`make_room`) spills the least recently used idle sequences, a family (sequences sharing cells)
 as one unit, and only until the cells asked for are free, instead of every idle sequence: states a program holds
 between two calls stay resident while there is room, and a spill that frees no cell (a sequence whose cells live
@@ -42,8 +48,8 @@ from ._lib import lib
 SequencePool: TypeAlias = Any  # (sequences.py imports this module: a typing import back would be a circle)
 Seq: TypeAlias = Any
 
-__all__ = ["forked", "common_prefix", "cut", "count", "fresh", "segments", "used", "total", "free", "flush", "make_room",
-           "spill_cost", "spill_every_idle", "trim_idle", "IDLE_CELLS"]
+__all__ = ["forked", "common_prefix", "content", "restored", "cut", "count", "fresh", "segments", "used", "total", "free",
+           "flush", "make_room", "spill_cost", "spill_every_idle", "trim_idle", "IDLE_CELLS"]
 
 # The idle cells a pool keeps resident beside the running ones' (at least): see trim_idle.
 IDLE_CELLS = 256
@@ -51,9 +57,29 @@ IDLE_CELLS = 256
 _KEYS = itertools.count(1)
 
 
-def fresh(seq: Seq, own_lo: int = 0) -> None:
-    """``seq`` writes its own cells from position ``own_lo`` (a new sequence, a restore, a load)."""
-    seq.key, seq.own_lo, seq.inherit = next(_KEYS), own_lo, ()
+def fresh(seq: Seq) -> None:
+    """``seq`` writes its own cells from position 0 (a new sequence, a load)."""
+    seq.key, seq.own_lo, seq.inherit = next(_KEYS), 0, ()
+    seq.lineage, seq.lin_end = (), 0
+
+
+def content(seq: Seq) -> list[tuple[int, int, int]]:
+    """``(origin, lo, hi)``: what ``seq``'s positions hold, as the origins that computed them (see the module
+    docstring): its ``lineage`` below ``lin_end``, its own key from there."""
+    end = seq.extent
+    out = [(o, lo, min(hi, end)) for o, lo, hi in seq.lineage if lo < min(hi, end)]
+    if end > seq.lin_end:
+        out.append((seq.key, seq.lin_end, end))
+    return out
+
+
+def restored(seq: Seq) -> list[tuple[int, int, int]]:
+    """``seq`` was written back from host bytes into fresh cells: it owns all of them (a new key), and keeps what they
+    hold. Returns its content."""
+    held = content(seq)
+    seq.key, seq.own_lo, seq.inherit = next(_KEYS), 0, ()
+    seq.lineage, seq.lin_end = tuple(held), seq.extent
+    return held
 
 
 def segments(seq: Seq) -> list[tuple[int, int, int]]:
@@ -66,8 +92,10 @@ def segments(seq: Seq) -> list[tuple[int, int, int]]:
 
 def forked(src: Seq, dst: Seq, n: int) -> None:
     """After ``seq_cp(src, dst, 0, n)``: ``dst`` shares ``src``'s cells below ``n`` and writes its own from ``n``."""
+    held = tuple((o, lo, min(hi, n)) for o, lo, hi in content(src) if lo < n)
     dst.key, dst.own_lo = next(_KEYS), n
     dst.inherit = tuple((o, lo, min(hi, n)) for o, lo, hi in segments(src) if lo < n)
+    dst.lineage, dst.lin_end = held, n
 
 
 def common_prefix(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> int:
@@ -90,7 +118,9 @@ def cut(seq: Seq, n: int) -> None:
     kept = tuple((o, lo, min(hi, n)) for o, lo, hi in seq.inherit if lo < min(hi, n))
     if n > seq.own_lo:
         kept += ((seq.key, seq.own_lo, n),)
+    held = tuple((o, lo, min(hi, n)) for o, lo, hi in content(seq) if lo < n)
     seq.inherit, seq.key, seq.own_lo = kept, next(_KEYS), n
+    seq.lineage, seq.lin_end = held, n
 
 
 def count(seqs: Iterable[Seq]) -> int:

@@ -4,10 +4,11 @@ A fork family (samples or beams of one state) shares its prefix's cells while re
 Spilled, each member is written as its own bytes, the shared prefix in each (llama.cpp's per-sequence state API has
 no other form), so restored apart the family took n times the prefix's cells: one that fitted resident was refused
 ("no room to restore a spilled state", found by the long oracle on a 256-cell pool). :func:`reshare` runs after each
-restore: the prefix the restored sequence had from the same cells as a relative restored before it (the cells'
-origins, ``cells.common_prefix``) is bit for bit the same, so its copy is dropped and the relative's shared. The
-relative is a member restored before it, or one that was never spilled (a running call held it while the idle
-members went). The peak is one extra member's prefix, for the moment between its bytes and the drop.
+restore: the prefix the restored sequence holds in common with a resident relative (the same content: the cells'
+origins, through any number of spills and restores, ``cells.content``) is bit for bit the same, so its copy is
+dropped and the relative's shared. The relative is any resident sequence: one restored before it, or one that was
+never spilled (a running call held it while the idle members went). The peak is one extra member's prefix, for the
+moment between its bytes and the drop.
 
 * The batch-invariant mode: the dropped copy is kept by the zombie id like every drop (no hole opens below a live
   cell), and the sequence's cells stay in position order (the relative's bytes were written before its own, below).
@@ -31,23 +32,19 @@ __all__ = ["reshare", "MIN_CELLS"]
 MIN_CELLS = 16  # a shorter common prefix is not worth two llama calls
 
 
-def reshare(pool: Any, seq: Any, before: list) -> bool:
-    """After resident ``seq`` (a ``Seq`` of ``pool``) was restored from bytes that held ``before`` (its segments,
-    ``cells.segments``), share the longest prefix it had from the same cells with a resident relative: one that
-    still holds those cells (never spilled), or one restored before it.
-    Under the model's lock. Returns True if it did."""
+def reshare(pool: Any, seq: Any) -> bool:
+    """After resident ``seq`` (a ``Seq`` of ``pool``) was restored from bytes (``cells.restored``), share the longest
+    prefix it holds in common with a resident relative (``cells.content``). Under the model's lock. Returns True if
+    it did."""
     model = pool.model
     if model.hybrid:
         return False
+    held = cells.content(seq)
     best, n = None, 0
     for other in pool.resident.values():
         if other is seq:
             continue
-        m = cells.common_prefix(before, cells.segments(other))  # a relative never spilled: the very cells
-        if other.was is not None:  # one restored before it: the cells its bytes were written into
-            key, was = other.was
-            now = next((hi for o, lo, hi in cells.segments(other) if o == key and lo == 0), 0)  # (still those cells)
-            m = max(m, min(cells.common_prefix(before, was), now))
+        m = cells.common_prefix(held, cells.content(other))
         if m > n and _window_kept(pool, other, seq, m):
             best, n = other, m
     if best is None or n < MIN_CELLS:
@@ -57,7 +54,7 @@ def reshare(pool: Any, seq: Any, before: list) -> bool:
         pool.zombie_cells += n
     lib().llama_memory_seq_cp(model.memory, best.id, seq.id, 0, n)
     cells.forked(best, seq, n)
-    seq.was = None
+    seq.lineage, seq.lin_end = tuple(held), seq.extent  # (what it holds is unchanged: only where)
     pool.reshared += 1
     return True
 

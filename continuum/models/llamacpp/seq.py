@@ -14,7 +14,8 @@ __all__ = ["Seq"]
 class Seq:
     """One llama.cpp sequence's content, shared by the views that hold it: resident under an id, or spilled."""
 
-    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps", "key", "own_lo", "inherit", "was")
+    __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps", "key", "own_lo", "inherit", "lineage",
+                 "lin_end")
 
     def __init__(self, pool: Any, seq_id: int | None):  # (a SequencePool: sequences.py imports this module)
         self.pool, self.id = pool, seq_id
@@ -25,7 +26,8 @@ class Seq:
         self.snaps: dict[int, bytes] = {}  # a hybrid model's recurrent summaries at earlier positions (recurrent.py)
         self.key, self.own_lo = 0, 0  # where its cells came from (cells.py: shared cells once)
         self.inherit: tuple[tuple[int, int, int], ...] = ()
-        self.was: tuple[int, list] | None = None  # after a restore: (its new key, the segments its bytes came from)
+        self.lineage: tuple[tuple[int, int, int], ...] = ()  # what its cells hold, below lin_end (cells.content)
+        self.lin_end = 0
         cells.fresh(self)
 
     @property

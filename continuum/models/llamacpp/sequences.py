@@ -252,12 +252,10 @@ class SequencePool:
                 self._give_back(seq_id)  # (otherwise every refused restore leaks an id, until none is left)
                 raise
             seq.id, seq.blob = seq_id, None
-            before = cells.segments(seq)
-            cells.fresh(seq)  # (fresh cells: its prefix is no longer shared with its family)
-            seq.was = (seq.key, before)
+            cells.restored(seq)  # (fresh cells: its prefix is no longer shared with its family)
             self.resident[seq_id] = seq
             self.restores += 1
-            reshare.reshare(self, seq, before)
+            reshare.reshare(self, seq)
         self._touch(seq)
         return seq.id
 
