@@ -9,8 +9,10 @@ backend's OWN evaluation of the same token ids, never against continuum.
   vs a prefill, up to ``DECODE_TOL["f32"]`` (0.05) in a logit, so twice that in a log-prob.
 
 Greedy tokens and choices are compared with the reference's argmax only where the reference's top-2 margin exceeds
-the noise: ``1e-3`` in fp32 on transformers (DESIGN.md, wave 9), ``DECODE_TOL`` on llama.cpp; a near-tie may go
-either way and proves nothing.
+the noise: ``1e-3`` in fp32 on transformers (DESIGN.md, wave 9), twice ``DECODE_TOL`` on llama.cpp (each of the two
+logits may move by ``DECODE_TOL``: a gap of 0.078 at position 361 of a 512-token greedy text flipped, and
+llama-cpp-python's own one-token-at-a-time evaluation of those ids moves it to 0.040, its K cells off its prefill's
+by one f16 step, as continuum's are); a near-tie may go either way and proves nothing.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False) 
     m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=1, n_ctx=n_ctx,
                         prefix_cache="8MiB" if prefix else None, **(dict(n_seq_max=16) if n_ctx < 512 else {}))
     tol = DECODE_TOL["f32"]
-    return Backend(f"gguf{'-invariant' if invariant else ''}-{n_ctx}", "llama", {"plain": m}, 2 * tol, tol,
+    return Backend(f"gguf{'-invariant' if invariant else ''}-{n_ctx}", "llama", {"plain": m}, 2 * tol, 2 * tol,
                    flash_attn=m.llama.flash_attn)
 
 

@@ -73,9 +73,11 @@ LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # shared prefix, refused with "no room to restore a spilled state" though it fitted resident) shares the prefix again
 # on restore (models/llamacpp/reshare.py; test_llamacpp_pool.py::test_a_spilled_fork_family_*, and a member spilled
 # beside a resident relative: test_a_member_spilled_beside_a_resident_relative_*).
-# Open, in the gguf profile's threads rule, each seen once in six long runs and not replayed by hypothesis (timing):
-# "no room to restore a spilled state of 255 tokens" on the 256-cell pool in a call's first forward, and a greedy
-# token 426 where the reference's argmax is 427 past position 450 on the 1,024-cell pool (prefix cache on).
+# Both one-offs of the sixth session are explained: "no room to restore a spilled state of 255 tokens" was a short cut
+# of a dropped long state restoring its whole bytes (cut back now: test_llamacpp_pool.py::test_a_spilled_state_whose_
+# longest_view_was_dropped_*), and "no room ... of 125 tokens" a fork-family member spilled twice that no longer
+# matched its relatives (test_a_member_spilled_twice_*); the greedy token past position 450 that differed from the
+# reference's argmax was a near-tie the oracle compared with too small a margin (test_greedy_margin_regression).
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
 CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "gguf": (10, 12), "gguf-invariant": (10, 12)}  # (histories, steps)
 LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "gguf": (200, 40), "gguf-invariant": (200, 40)}  # ~5 minutes
@@ -419,3 +421,18 @@ def test_continue_a_cut_of_a_fork_merged_with_another_call_regression():
         s1, _ = gather(b, [(fork, s0, [0.0, 0.0]), (Call("greedy", k=2), s0, [0.0, 0.0])])
         cut = s1.state[:, :, :26]
         verify(b, sample, cut, cut_carried(s1.state, cut, s1.carried), execute(b, sample, cut))
+
+
+# (found by the long oracle, gguf profile, a 1,024-cell pool with the prefix cache on: three unbounded greedy acalls
+# gathered; at position 361 of a 512-token text the reference's top-2 gap is 0.078 and continuum took the second.
+# Not a wrong cache: every K value of the row's cells is within one f16 step of llama-cpp-python's prefill, as are
+# those of llama-cpp-python's own one-token-at-a-time evaluation, which moves that gap to 0.040. The margin compared
+# was DECODE_TOL, where each of the two logits may move by DECODE_TOL (docs/llamacpp.md#exactness): now twice it.)
+def test_greedy_margin_regression():
+    b = llama_backend(False, False, True)
+    h0 = Held(SequenceState.from_prompts(b.model, ["Lily saw a big dog."]), [0.0])
+    first = [Call("json", k=12, arg="small"), Call("choice", arg=(" yes", " no"), suffix=" ok?")]
+    h1, h2 = gather(b, [(c, *prepare(h0, c)) for c in first])
+    greedy = [Call("greedy", k=None), Call("greedy", k=None), Call("greedy", k=None, suffix=".")]
+    out = gather(b, [(c, *prepare(h, c)) for h, c in zip([h2, h2, h1], greedy)])
+    assert [len(real_rows(h.state)[0][0]) for h in out] == [512] * 3  # (to the context: the long texts it was found on)
