@@ -355,15 +355,18 @@ def test_a_member_spilled_beside_a_resident_relative_shares_its_prefix_again(inv
     assert (more.token_logprobs.nan_to_num() - roomy.token_logprobs.nan_to_num()).abs().max() <= tol
 
 
-@pytest.mark.parametrize("flash_attn", [True, False])
-def test_a_spilled_sequence_s_bytes_cut_back_are_llama_cpp_s_own_bytes_of_the_cut_sequence(flash_attn):
+@pytest.mark.parametrize("kind, flash_attn", [("f32", True), ("f32", False),
+                                              pytest.param("gemma", False, marks=pytest.mark.slow)])
+def test_a_spilled_sequence_s_bytes_cut_back_are_llama_cpp_s_own_bytes_of_the_cut_sequence(kind, flash_attn):
     """``seqbytes.cut`` (a spilled sequence's bytes, cells at positions below n only) gives byte for byte what
     llama.cpp writes for the same sequence after ``seq_rm(seq, n, -1)``, with V rows (flash attention) or V
-    transposed; bytes it cannot read whole come back as None."""
+    transposed, and on Gemma 3 (two caches: every position, and the sliding window's, within the window here);
+    bytes it cannot read whole come back as None."""
     from continuum.models.llamacpp import seqbytes, window
 
-    m = models.llamacpp(gguf("f32"), n_threads=THREADS, n_ctx=512, flash_attn=flash_attn)
-    s = continuous(generate.text(m, samplers.greedy()))(["Once upon a time", "The dog"], max_tokens=60)
+    path = str(gemma_path()) if kind == "gemma" else gguf("f32")
+    m = models.llamacpp(path, n_threads=THREADS, n_ctx=512, flash_attn=flash_attn)
+    s = continuous(generate.text(m, samplers.greedy()))(["Once upon a time", "The dog"], max_tokens=44)
     pool, seq = m.pool, s._kv.views[1].seq
     with m.llama.lock:
         full = seqbytes.get(m.llama, seq.id)
