@@ -324,6 +324,32 @@ def test_a_spilled_fork_family_on_a_sliding_window_model_continues():
         check_greedy_path(_ids(more[0, j, :]), len(_ids(forks[0, j, :])), kind="gemma", flash_attn=False)
 
 
+def _family_spilled(invariant: bool, n_ctx: int, spill=None):
+    """Three samples of a ~105-token state, ``spill(pool, their sequences)`` applied under the model's lock, then
+    continued; their log-probs checked against llama-cpp-python's over the same ids."""
+    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx, n_seq_max=16)
+    s = continuous(generate.text(m, samplers.greedy()))("Once upon a time", max_tokens=100)
+    three = continuous(generate.text(m, samplers.multinomial(3)))
+    forks = three(s, max_tokens=4, rng=torch.Generator().manual_seed(0))
+    first = len(row_ids(s))
+    del s
+    if spill is not None:
+        with m.pool.model.lock:
+            spill(m.pool, [view.seq for view in forks._kv.views])
+    more = three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
+    _llama_cpp_agrees(more, first, m.llama.flash_attn)
+    return m, more
+
+
+def _as_on_a_roomy_pool(invariant: bool, more) -> None:
+    """``more`` equals the same program's on a 2,048-cell pool where nothing spills (bit for bit in the invariant
+    mode)."""
+    _, roomy = _family_spilled(invariant, 2048)
+    assert list(more) == list(roomy)
+    tol = 0.0 if invariant else DECODE_TOL["f32"]
+    assert (more.token_logprobs.nan_to_num() - roomy.token_logprobs.nan_to_num()).abs().max() <= tol
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_a_member_spilled_beside_a_resident_relative_shares_its_prefix_again(invariant):
     """Found by the long oracle (default mode, asyncio-gathered calls on a 256-cell pool): "no room to restore a
@@ -332,27 +358,9 @@ def test_a_member_spilled_beside_a_resident_relative_shares_its_prefix_again(inv
     3 x ~108 cells were asked of 256. Staged here by spilling two of three samples; their continuation equals the
     same program's on a 2,048-cell pool where nothing spills (bit for bit in the invariant mode), and its log-probs
     are llama-cpp-python's over the same ids."""
-    def run(n_ctx: int, spill: bool):
-        m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx, n_seq_max=16)
-        s = continuous(generate.text(m, samplers.greedy()))("Once upon a time", max_tokens=100)
-        three = continuous(generate.text(m, samplers.multinomial(3)))
-        forks = three(s, max_tokens=4, rng=torch.Generator().manual_seed(0))
-        first = len(row_ids(s))
-        del s
-        if spill:
-            with m.pool.model.lock:
-                for view in forks._kv.views[1:]:
-                    m.pool.spill(view.seq)
-        more = three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
-        _llama_cpp_agrees(more, first, m.llama.flash_attn)
-        return m, more
-
-    m, more = run(256, True)
+    m, more = _family_spilled(invariant, 256, lambda pool, seqs: [pool.spill(seq) for seq in seqs[1:]])
     assert m.pool.spills >= 2 and m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
-    _, roomy = run(2048, False)
-    assert list(more) == list(roomy)
-    tol = 0.0 if invariant else DECODE_TOL["f32"]
-    assert (more.token_logprobs.nan_to_num() - roomy.token_logprobs.nan_to_num()).abs().max() <= tol
+    _as_on_a_roomy_pool(invariant, more)
 
 
 @pytest.mark.parametrize("kind, flash_attn", [("f32", True), ("f32", False),
@@ -414,27 +422,12 @@ def test_a_member_spilled_twice_still_shares_its_prefix_with_its_family(invarian
     family restored and spilled again (while its relatives stayed spilled) had nothing in common with them any more:
     restored together, 3 x ~108 cells were asked of 256. What a sequence's cells hold is now kept through any number
     of spills (``cells.content``); the family continues as on a 2,048-cell pool where nothing spills."""
-    def run(n_ctx: int, spill: bool):
-        m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=n_ctx, n_seq_max=16)
-        s = continuous(generate.text(m, samplers.greedy()))("Once upon a time", max_tokens=100)
-        three = continuous(generate.text(m, samplers.multinomial(3)))
-        forks = three(s, max_tokens=4, rng=torch.Generator().manual_seed(0))
-        first = len(row_ids(s))
-        del s
-        if spill:
-            seqs = [view.seq for view in forks._kv.views]
-            with m.pool.model.lock:
-                for seq in seqs:
-                    m.pool.spill(seq)
-                m.pool.ensure_resident(seqs[0])  # (restored alone, then spilled again: its relatives still spilled)
-                m.pool.spill(seqs[0])
-        more = three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
-        _llama_cpp_agrees(more, first, m.llama.flash_attn)
-        return m, more
+    def spill(pool, seqs):
+        for seq in seqs:
+            pool.spill(seq)
+        pool.ensure_resident(seqs[0])  # (restored alone, then spilled again: its relatives still spilled)
+        pool.spill(seqs[0])
 
-    m, more = run(256, True)
+    m, more = _family_spilled(invariant, 256, spill)
     assert m.pool.spills >= 4 and m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
-    _, roomy = run(2048, False)
-    assert list(more) == list(roomy)
-    tol = 0.0 if invariant else DECODE_TOL["f32"]
-    assert (more.token_logprobs.nan_to_num() - roomy.token_logprobs.nan_to_num()).abs().max() <= tol
+    _as_on_a_roomy_pool(invariant, more)
