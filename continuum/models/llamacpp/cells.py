@@ -63,39 +63,42 @@ def fresh(seq: Seq) -> None:
     seq.lineage, seq.lin_end = (), 0
 
 
-def content(seq: Seq) -> list[tuple[int, int, int]]:
-    """``(origin, lo, hi)``: what ``seq``'s positions hold, as the origins that computed them (see the module
-    docstring): its ``lineage`` below ``lin_end``, its own key from there."""
-    end = seq.extent
-    out = [(o, lo, min(hi, end)) for o, lo, hi in seq.lineage if lo < min(hi, end)]
-    if end > seq.lin_end:
-        out.append((seq.key, seq.lin_end, end))
+def _below(segs: Iterable[tuple[int, int, int]], n: int) -> tuple[tuple[int, int, int], ...]:
+    """``segs`` clipped to positions below ``n`` (empty runs left out)."""
+    return tuple((o, lo, min(hi, n)) for o, lo, hi in segs if lo < min(hi, n))
+
+
+def _runs(before: tuple, start: int, key: int, end: int) -> list[tuple[int, int, int]]:
+    """``before``'s runs below ``end``, then ``key``'s own from ``start`` to ``end``."""
+    out = list(_below(before, end))
+    if end > start:
+        out.append((key, start, end))
     return out
 
 
-def restored(seq: Seq) -> list[tuple[int, int, int]]:
+def content(seq: Seq) -> list[tuple[int, int, int]]:
+    """``(origin, lo, hi)``: what ``seq``'s positions hold, as the origins that computed them (see the module
+    docstring): its ``lineage`` below ``lin_end``, its own key from there."""
+    return _runs(seq.lineage, seq.lin_end, seq.key, seq.extent)
+
+
+def restored(seq: Seq) -> None:
     """``seq`` was written back from host bytes into fresh cells: it owns all of them (a new key), and keeps what they
-    hold. Returns its content."""
-    held = content(seq)
+    hold."""
+    held = tuple(content(seq))
     seq.key, seq.own_lo, seq.inherit = next(_KEYS), 0, ()
-    seq.lineage, seq.lin_end = tuple(held), seq.extent
-    return held
+    seq.lineage, seq.lin_end = held, seq.extent
 
 
 def segments(seq: Seq) -> list[tuple[int, int, int]]:
     """``(origin, lo, hi)`` for every run of cells ``seq`` holds (empty runs left out)."""
-    out = [(o, lo, min(hi, seq.extent)) for o, lo, hi in seq.inherit if lo < min(hi, seq.extent)]
-    if seq.extent > seq.own_lo:
-        out.append((seq.key, seq.own_lo, seq.extent))
-    return out
+    return _runs(seq.inherit, seq.own_lo, seq.key, seq.extent)
 
 
 def forked(src: Seq, dst: Seq, n: int) -> None:
     """After ``seq_cp(src, dst, 0, n)``: ``dst`` shares ``src``'s cells below ``n`` and writes its own from ``n``."""
-    held = tuple((o, lo, min(hi, n)) for o, lo, hi in content(src) if lo < n)
-    dst.key, dst.own_lo = next(_KEYS), n
-    dst.inherit = tuple((o, lo, min(hi, n)) for o, lo, hi in segments(src) if lo < n)
-    dst.lineage, dst.lin_end = held, n
+    dst.inherit, dst.lineage = _below(segments(src), n), _below(content(src), n)
+    dst.key, dst.own_lo, dst.lin_end = next(_KEYS), n, n
 
 
 def common_prefix(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> int:
@@ -115,12 +118,8 @@ def cut(seq: Seq, n: int) -> None:
     cells, not the ones its forks may still share, so they get a new key."""
     if n >= seq.extent:
         return
-    kept = tuple((o, lo, min(hi, n)) for o, lo, hi in seq.inherit if lo < min(hi, n))
-    if n > seq.own_lo:
-        kept += ((seq.key, seq.own_lo, n),)
-    held = tuple((o, lo, min(hi, n)) for o, lo, hi in content(seq) if lo < n)
-    seq.inherit, seq.key, seq.own_lo = kept, next(_KEYS), n
-    seq.lineage, seq.lin_end = held, n
+    seq.inherit, seq.lineage = _below(segments(seq), n), _below(content(seq), n)
+    seq.key, seq.own_lo, seq.lin_end = next(_KEYS), n, n
 
 
 def count(seqs: Iterable[Seq]) -> int:

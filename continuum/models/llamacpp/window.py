@@ -61,16 +61,16 @@ def trim(pool: Any, seqs: Iterable[Any]) -> None:
         if seq.id is not None and seq.holders and seq.extent > end and (not pool.model.hybrid or end in seq.snaps):
             cut_tail(pool, seq, end)
         elif seq.id is None and seq.blob is not None and seq.holders and seq.extent > end:
-            cut_spilled(seq, end)
+            cut_spilled(pool, seq, end)
 
 
-def cut_spilled(seq: Any, n: int) -> None:
+def cut_spilled(pool: Any, seq: Any, n: int) -> None:
     """Cut spilled ``seq``'s bytes back to its first ``n`` positions (its longest view was dropped after the spill):
     restored whole, they took cells no view reaches, so a restore that fitted was refused, and the scheduler priced
     it at its old extent. Left whole on hybrids (the recurrent summary is at the old end), on sliding-window models
     when the bytes hold only the window behind their end (:func:`stale` reads that end), and where llama.cpp's bytes
     are in a layout :func:`~.seqbytes.cut` does not read."""
-    model = seq.pool.model
+    model = pool.model
     if model.hybrid or (model.n_swa > 0 and seq.extent > model.n_swa):
         return
     blob = seqbytes.cut(seq.blob, n)
