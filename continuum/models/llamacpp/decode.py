@@ -314,6 +314,11 @@ def _decode_chunks(pool: SequencePool, token: np.ndarray, pos: np.ndarray, ids: 
     L, model = lib(), pool.model
     buf, ctx, done = _buffers(pool), model.ctx, 0
     step = buf.capacity - (pool.scratch is not None)  # room for the scratch token
+    if pool.scratch is not None:
+        # the batch-invariant mode: no micro-batch reaches the tiled kernel, whose sums follow where a row's cells lie
+        # and which rows share its tiles, so a prompt's positions round alike however they are split into decodes (a
+        # prefix-cache hit, a chunked prefill) and wherever its cells land in the pool
+        step = min(step, FA_TILE_ROWS - 1)
     for start, end in chunks(ids, step):
         k = end - start
         buf.token[:k], buf.pos[:k], buf.seq[:k], buf.out[:k] = token[start:end], pos[start:end], ids[start:end], out[start:end]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import BackendError, ContinuumError
+from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError
 from .seqkv import SeqKV
 from .sequences import KVView
 
@@ -111,7 +111,14 @@ class DonorCache:
                     self._counts["misses"] += 1
                     continue
                 self._donors.move_to_end(best)
-                view = self.model.pool.fork(self._donors[best], k)  # seq_cp: shared cells
+                try:
+                    view = self.model.pool.fork(self._donors[best], k)  # seq_cp: shared cells
+                except (KVCacheFullError, SequencesExhaustedError):
+                    # a spilled donor with no room to restore it now (the cells are a running step's): computing the
+                    # prefix is what the call does without the cache, admitted when it fits (the long oracle: "no
+                    # room to restore a spilled state of 70 tokens" raised from a call's setup on 256 cells)
+                    self._counts["misses"] += 1
+                    continue
                 if not self.model.pool.can_extend(view):  # a sliding window already past k: compute it instead
                     view.release()
                     self._counts["misses"] += 1
