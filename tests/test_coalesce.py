@@ -37,11 +37,13 @@ def chain(model):
     return program
 
 
-def test_chains_run_as_joint_calls_and_equal_each_alone(model):
+@pytest.mark.parametrize("threads", [False, True])
+def test_chains_run_as_joint_calls_and_equal_each_alone(model, threads):
+    """In lockstep (the default) and with a thread per instance (``threads=True``: coalesce.run's cohorts)."""
     program = chain(model)
     solo = [program(p) for p in PROMPTS]
     coalesce.reset_stats()
-    got = continuum.run_batch(program, PROMPTS, concurrency=len(PROMPTS))
+    got = continuum.run_batch(program, PROMPTS, concurrency=len(PROMPTS), threads=threads)
     joined = coalesce.stats()
     assert all(same(a, b) for a, b in zip(got, solo))
     for states in got[:4]:

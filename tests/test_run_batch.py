@@ -135,10 +135,15 @@ def test_a_generator_of_inputs_is_pulled_lazily():
     assert peak[0] <= 3 and pulled[0] == 40
 
 
-def test_workers_start_as_inputs_arrive():
+@pytest.mark.parametrize("threads", [False, True])
+def test_workers_start_as_inputs_arrive(threads):
     before = set(threading.enumerate())
-    names = continuum.run_batch(lambda x: threading.current_thread().name, iter(range(3)), concurrency=1000)
-    assert len(set(names)) <= 3 and all(n.startswith("continuum-run_batch-") for n in names)
+    names = continuum.run_batch(lambda x: threading.current_thread().name, iter(range(3)), concurrency=1000,
+                                threads=threads)
+    if threads:  # a thread per instance, started as inputs are pulled
+        assert len(set(names)) <= 3 and all(n.startswith("continuum-run_batch-") for n in names)
+    else:  # every instance on the one lockstep thread
+        assert set(names) == {"continuum-run_batch"}
     time.sleep(0.05)
     assert len(set(threading.enumerate()) - before) == 0  # at most 4 were started, and all of them left
 
@@ -205,22 +210,24 @@ def test_progress_bar_counts_instances_and_tokens(gpt2_model, capsys):
     assert rate > 0  # the decoding loop counted the generated tokens
 
 
-def test_nested_run_batch(gpt2_model):
+@pytest.mark.parametrize("threads", [False, True])
+def test_nested_run_batch(gpt2_model, threads):
     gen = generate.text(gpt2_model, samplers.greedy())
 
     def program(p: str):
-        return continuum.run_batch(lambda q: gen(q, max_tokens=2), [p, p + "!"], concurrency=2)
+        return continuum.run_batch(lambda q: gen(q, max_tokens=2), [p, p + "!"], concurrency=2, threads=threads)
 
-    assert continuum.run_batch(program, PROMPTS[:3], concurrency=3) == [[gen(p, max_tokens=2), gen(p + "!", max_tokens=2)]
-                                                                        for p in PROMPTS[:3]]
+    expected = [[gen(p, max_tokens=2), gen(p + "!", max_tokens=2)] for p in PROMPTS[:3]]
+    assert continuum.run_batch(program, PROMPTS[:3], concurrency=3, threads=threads) == expected
 
 
 def _workers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("continuum-run_batch")]
 
 
+@pytest.mark.parametrize("threads", [False, True])
 @pytest.mark.parametrize("swallow", [False, True])
-def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swallow):
+def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swallow, threads):
     gen = generate.text(gpt2_model, samplers.greedy())
     before = gen(PROMPTS, max_tokens=6)
     started = threading.Event()
@@ -244,7 +251,7 @@ def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swa
     threading.Thread(target=interrupt, daemon=True).start()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        continuum.run_batch(program, PROMPTS * 4, concurrency=8)
+        continuum.run_batch(program, PROMPTS * 4, concurrency=8, threads=threads)
     assert time.perf_counter() - t0 < 20
     assert not _workers()  # every instance left before run_batch re-raised
     calls = gpt2_model.forward_calls

@@ -17,6 +17,7 @@ from ..loop import coalesce
 from ..loop.arrivals import gated
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode
+from ..programs import lockstep
 from ..programs.aio import AsyncStream, to_thread
 from ..samplers import Sampler, multinomial
 from ..speculate import check_speculator
@@ -182,7 +183,10 @@ class Generator:
 
     def _run(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         key = coalesce.key_of(self, state, max_tokens, stop_at, rng)
-        if key is not None:  # inside a run_batch program: run as one call with the same calls arriving meanwhile
+        instance = lockstep.current()
+        if instance is not None:  # a run_batch program: parked until the call ran, jointly with its cohort if it has one
+            return instance.call(key, self, state, lambda s: self._run_alone(s, max_tokens, stop_at, rng))
+        if key is not None:  # a program on its own thread: run as one call with the same calls arriving meanwhile
             return coalesce.run(key, self, state, lambda s: self._run_alone(s, max_tokens, stop_at, rng))
         return self._run_alone(state, max_tokens, stop_at, rng)
 

@@ -37,7 +37,7 @@ from ..state import SequenceState
 from .arrivals import ARRIVALS, GATE, GATHER_CAP_S
 from .cancel import Cancelled, current
 
-__all__ = ["key_of", "run", "stats", "reset_stats", "ENABLED", "MAX_ROWS"]
+__all__ = ["key_of", "run", "joint", "cap", "stats", "reset_stats", "ENABLED", "MAX_ROWS"]
 
 ENABLED = True  # False: every call runs its own loop, merged only by the engine's steps (tests of that path)
 MAX_ROWS = 256  # rows of one joint call (at most the engine's max_rows: 32 on llama.cpp); a cohort past it starts a
@@ -94,12 +94,33 @@ def key_of(generator: Any, state: SequenceState, max_tokens: int | None, stop_at
     return (id(generator), max_tokens, stops, state.samples, id(token.parent) if token is not None else None)
 
 
+def cap(generator: Any) -> int:
+    """The most rows of one joint call of ``generator`` (a cohort past it starts another)."""
+    return min(MAX_ROWS, getattr(getattr(generator.model, "engine", None), "max_rows", MAX_ROWS))
+
+
+def joint(states: list[SequenceState], alone: Callable[[SequenceState], SequenceState]) -> list[SequenceState] | None:
+    """Each state's rows of ONE call on the stacked states (``alone(stack)``), or None when the joint call failed (then
+    every caller runs its own call alone, so an error reaches only its owner, and a cancellation stops each)."""
+    try:
+        results: list[SequenceState] | None = _split(alone(SequenceState.stack(states)), states)
+    except (Exception, Cancelled):
+        results = None
+    with _lock:
+        _counts["joint_calls"] += 1
+        _counts["calls_joined"] += len(states)
+        _counts["joint_failures"] += results is None
+    return results
+
+
 def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[SequenceState], SequenceState]) -> SequenceState:
-    """``alone(state)``, run jointly with the calls of the same ``key`` that arrive meanwhile."""
-    cap = min(MAX_ROWS, getattr(getattr(generator.model, "engine", None), "max_rows", MAX_ROWS))
+    """``alone(state)``, run jointly with the calls of the same ``key`` that arrive meanwhile (threads: a
+    ``run_batch(threads=True)`` program, a handed-off call; the default ``run_batch`` gathers its cohorts itself,
+    :mod:`continuum.programs.lockstep`)."""
+    rows_cap = cap(generator)
     with _lock:
         cohort = _open.get(key)
-        leader = cohort is None or cohort.rows + state.rows > cap
+        leader = cohort is None or cohort.rows + state.rows > rows_cap
         if leader:
             cohort = _open[key] = _Cohort(generator)
         assert cohort is not None
@@ -122,15 +143,9 @@ def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[Seque
     try:
         if len(states) == 1:
             return alone(state)
-        try:
-            joint = alone(SequenceState.stack(states))
-            cohort.results = _split(joint, states)
-        except (Exception, Cancelled):  # every caller runs alone: each error to its owner (Cancelled: each stops)
-            cohort.failed = True
-        with _lock:
-            _counts["joint_calls"] += 1
-            _counts["calls_joined"] += len(states)
-            _counts["joint_failures"] += cohort.failed
+        results = joint(states, alone)
+        cohort.failed = results is None
+        cohort.results = results or []
     finally:
         for _ in range(len(states) - 1):
             ARRIVALS.expect()  # (each follower is on its way to its next call from now)

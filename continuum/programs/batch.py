@@ -2,16 +2,18 @@
 
 ::
 
-    inputs ──(pulled lazily, one per free worker)──▶ concurrency worker threads ──▶ program(x)
-                                                        │ every generator call is a decoding loop;
-                                                        │ concurrent loops on one model share forwards
-                                                        ▼
+    inputs ──(pulled lazily, one per free slot)──▶ concurrency instances ──▶ program(x)
+                                                     │ in lockstep on one thread (programs/lockstep.py),
+                                                     │ or a thread each (threads=True); every generator
+                                                     │ call is a decoding loop, and concurrent loops on
+                                                     ▼ one model share forwards
     results (input order) ◀── after every instance finished ── errors gathered in ProgramError
 
 A program is any Python function of one input that calls continuum generators (plain, continuous,
-chats) and branches on their outputs. Each instance runs on a worker thread; the decoding loops of the
-instances are run by the model's engine, one step for all of them (see ``docs/scheduler.md``), so the
-program is written for one input and runs batched (a waiting instance holds no CPU). Ctrl-C
+chats) and branches on their outputs. The instances run in lockstep on one thread (each until its next
+call; their calls then run together, a cohort of the same greedy call as ONE list call), or each on a
+worker thread; the decoding loops of the calls are run by the model's engine, one step for all of them
+(see ``docs/scheduler.md``), so the program is written for one input and runs batched. Ctrl-C
 (``KeyboardInterrupt`` in the calling thread) cancels every instance at its next decoding step
 (:mod:`continuum.loop.cancel`) and re-raises once they have all left the model. See ``docs/concurrency.md``.
 """
@@ -32,6 +34,8 @@ from ..loop.host import HOST
 from ..loop.ranks import call_key, current_key
 from .arguments import check_flags, check_int, check_program_and_inputs
 from .heap import frozen_heap
+from .lockstep import AVAILABLE, Lockstep
+from .lockstep import current as current_instance
 
 __all__ = ["run_batch", "check_cancelled"]
 
@@ -53,19 +57,19 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _check(program, inputs, concurrency, progress, return_exceptions) -> None:
+def _check(program, inputs, concurrency, progress, return_exceptions, threads) -> None:
     check_program_and_inputs(program, inputs, "run_batch(program, inputs)", "program",
                              "a callable of one input (e.g. def program(doc): ...)")
     check_int("concurrency", concurrency, 1, "the most program instances run at once, e.g. 32")
-    check_flags(progress=progress, return_exceptions=return_exceptions)
+    check_flags(progress=progress, return_exceptions=return_exceptions, threads=threads)
 
 
 class _Run:
     """One ``run_batch`` call: the input feed, the worker threads and what they produced."""
 
-    def __init__(self, program: Callable[[Any], Any], inputs: Iterator, concurrency: int):
+    def __init__(self, program: Callable[[Any], Any], inputs: Iterator, concurrency: int, threads: bool):
         self.parent = current_key()  # nested run_batch: instance keys stay distinct from the outer ones
-        self.program, self.inputs, self.limit = program, inputs, concurrency
+        self.program, self.inputs, self.limit, self.threads = program, inputs, concurrency, threads
         self.token = CancelToken(parent=current())  # a nested run_batch stops with its caller's
         self.lock = threading.Lock()
         self.count = itertools.count()
@@ -77,18 +81,28 @@ class _Run:
         self.tokens: list[CancelToken] = []  # one per worker: its cancellation (child of self.token) and token count
         self.alive = 0
         self.finished = threading.Event()
+        self.crash: BaseException | None = None  # the lockstep runner itself failed (a bug): raised by run_batch
+
+    def new_token(self) -> CancelToken:
+        """A worker's (or a lockstep slot's) token: its cancellation (a child of the run's) and its token count."""
+        token = CancelToken(parent=self.token)
+        self.tokens.append(token)
+        return token
 
     def _spawn(self) -> None:
         """Start one more worker (called with the lock held). Workers are started one per input pulled, up to
-        ``concurrency``: three inputs start at most four threads, whatever ``concurrency`` is."""
-        token = CancelToken(parent=self.token)
-        self.tokens.append(token)
+        ``concurrency``: three inputs start at most four threads, whatever ``concurrency`` is. In lockstep, the one
+        runner thread (programs/lockstep.py)."""
         self.alive += 1
         ARRIVALS.expect()  # (on its way to the engine from now: the worker claims the count when it starts)
+        if not self.threads:
+            threading.Thread(target=self._lockstep, name="continuum-run_batch", daemon=True).start()
+            return
+        token = self.new_token()
         threading.Thread(target=self._work, args=(token,), name=f"continuum-run_batch-{len(self.tokens) - 1}",
                          daemon=True).start()  # daemon: a program stuck outside continuum never blocks the exit
 
-    def _next(self) -> tuple[int, Any] | None:
+    def next_input(self) -> tuple[int, Any] | None:
         """The next (index, input), pulled only now (a generator of inputs is never run ahead)."""
         with self.lock:
             if self.exhausted or self.token.cancelled:
@@ -101,9 +115,25 @@ class _Run:
             except BaseException as exc:  # the iterator failed: start nothing more, raise it at the end
                 self.exhausted, self.feed_error = True, exc
                 return None
-            if len(self.tokens) < self.limit:  # the next input may find a free worker
-                self._spawn()
             return next(self.count), x
+
+    def _next(self) -> tuple[int, Any] | None:
+        item = self.next_input()
+        if item is not None:
+            with self.lock:
+                if len(self.tokens) < self.limit:  # the next input may find a free worker
+                    self._spawn()
+        return item
+
+    def _lockstep(self) -> None:
+        ARRIVALS.claim()
+        try:
+            Lockstep(self).run()
+        except BaseException as exc:  # noqa: BLE001  (a bug in the runner: raised in the caller, never a hang)
+            self.crash = exc
+        finally:
+            ARRIVALS.arrived()
+            self._left()
 
     def _work(self, token: CancelToken) -> None:
         ARRIVALS.claim()
@@ -179,15 +209,16 @@ def _update(bar, done: int, tokens: int, seconds: float) -> None:
 
 
 def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: int = 32, progress: bool = False,
-              return_exceptions: bool = False) -> list:
+              return_exceptions: bool = False, threads: bool = False) -> list:
     """Run ``program(x)`` for every ``x`` in ``inputs``, up to ``concurrency`` instances at once; results in input order.
 
-    Each instance runs on a worker thread; concurrent generator calls on one model share forwards, so
-    a program written for one input runs batched, and every instance returns what it returns alone
-    (give a sampling call its own ``rng`` for that). Greedy calls of one generator with the same arguments
-    that the instances make together run as ONE list call, each instance getting its own rows back
-    (:mod:`continuum.loop.coalesce`, docs/concurrency.md). Inputs are pulled one at a time as workers free
-    up: a generator of a million inputs never holds more than ``concurrency`` running instances.
+    The instances run in lockstep on one thread (:mod:`continuum.programs.lockstep`): each runs until its next
+    generator call, and when none can go on, their calls run, concurrent calls on one model sharing forwards, so a
+    program written for one input runs batched, and every instance returns what it returns alone (give a sampling
+    call its own ``rng`` for that). Greedy calls of one generator with the same arguments that the instances make
+    together run as ONE list call, each instance getting its own rows back (:mod:`continuum.loop.coalesce`,
+    docs/concurrency.md). Inputs are pulled one at a time as instances finish: a generator of a million inputs never
+    holds more than ``concurrency`` running instances.
 
     Args:
         program: a function of one input (it may call any continuum generators, chats, branch, loop).
@@ -195,6 +226,8 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
         concurrency: the most instances running at once (>= 1).
         progress: show a tqdm bar (instances done, generated tokens per second).
         return_exceptions: put a failed instance's exception in its place instead of raising.
+        threads: run each instance on a thread of its own, for programs that block outside continuum between
+            their calls (a web request, a file, a sleep): in lockstep such a wait holds every instance.
 
     Returns:
         One result per input, in input order.
@@ -210,16 +243,24 @@ def run_batch(program: Callable[[Any], Any], inputs: Iterable, *, concurrency: i
         ...     return pick(summary + "\\nLabel:")
         >>> labels = continuum.run_batch(program, docs, concurrency=32, progress=True)   # doctest: +SKIP
     """
-    _check(program, inputs, concurrency, progress, return_exceptions)
+    _check(program, inputs, concurrency, progress, return_exceptions, threads)
+    instance = current_instance()
+    if instance is not None:  # nested in a lockstep program: run on a call thread while this instance waits
+        return instance.offload(lambda: run_batch(program, inputs, concurrency=concurrency, progress=progress,
+                                                  return_exceptions=return_exceptions, threads=threads))
     try:
         total: int | None = len(inputs)  # type: ignore[arg-type]
     except TypeError:
         total = None
-    if SERIAL_UNDER_TORCHRUN and _several_ranks():
+    ranks = _several_ranks()
+    if SERIAL_UNDER_TORCHRUN and ranks:
         concurrency = 1
-    run = _Run(program, iter(inputs), concurrency)
+    # (under torchrun every rank names an instance's forwards by its thread's call_key: a thread per instance)
+    run = _Run(program, iter(inputs), concurrency, threads or ranks or not AVAILABLE)
     with frozen_heap():  # (no full collection walks the imports' objects while the programs run)
         run.wait(progress, total)
+    if run.crash is not None:
+        raise run.crash
     if run.feed_error is not None:
         raise run.feed_error
     n = next(run.count)

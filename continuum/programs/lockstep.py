@@ -1,0 +1,222 @@
+"""``run_batch``'s instances as greenlets on one thread, their calls gathered into joint calls at each step.
+
+::
+
+    runner thread: instance 1 ─▶ instance 2 ─▶ ... ─▶ instance N     (each runs until its next continuum call: parked)
+                        │ nobody left to run: the parked calls go out, grouped (loop/coalesce.key_of)
+                        ▼
+    call threads:  one joint call per cohort (greedy, same generator and arguments), one call each for the rest
+                        │ a call ends: its instances are runnable again, with their own rows of the result
+                        ▼
+    runner thread: the instances resumed, one after another ...
+
+A thread per instance made every instance's Python wake on its own: after a joint call of 128 rows, 128 threads
+took the GIL in turns for their ``state + text`` and their next call's entry (~0.5 ms each where the work is
+~0.2 ms: the GIL's hand-offs, each torch operation one), 60-70 ms per stage in B22b. Here an instance's Python runs
+to its next call and switches to the next instance in a few microseconds, and a cohort is complete by construction
+(everyone who could join has run: no gathering window to wait out). The calls themselves run on threads, as a
+plain call does (each its setup, its wait on the engine's steps, its finish), so a sampling call, a remote call or
+a call alone still overlaps the others and shares the engine's steps.
+
+What runs on the runner thread is the programs' own code. A program that blocks there (a web request, a sleep)
+holds every instance meanwhile: ``run_batch(..., threads=True)`` runs each instance on its own thread instead. A
+``run_batch`` nested in a program runs on a call thread while its instance waits.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..loop import coalesce
+from ..loop.arrivals import ARRIVALS, GATE, Handoff
+from ..loop.cancel import Cancelled, CancelToken, bound
+
+try:
+    import greenlet
+except ImportError:  # pragma: no cover  (a platform without its wheel: run_batch uses a thread per instance)
+    greenlet = None
+
+__all__ = ["AVAILABLE", "Lockstep", "current"]
+
+AVAILABLE = greenlet is not None
+
+
+def current() -> Instance | None:
+    """The program instance running in this greenlet, or None (not inside a lockstep ``run_batch``)."""
+    if greenlet is None:
+        return None
+    g = greenlet.getcurrent()
+    return g if isinstance(g, Instance) else None
+
+
+class _Job:
+    """A parked instance's call: ``fn(state)``; ``key`` groups it with others into one joint call (None: alone)."""
+
+    __slots__ = ("instance", "key", "generator", "state", "fn")
+
+    def __init__(self, instance: Instance, key: tuple | None, generator: Any, state: Any, fn: Callable[[Any], Any]):
+        self.instance, self.key, self.generator, self.state, self.fn = instance, key, generator, state, fn
+
+
+if greenlet is not None:
+    class Instance(greenlet.greenlet):
+        """One program instance: ``program(x)`` for input ``index``; ``token`` is its slot's (cancellation, progress)."""
+
+        def __init__(self, runner: Lockstep, token: CancelToken, index: int, x: Any):
+            super().__init__(parent=runner.hub)
+            self.runner, self.token, self.index, self.x = runner, token, index, x
+
+        def run(self) -> None:  # (greenlet's entry point)
+            b = self.runner.batch
+            try:
+                b.results[self.index] = b.program(self.x)
+            except Cancelled:
+                pass
+            except BaseException as exc:  # one instance's failure never disturbs the others
+                b.errors[self.index] = exc
+            with b.lock:
+                b.done += 1
+
+        def call(self, key: tuple | None, generator: Any, state: Any, fn: Callable[[Any], Any]) -> Any:
+            """Park until ``fn(state)`` ran (jointly with the calls of the same ``key`` parked meanwhile); its result."""
+            self.runner.parked.append(_Job(self, key, generator, state, fn))
+            return self.runner.hub.switch()
+
+        def offload(self, fn: Callable[[], Any]) -> Any:
+            """Park while ``fn()`` runs on a call thread (a nested ``run_batch``: it waits for threads of its own)."""
+            return self.call(None, None, None, lambda _: fn())
+else:  # pragma: no cover
+    Instance = type(None)  # type: ignore[misc,assignment]
+
+
+class Lockstep:
+    """The runner of one ``run_batch`` (``batch``: its :class:`~continuum.programs.batch._Run`), in the runner thread."""
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+        self.hub: Any = None
+        self.ready: deque = deque()  # (instance, result, error) to switch into, in order
+        self.parked: list[_Job] = []
+        self.ended: queue.SimpleQueue = queue.SimpleQueue()  # (jobs, outcomes) of calls that ended
+        self.running = 0  # calls out on the call threads
+        self.alive = 0  # instances started and not finished
+        self.free: list[CancelToken] = []  # slot tokens of finished instances (progress counts stay per slot)
+
+    def run(self) -> None:
+        self.hub = greenlet.getcurrent()
+        pool = ThreadPoolExecutor(max_workers=self.batch.limit, thread_name_prefix="continuum-call")
+        try:
+            # in a program (its calls may join: coalesce.key_of), arriving while instances run; the gate is for
+            # threads taking turns on the GIL, and this one thread runs every instance's Python in turn
+            with ARRIVALS.program(), GATE.exempt():
+                while self.alive < self.batch.limit and self._start():
+                    pass
+                while True:
+                    self._run_ready()
+                    self._dispatch(pool)
+                    if not self.running:
+                        break
+                    ARRIVALS.arrived()  # (waiting for calls: not on the way to one)
+                    self._resume(*self.ended.get())
+                    while not self.ended.empty():
+                        self._resume(*self.ended.get())
+                    ARRIVALS.arrive()
+        finally:
+            pool.shutdown(wait=False)
+
+    def _start(self) -> bool:
+        """Start one more instance on the next input (pulled only now), if there is one."""
+        item = self.batch.next_input()
+        if item is None:
+            return False
+        token = self.free.pop() if self.free else self.batch.new_token()
+        self.alive += 1
+        self.ready.append((Instance(self, token, *item), None, None))
+        return True
+
+    def _run_ready(self) -> None:
+        """Switch into every runnable instance until each has parked on a call or finished."""
+        while self.ready:
+            inst, result, error = self.ready.popleft()
+            if inst.token.cancelled and error is None:
+                error = Cancelled()
+                if not inst:  # (never started: nothing to unwind)
+                    self._finished(inst)
+                    continue
+            with bound(inst.token):  # (the instance's own Python checks it, e.g. in check_cancelled)
+                if error is not None:
+                    inst.throw(error)
+                elif inst:
+                    inst.switch(result)
+                else:
+                    inst.switch()  # (its start: run() takes no argument)
+            if inst.dead:
+                self._finished(inst)
+
+    def _finished(self, inst: Instance) -> None:
+        self.alive -= 1
+        self.free.append(inst.token)
+        self._start()
+
+    def _dispatch(self, pool: ThreadPoolExecutor) -> None:
+        """Send the parked calls out: one joint call per key, up to its row cap, each other call alone."""
+        cohorts: dict[tuple, list[_Job]] = {}
+        for job in self.parked:
+            if job.key is None:
+                self._submit(pool, [job])
+            else:
+                cohorts.setdefault(job.key, []).append(job)
+        self.parked = []
+        for jobs in cohorts.values():
+            cap, rows = coalesce.cap(jobs[0].generator), 0
+            chunk: list[_Job] = []
+            for job in jobs:
+                if chunk and rows + job.state.rows > cap:
+                    self._submit(pool, chunk)
+                    chunk, rows = [], 0
+                chunk.append(job)
+                rows += job.state.rows
+            self._submit(pool, chunk)
+
+    def _submit(self, pool: ThreadPoolExecutor, jobs: list[_Job]) -> None:
+        handoff = Handoff()  # (counted as on its way to the engine from now: the step about to run waits for it)
+        self.running += 1
+        pool.submit(self._call, handoff, jobs)
+
+    def _call(self, handoff: Handoff, jobs: list[_Job]) -> None:
+        """On a call thread: the jobs' call(s), each outcome (result, error) to the runner."""
+        try:
+            with bound(jobs[0].instance.token):
+                outcomes = handoff.run(lambda: _outcomes(jobs))
+        except BaseException as exc:  # noqa: BLE001  (never lose a parked instance: it gets the error)
+            outcomes = [(None, exc)] * len(jobs)
+        finally:
+            handoff.close()
+        self.ended.put((jobs, outcomes))
+
+    def _resume(self, jobs: list[_Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
+        self.running -= 1
+        for job, (result, error) in zip(jobs, outcomes):
+            self.ready.append((job.instance, result, error))
+
+
+def _outcomes(jobs: list[_Job]) -> list[tuple[Any, BaseException | None]]:
+    """Each job's (result, error): one joint call when several, else (or when it failed) each alone."""
+    if len(jobs) > 1:
+        results = coalesce.joint([j.state for j in jobs], jobs[0].fn)
+        if results is not None:
+            return [(r, None) for r in results]
+    out: list[tuple[Any, BaseException | None]] = []
+    for job in jobs:
+        if job.instance.token.cancelled:  # (a joint call stopped by Ctrl-C: its members stop too, none runs alone)
+            out.append((None, Cancelled()))
+            continue
+        try:
+            out.append((job.fn(job.state), None))
+        except BaseException as exc:  # noqa: BLE001  (to its own instance)
+            out.append((None, exc))
+    return out
