@@ -281,3 +281,27 @@ def test_cancelling_a_run_stops_its_loops_at_the_next_step(gpt2_model):
     worker.start()
     worker.join(10)
     assert seen == ["cancelled"] and gpt2_model.forward_calls - c0 == 1  # the prefill ran, no decoding step
+
+
+def test_lockstep_programs_that_stream_chat_sample_and_block_match_their_solo_runs(gpt2_model):
+    """What a program may do besides plain calls, in lockstep (the default): iterate a stream (its steps wait on the
+    lockstep thread), hold a chat, draw with its own rng (each call alone, on a call thread), sleep (holding every
+    instance: slower, never wrong). Each instance returns what it returns alone."""
+    from continuum.chat import Chat
+
+    text = generate.text(gpt2_model, samplers.greedy())
+    draw = continuous(generate.text(gpt2_model, samplers.multinomial()))
+
+    def program(i: int):
+        p = PROMPTS[i % len(PROMPTS)]
+        streamed = "".join(text.stream(p, max_tokens=4))
+        chat = Chat(gpt2_model, template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}").user(p)
+        reply = chat.reply(generate.text(gpt2_model, samplers.greedy()), max_tokens=3).value
+        sample = draw(p, max_tokens=4, rng=torch.Generator().manual_seed(i))
+        time.sleep(0.001)
+        return streamed, reply, sample
+
+    solo = [program(i) for i in range(6)]
+    got = continuum.run_batch(program, range(6), concurrency=6)
+    assert [g[:2] for g in got] == [s[:2] for s in solo]
+    assert all(same(g[2], s[2]) for g, s in zip(got, solo))  # (weights within 1e-4: other rows beside it in a step)
