@@ -1,11 +1,10 @@
 """asyncio for generators and chats: ``await g.acall(...)``, ``async for text in g.astream(...)``.
 
-A generator call is a blocking call; here it runs on one of continuum's shared worker threads (a bounded
-pool of :data:`ASYNC_WORKERS`; a worker waiting for the engine holds no CPU), so the event loop stays free
-and concurrent ``acall``\\ s (``asyncio.gather``) are calls the model's engine runs in one step; greedy calls of
-one generator with the same arguments run as ONE list call, as ``run_batch``'s programs do
-(:class:`~continuum.loop.arrivals.Handoff`, :mod:`continuum.loop.coalesce`). A stream runs on a worker too and hands
-its chunks to the event loop through a queue.
+A generator call is a blocking call; here it runs off the event loop, so the loop stays free. The acalls one
+iteration of the loop starts (``asyncio.gather``) run in lockstep on a worker, as ``run_batch``'s instances do
+(:class:`_Tick`, :mod:`.lockstep`): greedy calls of one generator with the same arguments run as ONE list call, the
+others share the engine's steps. A stream runs on a worker of a bounded pool (:data:`ASYNC_WORKERS`) and hands its
+chunks to the event loop through a queue.
 
 Cancellation is cooperative (:mod:`continuum.loop.cancel`): cancelling the awaiting task, or closing an
 async stream (``break`` out of ``async for``, ``aclose()``), stops the call at its next decoding step.
@@ -20,14 +19,16 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..loop.arrivals import Handoff
+from ..loop.arrivals import ARRIVALS, Handoff
 from ..loop.cancel import Cancelled, CancelToken, bound, current
 from ..loop.driving import never_drive
+from .lockstep import AVAILABLE, Lockstep
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
 
 ASYNC_WORKERS = 256
-"""The most ``acall``/``astream`` calls running at once (more wait for a free worker; set before the first call)."""
+"""The most acalls of one event-loop iteration running at once (the rest start as they finish), and the most
+astreams at once (more wait for a free worker); set before the first call."""
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -47,13 +48,102 @@ def _call(token: CancelToken, handoff: Handoff, fn: Callable[..., Any], args: tu
         return handoff.run(lambda: fn(*args, **kwargs))
 
 
+class _Item:
+    __slots__ = ("token", "fn", "args", "kwargs", "future")
+
+    def __init__(self, token: CancelToken, fn: Callable[..., Any], args: tuple, kwargs: dict, future: asyncio.Future):
+        self.token, self.fn, self.args, self.kwargs, self.future = token, fn, args, kwargs, future
+
+
+class _Tick:
+    """The acalls one iteration of an event loop started (``asyncio.gather``; a chain's next awaits, resumed
+    together): one lockstep run on a worker (:mod:`.lockstep`, a :class:`~.lockstep.Batch`), so their greedy calls of
+    one generator run as one list call and the rest share the engine's steps, as ``run_batch``'s programs do."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.limit, self.next = loop, 0, 0
+        self.items: list[_Item] = []
+        self.settled: list[tuple[_Item, Any, BaseException | None]] = []
+
+    def next_input(self) -> tuple[int, Any] | None:
+        if self.next >= len(self.items):
+            return None
+        self.next += 1
+        return self.next - 1, self.items[self.next - 1]
+
+    def token_of(self, item: _Item) -> CancelToken:
+        return item.token  # (each acall is cancelled on its own)
+
+    def new_token(self) -> CancelToken:  # pragma: no cover  (every item has its own)
+        raise AssertionError("an acall's instance has its own token")
+
+    def run_one(self, index: int, item: _Item) -> None:
+        try:
+            result, error = item.fn(*item.args, **item.kwargs), None
+        except BaseException as exc:  # noqa: BLE001  (to its own awaiting task)
+            result, error = None, exc
+        self.settled.append((item, result, error))  # (after the call: round_done swaps the list meanwhile)
+
+    def round_done(self) -> None:
+        """Hand the results of a round of instances to the event loop at once: their tasks resume in one iteration,
+        so their next acalls form one tick again."""
+        settled, self.settled = self.settled, []
+        if settled:
+            try:
+                self.loop.call_soon_threadsafe(_settle, settled)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                pass
+
+
+def _settle(settled: list[tuple[_Item, Any, BaseException | None]]) -> None:
+    for item, result, error in settled:
+        if item.future.done():  # (cancelled meanwhile)
+            continue
+        if error is None:
+            item.future.set_result(result)
+        else:
+            item.future.set_exception(error)
+
+
+_ticks: dict[asyncio.AbstractEventLoop, _Tick] = {}
+
+
+def _flush(loop: asyncio.AbstractEventLoop, tick: _Tick) -> None:
+    if _ticks.get(loop) is tick:
+        del _ticks[loop]
+    tick.limit = min(len(tick.items), ASYNC_WORKERS)
+    ARRIVALS.expect()  # (the tick's runner is on its way to the engine: it claims the count)
+    _pool().submit(_run_tick, tick)
+
+
+def _run_tick(tick: _Tick) -> None:
+    never_drive()
+    ARRIVALS.claim()
+    try:
+        Lockstep(tick).run()
+    except BaseException as exc:  # noqa: BLE001  (a bug in the runner: every acall still waiting gets it)
+        tick.settled.extend((item, None, exc) for item in tick.items)
+    finally:
+        ARRIVALS.arrived()
+        tick.round_done()
+
+
 async def to_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``await`` ``fn(*args, **kwargs)`` run on a shared worker thread; cancelling the task cancels the call
-    at its next decoding step (the ``CancelledError`` is raised at once, the worker leaves right after)."""
+    """``await`` ``fn(*args, **kwargs)`` run off the event loop; cancelling the task cancels the call at its next
+    decoding step (the ``CancelledError`` is raised at once, the call leaves right after). The calls started in one
+    iteration of the loop run in lockstep together (:class:`_Tick`); without ``greenlet``, each on a worker thread."""
     loop = asyncio.get_running_loop()
     token = CancelToken(parent=current())
-    handoff = Handoff()  # (calls gathered together run as one list call where they can: loop/coalesce)
-    future = loop.run_in_executor(_pool(), functools.partial(_call, token, handoff, fn, args, kwargs))
+    if not AVAILABLE:
+        handoff = Handoff()  # (calls gathered together run as one list call where they can: loop/coalesce)
+        future = loop.run_in_executor(_pool(), functools.partial(_call, token, handoff, fn, args, kwargs))
+    else:
+        handoff, future = None, loop.create_future()
+        tick = _ticks.get(loop)
+        if tick is None:
+            tick = _ticks[loop] = _Tick(loop)
+            loop.call_soon(_flush, loop, tick)  # (after the tasks already scheduled in this iteration ran)
+        tick.items.append(_Item(token, fn, args, kwargs, future))
     try:
         return await future
     except asyncio.CancelledError:
@@ -62,7 +152,8 @@ async def to_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except Cancelled:  # a parent token was cancelled: a BaseException must not escape into the event loop
         raise asyncio.CancelledError() from None
     finally:
-        handoff.close()
+        if handoff is not None:
+            handoff.close()
 
 
 def _produce(stream, token: CancelToken, put: Callable[[str, Any], None]) -> None:

@@ -83,6 +83,20 @@ class _Run:
         self.finished = threading.Event()
         self.crash: BaseException | None = None  # the lockstep runner itself failed (a bug): raised by run_batch
 
+    def token_of(self, x: Any) -> None:
+        return None  # (slot tokens: new_token)
+
+    def run_one(self, index: int, x: Any) -> None:
+        """A lockstep instance: ``program(x)``, its result or error kept."""
+        try:
+            self.results[index] = self.program(x)
+        except Cancelled:
+            pass
+        except BaseException as exc:  # one instance's failure never disturbs the others
+            self.errors[index] = exc
+        with self.lock:
+            self.done += 1
+
     def new_token(self) -> CancelToken:
         """A worker's (or a lockstep slot's) token: its cancellation (a child of the run's) and its token count."""
         token = CancelToken(parent=self.token)

@@ -29,18 +29,19 @@ import queue
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from ..loop import coalesce
 from ..loop.arrivals import ARRIVALS, GATE, Handoff
 from ..loop.cancel import Cancelled, CancelToken, bound
+from ..loop.driving import never_drive
 
 try:
     import greenlet
 except ImportError:  # pragma: no cover  (a platform without its wheel: run_batch uses a thread per instance)
     greenlet = None
 
-__all__ = ["AVAILABLE", "Lockstep", "current"]
+__all__ = ["AVAILABLE", "Batch", "Lockstep", "current"]
 
 AVAILABLE = greenlet is not None
 
@@ -69,17 +70,10 @@ if greenlet is not None:
         def __init__(self, runner: Lockstep, token: CancelToken, index: int, x: Any):
             super().__init__(parent=runner.hub)
             self.runner, self.token, self.index, self.x = runner, token, index, x
+            self.slot = True  # (token is a slot's, reused by the next instance; an acall's own is not)
 
         def run(self) -> None:  # (greenlet's entry point)
-            b = self.runner.batch
-            try:
-                b.results[self.index] = b.program(self.x)
-            except Cancelled:
-                pass
-            except BaseException as exc:  # one instance's failure never disturbs the others
-                b.errors[self.index] = exc
-            with b.lock:
-                b.done += 1
+            self.runner.batch.run_one(self.index, self.x)
 
         def call(self, key: tuple | None, generator: Any, state: Any, fn: Callable[[Any], Any]) -> Any:
             """Park until ``fn(state)`` ran (jointly with the calls of the same ``key`` parked meanwhile); its result."""
@@ -93,8 +87,27 @@ else:  # pragma: no cover
     Instance = type(None)  # type: ignore[misc,assignment]
 
 
+class Batch(Protocol):
+    """What a :class:`Lockstep` runs: ``run_batch``'s :class:`~continuum.programs.batch._Run`, or the acalls one
+    event-loop iteration started (:mod:`.aio`)."""
+
+    limit: int  # the most instances at once
+
+    def next_input(self) -> tuple[int, Any] | None:
+        """The next ``(index, x)`` to start an instance on, or None."""
+
+    def token_of(self, x: Any) -> CancelToken | None:
+        """The instance's own cancellation token (an ``acall``'s), or None: a slot token (:meth:`new_token`)."""
+
+    def new_token(self) -> CancelToken:
+        """A new slot token (its cancellation a child of the run's; its progress count read by the run)."""
+
+    def run_one(self, index: int, x: Any) -> None:
+        """Instance ``index``: run it on ``x`` and keep its result or error (never raises)."""
+
+
 class Lockstep:
-    """The runner of one ``run_batch`` (``batch``: its :class:`~continuum.programs.batch._Run`), in the runner thread."""
+    """The runner of one :class:`Batch`, in the runner thread."""
 
     def __init__(self, batch: Any):
         self.batch = batch
@@ -115,8 +128,11 @@ class Lockstep:
             with ARRIVALS.program(), GATE.exempt():
                 while self.alive < self.batch.limit and self._start():
                     pass
+                done = getattr(self.batch, "round_done", None)
                 while True:
                     self._run_ready()
+                    if done is not None:
+                        done()
                     self._dispatch(pool)
                     if not self.running:
                         break
@@ -133,9 +149,12 @@ class Lockstep:
         item = self.batch.next_input()
         if item is None:
             return False
-        token = self.free.pop() if self.free else self.batch.new_token()
+        own = self.batch.token_of(item[1])
+        token = own or (self.free.pop() if self.free else self.batch.new_token())
         self.alive += 1
-        self.ready.append((Instance(self, token, *item), None, None))
+        inst = Instance(self, token, *item)
+        inst.slot = own is None
+        self.ready.append((inst, None, None))
         return True
 
     def _run_ready(self) -> None:
@@ -159,7 +178,8 @@ class Lockstep:
 
     def _finished(self, inst: Instance) -> None:
         self.alive -= 1
-        self.free.append(inst.token)
+        if inst.slot:
+            self.free.append(inst.token)
         self._start()
 
     def _dispatch(self, pool: ThreadPoolExecutor) -> None:
@@ -189,13 +209,20 @@ class Lockstep:
 
     def _call(self, handoff: Handoff, jobs: list[_Job]) -> None:
         """On a call thread: the jobs' call(s), each outcome (result, error) to the runner."""
+        never_drive()  # (the steps run on the host, run_batch's caller, or the engine's own thread: driving.py)
+        first = jobs[0].instance.token
+        # a call alone stops with its instance; a joint call with their run (an acall cancelled alone just drops
+        # its rows of the result), its tokens counted to its first instance's slot (the progress bar)
+        token = first if len(jobs) == 1 else CancelToken(parent=first.parent)
         try:
-            with bound(jobs[0].instance.token):
+            with bound(token):
                 outcomes = handoff.run(lambda: _outcomes(jobs))
         except BaseException as exc:  # noqa: BLE001  (never lose a parked instance: it gets the error)
             outcomes = [(None, exc)] * len(jobs)
         finally:
             handoff.close()
+            if token is not first:
+                first.tokens += token.tokens
         self.ended.put((jobs, outcomes))
 
     def _resume(self, jobs: list[_Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
