@@ -14,11 +14,12 @@ KNOWN_MISSES: dict[str, str] = {
           "model's matrix-vector work; single pairs spread 0.92-1.08 on a shared machine (docs/benchmarks.md, "
           "'Targets: what holds, and why')",
     "B2": "the same forwards as B1: outside them continuum spends ~0.5 ms a step; a busy core moves it by more",
-    "B22a": "a call's own Python (its guide, its sampler, its state) runs once per program per step where a list "
-            "call runs it once per step: 0.75-0.84x across full runs at 32 programs; --quick's runs last 0.2-0.3 s, "
-            "so one stall of the machine moves them further (0.26-1.13x at 8 programs) (docs/benchmarks.md, B22)",
-    "B22b": "three calls per program, each with its own per-call Python, against three lockstep list calls: "
-            "0.21-0.45x measured; no scheduling closes it (docs/benchmarks.md, 'Why B22b stays far')",
+    "B22a": "each program's own Python (its prompt's state, its call's entry, its rows of the joint result) runs once "
+            "per program where a list call runs it once: 0.91-0.94x in lockstep at 32 and 128 programs (full mode); "
+            "--quick's runs last 0.03 s, so one stall of the machine moves them (docs/benchmarks.md, eighth session)",
+    "B22b": "three calls per program, each with per-program Python around it (state + text, its rows split out of "
+            "each joint call and stacked into the next), against three lockstep list calls: 0.54-0.58x in lockstep "
+            "(0.21-0.45x with a thread per program) (docs/benchmarks.md, eighth session)",
     "B24a": "a lone call's step is one llama_decode (94% of the wall time measured around it): paired runs sit at "
             "0.93-0.97x of llama-cpp-python, whose own figure moves by 10% run to run (docs/benchmarks.md, B24)",
     "B24c": "llama.cpp's batched decode itself is ~3.3x one at a time on 2 cores, so >= 3x leaves ~10% for "
