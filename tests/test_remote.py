@@ -154,14 +154,23 @@ def test_run_batch_of_32_equals_local(server, remote, local):
 
     names = [f"{n}{suffix}" for suffix in ("", " Lee", " and Tim", " Smith") for n in
              ["Tom", "Lily", "Sue", "Max", "Ben", "Amy", "Sam", "Zoe"]]
-    joined = _joined(server)
+    sent = remote.forward_calls
     got = run_batch(program_for(remote), names, concurrency=32)
     want = run_batch(program_for(local), names, concurrency=32)
     assert len(got) == len(want) == 32
     for a, b in zip(got, want):
         same(a, b)
-    # the 32 requests of each stage reached the server together: the server ran some of them as one list call
-    # (loop/coalesce), and each still got what it gets alone (above)
+    # the client joined each stage's 32 greedy calls into one list call (loop/coalesce; the server says its model
+    # joins): one request per stage, each row still what it is alone (above)
+    assert remote.joins and remote.forward_calls - sent == 2
+    # 32 plain threads send 32 requests per stage: the server joins those that arrive together
+    from concurrent.futures import ThreadPoolExecutor
+
+    joined = _joined(server)
+    with ThreadPoolExecutor(32) as pool:
+        again = list(pool.map(program_for(remote), names))
+    for a, b in zip(again, want):
+        same(a, b)
     assert _joined(server) - joined >= 2
 
 

@@ -13,11 +13,12 @@ the same arguments, that arrived meanwhile runs as one call on the stacked state
 
 Only calls whose result cannot depend on their company join: greedy sampling (a draw would depend on which
 rows share the random stream), no ``rng``, no unfinished constrained step to resume in the input (its guide
-state is per call), one process (under torchrun every rank must make the same calls), a local model
-(``models.remote`` runs whole calls on the server), not llama.cpp's batch-invariant mode (it promises bits alone,
-and a list call's torch ops over more rows may round differently). The first caller of a cohort leads: it waits for the
-others (while they keep coming, at most ``GATHER_S``), runs the joint call and hands each follower its rows; where the
-joint call fails, every caller runs its own call alone, so an error reaches only its owner, as without this.
+state is per call), one process (under torchrun every rank must make the same calls), not llama.cpp's
+batch-invariant mode (it promises bits alone, and a list call's torch ops over more rows may round differently;
+a ``models.remote`` joins when its server says its model does, ``joins`` in ``GET /v1/continuum/model``: the
+joint call is then ONE request). The first caller of a cohort leads: it waits for the others (while they keep
+coming, at most ``GATHER_S``), runs the joint call and hands each follower its rows; where the joint call fails,
+every caller runs its own call alone, so an error reaches only its owner, as without this.
 
 Example:
     >>> continuum.run_batch(lambda x: choose(text(x, max_tokens=8) + "\\nMood:").value, inputs)   # doctest: +SKIP
@@ -86,7 +87,8 @@ def key_of(generator: Any, state: SequenceState, max_tokens: int | None, stop_at
         return None
     last = state._last
     model = generator.model
-    if (last is not None and last.guide_states is not None) or getattr(model, "runs_calls", False) \
+    if (last is not None and last.guide_states is not None) \
+            or (getattr(model, "runs_calls", False) and not getattr(model, "joins", False)) \
             or getattr(getattr(model, "llama", None), "batch_invariant", False) or _several_ranks():
         return None
     token = current()

@@ -97,8 +97,11 @@ class Native:
 
     def info(self) -> dict:
         tok = self.model.tokenizer
+        # joins: a client may send its programs' greedy calls of one generator as one list call (loop/coalesce), which
+        # returns each row what it returns alone, except in llama.cpp's batch-invariant mode, which promises bits
+        joins = not getattr(getattr(self.model, "llama", None), "batch_invariant", False)
         return {"name": self.ctx.config.served_model_name, "fingerprint": self.model.fingerprint.as_dict(),
-                "context_length": self.model.context_length, "vocab_size": self.model.vocab_size,
+                "context_length": self.model.context_length, "vocab_size": self.model.vocab_size, "joins": joins,
                 "tokenizer": {"fingerprint": tok.fingerprint, "eos_token_ids": sorted(tok.eos_token_ids),
                               "name": tok.name, "kind": "gguf" if getattr(tok, "hf", None) is None else "transformers"}}
 

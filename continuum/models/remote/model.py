@@ -80,6 +80,8 @@ class RemoteModel:
         self.fingerprint: Any = _fingerprint(info["fingerprint"])
         self.context_length: int | None = info.get("context_length")
         self.vocab_size: int = int(info["vocab_size"])
+        # a run_batch program's greedy calls of one generator may go as one list call (loop/coalesce): one request
+        self.joins: bool = bool(info.get("joins", False))
         self.tokenizer = load_tokenizer(self.client, info)
         self.device = torch.device("cpu")
         self.tokens_computed = 0
