@@ -109,6 +109,14 @@ class SequenceState:
                 keep[r] -= 1
                 tails[r] = ([real[r][0][keep[r]]], [real[r][1][keep[r]]])
         device = self._ids.device
+        if C and keep == self._cached_real() and bool(self._mask[:, C - 1].any()):
+            # every cached token kept (text appended: the common case): the cache and its columns as they are
+            tail_ids, tail_mask, tail_lp = right_aligned([t for t, _ in tails], [p for _, p in tails],
+                                                          self._model.tokenizer.pad_token_id, device)
+            return SequenceState(model=self._model, ids=torch.cat([self._ids[:, :C], tail_ids], 1),
+                                 mask=torch.cat([self._mask[:, :C], tail_mask], 1),
+                                 logprobs=torch.cat([self._logprobs[:, :C], tail_lp], 1), weights=weights,
+                                 kv=kvcache.crop(self._kv, C), batch=self.batch, samples=self.samples, last=last)
         if C:
             region = self._mask[:, :C]
             rank = region.cumsum(1)
