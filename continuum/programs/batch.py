@@ -86,16 +86,17 @@ class _Run:
     def token_of(self, x: Any) -> None:
         return None  # (slot tokens: new_token)
 
-    def run_one(self, index: int, x: Any) -> None:
-        """A lockstep instance: ``program(x)``, its result or error kept."""
+    def run_one(self, index: int, x: Any) -> bool:
+        """One instance: ``program(x)``, its result or error kept; False when it was cancelled."""
         try:
             self.results[index] = self.program(x)
         except Cancelled:
-            pass
+            return False
         except BaseException as exc:  # one instance's failure never disturbs the others
             self.errors[index] = exc
         with self.lock:
             self.done += 1
+        return True
 
     def new_token(self) -> CancelToken:
         """A worker's (or a lockstep slot's) token: its cancellation (a child of the run's) and its token count."""
@@ -155,17 +156,11 @@ class _Run:
             with bound(token):
                 while (item := self._next()) is not None:
                     i, x = item
-                    try:
-                        # names this instance's forwards alike on every rank; counts it as arriving (the engine's
-                        # next step waits a little for it) whenever it runs outside the engine
-                        with call_key((self.parent, i)), ARRIVALS.program():
-                            self.results[i] = self.program(x)
-                    except Cancelled:
-                        break
-                    except BaseException as exc:  # one instance's failure never disturbs the others
-                        self.errors[i] = exc
-                    with self.lock:
-                        self.done += 1
+                    # names this instance's forwards alike on every rank; counts it as arriving (the engine's next
+                    # step waits a little for it) whenever it runs outside the engine
+                    with call_key((self.parent, i)), ARRIVALS.program():
+                        if not self.run_one(i, x):
+                            break
         finally:
             ARRIVALS.arrived()  # (no more inputs: no more calls from this worker)
             self._left()
