@@ -416,6 +416,29 @@ def test_a_spilled_state_whose_longest_view_was_dropped_restores_only_what_its_v
 
 
 @pytest.mark.parametrize("invariant", [False, True])
+def test_short_views_of_long_spilled_states_restore_only_their_own_positions(invariant):
+    """Found by the long oracle (gguf, run_batch, 256 cells): "no room to restore a spilled state of 128 tokens". A
+    2-row state's sequences were extended in place by a long call whose result lives on, both spilled; continuing
+    the short state forks each row from its sequence, and the fork restored each whole (2 x 128 cells asked of 256)
+    though the rows need their first few positions. Now the fork is written from the bytes cut at the view's end;
+    the long state stays spilled and whole, and both continue as llama-cpp-python evaluates them."""
+    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=256, n_seq_max=16)
+    text = continuous(generate.text(m, samplers.greedy()))
+    short = text(["Once upon a time", "One day a cat"], max_tokens=1)
+    long = text(short, max_tokens=126)  # each row's sequence extended in place, to ~130 positions
+    with m.llama.lock:
+        m.pool.collect()
+        for seq in {id(v.seq): v.seq for v in long._kv.views}.values():
+            if seq.id is not None:  # (2 x ~130 positions on 256 cells: one may be spilled already)
+                m.pool.spill(seq)
+    assert all(v.seq.extent >= 128 and v.seq.id is None for v in short._kv.views)
+    out = text(short, max_tokens=4)  # (before: KVCacheFullError, "a spilled state of 13x tokens")
+    _llama_cpp_agrees(out, max(len(ids) for ids, _ in short._real_rows()), m.llama.flash_attn)
+    again = text(long, max_tokens=2)  # the long state, restored whole, continues too
+    _llama_cpp_agrees(again, max(len(ids) for ids, _ in long._real_rows()), m.llama.flash_attn)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
 def test_a_member_spilled_twice_still_shares_its_prefix_with_its_family(invariant):
     """Found by the long oracle (gguf threads, 256 cells): "no room to restore a spilled state of 125 tokens". A
     restored sequence recorded only that its cells came from the bytes of its own last spill, so a member of a fork

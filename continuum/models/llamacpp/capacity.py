@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..capacity import Capacity
 from ..request import Request
-from . import cells
+from . import cells, window
 from .seq import Seq
 from .sequences import SequencePool
 
@@ -34,11 +34,17 @@ def capacity(pool: SequencePool, requests: list[Request]) -> Capacity:
 
 
 def step_need(request: Request) -> int:
-    """Cells ``request`` adds to the pool in its step: each row's new tokens (a token tree's nodes), and the
-    positions of every spilled sequence it continues (restored into fresh cells). Forks add no cells (shared)."""
+    """Cells ``request`` adds to the pool in its step: each row's new tokens (a token tree's nodes), and what every
+    spilled sequence it continues takes restored (all its positions, or the view's own where a decode forks them
+    from the cut bytes: ``window.fork_spilled``). Forks of resident cells add none (shared)."""
     new = request.rows * request.new
     if request.allowed is not None and request.ids is not None:
         new = int(request.ids.numel())  # (a tree's nodes, padded: an upper bound)
-    restore = sum(cells.spill_cost(s) for s in request_seqs([request]).values() if s.id is None and s.blob is not None)
-    return new + restore
+    restore: dict[int, int] = {}
+    for v in getattr(request.kv, "views", None) or ():
+        s = getattr(v, "seq", None)
+        if s is not None and s.id is None and s.blob is not None:
+            need = cells.restore_need(s, v.n_tokens, window.cuttable(s.pool.model, s))
+            restore[id(s)] = max(restore.get(id(s), 0), need)
+    return new + sum(restore.values())
 

@@ -90,6 +90,20 @@ def restored(seq: Seq) -> None:
     seq.lineage, seq.lin_end = held, seq.extent
 
 
+def copied(src: Seq, dst: Seq, n: int) -> None:
+    """``dst`` was written from ``src``'s bytes cut at ``n`` (``src`` stays spilled): it owns its cells (a new key) and
+    they hold what ``src``'s first ``n`` positions hold."""
+    held = _below(content(src), n)
+    dst.key, dst.own_lo, dst.inherit = next(_KEYS), 0, ()
+    dst.lineage, dst.lin_end = held, n
+
+
+def restore_need(seq: Seq, n: int, cuttable: bool) -> int:
+    """Cells making ``n`` positions of spilled ``seq`` available takes: ``n`` when a decode forks them from its bytes
+    cut at ``n`` (``window.fork_spilled``: a longer view holds the rest), else all its positions."""
+    return n if cuttable and n < seq.longest else seq.extent
+
+
 def segments(seq: Seq) -> list[tuple[int, int, int]]:
     """``(origin, lo, hi)`` for every run of cells ``seq`` holds (empty runs left out)."""
     return _runs(seq.inherit, seq.own_lo, seq.key, seq.extent)

@@ -184,16 +184,19 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[Seq | Non
             if not len(row.tokens):
                 targets.append(None)
                 continue
+            fork = src is not None and (id(src) in claimed or src.longest > view.n_tokens)
             if src is None:
                 seq = pool.new_seq(pinned)
                 forks.append(seq)
+            elif fork and (seq := window.fork_spilled(pool, src, view.n_tokens, pinned)) is not None:
+                forks.append(seq)  # (a short view of a long spilled state: only its positions restored)
             else:
                 pool.ensure_resident(src, pinned)
                 if not window.fits(pool, src.id, view.n_tokens):  # type: ignore[arg-type]
                     stale.append(i)
                     targets.append(None)
                     continue
-                if id(src) not in claimed and src.longest <= view.n_tokens:
+                if not fork:
                     if src.extent > view.n_tokens:  # a dead tail no live view reaches
                         window.cut_tail(pool, src, view.n_tokens)
                     seq = src

@@ -241,7 +241,7 @@ class SequencePool:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
             try:
-                self._write(seq_id, seq.blob, cells.spill_cost(seq), [seq, *pinned])
+                self.write(seq_id, seq.blob, cells.spill_cost(seq), [seq, *pinned])
             except BackendError as exc:
                 self._give_back(seq_id)
                 raise KVCacheFullError(
@@ -259,7 +259,7 @@ class SequencePool:
         self._touch(seq)
         return seq.id
 
-    def _write(self, seq_id: int, blob: bytes, cost: int, pinned: Iterable[Seq]) -> None:
+    def write(self, seq_id: int, blob: bytes, cost: int, pinned: Iterable[Seq]) -> None:
         """Write ``blob`` (``cost`` cells) into the free id ``seq_id``: room first (the least recently used idle
         families outside ``pinned``, only as much as it takes; in the invariant mode its kept cells first), then the
         bytes; a refusal anyway (fragmentation) spills every idle sequence and tries once more. Raises llama.cpp's
@@ -386,7 +386,7 @@ class SequencePool:
             seq_id = self._acquire()
             try:
                 # (room as for a restore: in the invariant mode the released cells it keeps would refuse the bytes)
-                self._write(seq_id, blob, n_tokens, ())
+                self.write(seq_id, blob, n_tokens, ())
             except BaseException:
                 self._give_back(seq_id)
                 raise

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import cells, recurrent, seqbytes
+from ...errors import BackendError, KVCacheFullError
+from . import cells, recurrent, reshare, seqbytes
 from ._lib import lib
 
 __all__ = ["fits", "cut_tail", "cut_spilled", "trim", "stale"]
@@ -64,14 +65,47 @@ def trim(pool: Any, seqs: Iterable[Any]) -> None:
             cut_spilled(pool, seq, end)
 
 
+def cuttable(model: Any, seq: Any) -> bool:
+    """Whether ``seq``'s spilled bytes can be cut below their end (:func:`cut_spilled`, :func:`fork_spilled`): not on a
+    hybrid (the recurrent summary is at the old end), nor on a sliding-window model once the bytes hold only the
+    window behind their end."""
+    return not model.hybrid and not (model.n_swa > 0 and seq.extent > model.n_swa)
+
+
+def fork_spilled(pool: Any, src: Any, n: int, pinned: list) -> Any:
+    """A new resident sequence holding spilled ``src``'s first ``n`` positions, written from its bytes cut at ``n``
+    (``src`` stays spilled, its longer views with it): a decode that forks a short view of a long spilled state
+    restores ``n`` cells, not all of them (the long oracle: "no room to restore a spilled state of 128 tokens" for
+    7-token views on 256 cells, their sequences extended to 128 by states still held). None where the bytes cannot be
+    cut: the caller restores ``src`` and shares its cells. Under the model's lock."""
+    if src.id is not None or src.blob is None or n >= src.extent or not cuttable(pool.model, src):
+        return None
+    blob = seqbytes.cut(src.blob, n)
+    if blob is None:
+        return None
+    seq = pool.new_seq(pinned)
+    try:
+        pool.write(seq.id, blob, n, [seq, *pinned])
+    except BackendError as exc:
+        pool.release_id(seq.id)
+        seq.id = None
+        raise KVCacheFullError(
+            f"no room to restore {n} tokens of a spilled state (n_ctx={pool.model.n_ctx} cells shared by every live "
+            "state): load the model with a larger n_ctx, or keep fewer states alive") from exc
+    seq.extent = n
+    cells.copied(src, seq, n)
+    pool.restores += 1
+    reshare.reshare(pool, seq)  # (a resident relative of the same content shares its cells)
+    return seq
+
+
 def cut_spilled(pool: Any, seq: Any, n: int) -> None:
     """Cut spilled ``seq``'s bytes back to its first ``n`` positions (its longest view was dropped after the spill):
     restored whole, they took cells no view reaches, so a restore that fitted was refused, and the scheduler priced
     it at its old extent. Left whole on hybrids (the recurrent summary is at the old end), on sliding-window models
     when the bytes hold only the window behind their end (:func:`stale` reads that end), and where llama.cpp's bytes
     are in a layout :func:`~.seqbytes.cut` does not read."""
-    model = pool.model
-    if model.hybrid or (model.n_swa > 0 and seq.extent > model.n_swa):
+    if not cuttable(pool.model, seq):
         return
     blob = seqbytes.cut(seq.blob, n)
     if blob is not None:
