@@ -171,6 +171,35 @@ def test_cancelling_the_task_stops_the_call(gpt2_model):
     assert gen(PROMPTS[0], max_tokens=8) == before
 
 
+def test_cancelling_tasks_of_a_joint_call_drops_their_rows_and_stops_it_once_all_are_cancelled(gpt2_model):
+    """Gathered greedy acalls run as one joint call (programs/aio._Tick): a task cancelled alone gets its
+    CancelledError at once and the others their own results; cancelling every task stops the joint call itself."""
+    gen = generate.text(gpt2_model, samplers.greedy())
+    solo = [gen(p, max_tokens=12) for p in PROMPTS[:4]]
+
+    async def one_cancelled():
+        tasks = [asyncio.ensure_future(gen.acall(p, max_tokens=12)) for p in PROMPTS[:4]]
+        await asyncio.sleep(0)
+        tasks[1].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    got = run(one_cancelled())
+    assert isinstance(got[1], asyncio.CancelledError)
+    assert [got[i] for i in (0, 2, 3)] == [solo[i] for i in (0, 2, 3)]
+
+    async def all_cancelled():
+        tasks = [asyncio.ensure_future(gen.acall(p, max_tokens=100_000)) for p in PROMPTS[:4]]
+        await asyncio.sleep(0.3)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return gpt2_model.forward_calls
+
+    at_cancel = run(all_cancelled())
+    assert _settled(gpt2_model)
+    assert gpt2_model.forward_calls - at_cancel <= 3  # the joint call left at its next step, not at the context's end
+
+
 def test_chat_areply_and_astream_reply(gpt2_model):
     template = fixture_path("chat_templates", "smollm2.jinja").read_text()
     gen = generate.text(gpt2_model, samplers.greedy())

@@ -211,9 +211,9 @@ class Lockstep:
         """On a call thread: the jobs' call(s), each outcome (result, error) to the runner."""
         never_drive()  # (the steps run on the host, run_batch's caller, or the engine's own thread: driving.py)
         first = jobs[0].instance.token
-        # a call alone stops with its instance; a joint call with their run (an acall cancelled alone just drops
-        # its rows of the result), its tokens counted to its first instance's slot (the progress bar)
-        token = first if len(jobs) == 1 else CancelToken(parent=first.parent)
+        # a call alone stops with its instance; a joint call once all of its instances are cancelled (an acall
+        # cancelled alone just drops its rows of the result), its tokens counted to its first instance's (progress)
+        token = first if len(jobs) == 1 else _AllOf([j.instance.token for j in jobs])
         try:
             with bound(token):
                 outcomes = handoff.run(lambda: _outcomes(jobs))
@@ -229,6 +229,20 @@ class Lockstep:
         self.running -= 1
         for job, (result, error) in zip(jobs, outcomes):
             self.ready.append((job.instance, result, error))
+
+
+class _AllOf(CancelToken):
+    """A joint call's token: cancelled once every member's is (Ctrl-C on a run, every awaiting task cancelled)."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: list[CancelToken]):
+        super().__init__()
+        self.members = members
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled or all(t.cancelled for t in self.members)
 
 
 def _outcomes(jobs: list[_Job]) -> list[tuple[Any, BaseException | None]]:
