@@ -305,3 +305,27 @@ def test_lockstep_programs_that_stream_chat_sample_and_block_match_their_solo_ru
     got = continuum.run_batch(program, range(6), concurrency=6)
     assert [g[:2] for g in got] == [s[:2] for s in solo]
     assert all(same(g[2], s[2]) for g, s in zip(got, solo))  # (weights within 1e-4: other rows beside it in a step)
+
+
+def test_a_joint_call_counts_its_tokens_live_and_stops_once_every_member_is_cancelled():
+    """The token a lockstep joint call runs under (programs/lockstep._AllOf): each step's tokens go to its first
+    member's count at once (run_batch's progress bar reads it while the call runs), and it is cancelled only when
+    every member is (one acall cancelled alone must not stop the others' rows)."""
+    from continuum.loop.cancel import Cancelled, CancelToken, bound, check_cancelled
+    from continuum.programs.lockstep import _AllOf
+
+    run = CancelToken()
+    members = [CancelToken(parent=run), CancelToken(parent=run)]
+    members[0].tokens = 5
+    joint = _AllOf(members)
+    with bound(joint):
+        check_cancelled(3)
+        assert members[0].tokens == 8 and members[1].tokens == 0
+        members[0].cancel()
+        check_cancelled(1)  # (one member cancelled: the call goes on)
+        members[1].cancel()
+        with pytest.raises(Cancelled):
+            check_cancelled(1)
+    other = _AllOf([CancelToken(parent=run), CancelToken(parent=run)])
+    run.cancel()  # (Ctrl-C: the run's token, every member's parent)
+    assert other.cancelled

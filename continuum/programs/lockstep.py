@@ -212,7 +212,7 @@ class Lockstep:
         never_drive()  # (the steps run on the host, run_batch's caller, or the engine's own thread: driving.py)
         first = jobs[0].instance.token
         # a call alone stops with its instance; a joint call once all of its instances are cancelled (an acall
-        # cancelled alone just drops its rows of the result), its tokens counted to its first instance's (progress)
+        # cancelled alone just drops its rows of the result)
         token = first if len(jobs) == 1 else _AllOf([j.instance.token for j in jobs])
         try:
             with bound(token):
@@ -221,8 +221,6 @@ class Lockstep:
             outcomes = [(None, exc)] * len(jobs)
         finally:
             handoff.close()
-            if token is not first:
-                first.tokens += token.tokens
         self.ended.put((jobs, outcomes))
 
     def _resume(self, jobs: list[_Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
@@ -232,17 +230,25 @@ class Lockstep:
 
 
 class _AllOf(CancelToken):
-    """A joint call's token: cancelled once every member's is (Ctrl-C on a run, every awaiting task cancelled)."""
+    """A joint call's token: cancelled once every member's is (Ctrl-C on a run, every awaiting task cancelled); the
+    tokens it generates are counted to its first member's as they come (run_batch's progress bar reads them live)."""
 
     __slots__ = ("members",)
 
-    def __init__(self, members: list[CancelToken]):
-        super().__init__()
-        self.members = members
+    def __init__(self, members: list[CancelToken]):  # (not CancelToken's: its tokens = 0 would reset the member's)
+        self._cancelled, self.parent, self.first, self.members = False, None, None, members
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled or all(t.cancelled for t in self.members)
+
+    @property
+    def tokens(self) -> int:
+        return self.members[0].tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.members[0].tokens = value
 
 
 def _outcomes(jobs: list[_Job]) -> list[tuple[Any, BaseException | None]]:
