@@ -110,14 +110,8 @@ class SequenceState:
                 tails[r] = ([real[r][0][keep[r]]], [real[r][1][keep[r]]])
         device = self._ids.device
         if C and keep == self._cached_real() and bool(self._mask[:, C - 1].any()):
-            # every cached token kept (text appended: the common case): the cache and its columns as they are
-            tail_ids, tail_mask, tail_lp = right_aligned([t for t, _ in tails], [p for _, p in tails],
-                                                          self._model.tokenizer.pad_token_id, device)
-            return SequenceState(model=self._model, ids=torch.cat([self._ids[:, :C], tail_ids], 1),
-                                 mask=torch.cat([self._mask[:, :C], tail_mask], 1),
-                                 logprobs=torch.cat([self._logprobs[:, :C], tail_lp], 1), weights=weights,
-                                 kv=kvcache.crop(self._kv, C), batch=self.batch, samples=self.samples, last=last)
-        if C:
+            C2, kept = C, None  # every cached token kept (text appended: the common case): the columns as they are
+        elif C:
             region = self._mask[:, :C]
             rank = region.cumsum(1)
             kept = region.bool() & (rank <= torch.tensor(keep, device=device)[:, None])
@@ -125,16 +119,16 @@ class SequenceState:
             last_col = torch.where(kept, cols, -1).amax(1)
             C2 = int(last_col.max()) + 1
         else:
-            C2 = 0
+            C2, kept = 0, None
         tail_ids, tail_mask, tail_lp = right_aligned([t for t, _ in tails], [p for _, p in tails],
                                                       self._model.tokenizer.pad_token_id, device)
         kv = kvcache.crop(self._kv, C2)
-        if C2 and not torch.equal(kept[:, :C2], region[:, :C2].bool()):
+        if kept is not None and C2 and not torch.equal(kept[:, :C2], region[:, :C2].bool()):
             # (a backend whose views attend to every cell must drop the cut ones; a hybrid's may have cut further
             kv = kvcache.keep(kv, kept[:, :kvcache.length(kv)])  # back, to a recurrent snapshot: it covers less)
         if C2:
             ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
-            mask = torch.cat([kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
+            mask = torch.cat([self._mask[:, :C2] if kept is None else kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
             lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
         else:
             ids, mask, lp = tail_ids, tail_mask, tail_lp
