@@ -67,10 +67,10 @@ if greenlet is not None:
     class Instance(greenlet.greenlet):
         """One program instance: ``program(x)`` for input ``index``; ``token`` is its slot's (cancellation, progress)."""
 
-        def __init__(self, runner: Lockstep, token: CancelToken, index: int, x: Any):
+        def __init__(self, runner: Lockstep, token: CancelToken, slot: bool, index: int, x: Any):
             super().__init__(parent=runner.hub)
             self.runner, self.token, self.index, self.x = runner, token, index, x
-            self.slot = True  # (token is a slot's, reused by the next instance; an acall's own is not)
+            self.slot = slot  # (token is a slot's, reused by the next instance; an acall's own is not)
 
         def run(self) -> None:  # (greenlet's entry point)
             self.runner.batch.run_one(self.index, self.x)
@@ -152,9 +152,7 @@ class Lockstep:
         own = self.batch.token_of(item[1])
         token = own or (self.free.pop() if self.free else self.batch.new_token())
         self.alive += 1
-        inst = Instance(self, token, *item)
-        inst.slot = own is None
-        self.ready.append((inst, None, None))
+        self.ready.append((Instance(self, token, own is None, *item), None, None))
         return True
 
     def _run_ready(self) -> None:
