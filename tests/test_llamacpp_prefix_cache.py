@@ -99,9 +99,9 @@ def test_a_spilled_donor_with_no_room_beside_a_running_step_is_a_miss_not_an_err
     misses = m.prefix_cache.stats()["misses"]
     out = ours(donor + " and", max_tokens=4)
     assert m.prefix_cache.stats()["misses"] == misses + 1
-    assert list(out) == list(theirs(donor + " and", max_tokens=4))
-    again = theirs(donor + " and", max_tokens=4)
-    assert torch.equal(out.weights, again.weights), (out.weights.item(), again.weights.item())
+    want = theirs(donor + " and", max_tokens=4)
+    assert list(out) == list(want)
+    assert torch.equal(out.weights, want.weights), (out.weights.item(), want.weights.item())
     assert list(long) == list(theirs("One day a big dog", max_tokens=200))  # the long state is intact
 
 
