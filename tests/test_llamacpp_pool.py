@@ -367,10 +367,12 @@ def test_a_member_spilled_beside_a_resident_relative_shares_its_prefix_again(inv
                                               pytest.param("gemma", False, marks=pytest.mark.slow)])
 def test_a_spilled_sequence_s_bytes_cut_back_are_llama_cpp_s_own_bytes_of_the_cut_sequence(kind, flash_attn):
     """``seqbytes.cut`` (a spilled sequence's bytes, cells at positions below n only) gives byte for byte what
-    llama.cpp writes for the same sequence after ``seq_rm(seq, n, -1)``, with V rows (flash attention) or V
+    llama.cpp writes for the same sequence after ``seq_rm(seq, n, -1)``, and ``seqbytes.tail`` (from n on) what it
+    writes after ``seq_rm(seq, 0, n)``, with V rows (flash attention) or V
     transposed, and on Gemma 3 (two caches: every position, and the sliding window's, within the window here);
     bytes it cannot read whole come back as None."""
     from continuum.models.llamacpp import seqbytes, window
+    from continuum.models.llamacpp._lib import lib
 
     path = str(gemma_path()) if kind == "gemma" else gguf("f32")
     m = models.llamacpp(path, n_threads=THREADS, n_ctx=512, flash_attn=flash_attn)
@@ -382,7 +384,14 @@ def test_a_spilled_sequence_s_bytes_cut_back_are_llama_cpp_s_own_bytes_of_the_cu
         for n in (40, 17, 5, 1):
             window.cut_tail(pool, seq, n)
             assert seqbytes.cut(full, n) == seqbytes.get(m.llama, seq.id), n
+        seq = s._kv.views[0].seq  # ``tail``: the cells from n on, as llama.cpp writes them after seq_rm(seq, 0, n)
+        full = seqbytes.get(m.llama, seq.id)
+        assert seqbytes.tail(full, 0) == full
+        for n in (1, 5, 17, 40, 10**6):
+            lib().llama_memory_seq_rm(m.llama.memory, seq.id, 0, n)
+            assert seqbytes.tail(full, n) == seqbytes.get(m.llama, seq.id), n
     assert seqbytes.cut(full[:-1], 5) is None and seqbytes.cut(full + b"\0", 5) is None
+    assert seqbytes.tail(full[:-1], 5) is None
 
 
 @pytest.mark.parametrize("invariant", [False, True])
@@ -453,4 +462,38 @@ def test_a_member_spilled_twice_still_shares_its_prefix_with_its_family(invarian
 
     m, more = _family_spilled(invariant, 256, spill)
     assert m.pool.spills >= 4 and m.pool.reshared >= 2, (m.pool.spills, m.pool.reshared)
+    _as_on_a_roomy_pool(invariant, more)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_member_restored_beside_a_held_relative_writes_only_its_own_cells(invariant):
+    """Found by the long oracle (batch-invariant mode, 256 cells): "no room to restore a spilled state of 107
+    tokens". A fork family's member was restored while a relative was held by a running call beside another call:
+    its whole bytes were written (the shared prefix again) before the prefix was shared and its copy dropped, so
+    ~108 cells were asked where ~4 were new. Now only the member's own cells are written (``seqbytes.tail``) and the
+    prefix shared first; the family continues as on a 2,048-cell pool where nothing spills, and as
+    llama-cpp-python evaluates it."""
+    from continuum.models.llamacpp import cells
+
+    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=THREADS, n_ctx=256, n_seq_max=16)
+    text = continuous(generate.text(m, samplers.greedy()))
+    s = text("Once upon a time", max_tokens=100)
+    three = continuous(generate.text(m, samplers.multinomial(3)))
+    forks = three(s, max_tokens=4, rng=torch.Generator().manual_seed(0))
+    first = len(row_ids(s))
+    del s
+    pool, seqs = m.pool, [view.seq for view in forks._kv.views]
+    with m.llama.lock:
+        for seq in seqs[1:]:
+            pool.spill(seq)
+    other = text("The cat sat on the mat", max_tokens=110)  # ~118 cells beside the resident member's ~109
+    with m.llama.lock:
+        pool.collect()
+        assert seqs[0].id is not None and cells.free(pool) < seqs[1].extent
+        pool.held = {id(seqs[0]), id(other._kv.views[0].seq)}  # (as a running step holds them)
+        pool.ensure_resident(seqs[1])  # (before: KVCacheFullError, ~108 cells asked of the ~30 free)
+        assert pool.reshared >= 1 and cells.used(pool) <= cells.total(pool)
+        pool.held = set()
+    more = three(forks, max_tokens=6, rng=torch.Generator().manual_seed(1))
+    _llama_cpp_agrees(more, first, m.llama.flash_attn)
     _as_on_a_roomy_pool(invariant, more)

@@ -48,8 +48,8 @@ from ._lib import lib
 SequencePool: TypeAlias = Any  # (sequences.py imports this module: a typing import back would be a circle)
 Seq: TypeAlias = Any
 
-__all__ = ["forked", "common_prefix", "content", "restored", "cut", "count", "fresh", "segments", "used", "total", "free",
-           "flush", "make_room", "spill_cost", "spill_every_idle", "trim_idle", "IDLE_CELLS"]
+__all__ = ["below", "forked", "common_prefix", "content", "restored", "cut", "count", "fresh", "segments", "used", "total",
+           "free", "flush", "make_room", "spill_cost", "spill_every_idle", "trim_idle", "IDLE_CELLS"]
 
 # The idle cells a pool keeps resident beside the running ones' (at least): see trim_idle.
 IDLE_CELLS = 256
@@ -63,14 +63,14 @@ def fresh(seq: Seq) -> None:
     seq.lineage, seq.lin_end = (), 0
 
 
-def _below(segs: Iterable[tuple[int, int, int]], n: int) -> tuple[tuple[int, int, int], ...]:
+def below(segs: Iterable[tuple[int, int, int]], n: int) -> tuple[tuple[int, int, int], ...]:
     """``segs`` clipped to positions below ``n`` (empty runs left out)."""
     return tuple((o, lo, min(hi, n)) for o, lo, hi in segs if lo < min(hi, n))
 
 
 def _runs(before: tuple, start: int, key: int, end: int) -> list[tuple[int, int, int]]:
     """``before``'s runs below ``end``, then ``key``'s own from ``start`` to ``end``."""
-    out = list(_below(before, end))
+    out = list(below(before, end))
     if end > start:
         out.append((key, start, end))
     return out
@@ -93,7 +93,7 @@ def restored(seq: Seq) -> None:
 def copied(src: Seq, dst: Seq, n: int) -> None:
     """``dst`` was written from ``src``'s bytes cut at ``n`` (``src`` stays spilled): it owns its cells (a new key) and
     they hold what ``src``'s first ``n`` positions hold."""
-    held = _below(content(src), n)
+    held = below(content(src), n)
     dst.key, dst.own_lo, dst.inherit = next(_KEYS), 0, ()
     dst.lineage, dst.lin_end = held, n
 
@@ -111,11 +111,11 @@ def segments(seq: Seq) -> list[tuple[int, int, int]]:
 
 def forked(src: Seq, dst: Seq, n: int) -> None:
     """After ``seq_cp(src, dst, 0, n)``: ``dst`` shares ``src``'s cells below ``n`` and writes its own from ``n``."""
-    dst.inherit, dst.lineage = _below(segments(src), n), _below(content(src), n)
+    dst.inherit, dst.lineage = below(segments(src), n), below(content(src), n)
     dst.key, dst.own_lo, dst.lin_end = next(_KEYS), n, n
 
 
-def common_prefix(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> int:
+def common_prefix(a: Iterable[tuple[int, int, int]], b: Iterable[tuple[int, int, int]]) -> int:
     """Positions ``0 .. n-1`` that two segment lists had from the same cells (the same origins, run by run)."""
     n = 0
     for (oa, la, ha), (ob, lb, hb) in zip(sorted(a, key=lambda x: x[1]), sorted(b, key=lambda x: x[1])):
@@ -132,7 +132,7 @@ def cut(seq: Seq, n: int) -> None:
     cells, not the ones its forks may still share, so they get a new key."""
     if n >= seq.extent:
         return
-    seq.inherit, seq.lineage = _below(segments(seq), n), _below(content(seq), n)
+    seq.inherit, seq.lineage = below(segments(seq), n), below(content(seq), n)
     seq.key, seq.own_lo, seq.lin_end = next(_KEYS), n, n
 
 

@@ -7,11 +7,18 @@ no other form), so restored apart the family took n times the prefix's cells: on
 restore: the prefix the restored sequence holds in common with a resident relative (the same content: the cells'
 origins, through any number of spills and restores, ``cells.content``) is bit for bit the same, so its copy is
 dropped and the relative's shared. The relative is any resident sequence: one restored before it, or one that was
-never spilled (a running call held it while the idle members went). The peak is one extra member's prefix, for the
-moment between its bytes and the drop.
+never spilled (a running call held it while the idle members went).
+
+Where the relative is resident before the restore, :func:`restore` does better: it writes only the member's own
+cells, from the common prefix on (``seqbytes.tail``: llama.cpp's bytes after ``seq_rm(seq, 0, n)``), then shares the
+prefix (``seq_cp``; in that order, since writing bytes empties the sequence first). Writing the whole member and
+dropping its prefix after took the prefix's cells twice for a moment: a 4-member family of a 107-token state, one
+member held by a running call beside another call, was refused its restore with ~98 cells free where 4 were needed
+(the long oracle, batch-invariant mode on 256 cells).
 
 * The batch-invariant mode: the dropped copy is kept by the zombie id like every drop (no hole opens below a live
-  cell), and the sequence's cells stay in position order (the relative's bytes were written before its own, below).
+  cell), and the sequence's cells stay in position order (the relative's bytes were written before its own, below;
+  :func:`restore` writes the member's own cells above every live one, as any write in this mode).
 * Sliding windows (Gemma 3): ``seq_rm``/``seq_cp`` act on both of llama.cpp's caches; the base cache holds every
   position, the window cache only the window behind each restored end. The relative's window cells replace the
   sequence's own below the cut, so the relative must hold the window the sequence's next decode reads
@@ -22,48 +29,86 @@ moment between its bytes and the drop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from . import cells
+from . import cells, seqbytes
 from ._lib import lib
 
-__all__ = ["reshare", "MIN_CELLS"]
+__all__ = ["reshare", "restore", "settle", "adopt", "MIN_CELLS"]
 
 MIN_CELLS = 16  # a shorter common prefix is not worth two llama calls
+
+
+def restore(pool: Any, seq_id: int, blob: bytes, held: Sequence, extent: int, pinned: list) -> tuple[Any, int]:
+    """Write ``blob`` (a spilled sequence's bytes: ``extent`` positions holding ``held``, ``cells.content``) into the
+    free id ``seq_id``; where a resident relative holds a common prefix of ``n`` positions, only the cells from ``n``
+    on are written and the prefix is shared (the module docstring). Returns ``(relative, n)`` for :func:`settle`, once
+    the caller has recorded the restore (``cells.restored``/``copied``), or ``(None, 0)`` (the whole bytes written:
+    :func:`reshare` after). Raises ``pool.write``'s refusal; the id's cells are then empty. Under the model's lock."""
+    best, n = _relative(pool, held, extent)
+    part = seqbytes.tail(blob, n) if best is not None else None
+    if part is None or not cells.make_room(pool, extent - n, [best, *pinned]):
+        pool.write(seq_id, blob, extent, pinned)  # (the relative may have to go to make room: then it is not shared)
+        return None, 0
+    pool.write(seq_id, part, extent - n, [best, *pinned])
+    lib().llama_memory_seq_cp(pool.model.memory, best.id, seq_id, 0, n)
+    return best, n
 
 
 def reshare(pool: Any, seq: Any) -> bool:
     """After resident ``seq`` (a ``Seq`` of ``pool``) was restored from bytes (``cells.restored``), share the longest
     prefix it holds in common with a resident relative (``cells.content``). Under the model's lock. Returns True if
     it did."""
-    model = pool.model
-    if model.hybrid:
+    best, n = _relative(pool, cells.content(seq), seq.extent, seq)
+    if best is None:
         return False
+    pool.drop(seq.id, 0, n)
+    if pool.zombie is not None:
+        pool.zombie_cells += n
+    lib().llama_memory_seq_cp(pool.model.memory, best.id, seq.id, 0, n)
+    adopt(pool, seq, best, n)
+    return True
+
+
+def settle(pool: Any, seq: Any, relative: Any, n: int) -> None:
+    """After a restore recorded (``cells.restored``/``copied``): :func:`adopt` what :func:`restore` shared, or
+    :func:`reshare` where it wrote the whole bytes."""
+    if relative is not None:
+        adopt(pool, seq, relative, n)
+    else:
+        reshare(pool, seq)
+
+
+def adopt(pool: Any, seq: Any, relative: Any, n: int) -> None:
+    """Record that restored ``seq`` shares ``relative``'s cells below ``n`` (what it holds is unchanged: only where)."""
     held = cells.content(seq)
+    cells.forked(relative, seq, n)
+    seq.lineage, seq.lin_end = tuple(held), seq.extent
+    pool.reshared += 1
+
+
+def _relative(pool: Any, held: Sequence, extent: int, seq: Any = None) -> tuple[Any, int]:
+    """The resident sequence (other than ``seq``) holding the longest prefix in common with content ``held`` of
+    ``extent`` positions, and its length; ``(None, 0)`` below :data:`MIN_CELLS` and on hybrids (``seq_cp`` copies the
+    latest recurrent summary, which would replace the restored sequence's own)."""
+    if pool.model.hybrid:
+        return None, 0
     best, n = None, 0
     for other in pool.resident.values():
         if other is seq:
             continue
         m = cells.common_prefix(held, cells.content(other))
-        if m > n and _window_kept(pool, other, seq, m):
+        if m > n and _window_kept(pool, other, extent, m):
             best, n = other, m
-    if best is None or n < MIN_CELLS:
-        return False
-    pool.drop(seq.id, 0, n)
-    if pool.zombie is not None:
-        pool.zombie_cells += n
-    lib().llama_memory_seq_cp(model.memory, best.id, seq.id, 0, n)
-    cells.forked(best, seq, n)
-    seq.lineage, seq.lin_end = tuple(held), seq.extent  # (what it holds is unchanged: only where)
-    pool.reshared += 1
-    return True
+    return (best, n) if best is not None and n >= MIN_CELLS else (None, 0)
 
 
-def _window_kept(pool: Any, relative: Any, seq: Any, n: int) -> bool:
-    """True unless a sliding window's cells ``seq`` reads next lie below ``n`` and ``relative`` lacks them (see the
-    module docstring)."""
+def _window_kept(pool: Any, relative: Any, extent: int, n: int) -> bool:
+    """True unless a sliding window's cells a sequence of ``extent`` positions reads next lie below ``n`` and
+    ``relative`` lacks them (see the module docstring)."""
     n_swa = pool.model.n_swa
     if n_swa <= 0:
         return True
-    need = max(0, seq.extent - n_swa + 1)  # the first position the next decode after seq's end attends to
+    need = max(0, extent - n_swa + 1)  # the first position the next decode after the end attends to
     return n <= need or int(lib().llama_memory_seq_pos_min(pool.model.memory, relative.id)) <= need

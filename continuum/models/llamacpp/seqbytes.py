@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import BackendError
 from ._lib import lib
 
-__all__ = ["get", "set_", "repack", "cut"]
+__all__ = ["get", "set_", "repack", "cut", "tail"]
 
 
 def get(model: Any, seq_id: int) -> bytes:
@@ -66,13 +66,26 @@ def cut(blob: bytes, n: int) -> bytes | None:
     ``(pos, 1, seq_id)``, ``v_trans``, ``n_layer``, each layer's K rows, then V rows (or V element columns when
     transposed). Every byte must be read exactly, so a layout this does not know (a recurrent cache, M-RoPE
     positions, another llama.cpp) gives None: keep the blob."""
+    return _select(blob, 0, n)
+
+
+def tail(blob: bytes, n: int) -> bytes | None:
+    """``blob`` with only its cells at positions ``n`` and above: what ``get`` returns after ``seq_rm(seq, 0, n)``. A
+    restored member of a fork family is written as its own cells from ``n`` on, its first ``n`` positions shared from
+    a resident relative (``reshare.restore``: writing them too took the prefix's cells twice, and a restore that fits
+    beside the relative was refused). None as for :func:`cut`."""
+    return _select(blob, n, None)
+
+
+def _select(blob: bytes, lo: int, hi: int | None) -> bytes | None:
+    """``blob`` with only its cells at positions ``lo <= pos < hi`` (``hi`` None: no upper end)."""
     try:
         view, out, off = memoryview(blob), [], 0
         if len(view) >= 8 and struct.unpack_from("<I", view)[0] == _MAGIC:
             out.append(bytes(view[:8]))
             off = 8
         while off < len(view):
-            off = _section(view, off, n, out)
+            off = _section(view, off, lo, hi, out)
     except (_Layout, struct.error, ValueError):
         return None
     return b"".join(out)
@@ -92,8 +105,9 @@ def _rows(view: memoryview, off: int, shape: tuple[int, ...]) -> tuple[np.ndarra
     return np.frombuffer(view, np.uint8, size, off).reshape(shape), off + size
 
 
-def _section(view: memoryview, off: int, n: int, out: list[bytes]) -> int:
-    """One cache's section from ``off``, its cells below ``n`` appended to ``out``; returns the offset after it."""
+def _section(view: memoryview, off: int, lo: int, hi: int | None, out: list[bytes]) -> int:
+    """One cache's section from ``off``, its cells at positions ``lo <= pos < hi`` appended to ``out``; returns the
+    offset after it."""
     (n_stream,), off = _take(view, off, "<I")
     if not 1 <= n_stream <= 256:
         raise _Layout("n_stream")
@@ -107,7 +121,9 @@ def _section(view: memoryview, off: int, n: int, out: list[bytes]) -> int:
         cells = meta.view("<i4")
         if not (cells[:, 1] == 1).all():
             raise _Layout("a cell of several sequences")  # (the whole context's layout, or positions with an ext)
-        keep = cells[:, 0] < n
+        keep = cells[:, 0] >= lo
+        if hi is not None:
+            keep &= cells[:, 0] < hi
         kept = int(keep.sum())
         out.append(struct.pack("<I", kept))
         (v_trans, n_layer), off = _take(view, off, "<II")

@@ -241,7 +241,7 @@ class SequencePool:
             assert seq.blob is not None, "a sequence that is neither resident nor spilled"
             seq_id = self._acquire([seq, *pinned])
             try:
-                self.write(seq_id, seq.blob, cells.spill_cost(seq), [seq, *pinned])
+                relative, n = reshare.restore(self, seq_id, seq.blob, cells.content(seq), seq.extent, [seq, *pinned])
             except BackendError as exc:
                 self._give_back(seq_id)
                 raise KVCacheFullError(
@@ -255,7 +255,7 @@ class SequencePool:
             cells.restored(seq)  # (fresh cells: its prefix is no longer shared with its family)
             self.resident[seq_id] = seq
             self.restores += 1
-            reshare.reshare(self, seq)
+            reshare.settle(self, seq, relative, n)
         self._touch(seq)
         return seq.id
 

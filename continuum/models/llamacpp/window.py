@@ -85,7 +85,7 @@ def fork_spilled(pool: Any, src: Any, n: int, pinned: list) -> Any:
         return None
     seq = pool.new_seq(pinned)
     try:
-        pool.write(seq.id, blob, n, [seq, *pinned])
+        relative, m = reshare.restore(pool, seq.id, blob, cells.below(cells.content(src), n), n, [seq, *pinned])
     except BackendError as exc:
         pool.release_id(seq.id)
         seq.id = None
@@ -95,7 +95,7 @@ def fork_spilled(pool: Any, src: Any, n: int, pinned: list) -> Any:
     seq.extent = n
     cells.copied(src, seq, n)
     pool.restores += 1
-    reshare.reshare(pool, seq)  # (a resident relative of the same content shares its cells)
+    reshare.settle(pool, seq, relative, m)  # (a resident relative of the same content shares its cells)
     return seq
 
 
