@@ -275,6 +275,31 @@ def test_kill_9_between_two_calls_then_restart_continues_the_state(server, remot
     assert remote.tokens_computed - before == local.tokens_computed - before_l  # continued, not recomputed
 
 
+def test_a_kept_alive_connection_the_server_closed_is_replaced(remote, local, monkeypatch):
+    """Plain calls go out on one kept-alive connection per thread (continuum/models/remote/conn.py), which the server
+    closes once idle (uvicorn: after 5 s). A call written into a connection the server closed is sent again on a new
+    one (its call id makes the repeat safe), and answers what the local model answers."""
+    import select
+    import socket
+
+    from continuum import continuous, generate, samplers
+    from continuum.models.remote import conn
+
+    monkeypatch.setattr(conn, "IDLE_S", 1e9)  # (reused however long it sat idle: the broken-connection path)
+    text_r = continuous(generate.text(remote, samplers.greedy()))
+    text_l = continuous(generate.text(local, samplers.greedy()))
+    s = text_r("The little dog", max_tokens=4)
+    sock, deadline = remote.client.conns._local.sock, time.monotonic() + 20
+    while time.monotonic() < deadline:  # (until the server has closed it)
+        if select.select([sock], [], [], 0.5)[0] and sock.recv(1, socket.MSG_PEEK) == b"":
+            break
+    else:
+        pytest.fail("the server kept an idle connection open for 20 s")
+    got = text_r(s + " He", max_tokens=3)
+    assert remote.client.conns._local.sock is not sock
+    same(got, text_l(text_l("The little dog", max_tokens=4) + " He", max_tokens=3))
+
+
 def test_regex_grammar_prefill_and_a_saved_remote_state(remote, local, tmp_path):
     from continuum import SequenceState, continuous, generate, samplers
 

@@ -1,5 +1,6 @@
-"""The HTTP side of ``models.remote``: one pooled ``httpx`` client per model, continuum's errors travelling by name,
-and the tokenizer fetched once (and kept on disk, by its fingerprint, for the next process).
+"""The HTTP side of ``models.remote``: plain requests on kept-alive connections (``conn.py``), streams on a pooled
+``httpx`` client, continuum's errors travelling by name, and the tokenizer fetched once (and kept on disk, by its
+fingerprint, for the next process).
 
 Failures become continuum errors that say what to do: a server that cannot be reached or does not answer in time is a
 :class:`~continuum.errors.RemoteError` (nothing on the client changed: the call can be retried as it was); an error
@@ -25,6 +26,7 @@ import httpx
 from ... import errors
 from ...errors import ContinuumError, RemoteError
 from ...loop.arrivals import GATE
+from .conn import Broken, Connections, Unreachable
 from .wire import TUNNEL
 
 __all__ = ["Client", "load_tokenizer"]
@@ -40,7 +42,8 @@ class Client:
         self.base = base[:-3] if base.endswith("/v1") else base
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
-        self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)
+        self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)  # (streams)
+        self.conns = Connections(self.base, headers, timeout)  # (plain requests: one write, one read)
         # behind a gateway that routes only the routes it knows (SMG: the OpenAI ones and SGLang's /generate), calls
         # go through POST /generate, which continuum serve answers for its native routes (set at the first 404)
         self.tunnel = False
@@ -51,6 +54,7 @@ class Client:
         return "POST", TUNNEL, {"text": "", "stream": stream, "continuum": {"route": path, "body": body}}
 
     def close(self) -> None:
+        self.conns.close()
         self.http.close()
 
     def get(self, path: str) -> dict:
@@ -61,9 +65,9 @@ class Client:
 
     def _unreachable(self, exc: Exception, method: str, path: str) -> RemoteError:
         """The error for a request that got no answer: a timeout, or no connection at all (what to do, either way)."""
-        if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, httpx.TimeoutException) or getattr(exc, "timed_out", False):
             return RemoteError(f"the server at {self.base} did not answer {method} {path} within {self.timeout:g} s "
-                               f"({type(exc).__name__}). The state you passed is unchanged: call again once the "
+                               f"({exc}). The state you passed is unchanged: call again once the "
                                f"server answers, or give models.remote(..., timeout=) more time for long calls.")
         return RemoteError(f"cannot reach the server at {self.base} ({type(exc).__name__}: {exc}). Start it "
                            f"(`continuum serve MODEL --port ...`) or check the URL; the state you passed is "
@@ -80,24 +84,24 @@ class Client:
         while True:
             try:
                 verb, url, sent = self._route(method, path, body)
-                response = self.http.request(verb, url, json=sent)
-            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
-                # a connection that broke mid-request (a pooled one the server had closed): sent once more, safely,
+                status, headers, data = self.conns.request(verb, url, None if sent is None else json.dumps(sent).encode())
+            except Broken:
+                # a connection that broke mid-request (a kept-alive one the server had closed): sent once more, safely,
                 # as a generation carries its call id (the server answers a repeat from the store)
                 if retried or (body is not None and "call" not in body):
                     raise RemoteError(f"the connection to {self.base} broke during {method} {path}; the state you "
                                       f"passed is unchanged: call again") from None
                 retried = True
                 continue
-            except httpx.TransportError as exc:  # (timeouts included)
+            except Unreachable as exc:  # (timeouts included)
                 raise self._unreachable(exc, method, path) from None
-            if response.status_code == 503 and time.monotonic() < deadline:  # busy: never the caller's fault
-                time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
+            if status == 503 and time.monotonic() < deadline:  # busy: never the caller's fault
+                time.sleep(min(float(headers.get("retry-after", "1") or 1), 5.0))
                 continue
-            if response.status_code == 404 and not self.tunnel and _unknown_url(response):
+            if status == 404 and not self.tunnel and _unknown_url(data):
                 self.tunnel = True  # a gateway that does not know the route: through its /generate
                 continue
-            return _answer(self.base, method, path, response)
+            return _answer(self.base, method, path, status, data)
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
         """``POST path`` answered by server-sent events: each event's JSON, up to ``[DONE]``. An error before the
@@ -118,8 +122,7 @@ class Client:
                         time.sleep(min(float(response.headers.get("retry-after", "1") or 1), 5.0))
                         continue
                     if not response.is_success:
-                        response.read()
-                        _answer(self.base, "POST", path, response)
+                        _answer(self.base, "POST", path, response.status_code, response.read())
                     for line in response.iter_lines():
                         if not line.startswith("data: "):
                             continue
@@ -142,25 +145,27 @@ class Client:
                 raise self._unreachable(exc, "POST", path) from None
 
 
-def _unknown_url(response: httpx.Response) -> bool:
-    """A 404 from a gateway that does not route the path (SMG's ``unknown_url``), not continuum's own 404."""
+def _json(data: bytes) -> Any:
     try:
-        error = response.json().get("error") or {}
-    except (ValueError, AttributeError):
-        return False
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _unknown_url(data: bytes) -> bool:
+    """A 404 from a gateway that does not route the path (SMG's ``unknown_url``), not continuum's own 404."""
+    body = _json(data)
+    error = body.get("error") if isinstance(body, dict) else None
     return isinstance(error, dict) and error.get("code") == "unknown_url"
 
 
-def _answer(base: str, method: str, path: str, response: httpx.Response) -> dict:
+def _answer(base: str, method: str, path: str, status: int, data: bytes) -> dict:
     """The JSON body of a 2xx, or the error it carries raised as continuum's own."""
-    try:
-        data = response.json()
-    except ValueError:
-        data = None
-    if response.is_success and isinstance(data, dict):
-        return data
-    error = data.get("error") if isinstance(data, dict) else None
-    _raise_error(base, method, path, response.status_code, error, response.text)
+    body = _json(data)
+    if 200 <= status < 300 and isinstance(body, dict):
+        return body
+    error = body.get("error") if isinstance(body, dict) else None
+    _raise_error(base, method, path, status, error, data.decode("utf-8", "replace"))
 
 
 def _raise_error(base: str, method: str, path: str, status: int, error: Any, text: str) -> NoReturn:
