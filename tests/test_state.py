@@ -267,6 +267,35 @@ def test_continue_list_of_states_stacks(model):
     assert list(both) == [list(g(a, max_tokens=3))[0], list(g(b, max_tokens=3))[0]]
 
 
+def test_stacking_many_states_lays_each_row_out_as_it_was(model):
+    """``SequenceState.stack`` of states of every layout (one row of a batch, a two-row state, a cut, a state with no
+    cache, uncached suffixes of several lengths), as run_batch's joint calls stack their callers' states: each row's
+    cached columns end at the widest cache, its suffix at the end, its KV columns are its own with zeros before them
+    (masked, never NaN), and continuing through the stacked cache gives the logits of a fresh pass (invariant 1)."""
+    g = greedy_c(model)
+    batch = g(["Once upon a time", "The dog", "Le café 東京 🤗"], max_tokens=4)
+    parts = [batch[1, :], batch[0:2, :], batch[2, :5] + " then", SequenceState.from_prompts(model, ["hello there"]),
+             batch[0, :] + " and so on", g("A", max_tokens=1)]
+    stacked = SequenceState.stack(parts)
+    from continuum.models import kv
+
+    C = max(kv.length(p._kv) for p in parts)  # (cached columns, padding included)
+    rows = [(p, r) for p in parts for r in range(p.batch)]
+    assert stacked.batch == len(rows) and kv_layers(stacked)[0][0].shape[2] == C
+    for i, (p, r) in enumerate(rows):
+        c, n = kv.length(p._kv), p._ids.shape[1]
+        mine = p._mask[r].bool()
+        got = stacked._mask[i].bool()
+        assert stacked._ids[i][got].tolist() == p._ids[r][mine].tolist()
+        assert stacked._ids[i, C - c:C].tolist() == p._ids[r, :c].tolist()  # cached columns end at C
+        assert stacked._ids[i, stacked._ids.shape[1] - (n - c):].tolist() == p._ids[r, c:].tolist()  # the suffix last
+        for (k, v), (k0, v0) in zip(kv_layers(stacked), kv_layers(p) or [(None, None)] * len(kv_layers(stacked))):
+            if c:
+                assert torch.equal(k[i, :, C - c:], k0[r]) and torch.equal(v[i, :, C - c:], v0[r])
+            assert not k[i, :, :C - c].any() and not v[i, :, :C - c].any()
+    assert_reuse_exact(stacked)
+
+
 # ---------------------------------------------------------------- beam search across turns
 def test_beam_search_across_turns_reranks_whole_sequences(model):
     beam = continuous(generate.text(model, samplers.beam_search(3)))
