@@ -329,3 +329,30 @@ def test_a_joint_call_counts_its_tokens_live_and_stops_once_every_member_is_canc
     other = _AllOf([CancelToken(parent=run), CancelToken(parent=run)])
     run.cancel()  # (Ctrl-C: the run's token, every member's parent)
     assert other.cancelled
+
+
+def test_the_one_call_out_runs_in_the_callers_thread_and_others_on_call_threads(gpt2_model, monkeypatch):
+    """In lockstep, when every instance waits on one joint call and nothing else runs, that call runs in run_batch's
+    caller, the thread that drives the engine's steps (loop/host.py: a call thread's torch operations would start a
+    second OpenMP team); two cohorts at once still run on call threads. Each program gets what it gets alone."""
+    from continuum.loop import coalesce
+
+    seen: list[threading.Thread] = []
+    joint = coalesce.joint
+
+    def recorded(states, alone):
+        seen.append(threading.current_thread())
+        return joint(states, alone)
+
+    monkeypatch.setattr(coalesce, "joint", recorded)
+    text = continuous(generate.text(gpt2_model, samplers.greedy()))
+    short = continuous(generate.text(gpt2_model, samplers.greedy()))
+    one = continuum.run_batch(lambda p: text(p, max_tokens=4), PROMPTS, concurrency=len(PROMPTS))
+    assert seen and all(t is threading.current_thread() for t in seen), seen
+    seen.clear()
+    two = continuum.run_batch(lambda i: (text if i % 2 else short)(PROMPTS[i], max_tokens=3 + i % 2),
+                              range(len(PROMPTS)), concurrency=len(PROMPTS))
+    assert len(seen) == 2 and all(t is not threading.current_thread() for t in seen), seen
+    assert [list(s) for s in one] == [list(text(p, max_tokens=4)) for p in PROMPTS]
+    assert [list(s) for s in two] == [list((text if i % 2 else short)(PROMPTS[i], max_tokens=3 + i % 2))
+                                      for i in range(len(PROMPTS))]

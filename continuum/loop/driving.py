@@ -121,6 +121,8 @@ class Driving:
         is in the inbox, then sleeps on its event): a run_batch worker while its caller hosts (loop/host.py), and a
         pool thread (``acall``, the server's requests: :func:`never_drive`), whose OpenMP team would otherwise
         live on beside the engine's and slow every thread's operations (host.py says why)."""
+        if HOST.is_host():  # (a call the host runs itself: HOST.run)
+            return False
         return (HOST.active and ARRIVALS.in_program()) or getattr(_local, "never", False)
 
     def _steps_while_work(self) -> None:

@@ -82,6 +82,13 @@ class _Run:
         self.alive = 0
         self.finished = threading.Event()
         self.crash: BaseException | None = None  # the lockstep runner itself failed (a bug): raised by run_batch
+        self.host: Any = None  # loop/host.HOST while this run's caller hosts the engines' steps
+
+    def inline(self, fn: Callable[[], Any]) -> bool:
+        """Run the lockstep's one call out, ``fn``, in this run's caller, which hosts the engines' steps: the call's
+        setup and finish compute on the thread that computes the steps (loop/host.py); False when it does not host."""
+        host = self.host
+        return host is not None and host.run(fn)
 
     def token_of(self, x: Any) -> None:
         return None  # (slot tokens: new_token)
@@ -177,11 +184,12 @@ class _Run:
         bar = _progress_bar(total) if progress else None
         start = time.perf_counter()
         try:
-            with self.lock:
-                self._spawn()
             # (a nested run_batch: its caller's program waits for workers, not the engine; a caller outside any
-            # program drives the engines' steps meanwhile: loop/host.py)
+            # program drives the engines' steps meanwhile, and runs a lockstep's lone calls: loop/host.py)
             with ARRIVALS.away(), HOST.hosting() if not ARRIVALS.in_program() else nullcontext() as host:
+                self.host = host
+                with self.lock:
+                    self._spawn()
                 while not self.finished.is_set():  # (a pending Ctrl-C is delivered between two waits)
                     if host is not None:
                         host.serve(_POLL, self.finished)

@@ -6,6 +6,7 @@
                         │ nobody left to run: the parked calls go out, grouped (loop/coalesce.key_of)
                         ▼
     call threads:  one joint call per cohort (greedy, same generator and arguments), one call each for the rest
+                   (the one call out, when it is the only one: in run_batch's caller, which drives the steps)
                         │ a call ends: its instances are runnable again, with their own rows of the result
                         ▼
     runner thread: the instances resumed, one after another ...
@@ -181,11 +182,14 @@ class Lockstep:
         self._start()
 
     def _dispatch(self, pool: ThreadPoolExecutor) -> None:
-        """Send the parked calls out: one joint call per key, up to its row cap, each other call alone."""
+        """Send the parked calls out: one joint call per key, up to its row cap, each other call alone. The only
+        call out goes to the batch's ``inline`` where it has one (run_batch: its caller runs it and drives its steps,
+        loop/host.py), else each goes to a call thread."""
+        calls: list[list[_Job]] = []
         cohorts: dict[tuple, list[_Job]] = {}
         for job in self.parked:
             if job.key is None:
-                self._submit(pool, [job])
+                calls.append([job])
             else:
                 cohorts.setdefault(job.key, []).append(job)
         self.parked = []
@@ -194,32 +198,40 @@ class Lockstep:
             chunk: list[_Job] = []
             for job in jobs:
                 if chunk and rows + job.state.rows > cap:
-                    self._submit(pool, chunk)
+                    calls.append(chunk)
                     chunk, rows = [], 0
                 chunk.append(job)
                 rows += job.state.rows
-            self._submit(pool, chunk)
+            calls.append(chunk)
+        inline = getattr(self.batch, "inline", None)
+        for jobs in calls:
+            handoff = Handoff()  # (counted as on its way to the engine from now: the step about to run waits for it)
+            self.running += 1
+            if not (len(calls) == 1 and self.running == 1 and inline is not None
+                    and inline(lambda h=handoff, j=jobs: self._call(h, j, inline=True))):
+                pool.submit(self._call, handoff, jobs)
 
-    def _submit(self, pool: ThreadPoolExecutor, jobs: list[_Job]) -> None:
-        handoff = Handoff()  # (counted as on its way to the engine from now: the step about to run waits for it)
-        self.running += 1
-        pool.submit(self._call, handoff, jobs)
-
-    def _call(self, handoff: Handoff, jobs: list[_Job]) -> None:
-        """On a call thread: the jobs' call(s), each outcome (result, error) to the runner."""
-        never_drive()  # (the steps run on the host, run_batch's caller, or the engine's own thread: driving.py)
+    def _call(self, handoff: Handoff, jobs: list[_Job], inline: bool = False) -> None:
+        """On a call thread (or the batch's ``inline`` thread): the jobs' call(s), each outcome (result, error) to
+        the runner."""
+        if not inline:
+            never_drive()  # (the steps run on the host, run_batch's caller, or the engine's own thread: driving.py)
         first = jobs[0].instance.token
         # a call alone stops with its instance; a joint call once all of its instances are cancelled (an acall
         # cancelled alone just drops its rows of the result)
         token = first if len(jobs) == 1 else _AllOf([j.instance.token for j in jobs])
+        outcomes: list[tuple[Any, BaseException | None]] = []
         try:
             with bound(token):
                 outcomes = handoff.run(lambda: _outcomes(jobs))
+        except KeyboardInterrupt:  # (inline: Ctrl-C in run_batch's caller, which raises it; its instances stop)
+            outcomes = [(None, Cancelled())] * len(jobs)
+            raise
         except BaseException as exc:  # noqa: BLE001  (never lose a parked instance: it gets the error)
             outcomes = [(None, exc)] * len(jobs)
         finally:
             handoff.close()
-        self.ended.put((jobs, outcomes))
+            self.ended.put((jobs, outcomes))
 
     def _resume(self, jobs: list[_Job], outcomes: list[tuple[Any, BaseException | None]]) -> None:
         self.running -= 1
@@ -262,6 +274,8 @@ def _outcomes(jobs: list[_Job]) -> list[tuple[Any, BaseException | None]]:
             continue
         try:
             out.append((job.fn(job.state), None))
+        except KeyboardInterrupt:  # (only where the call runs in run_batch's caller: _call raises it there)
+            raise
         except BaseException as exc:  # noqa: BLE001  (to its own instance)
             out.append((None, exc))
     return out
