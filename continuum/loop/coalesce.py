@@ -174,8 +174,7 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
         lead = min(min(first[row:row + n]), C)
         if views:
             last = joint._last.select(range(row, row + n)) if joint._last is not None else None
-            kv = None if joint._kv is None or lead == C else kvcache.narrow(  # (views: a contiguous range of rows)
-                kvcache.select_rows(joint._kv, torch.arange(row, row + n)), n, lead)
+            kv = None if joint._kv is None or lead == C else kvcache.rows(joint._kv, row, n, lead)  # (views)
             if kv is not None and 2 * (C - lead) < C:
                 kv = kvcache.compact(kv)
             out.append(SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:],

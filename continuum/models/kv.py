@@ -26,8 +26,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVHandle", "KV", "tensors", "from_tensors", "opaque", "length", "select_rows", "crop", "keep", "narrow", "finish",
-           "compact", "stack_rows", "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions", "RESERVE_CAP"]
+__all__ = ["KVHandle", "KV", "tensors", "from_tensors", "opaque", "length", "select_rows", "crop", "keep", "narrow", "rows",
+           "finish", "compact", "stack_rows", "nbytes", "gather_paths", "dtype", "devices", "to_devices", "positions",
+           "RESERVE_CAP"]
 
 KV = Any  # a KVHandle, or None (nothing cached)
 
@@ -132,6 +133,15 @@ def narrow(kv: KV, rows: int, lead: int) -> KV:
     """The first ``rows`` rows of ``kv`` without their first ``lead`` columns (CFG's conditional rows in a batch of
     both branches, behind the masked columns that right-align them with the unconditional ones)."""
     return kv.narrow(rows, lead)
+
+
+def rows(kv: KV, start: int, n: int, lead: int) -> KV:
+    """Rows ``start .. start+n-1`` of ``kv`` without their first ``lead`` columns (a joint call's caller's rows: views
+    where the backend's storage allows, one slice per tensor on transformers)."""
+    own = getattr(kv, "rows", None)
+    if own is not None:
+        return own(start, n, lead)
+    return narrow(select_rows(kv, torch.arange(start, start + n)), n, lead)
 
 
 def finish(kv: KV, columns: int) -> KV:

@@ -78,6 +78,10 @@ class TensorKV:
     def narrow(self, rows: int, lead: int) -> TensorKV:
         return TensorKV(tuple((k[:rows, :, lead:], v[:rows, :, lead:]) for k, v in self.tensors()))
 
+    def rows(self, start: int, n: int, lead: int) -> TensorKV:
+        """Rows ``start .. start+n-1`` without their first ``lead`` columns: one view per tensor."""
+        return TensorKV(tuple((k[start:start + n, :, lead:], v[start:start + n, :, lead:]) for k, v in self.tensors()))
+
     def settle(self) -> TensorKV:
         """Storage of its own when it is a small part of a bigger one (``cache.compact``)."""
         layers = self.tensors()
