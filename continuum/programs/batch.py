@@ -188,15 +188,18 @@ class _Run:
             # program drives the engines' steps meanwhile, and runs a lockstep's lone calls: loop/host.py)
             with ARRIVALS.away(), HOST.hosting() if not ARRIVALS.in_program() else nullcontext() as host:
                 self.host = host
-                with self.lock:
-                    self._spawn()
-                while not self.finished.is_set():  # (a pending Ctrl-C is delivered between two waits)
-                    if host is not None:
-                        host.serve(_POLL, self.finished)
-                    else:
-                        self.finished.wait(_POLL)
-                    if bar is not None:
-                        _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
+                try:
+                    with self.lock:
+                        self._spawn()
+                    while not self.finished.is_set():  # (a pending Ctrl-C is delivered between two waits)
+                        if host is not None:
+                            host.serve(_POLL, self.finished)
+                        else:
+                            self.finished.wait(_POLL)
+                        if bar is not None:
+                            _update(bar, self.done, sum(t.tokens for t in self.tokens), time.perf_counter() - start)
+                finally:
+                    self.host = None  # (a call the runner hands over later goes to a call thread)
         except BaseException:  # KeyboardInterrupt (or anything raised in this thread): stop every instance
             self.token.cancel()
             with self.lock:
