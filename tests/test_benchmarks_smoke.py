@@ -20,9 +20,11 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # benchmarks/ is not an installed package: import it from the repository
     sys.path.insert(0, ROOT)
 
+from benchmarks.helpers import user_turns  # noqa: E402
 from benchmarks.model import _gpt2_tokenizer, make_text, n_tokens  # noqa: E402
 from benchmarks.results import Row, format_markdown, format_table  # noqa: E402
-from benchmarks.scenarios import SCENARIOS, session_token_counts, user_turns  # noqa: E402
+from benchmarks.scenarios import SCENARIOS  # noqa: E402
+from benchmarks.session_bench import session_token_counts  # noqa: E402
 
 
 def _tiny_model():
