@@ -131,10 +131,17 @@ def llama_reference(flash_attn: bool):
     thread: two spin-wait badly on a loaded 2-core machine, 10-100x slower; results do not depend on it)."""
     import llama_cpp
 
+    from continuum.models.llamacpp.decode import FA_TILE_ROWS
+
     from llamacpp_support import gguf
 
-    return llama_cpp.Llama(model_path=str(gguf("f32")), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=1,
-                           n_threads_batch=1, logits_all=True, flash_attn=flash_attn, verbose=False)
+    # micro-batches below flash attention's tiled kernel (64+ query rows), as continuum's generated tokens are
+    # computed (one-row decodes; prefills in the batch-invariant mode): found by the long oracle (ninth session), at
+    # position 497 of a 512-token row llama.cpp's own one-pass evaluation in ONE 512-row micro-batch gave a log-prob
+    # of -0.8005 where its evaluation in 32-row micro-batches gave -0.9100, bit for bit what continuum computed (HF
+    # transformers on the same weights: -0.8555): the reference's own batching, not continuum's, made the difference
+    return llama_cpp.Llama(model_path=str(gguf("f32")), n_ctx=1024, n_batch=512, n_ubatch=FA_TILE_ROWS - 1,
+                           n_threads=1, n_threads_batch=1, logits_all=True, flash_attn=flash_attn, verbose=False)
 
 
 def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False) -> Backend:
