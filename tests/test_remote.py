@@ -428,3 +428,26 @@ def test_random_state_programs_on_remote_equal_local(remote, local, data):
             continue
         same(new[0], new[1], values=False)
         pair = new
+
+
+def test_a_proxy_from_the_environment_is_honoured(remote, local, monkeypatch):
+    """Plain calls go out on http.client connections (conn.py), which know nothing of proxies; where HTTP_PROXY
+    applies to the server's URL they go through httpx, which honours it (a proxy that does not answer: the call says
+    the server cannot be reached, the state stays usable), and NO_PROXY naming the host keeps the direct way."""
+    from continuum import continuous, generate, samplers
+    from continuum.errors import RemoteError
+    from continuum.models.remote.client import Client
+
+    base = remote.client.base
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # (nothing listens on the discard port)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    proxied = Client(base, "k")
+    assert proxied.conns is None
+    with pytest.raises(RemoteError, match="cannot reach"):
+        proxied.get("/health")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    assert Client(base, "k").conns is not None
+    text_r = continuous(generate.text(remote, samplers.greedy()))
+    s = text_r("The little dog", max_tokens=3)  # (the fixture's client, made before: still direct)
+    same(s, continuous(generate.text(local, samplers.greedy()))("The little dog", max_tokens=3))

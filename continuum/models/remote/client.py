@@ -43,7 +43,9 @@ class Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout)  # (streams)
-        self.conns = Connections(self.base, headers, timeout)  # (plain requests: one write, one read)
+        # plain requests: one write, one read on a kept-alive connection; through httpx where a proxy applies (httpx
+        # honours HTTP(S)_PROXY and NO_PROXY, http.client does not)
+        self.conns = None if _proxied(self.base) else Connections(self.base, headers, timeout)
         # behind a gateway that routes only the routes it knows (SMG: the OpenAI ones and SGLang's /generate), calls
         # go through POST /generate, which continuum serve answers for its native routes (set at the first 404)
         self.tunnel = False
@@ -54,8 +56,23 @@ class Client:
         return "POST", TUNNEL, {"text": "", "stream": stream, "continuum": {"route": path, "body": body}}
 
     def close(self) -> None:
-        self.conns.close()
+        if self.conns is not None:
+            self.conns.close()
         self.http.close()
+
+    def _plain(self, method: str, url: str, body: bytes | None) -> tuple[int, dict, bytes]:
+        """One plain request: ``(status, headers, body)``; :class:`Broken` or :class:`Unreachable` as ``conn.py``."""
+        if self.conns is not None:
+            return self.conns.request(method, url, body)
+        try:
+            r = self.http.request(method, url, content=body, headers={"content-type": "application/json"})
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as exc:
+            raise Broken(f"{type(exc).__name__}: {exc}") from None
+        except httpx.TimeoutException as exc:
+            raise Unreachable(f"{type(exc).__name__}: {exc}", timed_out=True) from None
+        except httpx.TransportError as exc:
+            raise Unreachable(f"{type(exc).__name__}: {exc}", timed_out=False) from None
+        return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
 
     def get(self, path: str) -> dict:
         return self._send("GET", path, None)
@@ -84,7 +101,7 @@ class Client:
         while True:
             try:
                 verb, url, sent = self._route(method, path, body)
-                status, headers, data = self.conns.request(verb, url, None if sent is None else json.dumps(sent).encode())
+                status, headers, data = self._plain(verb, url, None if sent is None else json.dumps(sent).encode())
             except Broken:
                 # a connection that broke mid-request (a kept-alive one the server had closed): sent once more, safely,
                 # as a generation carries its call id (the server answers a repeat from the store)
@@ -143,6 +160,18 @@ class Client:
                 retried = True
             except httpx.TransportError as exc:  # (timeouts included)
                 raise self._unreachable(exc, "POST", path) from None
+
+
+def _proxied(base: str) -> bool:
+    """Whether a proxy from the environment applies to ``base`` (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY)."""
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base)
+    proxies = urllib.request.getproxies_environment()
+    if not (proxies.get(url.scheme) or proxies.get("all")):
+        return False
+    return not urllib.request.proxy_bypass_environment(url.hostname or "", proxies)  # type: ignore[attr-defined]
 
 
 def _json(data: bytes) -> Any:
