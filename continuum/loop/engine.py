@@ -92,6 +92,7 @@ class Engine(Driving):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._ended: list[Call] = []  # calls done in this step, woken when it ends
+        self._interrupted = False  # Ctrl-C landed in a call's code while this thread drove the step (_resume)
         self.arrivals = ARRIVALS  # calls on their way (set up in their callers' threads): the next step waits for them
         self._step_s = 0.0  # the last step's duration: how long the next step may wait for them
         self._ranks = Ranks() if world_size(model) > 1 else None  # tensor parallelism: rank 0 decides
@@ -269,6 +270,9 @@ class Engine(Driving):
             ended, self._ended = self._ended, []
             for c in ended:
                 self._wake_caller(c)
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
         took = time.perf_counter() - t0
         if len(live) > 1 and len(self._steps) < 100_000:
             self._steps.append(took)
@@ -342,6 +346,9 @@ class Engine(Driving):
             call.pending = item
         except StopIteration as stop:
             self._end(call, stop.value, None, wake=False)
+        except KeyboardInterrupt:  # (Ctrl-C in the thread driving this step: not this call's error. It ends
+            self._end(call, None, cancel.Cancelled(), wake=False)  # cancelled; the step raises it once the others
+            self._interrupted = True  # are resumed, so run_batch's caller stops the run instead of losing it)
         except BaseException as exc:  # noqa: BLE001  (the call's own error, Cancelled included: to its caller)
             self._end(call, None, exc, wake=False)
         finally:
