@@ -356,3 +356,40 @@ def test_the_one_call_out_runs_in_the_callers_thread_and_others_on_call_threads(
     assert [list(s) for s in one] == [list(text(p, max_tokens=4)) for p in PROMPTS]
     assert [list(s) for s in two] == [list((text if i % 2 else short)(PROMPTS[i], max_tokens=3 + i % 2))
                                       for i in range(len(PROMPTS))]
+
+
+def test_ctrl_c_landing_in_a_call_s_step_stops_the_run(gpt2_model):
+    """Ctrl-C reaches the main thread wherever it runs: with a thread per program, run_batch's caller drives the
+    engine's steps, so the KeyboardInterrupt can surface inside a call's own code (here its sampler). It used to end
+    that one call with it as the call's error (the program failed, the others ran on, a program that never ends held
+    run_batch forever: a CI hang); now the call ends cancelled and run_batch raises KeyboardInterrupt."""
+    from continuum.samplers import GreedySampler
+
+    class Interrupted(GreedySampler):  # (Ctrl-C arriving while the main thread computes a step)
+        fired = False
+
+        def __call__(self, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread() and not Interrupted.fired:
+                Interrupted.fired = True
+                raise KeyboardInterrupt
+            return super().__call__(*args, **kwargs)
+
+    gen = generate.text(gpt2_model, Interrupted())
+
+    def program(p: str):
+        while True:  # (never ends by itself: only the interrupt stops it)
+            gen(p, max_tokens=4)
+
+    def watchdog():  # (should the main thread never compute a step: a failure, not a hang)
+        if not done.wait(60) and not Interrupted.fired:
+            _thread.interrupt_main()
+
+    done = threading.Event()
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            continuum.run_batch(program, PROMPTS, concurrency=4, threads=True)
+    finally:
+        done.set()
+    assert Interrupted.fired and not _workers()
+    assert gen(PROMPTS[0], max_tokens=3) == generate.text(gpt2_model, samplers.greedy())(PROMPTS[0], max_tokens=3)
