@@ -33,6 +33,11 @@ def _rows(states: Sequence[Any], widths: Sequence[tuple[int, int]]) -> tuple[lis
     return cached, suffix
 
 
+def _offsets(n: torch.Tensor) -> torch.Tensor:
+    """For rows of ``n[r]`` entries laid end to end: each entry's index within its row."""
+    return torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+
+
 def tokens(states: Sequence[Any], widths: Sequence[tuple[int, int]], C: int, S: int,
            pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, mask, logprobs)`` of the stacked rows, ``(rows, C + S)``: each row's cached columns end at ``C``, its
@@ -43,7 +48,7 @@ def tokens(states: Sequence[Any], widths: Sequence[tuple[int, int]], C: int, S: 
     c = torch.tensor(cached)
     n = c + torch.tensor(suffix)  # each row's columns
     row = torch.repeat_interleave(torch.arange(R), n)
-    j = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)  # column within its row
+    j = _offsets(n)  # column within its row
     c_at = c[row]
     # cached columns land at C - c + j, suffix columns at C + S - n + j (right-aligned at C + S)
     col = torch.where(j < c_at, C - c_at + j, W - n[row] + j)
@@ -73,14 +78,12 @@ def kv_layers(states: Sequence[Any], widths: Sequence[tuple[int, int]], C: int) 
             r = torch.tensor([r for r, _ in rows])
             c = torch.tensor([c for _, c in rows])
             row = torch.repeat_interleave(r, c)
-            col = C - torch.repeat_interleave(c, c) + torch.arange(int(c.sum())) - torch.repeat_interleave(
-                torch.cumsum(c, 0) - c, c)
+            col = C - torch.repeat_interleave(c, c) + _offsets(c)
             index[device] = (row.to(device), col.to(device))
         return index[device]
 
-    layers = []
+    layers, R = [], len(cached)
     for i, (k0, _) in enumerate(ref):
-        R = len(cached)
         pair = []
         for part in (0, 1):
             out = k0.new_zeros((R, k0.shape[1], C, k0.shape[3]))
