@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..models.request import Request
-from . import cancel
+from . import cancel, room
 from .arrivals import ARRIVALS, GATE
 from .call import END, Call
 from .checks import checked_setting, engine_setting
@@ -52,7 +52,7 @@ from .driving import Driving
 from .forwards import new_counters, report
 from .parallel import world_size
 from .ranks import Ranks, next_key
-from .scheduler import DEFAULT_MAX_ROWS, Plan, Scheduler, no_room
+from .scheduler import DEFAULT_MAX_ROWS, Plan, Scheduler
 
 __all__ = ["DEFAULT_MAX_ROWS", "Engine", "Call", "END"]
 
@@ -256,7 +256,10 @@ class Engine(Driving):
         oneoff = self._schedule()
         try:
             live = [c for c in self._running if not c.parked]
-            live = self._execute(live, oneoff)
+            live, later = room.execute(self._model, self.scheduler, self._stats, live, oneoff)
+            if later:  # (one-offs that found no room beside the others: first in the next step)
+                with self._cond:
+                    self._inbox[:0] = later
         except BaseException as exc:  # (the one-off requests left the inbox: _fail_all cannot see them)
             self._fail_oneoff(oneoff, exc)
             raise
@@ -279,58 +282,6 @@ class Engine(Driving):
         self._stats["steps"] += 1
         self._stats["busy_s"] += took
         self._step_s = took
-
-    def _execute(self, live: list[Call], oneoff: list[Request]) -> list[Call]:
-        """Run the plan's requests (``model.run_step``), the running calls' KV held resident meanwhile. The exception
-        path: where a request still finds no room (the count said it fitted), the newest running call is parked
-        (:meth:`Scheduler.victim`) and the failed requests run again. Returns the calls whose loops resume now."""
-        todo = [c.pending for c in live] + oneoff
-        again = len(live) + len(oneoff) > 1  # one more try for what failed beside others (below)
-        while True:
-            # room is made from the rest (a one-off already run is not held: its result is idle until its owner takes it)
-            self._model.hold([c.pending for c in live if not c.parked] + [r for r in oneoff if r in todo])
-            try:
-                self._run_requests(todo)
-            finally:
-                self._model.hold([])
-            failed = [r for r in todo if no_room(r.error)]
-            if failed:
-                self._stats["no_room"] += 1
-            victim = self.scheduler.victim(live) if failed else None
-            if victim is None and failed and again:
-                # what the step's other requests computed is theirs now (a one-off's result, idle): spillable, so a
-                # request that failed beside them (a call's restore, "no room to restore a spilled state") may fit now
-                again = False
-                for r in failed:
-                    r.error = None
-                todo = failed
-                continue
-            if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
-                self._retry_later(failed, live, oneoff)
-                return live
-            victim.parked = True
-            self._stats["parked"] += 1
-            if victim.pending in failed:
-                live = [c for c in live if c is not victim]
-            for r in failed:
-                r.error = None
-            todo = [r for r in failed if r is not victim.pending]
-            if not todo:
-                return live
-
-    def _retry_later(self, failed: list[Request], live: list[Call], oneoff: list[Request]) -> None:
-        """One-off requests (a setup's prefill, a choice's tree) that found no room beside other requests of the step
-        wait for the next step, at the head of the inbox, instead of failing: what the others hold is freed or parked
-        by then. Only a one-off that ran with nothing else gets its error (it cannot fit at all)."""
-        crowded = len(live) + len(oneoff) > 1
-        again = [r for r in failed if crowded and r in oneoff]
-        if not again:
-            return
-        for r in again:
-            r.error, r.result = None, None
-            oneoff.remove(r)  # (not done: its caller keeps waiting)
-        with self._cond:
-            self._inbox[:0] = again
 
     def _resume(self, call: Call) -> None:
         """Run ``call``'s loop from its forward's result to its next forward request, or to its end."""
@@ -372,9 +323,6 @@ class Engine(Driving):
             call.queue.put(END)
         call.event.set()  # the one wake-up of its caller
         self._stats["wakeups"] += 1
-
-    def _run_requests(self, batch: list[Request]) -> None:
-        self._model.run_step(batch, self._stats)  # the backend's own way (models/protocol.py)
 
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:

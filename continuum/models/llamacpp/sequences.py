@@ -118,9 +118,9 @@ class SequencePool:
         self._dropped: deque[tuple[Seq, int]] = deque()  # filled by view finalizers, applied under the lock
         self._clock = itertools.count(1)
         self.batch_buffers: Any = None  # decode.py's llama_batch arrays (made by its first decode, then reused)
-        self.spills = self.restores = self.repacks = 0  # counters, for tests and benchmarks
-        self.snapshots = self.restores_recurrent = 0  # a hybrid model's recurrent snapshots taken and restored
-        self.reshared = 0  # restored sequences that share their prefix with a resident relative again (reshare.py)
+        # counters, for tests and benchmarks; snapshots, restores_recurrent: a hybrid model's recurrent snapshots taken
+        # and restored; reshared: restored sequences that share their prefix with a resident relative again (reshare.py)
+        self.spills = self.restores = self.repacks = self.snapshots = self.restores_recurrent = self.reshared = 0
         with model.lock:
             lib().llama_memory_clear(model.memory, True)
 
@@ -198,8 +198,7 @@ class SequencePool:
                     "rows at once (max_rows), or load the model with a larger n_seq_max (at most 256)")
             self.spill(min(idle, key=lambda s: s.last_use))
         seq_id = self._free.pop()
-        L = lib()
-        L.llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
+        lib().llama_memory_seq_rm(self.model.memory, seq_id, -1, -1)  # seq_cp does not clear its destination
         return seq_id
 
     def idle(self, pinned: Iterable[Seq] = (), spare: Iterable[Seq] = ()) -> list[Seq]:
@@ -347,9 +346,8 @@ class SequencePool:
             return (-1, -1)
         with self.model.lock:
             self.collect()
-            seq_id, L = self.ensure_resident(view.seq), lib()
-            return int(L.llama_memory_seq_pos_min(self.model.memory, seq_id)), \
-                int(L.llama_memory_seq_pos_max(self.model.memory, seq_id))
+            seq_id, L, mem = self.ensure_resident(view.seq), lib(), self.model.memory
+            return int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
 
     # -- bytes -------------------------------------------------------------------------------------
     def to_bytes(self, view: KVView) -> bytes:
