@@ -41,7 +41,8 @@ class TokenTree:
     def option_logprobs(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """Per (row, option) pair, row-major: the log-prob of each of the option's tokens, read from
         ``logits`` ``(rows, T, vocab)`` of the tree's forward (token ``i`` is predicted by the node
-        of token ``i - 1``, the first one by the root)."""
+        of token ``i - 1``, the first one by the root). Only the nodes with children are read: a
+        backend may leave a leaf's logits uncomputed (llama.cpp: NaN)."""
         rows, preds, nodes = [], [], []
         for r, options in enumerate(self.paths):
             for path in options:
@@ -51,8 +52,9 @@ class TokenTree:
         dev = logits.device
         rr, pp, nn = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, preds, nodes))
         tokens = self.ids.to(dev)[rr, nn]
-        norm = torch.stack([torch.logsumexp(row, -1) for row in logits])  # row by row: no (rows, T, vocab) temporary
-        flat = logits[rr, pp, tokens] - norm[rr, pp]
+        at, where = torch.unique(rr * logits.shape[1] + pp, return_inverse=True)  # each predicting node once
+        norm = torch.logsumexp(logits.reshape(-1, logits.shape[-1]).index_select(0, at), -1)
+        flat = logits[rr, pp, tokens] - norm[where]
         return list(flat.split([len(p) for options in self.paths for p in options]))
 
 

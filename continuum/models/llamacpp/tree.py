@@ -106,7 +106,8 @@ def _rows_of(pool: SequencePool, r: Request) -> list[_Row]:
 
 
 def run_trees(backend: Any, requests: list[Request]) -> None:
-    """Run token-tree requests, each one's ``result`` (logits of every node, :class:`TreeKV`) or ``error`` set;
+    """Run token-tree requests, each one's ``result`` (logits of every node with children, NaN at the leaves:
+    see :func:`_decode`; :class:`TreeKV`) or ``error`` set;
     requests whose leaves fit in the free sequence ids together share one decode."""
     pool, plans = backend.pool, []
     for r in requests:
@@ -160,12 +161,14 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
         R, T = r.ids.shape
         lg = torch.zeros((R, T, backend.vocab_size))
         for i, row in enumerate(req_rows):
-            lg[i, row.nodes] = out[[order[(first + i, node)] for node in row.nodes]]
+            inner = [node for node in row.nodes if (first + i, node) in order]
+            lg[i, inner] = out[[order[(first + i, node)] for node in inner]]
+            lg[i, row.leaves] = float("nan")  # (not computed: see _decode)
         cols = r.kv.cols if r.kv is not None else torch.zeros((R, 0), dtype=torch.bool)
         r.result, r.error = (lg, TreeKV(req_rows, views[first:first + R], cols, T)), None
         first += R
     with backend.count_lock:
-        backend.tokens_computed += len(logits)
+        backend.tokens_computed += sum(len(row.nodes) for row in rows)
         backend.forward_calls += 1
 
 
@@ -210,16 +213,21 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[Seq]]:
 
 
 def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) -> tuple[np.ndarray, dict]:
-    """Every node of every row once, by depth (ancestors first), with the ids of the leaves below it; every node
-    outputs logits. Returns the logits in batch order and ``(row, node) -> index`` into them. On failure the
-    leaves hold only the context again (llama.cpp found no free cell: idle sequences are spilled and the tree is
-    decoded again, once)."""
+    """Every node of every row once, by depth (ancestors first), with the ids of the leaves below it. Only nodes with
+    children output logits: a leaf's would predict the token after its option, which choice scoring never reads (no
+    end-of-option term), and on a large vocabulary each output row costs about what the rest of the model does for
+    one token (Gemma 3: 262k x 640). Returns the outputs' logits in batch order and ``(row, node) -> index`` into
+    them, for the nodes with children. On failure the leaves hold only the context again (llama.cpp found no free
+    cell: idle sequences are spilled and the tree is decoded again, once)."""
     model = pool.model
     items = sorted(((row.depth[node], k, node) for k, row in enumerate(rows) for node in row.nodes))
     token = np.array([rows[k].tokens[node] for _, k, node in items], np.int32)
     pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
-    order = {(k, node): j for j, (_, k, node) in enumerate(items)}
-    logits = np.empty((len(items), model.n_vocab), np.float32)
+    leaves = [set(row.leaves) for row in rows]
+    wanted = np.array([node not in leaves[k] for _, k, node in items], np.int8)
+    out_at = np.cumsum(wanted) - 1  # each wanted item's row among the outputs
+    order = {(k, node): int(out_at[j]) for j, (_, k, node) in enumerate(items) if wanted[j]}
+    logits = np.empty((int(wanted.sum()), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
     keep = [s for seqs in leaf_seqs for s in seqs]
     # (the rows' own sequences only lend the leaves their context: spillable, last, if the pool is full of them)
@@ -230,7 +238,9 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
         rc = 0
         for start in range(0, len(items), step):
             end = min(start + step, len(items))
-            rc = _decode_chunk(pool, token[start:end], pos[start:end], sets[start:end], logits[start:end])
+            o0 = int(wanted[:start].sum())
+            rc = _decode_chunk(pool, token[start:end], pos[start:end], sets[start:end], wanted[start:end],
+                               logits[o0:o0 + int(wanted[start:end].sum())])
             if rc != 0:
                 break
         if rc == 0:
@@ -248,21 +258,27 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
                            "states alive")
 
 
-def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: list[list[int]],
+def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: list[list[int]], wanted: np.ndarray,
                   logits: np.ndarray) -> int:
-    """One ``llama_decode`` of tokens with several sequence ids each, every token an output (a lone token padded
-    with the scratch row in the batch-invariant mode, as ``decode.py`` does)."""
+    """One ``llama_decode`` of tokens with several sequence ids each, the ``wanted`` ones outputs, their logits into
+    ``logits`` in order (a lone token padded with the scratch row in the batch-invariant mode, as ``decode.py``
+    does)."""
     L, model = lib(), pool.model
-    k = len(token)
-    pad = pool.scratch is not None and k == 1
+    k, m = len(token), len(logits)
+    out = np.array(wanted, np.int8)
+    pad, extra = pool.scratch is not None and k == 1, -1
     if pad:
         token, pos, sets = np.append(token, token[0]), np.append(pos, 0).astype(np.int32), sets + [[int(pool.scratch)]]  # type: ignore[arg-type]
+        out = np.append(out, np.int8(m))
+        extra = 1 if m else -1
+    elif pool.scratch is not None and m == 1:  # (a lone output row takes another kernel: padded to two, as decode.py)
+        extra = int(np.flatnonzero(out == 0)[0])
+        out[extra] = 1
     n = len(token)
     flat = np.array([s for ids in sets for s in ids], np.int32)
     counts = np.array([len(ids) for ids in sets], np.int32)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.uint64)
     ptrs = (flat.ctypes.data + 4 * starts).astype(np.uint64)
-    out = np.ones(n, np.int8)
     token, pos = np.ascontiguousarray(token, np.int32), np.ascontiguousarray(pos, np.int32)
     batch = L.llama_batch()
     batch.n_tokens = n
@@ -276,9 +292,12 @@ def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: 
     rc = int(L.llama_decode(model.ctx, batch))
     if pad:
         L.llama_memory_seq_rm(model.memory, pool.scratch, -1, -1)
-    if rc == 0:
-        ptr: Any = L.llama_get_logits(model.ctx)
-        logits[:] = np.ctypeslib.as_array(ptr, shape=(n, model.n_vocab))[:k]
+    if rc == 0 and m:
+        ptr: Any = L.llama_get_logits(model.ctx)  # (the outputs' rows, in batch order)
+        got = np.ctypeslib.as_array(ptr, shape=(m + (extra >= 0), model.n_vocab))
+        if extra >= 0:
+            got = np.delete(got, int(out[:extra].sum()), axis=0)
+        logits[:] = got
     return rc
 
 
