@@ -199,7 +199,7 @@ class Engine(Driving):
         return call.result
 
     # -- one-off forwards --------------------------------------------------------------------
-    def forward(self, ids, mask, pos, kv, logits: str, reserve: int, allowed=None):
+    def forward(self, ids, mask, pos, kv, logits: str, reserve: int, allowed=None, outputs=None):
         """``model.forward`` outside a running loop's step: merged into the engine's next step (this thread
         runs that step when nobody else drives: a lone one costs one forward); at once when the driver
         itself makes it, inside a step."""
@@ -209,7 +209,7 @@ class Engine(Driving):
         with self._cond:
             alone = self._driver == me
             if not alone:
-                req = Request(ids, mask, pos, kv, logits, reserve, allowed=allowed)
+                req = Request(ids, mask, pos, kv, logits, reserve, allowed=allowed, outputs=outputs)
                 req.key = next_key() if self._ranks is not None else None
                 req.event = threading.Event()
                 self._inbox.append(req)
@@ -219,7 +219,8 @@ class Engine(Driving):
                 elif self._ranks is not None:
                     self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if alone:
-            return self._model.forward_now(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed)
+            return self._model.forward_now(ids, mask, pos, kv, logits=logits, reserve=reserve, allowed=allowed,
+                                           outputs=outputs)
         if hop:
             self._wake()
         try:

@@ -1,10 +1,12 @@
 """Exact choice: score every option in context with ONE forward pass, then let the sampler pick.
 
-Options are tokenized as ``state + option`` would tokenize them. After the usual prefill (every
-column but each row's last token cached; the prefix cache applies there), all options of a row
-run in ONE row after its context: a token tree (:mod:`continuum.models.token_tree`) rooted at the row's
-last token, options sharing a prefix sharing its nodes, each node attending to the row's context
-and its own ancestors only, at the positions it would have alone. Every row of the batch is in
+Options are tokenized as ``state + option`` would tokenize them. All options of a row run in ONE row
+after its context: a token tree (:mod:`continuum.models.token_tree`) whose trunk is the row's uncached
+suffix (``state + "\nAnswer:"``'s new text: computed in the same forward, not a prefill before it), options
+sharing a prefix sharing its nodes, each node attending to the row's context and its own ancestors only,
+at the positions it would have alone. A suffix longer than :data:`TRUNK` columns, the prefix cache
+(which may hold it) and classifier-free guidance take the usual prefill first (every column but each
+row's last token cached), the tree rooted at that last token. Every row of the batch is in
 the same forward, which holds ``context + tree`` KV columns per row (never ``options x context``).
 An option's score is the sum of the model's log-probs of its tokens (``method="exact"``; no
 end-of-option term, so an option that is a prefix of another scores at least as high) or their
@@ -45,9 +47,12 @@ from .cancel import check_cancelled
 from .cfg import Guidance, guided_logprobs
 from .decoding import Step, check_continuable, prefill
 from .parallel import check_seeded
+from .setup import recompute_stale
 from .turns import choice_prompts, in_parts
 
-__all__ = ["choose"]
+__all__ = ["choose", "TRUNK"]
+
+TRUNK = 64  # the longest uncached suffix scored as the trees' trunk (longer: a prefill first, chunked beside others)
 
 
 def choose(state: SequenceState, options: Sequence[str], sampler: Sampler, *, method: str = "exact",
@@ -97,15 +102,20 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
         raise ContextLengthError(f"the input ({longest} tokens) leaves no room for the longest option "
                                  f"({max(map(len, option_ids))} tokens) in the model's context ({ctx}): "
                                  f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
-    # the shared suffix once, leaving room for the tree so its forward appends in place
-    state = prefill(state, reserve=1 + max(sum(map(len, opts)) for opts in encoded.values()))
+    state = recompute_stale(state)
+    C, W = kvcache.length(state._kv), state._ids.shape[1]
+    if guidance is not None or getattr(model, "prefix_cache", None) is not None or W - C > TRUNK:
+        # the shared suffix first, leaving room for the tree so its forward appends in place
+        state = prefill(state, reserve=1 + max(sum(map(len, opts)) for opts in encoded.values()))
+        C = kvcache.length(state._kv)  # every column but the last (each row's root) is cached
 
-    # every option of a row in ONE row after its context: a token tree on top of the row's cache
-    C = kvcache.length(state._kv)  # every column but the last (each row's root) is cached
-    tree = token_tree.build(state._ids[:, C].tolist(), (state._mask.sum(1) - 1).tolist(), row_options,
-                            state._mask[:, :C], tok.pad_token_id)
+    # the uncached suffix and every option of a row in ONE row after its context: a token tree on its cache
+    new = state._mask[:, C:].bool()
+    suffix = [state._ids[r, C:][new[r]].tolist() for r in range(R)]  # root, then trunk
+    tree = token_tree.build([s[0] for s in suffix], state._mask[:, :C].sum(1).tolist(), row_options,
+                            state._mask[:, :C], tok.pad_token_id, trunks=[s[1:] for s in suffix])
     logits, kv = model.forward(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions, state._kv,
-                               logits="all", allowed=tree.allowed)
+                               logits="all", allowed=tree.allowed, outputs=tree.outputs)
     pair_lps = tree.option_logprobs(logits)  # per (row, option) pair, row-major
     del logits
     lengths = torch.tensor([len(ids) for ids in option_ids])
@@ -140,13 +150,13 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
 
 def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.KV, rows: list[int], picks: list[int],
                   pair_lps: list[torch.Tensor], K: int) -> SequenceState:
-    """One row per chosen (row, option) pair: the row's context, its root, then the option's tokens
-    (the last one uncached). Its cache is new storage holding the row's context columns and the
-    option's own tree columns only (``kv``, the tree forward's cache, is only read); rows whose
-    options are shorter than the longest chosen one get holes before their option."""
+    """One row per chosen (row, option) pair: the row's context, its root and trunk (its uncached suffix), then
+    the option's tokens (the last one uncached). Its cache is new storage holding the row's context columns and
+    the path's own tree columns only (``kv``, the tree forward's cache, is only read); rows whose paths are
+    shorter than the longest chosen one get holes before their root."""
     C = kvcache.length(state._kv)
     dev = state._ids.device
-    paths = [[0] + tree.paths[r][k] for r, k in zip(rows, picks)]  # tree nodes, root first
+    paths = [[0] + tree.trunks[r] + tree.paths[r][k] for r, k in zip(rows, picks)]  # tree nodes, root first
     M = max(map(len, paths))
     idx = torch.tensor(rows, dtype=torch.long, device=dev)
     used = state._mask[:, :C].index_select(0, idx).bool().any(0)
@@ -159,9 +169,10 @@ def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.
     mask = torch.cat([state._mask[:, lead:C].index_select(0, idx), (~hole).to(state._mask.dtype)], 1)
     lp = torch.full((J, M), float("nan"), dtype=state._logprobs.dtype, device=dev)
     for j, (r, k, p) in enumerate(zip(rows, picks, paths)):
-        lp[j, M - len(p)] = state._logprobs[r, C]  # the root keeps its own log-prob
-        if len(p) > 1:
-            lp[j, M - len(p) + 1:] = pair_lps[r * K + k].to(lp)
+        own = state._logprobs[r, C:][state._mask[r, C:].bool()]  # the root and trunk keep their own log-probs
+        lp[j, M - len(p):M - len(p) + len(own)] = own
+        if len(p) > len(own):
+            lp[j, M - len(p) + len(own):] = pair_lps[r * K + k].to(lp)
     logprobs = torch.cat([state._logprobs[:, lead:C].index_select(0, idx), lp], 1)
     cache = kvcache.gather_paths(kv, idx, lead, C, node[:, :-1], mask[:, :-1])
     return SequenceState(model=state._model, ids=ids, mask=mask, logprobs=logprobs, weights=torch.zeros(J),

@@ -82,9 +82,12 @@ class Backend(Protocol):
         ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any, *,
-                logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+                logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None,
+                outputs: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
         """The new columns ``input_ids`` on top of ``cache``: the float32 logits of the last column (``"last"``), of
-        every new column (``"all"``) or none (``"none"``), and the KV of every column; ``cache`` is not changed."""
+        every new column (``"all"``) or none (``"none"``), and the KV of every column; ``cache`` is not changed.
+        With ``allowed`` (a token tree) and ``logits="all"``, ``outputs`` ``(rows, new)`` may say which nodes' logits
+        are read: the others may be left uncomputed (NaN)."""
         ...
 
     @property
@@ -94,7 +97,7 @@ class Backend(Protocol):
 
     def forward_now(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any,
                     *, logits: str = "last", reserve: int = 0,
-                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+                    allowed: torch.Tensor | None = None, outputs: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
         """:meth:`forward` at once, in this thread, alone: what the engine runs for a one-off forward its own
         driver makes inside a step (classifier-free guidance's branch), and what :meth:`forward` is without an
         engine."""

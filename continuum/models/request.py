@@ -29,6 +29,8 @@ class Request:
     logits: str = "last"  # which columns' logits: "last", "all" or "none"
     reserve: int = 0  # columns the call may still append (a backend that preallocates makes room)
     allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
+    outputs: torch.Tensor | None = None  # with allowed: the nodes whose logits are read (None: every node); others may
+    # be left uncomputed (llama.cpp: an output row of a 262k vocabulary costs what a token's layers do)
     normalize: bool = False  # a decoding step: hand back log-probs (log-softmax over the group at once) and `top`
     column: tuple[list[int], list[int]] | None = None  # a decode step as lists: each row's new token and its position
     source: Any = None  # with `column`: makes ids, mask, pos as tensors, when a layout needs them (materialize)

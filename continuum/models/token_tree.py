@@ -1,9 +1,10 @@
 """Token trees: every option of a row scored in ONE row after its context (choice scoring).
 
-A row's tree starts at its *root*, the row's last token (the one column a prefilled state leaves
-uncached), and holds every option's tokens as a trie hanging off it: options sharing a prefix
-share its nodes. The tree's nodes become the new columns of one forward pass on top of the row's
-cached context, with
+A row's tree starts at its *root*, the row's first uncached token, then its *trunk*, the rest of the row's
+uncached suffix (empty on a prefilled state, which leaves only its last token uncached), and holds every
+option's tokens as a trie hanging off the trunk's end: options sharing a prefix share its nodes. So the
+uncached suffix and every option are computed in ONE forward. The tree's nodes become the new columns of one
+forward pass on top of the row's cached context, with
 
 * an explicit attention matrix: a node sees the row's real context columns and its own
   ancestors (itself included), never another branch;
@@ -29,7 +30,8 @@ __all__ = ["TokenTree", "build"]
 class TokenTree:
     """The tree columns of a batch of rows (``T`` columns; node 0 of every row is its root).
 
-    ``paths[r][k]``: the node of each token of row ``r``'s option ``k``, in order (the root not included).
+    ``paths[r][k]``: the node of each token of row ``r``'s option ``k``, in order (the root and trunk not included);
+    ``trunks[r]``: the nodes of row ``r``'s trunk, in order (the root not included).
     """
 
     ids: torch.Tensor  # (rows, T) token of each node; padding nodes hold the pad token
@@ -37,6 +39,21 @@ class TokenTree:
     positions: torch.Tensor  # (rows, T)
     allowed: torch.Tensor  # (rows, T, cached + T) bool: the columns each node attends to
     paths: list[list[list[int]]]
+    trunks: list[list[int]]
+
+    def _first(self, r: int) -> int:
+        """The node that predicts row ``r``'s options' first token: the trunk's end (the root without a trunk)."""
+        return self.trunks[r][-1] if self.trunks[r] else 0
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        """``(rows, T)`` bool: the nodes whose logits :meth:`option_logprobs` reads (``Backend.forward``'s
+        ``outputs``: a backend may leave the others uncomputed)."""
+        out = torch.zeros(self.ids.shape, dtype=torch.bool)
+        for r, options in enumerate(self.paths):
+            for path in options:
+                out[r, [self._first(r)] + path[:-1]] = True
+        return out.to(self.ids.device)
 
     def option_logprobs(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """Per (row, option) pair, row-major: the log-prob of each of the option's tokens, read from
@@ -47,7 +64,7 @@ class TokenTree:
         for r, options in enumerate(self.paths):
             for path in options:
                 rows += [r] * len(path)
-                preds += ([0] + path[:-1]) if path else []
+                preds += ([self._first(r)] + path[:-1]) if path else []
                 nodes += path
         dev = logits.device
         rr, pp, nn = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, preds, nodes))
@@ -59,11 +76,13 @@ class TokenTree:
 
 
 def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence[Sequence[Sequence[int]]],
-          context: torch.Tensor, pad: int) -> TokenTree:
-    """The trees of ``len(roots)`` rows: row ``r`` is ``roots[r]`` (at ``root_positions[r]``) followed by the
-    trie of ``options[r]`` (token ids per option); ``context`` ``(rows, cached)`` is the mask of the cached
-    columns each node may see."""
+          context: torch.Tensor, pad: int, trunks: Sequence[Sequence[int]] | None = None) -> TokenTree:
+    """The trees of ``len(roots)`` rows: row ``r`` is ``roots[r]`` (at ``root_positions[r]``), then the tokens
+    ``trunks[r]`` (default none), then the trie of ``options[r]`` (token ids per option); ``context``
+    ``(rows, cached)`` is the mask of the cached columns each node may see."""
     R = len(roots)
+    trunks = trunks if trunks is not None else [[]] * R
+    options = [[list(trunks[r]) + list(o) for o in options[r]] for r in range(R)]
     toks: list[list[int]] = []
     parents: list[list[int]] = []
     depths: list[list[int]] = []
@@ -108,4 +127,6 @@ def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence
     sees_context = context.bool()[:, None, :] & real.bool().to(dev)[:, :, None]
     allowed = torch.cat([sees_context, ancestors.to(dev)], 2)
     positions = torch.tensor(list(root_positions), dtype=torch.long)[:, None] + level
-    return TokenTree(ids=ids.to(dev), real=real.to(dev), positions=positions.to(dev), allowed=allowed, paths=paths)
+    cut = [len(t) for t in trunks]  # (the trunk is each option path's first nodes: 1 .. len(trunk), made first)
+    return TokenTree(ids=ids.to(dev), real=real.to(dev), positions=positions.to(dev), allowed=allowed,
+                     paths=[[p[n:] for p in row] for row, n in zip(paths, cut)], trunks=[list(range(1, n + 1)) for n in cut])

@@ -212,6 +212,7 @@ class Transformers:
         logits: str = "last",
         reserve: int = 0,
         allowed: torch.Tensor | None = None,
+        outputs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, TensorKV | None]:
         """Run ``input_ids`` (the uncached columns) on top of ``cache``.
 
@@ -225,13 +226,14 @@ class Transformers:
         attends to, instead of "every real column up to itself" (a token tree: options scored side
         by side after one context, see :mod:`continuum.loop.scoring`); ``position_ids`` then say where
         each new column sits. The sliding window, when the model has one, still applies by position.
+        ``outputs``: which tree nodes' logits are read (the protocol's hint; every node's is computed here).
 
         While other calls decode on this model (other threads), the forward is merged with theirs
         (:mod:`continuum.loop.engine`); the result is the same.
         """
         engine = self.__dict__.get("_engine")
         if engine is not None:
-            return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
+            return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed, outputs)
         return self.forward_now(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
                                    allowed=allowed)
 
@@ -247,7 +249,8 @@ class Transformers:
         """Nothing to hold: the KV lives in tensors, not in a fixed pool (the backend protocol)."""
 
     @torch.inference_mode()
-    def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
+    def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None,
+                    outputs=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""
         if self.hybrid is not None:
             return hybrid.forward(self, self.hybrid, input_ids, attention_mask, position_ids, cache, logits=logits,

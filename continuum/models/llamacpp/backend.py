@@ -171,16 +171,19 @@ class LlamaCpp:
 
     # -- the forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any, *,
-                logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
+                logits: str = "last", reserve: int = 0, allowed: torch.Tensor | None = None,
+                outputs: torch.Tensor | None = None) -> tuple[torch.Tensor | None, Any]:
         """See :meth:`continuum.models.protocol.Backend.forward`; merged with other calls' by the engine."""
         engine = self.__dict__.get("_engine")
         if engine is not None:
-            return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed)
+            return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed, outputs)
         return self.forward_now(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
-                                   allowed=allowed)
+                                   allowed=allowed, outputs=outputs)
 
-    def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None):
-        req = Request(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve, allowed=allowed)
+    def forward_now(self, input_ids, attention_mask, position_ids, cache, *, logits="last", reserve=0, allowed=None,
+                    outputs=None):
+        req = Request(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve, allowed=allowed,
+                      outputs=outputs)
         if allowed is None:
             self._run([req])
         else:

@@ -59,6 +59,7 @@ class _Row:
     tokens: dict[int, int]
     leaves: list[int]
     below: dict[int, list[int]]  # node -> indices into leaves of the leaves below it (itself included)
+    wanted: set[int] | None = None  # the nodes whose logits are read (the request's ``outputs``; None: every inner node)
 
 
 def _read_tree(i: int, ids: np.ndarray, real: np.ndarray, anc: np.ndarray, pos: np.ndarray, view: KVView) -> _Row:
@@ -97,17 +98,20 @@ def _rows_of(pool: SequencePool, r: Request) -> list[_Row]:
     assert r.allowed is not None
     allowed = r.allowed.bool().cpu()
     pos, ids = r.pos.cpu().numpy(), r.ids.cpu().numpy()
+    outputs = r.outputs.bool().cpu().numpy() if r.outputs is not None else None
     rows = []
     for i in range(R):
         if not bool((allowed[i, real[i], :C] == ctx[i]).all()):
             raise BackendError(f"row {i}: its tree nodes must see exactly the row's cached context on llama.cpp")
         rows.append(_read_tree(i, ids[i], real[i], allowed[i, :, C:].numpy(), pos[i], views[i]))
+        if outputs is not None:
+            rows[-1].wanted = set(np.flatnonzero(outputs[i] & real[i]).tolist())
     return rows
 
 
 def run_trees(backend: Any, requests: list[Request]) -> None:
-    """Run token-tree requests, each one's ``result`` (logits of every node with children, NaN at the leaves:
-    see :func:`_decode`; :class:`TreeKV`) or ``error`` set;
+    """Run token-tree requests, each one's ``result`` (logits of the nodes read, NaN at the others: see
+    :func:`_decode`; :class:`TreeKV`) or ``error`` set;
     requests whose leaves fit in the free sequence ids together share one decode."""
     pool, plans = backend.pool, []
     for r in requests:
@@ -161,9 +165,9 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
         R, T = r.ids.shape
         lg = torch.zeros((R, T, backend.vocab_size))
         for i, row in enumerate(req_rows):
-            inner = [node for node in row.nodes if (first + i, node) in order]
-            lg[i, inner] = out[[order[(first + i, node)] for node in inner]]
-            lg[i, row.leaves] = float("nan")  # (not computed: see _decode)
+            done = [node for node in row.nodes if (first + i, node) in order]
+            lg[i, [node for node in row.nodes if (first + i, node) not in order]] = float("nan")  # (not computed: _decode)
+            lg[i, done] = out[[order[(first + i, node)] for node in done]]
         cols = r.kv.cols if r.kv is not None else torch.zeros((R, 0), dtype=torch.bool)
         r.result, r.error = (lg, TreeKV(req_rows, views[first:first + R], cols, T)), None
         first += R
@@ -213,18 +217,19 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[Seq]]:
 
 
 def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) -> tuple[np.ndarray, dict]:
-    """Every node of every row once, by depth (ancestors first), with the ids of the leaves below it. Only nodes with
-    children output logits: a leaf's would predict the token after its option, which choice scoring never reads (no
-    end-of-option term), and on a large vocabulary each output row costs about what the rest of the model does for
-    one token (Gemma 3: 262k x 640). Returns the outputs' logits in batch order and ``(row, node) -> index`` into
-    them, for the nodes with children. On failure the leaves hold only the context again (llama.cpp found no free
-    cell: idle sequences are spilled and the tree is decoded again, once)."""
+    """Every node of every row once, by depth (ancestors first), with the ids of the leaves below it. Only the nodes
+    whose logits are read output them (the request's ``outputs``; without it, the nodes with children): a leaf's
+    would predict the token after its option, which choice scoring never reads (no end-of-option term), nor does it
+    read the shared suffix before the options (a trunk), and on a large vocabulary each output row costs about what
+    the rest of the model does for one token (Gemma 3: 262k x 640). Returns the outputs' logits in batch order and
+    ``(row, node) -> index`` into them for those nodes. On failure the leaves hold only the context again (llama.cpp
+    found no free cell: idle sequences are spilled and the tree is decoded again, once)."""
     model = pool.model
     items = sorted(((row.depth[node], k, node) for k, row in enumerate(rows) for node in row.nodes))
     token = np.array([rows[k].tokens[node] for _, k, node in items], np.int32)
     pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
-    leaves = [set(row.leaves) for row in rows]
-    wanted = np.array([node not in leaves[k] for _, k, node in items], np.int8)
+    reads = [row.wanted if row.wanted is not None else set(row.nodes) - set(row.leaves) for row in rows]
+    wanted = np.array([node in reads[k] for _, k, node in items], np.int8)
     out_at = np.cumsum(wanted) - 1  # each wanted item's row among the outputs
     order = {(k, node): int(out_at[j]) for j, (_, k, node) in enumerate(items) if wanted[j]}
     logits = np.empty((int(wanted.sum()), model.n_vocab), np.float32)
