@@ -117,7 +117,7 @@ def test_continue_state_of_a_on_b_equals_b_from_scratch(pair, method):
     else:
         options = [" there", " a little", " dog"]
         out = continuous(generate.choice(b, options, samplers.greedy()))(sa)
-        assert b.forward_calls - calls0 == 2  # the shared suffix once, then all (row, option) pairs at once
+        assert b.forward_calls - calls0 == 1  # A's tokens and all (row, option) pairs in ONE forward (the trees' trunk)
         for row, ids in enumerate(real_ids(sa)):  # B's option log-probs, from scratch
             gains = []
             for o in options:
