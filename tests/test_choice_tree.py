@@ -172,6 +172,31 @@ def test_tree_forward_holds_context_plus_options_once(model):
     assert kvcache.length(out[0, :]._kv) == kvcache.length(base._kv) - lead + n  # context + root + option - last token
 
 
+def test_an_uncached_suffix_is_the_trees_trunk_in_the_same_forward(model):
+    """``state + text`` then a choice: ONE forward (no prefill before the tree), holding each row's uncached suffix
+    (its last generated token and the new text, rows of different lengths) and its options' trie; the scores equal
+    the plain forward over each (row, option) pair, the chosen rows' caches a fresh forward's."""
+    gen = continuous(generate.text(model, samplers.greedy()))(PROMPTS, max_tokens=3)
+    cut = gen + [" Answer:", " So", " And then, the answer is"]  # different suffix lengths per row
+    options = [" yes", " yes sir", " no"]
+    seen = []
+    forward = model.forward
+
+    def spy(ids, mask, pos, cache, **kw):
+        seen.append((kvcache.length(cache), kw.get("allowed") is not None))
+        return forward(ids, mask, pos, cache, **kw)
+
+    model.forward = spy
+    try:
+        out = continuous(generate.choice(model, options, samplers.beam_search(3)))(cut)
+    finally:
+        del model.forward
+    assert seen == [(kvcache.length(cut._kv), True)]  # one forward, on the state's own cache: a token tree
+    check_ranked(cut, out, options, all_scores(model, cut, options))
+    for b in range(out.batch):
+        assert_reuse_exact(out[b, :, :])
+
+
 def test_sliding_window_models(spm_tokenizer):
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 

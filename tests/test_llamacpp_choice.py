@@ -2,10 +2,10 @@
 decoded once as a token tree (one sequence per leaf, shared nodes carrying several sequence ids), against
 llama-cpp-python's own evaluation of prompt + option ids (``Llama(logits_all=True).eval``).
 
-Tolerance: the tree decode follows a prefill of all but the prompt's last token, so each option token is a
-position of a multi-token decode, like in the reference's prefill: 1e-4 on a total log-prob (measured here: 6e-8
-in the batch-invariant mode on f32, 1e-6 in the default mode on f32 and q8_0), not DECODE_TOL (which is for tokens
-decoded one at a time).
+Tolerance: the tree decode holds the state's uncached suffix as its trunk (or follows a prefill of all but its last
+token, past 64 tokens), so each option token is a position of a multi-token decode, like in the reference's
+prefill: 1e-4 on a total log-prob (measured here: 6e-8 in the batch-invariant mode on f32, 1e-6 in the default mode
+on f32 and q8_0), not DECODE_TOL (which is for tokens decoded one at a time).
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ def test_samplers_pick_from_the_option_scores(model):
 def test_text_choice_text_computes_only_new_tokens_and_equals_a_fresh_evaluation(model):
     text = continuous(generate.text(model, samplers.greedy()))
     s1 = text("Once upon a time", max_tokens=8)
-    before = model.tokens_computed
+    before, calls = model.tokens_computed, model.forward_calls
     s2 = continuous(generate.choice(model, OPTIONS, samplers.greedy()))(s1 + " there was a")
+    assert model.forward_calls - calls == 1  # the uncached suffix and every option in ONE llama_decode (its trunk)
     # s1's last token (never cached), the appended text but its last, the tree's nodes (that last token as the
     # root + the distinct option tokens): nothing before
     nodes = 1 + len({tuple(model.tokenizer.encode_continuation(o)[:i + 1]) for o in OPTIONS

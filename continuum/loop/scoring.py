@@ -5,7 +5,8 @@ after its context: a token tree (:mod:`continuum.models.token_tree`) whose trunk
 suffix (``state + "\nAnswer:"``'s new text: computed in the same forward, not a prefill before it), options
 sharing a prefix sharing its nodes, each node attending to the row's context and its own ancestors only,
 at the positions it would have alone. A suffix longer than :data:`TRUNK` columns, the prefix cache
-(which may hold it) and classifier-free guidance take the usual prefill first (every column but each
+(which may hold it), classifier-free guidance and hybrid models (whose trees run level by level) take the usual
+prefill first (every column but each
 row's last token cached), the tree rooted at that last token. Every row of the batch is in
 the same forward, which holds ``context + tree`` KV columns per row (never ``options x context``).
 An option's score is the sum of the model's log-probs of its tokens (``method="exact"``; no
@@ -104,7 +105,9 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
                                  f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
     state = recompute_stale(state)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
-    if guidance is not None or getattr(model, "prefix_cache", None) is not None or W - C > TRUNK:
+    # (a hybrid's tree runs level by level on transformers: a trunk there would be a forward per token)
+    if guidance is not None or getattr(model, "prefix_cache", None) is not None or getattr(model, "hybrid", None) \
+            or W - C > TRUNK:
         # the shared suffix first, leaving room for the tree so its forward appends in place
         state = prefill(state, reserve=1 + max(sum(map(len, opts)) for opts in encoded.values()))
         C = kvcache.length(state._kv)  # every column but the last (each row's root) is cached
