@@ -81,7 +81,10 @@ def _run(url: str, stateful: bool) -> tuple[float, list[list[float]], int]:
                 if stateful:  # only the new message; the server continues its stored state
                     ttft[i][t], _, previous = _stream_turn(
                         client.responses.create, model="bench", input=question(i, t), max_output_tokens=REPLY,
-                        temperature=0, previous_response_id=previous, instructions=SYSTEM if t == 0 else None)
+                        temperature=0, previous_response_id=previous, instructions=SYSTEM)
+                    # (instructions every turn: OpenAI's Responses API does not carry them over to the next
+                    # response, so sent once the later turns would drop the system prompt, a different
+                    # conversation from llama-server's, and render a history whose start no longer matches)
                 else:  # the whole history each turn
                     history.append({"role": "user", "content": question(i, t)})
                     parts: list[str] = []
