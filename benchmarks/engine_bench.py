@@ -11,6 +11,9 @@ rotated order, median ratio):
 * B22b a 3-call chain per input (text, then a choice, then a regex, on the state) under ``run_batch``
   vs the same chain as three lockstep list calls over all inputs (>= 0.8x), N = 32 and 128;
 * B22c 128 ``acall``\\ s under ``asyncio.gather`` vs B22a's ``run_batch`` at 128 (>= 0.9x: within 10%).
+* B22d a lone call's own cost outside the model's forwards (setup, the loop's step, finish: wall minus the
+  engine's ``forward_s``), median of many calls on a state plus text: a 1-token text call (<= 0.3 ms, issue 57);
+  a choice among 3 options and a 4-token regex call in the notes.
 
 Skipped cleanly (``B22: skipped (...)``, no row) when the fixture is absent.
 """
@@ -130,7 +133,40 @@ def b22(bench: Bench, cfg) -> list[Row]:
                     cont_s=statistics.median(c.seconds for c in calls["acall"]), reps=len(calls["acall"]),
                     notes=[f"run_batch at {n} measured twice: {rb128:.3f}s (B22a), "
                            f"{statistics.median(c.seconds for c in calls['run_batch']):.3f}s (here)"]))
+    rows.append(b22d(sb, quick))
     return rows
+
+
+def _overhead_ms(model, call: Callable[[], object], n: int) -> float:
+    """Median over ``n`` calls of the wall time outside the engine's forwards (ms), after warm-ups."""
+    for _ in range(10):
+        call()
+    outside = []
+    for _ in range(n):
+        f0 = model.engine.stats()["forward_s"]
+        t0 = time.perf_counter()
+        call()
+        wall = time.perf_counter() - t0
+        outside.append(wall - (model.engine.stats()["forward_s"] - f0))
+    return statistics.median(outside) * 1e3
+
+
+def b22d(sb: Bench, quick: bool) -> Row:
+    model = sb.model
+    text = continuous(generate.text(model, samplers.greedy()))
+    choose = continuous(generate.choice(model, OPTIONS, samplers.greedy()))
+    number = continuous(generate.regex(model, r"[0-9]{2}", samplers.greedy()))
+    s = text("Once upon a time there was a little girl", max_tokens=8)
+    n = 60 if quick else 300
+    log(f"B22d: a lone call's cost outside the forwards, {n} calls each")
+    t = _overhead_ms(model, lambda: text(s + " and", max_tokens=1), n)
+    c = _overhead_ms(model, lambda: choose(s + "\nMood:"), n)
+    r = _overhead_ms(model, lambda: number(s + "\nAge:", max_tokens=4), n)
+    return Row(id="B22d", title="a lone call's own cost outside the forwards (1-token text call on state + text)",
+               baseline="the call's wall time minus the engine's forward_s", figure=t, op="<=", threshold=0.3,
+               unit="ms per call", reps=n,
+               notes=[f"model: {sb.name}", f"text(s + ' and', max_tokens=1) {t:.3f} ms; choice among 3 on s + text "
+                      f"{c:.3f} ms; regex [0-9]{{2}} (3-4 steps) {r:.3f} ms"])
 
 
 ENGINE_SCENARIOS = {"B22": b22}
