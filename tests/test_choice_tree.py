@@ -17,6 +17,7 @@ import torch
 
 from continuum import continuous, generate, models, samplers
 from continuum.models import kv as kvcache
+from continuum.models import token_tree
 
 from conftest import CORPUS, assert_reuse_exact, check_unchanged, snapshot
 
@@ -195,6 +196,28 @@ def test_an_uncached_suffix_is_the_trees_trunk_in_the_same_forward(model):
     check_ranked(cut, out, options, all_scores(model, cut, options))
     for b in range(out.batch):
         assert_reuse_exact(out[b, :, :])
+
+
+def test_a_tree_forward_projects_only_the_nodes_its_owner_reads(model):
+    """``outputs`` (the trunk's end and the options' inner nodes): those columns' logits equal the forward that
+    projects every column, the others are NaN (not computed), and the KV is the same."""
+    gen = continuous(generate.text(model, samplers.greedy()))(PROMPTS, max_tokens=2) + " Answer:"
+    tok, C = model.tokenizer, kvcache.length(gen._kv)
+    suffix = [gen._ids[r, C:][gen._mask[r, C:].bool()].tolist() for r in range(gen.rows)]
+    tree = token_tree.build([s[0] for s in suffix], gen._mask[:, :C].sum(1).tolist(),
+                            [[tok.encode_continuation(o) for o in OPTIONS]] * gen.rows, gen._mask[:, :C], tok.pad_token_id,
+                            trunks=[s[1:] for s in suffix])
+    mask = torch.cat([gen._mask[:, :C], tree.real], 1)
+    every, kv_all = model.forward(tree.ids, mask, tree.positions, gen._kv, logits="all", allowed=tree.allowed)
+    some, kv_some = model.forward(tree.ids, mask, tree.positions, gen._kv, logits="all", allowed=tree.allowed,
+                                  outputs=tree.outputs)
+    read = tree.outputs
+    assert 0 < int(read.sum()) < int(tree.real.sum())  # (the trunk and the leaves are not read)
+    torch.testing.assert_close(some[read], every[read], atol=1e-5, rtol=0)
+    cols = read.any(0)
+    assert bool(some[:, ~cols].isnan().all())
+    for (k1, v1), (k2, v2) in zip(kvcache.tensors(kv_all), kvcache.tensors(kv_some)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_sliding_window_models(spm_tokenizer):

@@ -210,10 +210,10 @@ def test_concurrent_choices_share_their_token_tree_forward(model):
     trees = []
     real_run = model._run
 
-    def spy(ids, mask, pos, past, logits, allowed=None):
+    def spy(ids, mask, pos, past, logits, allowed=None, outputs=None):
         if allowed is not None:
             trees.append(ids.shape[0])
-        return real_run(ids, mask, pos, past, logits, allowed)
+        return real_run(ids, mask, pos, past, logits, allowed, outputs)
 
     model._run = spy
     try:

@@ -393,9 +393,9 @@ def test_guidance_calls_go_through_admission(gpt2_model, mode):
     sizes: list[int] = []
     real_run = gpt2_model._run
 
-    def spy(ids, mask, pos, past, logits, allowed=None):
+    def spy(ids, mask, pos, past, logits, allowed=None, outputs=None):
         sizes.append(ids.shape[0])
-        return real_run(ids, mask, pos, past, logits, allowed)
+        return real_run(ids, mask, pos, past, logits, allowed, outputs)
 
     sched.max_rows = 2
     gpt2_model._run = spy

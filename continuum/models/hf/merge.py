@@ -343,7 +343,11 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     ids, mask, pos = merged_inputs(p, model.device, model.tokenizer.pad_token_id)
     want = "all" if any(r.logits == "all" for r in p.requests) else (
         "none" if all(r.logits == "none" for r in p.requests) else "last")
-    logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last", p.allowed)  # (rows, 1 or N, vocab)
+    outputs = None  # token trees whose owners name the nodes they read: the union's columns only (model._run)
+    named = [r.outputs for r in p.requests if r.outputs is not None]
+    if p.allowed is not None and want == "all" and len(named) == len(p.requests):
+        outputs = torch.cat([o.bool().any(0, keepdim=True) for o in named])
+    logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last", p.allowed, outputs)  # (rows, 1 or N, vocab)
     slab = p.slab
     slab.rows_used = max(slab.rows_used, p.forward_rows)
     slab.end = p.cached + p.new

@@ -256,7 +256,8 @@ class Transformers:
             return hybrid.forward(self, self.hybrid, input_ids, attention_mask, position_ids, cache, logits=logits,
                                   reserve=reserve, allowed=allowed)
         past = to_dynamic_cache(layers_of(cache), self.config, reserve)
-        out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed)
+        out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed,
+                        outputs if allowed is not None and logits == "all" else None)
         with self._count_lock:
             self.tokens_computed += input_ids.numel()
         result = {"last": lambda: out[:, -1, :], "all": lambda: out, "none": lambda: None}[logits]()
@@ -280,9 +281,12 @@ class Transformers:
         """The KV :meth:`save_kv` wrote, on this model's device."""
         return hybrid.load_kv(tensors, meta, self.device)
 
-    def _run(self, input_ids, attention_mask, position_ids, past, logits: str, allowed=None) -> torch.Tensor:
+    def _run(self, input_ids, attention_mask, position_ids, past, logits: str, allowed=None, outputs=None) -> torch.Tensor:
         """One model forward on the ``Cache`` object ``past``; the float32 logits of the last column
-        (``logits != "all"``: shape ``(rows, 1, vocab)``) or of every new column; ``allowed``: see :meth:`forward`."""
+        (``logits != "all"``: shape ``(rows, 1, vocab)``) or of every new column; ``allowed``: see :meth:`forward`.
+        ``outputs`` ``(rows, new)``: only the columns some row reads get the output projection (a token tree's trunk
+        and leaves are not read; on a large vocabulary each column's projection costs about what its layers do),
+        the others are NaN."""
         if allowed is not None:
             mask: Any = self._tree_masks(attention_mask, position_ids, allowed)
         elif self._window is not None:
@@ -295,11 +299,15 @@ class Transformers:
             position_ids=position_ids,
             **cache_kwargs(self.model, past),
             use_cache=True,
-            logits_to_keep=0 if logits == "all" else 1,
+            logits_to_keep=keep if (keep := _kept(outputs)) is not None else (0 if logits == "all" else 1),
         )
         with self._count_lock:
             self.forward_calls += 1
-        return out.logits.float()
+        if keep is None:
+            return out.logits.float()
+        full = torch.full((*input_ids.shape, out.logits.shape[-1]), float("nan"), device=out.logits.device)
+        full[:, keep] = out.logits.float()
+        return full
 
     @property
     def _layers(self) -> int:
@@ -355,3 +363,11 @@ def _execution_device(module: torch.nn.Module, default: torch.device) -> torch.d
         return torch.device(hooked if not isinstance(hooked, int) else f"cuda:{hooked}")
     param = next(module.parameters(), None)
     return param.device if param is not None else default
+
+
+def _kept(outputs: torch.Tensor | None) -> torch.Tensor | None:
+    """The columns whose logits some row reads (``outputs`` ``(rows, new)``), or None: every column."""
+    if outputs is None:
+        return None
+    keep = outputs.bool().any(0).nonzero().flatten()
+    return keep if len(keep) < outputs.shape[1] else None

@@ -46,7 +46,7 @@ def run_requests(model, batch: list[Request], stats: dict) -> None:
             r.materialize()
             t = time.perf_counter()
             lg, kv = model.forward_now(r.ids, r.mask, r.pos, r.kv, logits=r.logits, reserve=r.reserve,
-                                          allowed=r.allowed)
+                                          allowed=r.allowed, outputs=r.outputs)
             stats["forward_s"] += time.perf_counter() - t
             if r.normalize and r.logits == "last":
                 lp, best, top = normalized(lg)
