@@ -2,16 +2,15 @@
 
 Options are tokenized as ``state + option`` would tokenize them. All options of a row run in ONE row
 after its context: a token tree (:mod:`continuum.models.token_tree`) whose trunk is the row's uncached
-suffix (``state + "\nAnswer:"``'s new text: computed in the same forward, not a prefill before it), options
-sharing a prefix sharing its nodes, each node attending to the row's context and its own ancestors only,
-at the positions it would have alone. A suffix longer than :data:`TRUNK` columns, the prefix cache
-(which may hold it), classifier-free guidance and hybrid models (whose trees run level by level) take the usual
-prefill first (every column but each
-row's last token cached), the tree rooted at that last token. Every row of the batch is in
-the same forward, which holds ``context + tree`` KV columns per row (never ``options x context``).
-An option's score is the sum of the model's log-probs of its tokens (``method="exact"``; no
-end-of-option term, so an option that is a prefix of another scores at least as high) or their
-mean (``method="mean"``).
+suffix (``state + "\nAnswer:"``'s new text: computed in the same forward, not a prefill before it),
+options sharing a prefix sharing its nodes, each node attending to the row's context and its own
+ancestors only, at the positions it would have alone. A suffix longer than :data:`TRUNK` columns, the
+prefix cache (which may hold it), classifier-free guidance and hybrid models (whose trees run level by
+level) take the usual prefill first (every column but each row's last token cached), the tree rooted at
+that last token. Every row of the batch is in the same forward, which holds ``context + tree`` KV columns
+per row (never ``options x context``). An option's score is the sum of the model's log-probs of its
+tokens (``method="exact"``; no end-of-option term, so an option that is a prefix of another scores at
+least as high) or their mean (``method="mean"``).
 
 The scores form a ``(rows, options)`` matrix that the usual samplers consume as if options were
 a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keeps the n best
