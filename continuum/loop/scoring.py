@@ -2,7 +2,7 @@
 
 Options are tokenized as ``state + option`` would tokenize them. All options of a row run in ONE row
 after its context: a token tree (:mod:`continuum.models.token_tree`) whose trunk is the row's uncached
-suffix (``state + "\nAnswer:"``'s new text: computed in the same forward, not a prefill before it),
+suffix (``state + " Answer:"``'s new text: computed in the same forward, not a prefill before it),
 options sharing a prefix sharing its nodes, each node attending to the row's context and its own
 ancestors only, at the positions it would have alone. A suffix longer than :data:`TRUNK` columns, the
 prefix cache (which may hold it), classifier-free guidance and hybrid models (whose trees run level by
