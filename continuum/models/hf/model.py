@@ -226,7 +226,8 @@ class Transformers:
         attends to, instead of "every real column up to itself" (a token tree: options scored side
         by side after one context, see :mod:`continuum.loop.scoring`); ``position_ids`` then say where
         each new column sits. The sliding window, when the model has one, still applies by position.
-        ``outputs``: which tree nodes' logits are read (the protocol's hint; every node's is computed here).
+        ``outputs``: with ``allowed`` and ``logits="all"``, which columns' logits are read ``(rows, new)``: only
+        those columns get the output projection, the others are NaN (:meth:`_run`).
 
         While other calls decode on this model (other threads), the forward is merged with theirs
         (:mod:`continuum.loop.engine`); the result is the same.
@@ -235,7 +236,7 @@ class Transformers:
         if engine is not None:
             return engine.forward(input_ids, attention_mask, position_ids, cache, logits, reserve, allowed, outputs)
         return self.forward_now(input_ids, attention_mask, position_ids, cache, logits=logits, reserve=reserve,
-                                   allowed=allowed)
+                                   allowed=allowed, outputs=outputs)
 
     def run_step(self, requests: list, stats: dict) -> None:
         """Run one engine step's forward requests (:class:`~continuum.models.request.Request`): merged forwards by

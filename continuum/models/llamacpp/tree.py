@@ -166,7 +166,7 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
         lg = torch.zeros((R, T, backend.vocab_size))
         for i, row in enumerate(req_rows):
             done = [node for node in row.nodes if (first + i, node) in order]
-            lg[i, [node for node in row.nodes if (first + i, node) not in order]] = float("nan")  # (not computed: _decode)
+            lg[i, row.nodes] = float("nan")  # (the nodes _decode did not compute stay NaN)
             lg[i, done] = out[[order[(first + i, node)] for node in done]]
         cols = r.kv.cols if r.kv is not None else torch.zeros((R, 0), dtype=torch.bool)
         r.result, r.error = (lg, TreeKV(req_rows, views[first:first + R], cols, T)), None
