@@ -276,6 +276,39 @@ def test_stacking_many_states_lays_each_row_out_as_it_was(model):
     batch = g(["Once upon a time", "The dog", "Le café 東京 🤗"], max_tokens=4)
     parts = [batch[1, :], batch[0:2, :], batch[2, :5] + " then", SequenceState.from_prompts(model, ["hello there"]),
              batch[0, :] + " and so on", g("A", max_tokens=1)]
+    _assert_stacked_as_they_were(parts)
+
+
+def test_a_joint_calls_rows_stack_back_as_they_were(model):
+    """The states a joint call hands its callers (``loop/coalesce._split``: lazy views of the joint cache, short
+    callers' rows copied out together) stacked again, as run_batch's next joint call does, mixed with text added, cuts,
+    another joint call's rows and a state of its own: the same layout as above, read against each part's own cache.
+    A short caller's cache does not keep the joint call's storage alive; a long one's is a view of it."""
+    from continuum.loop.coalesce import _split
+
+    g = greedy_c(model)
+    prompts = ["Once upon a time there was a very long story about", "The dog", "Le café 東京 🤗", "A",
+               "She said that the weather", "Hi"]
+    joint = g(prompts, max_tokens=4)
+    callers = [SequenceState.from_prompts(model, [p]) for p in prompts[:2]] + \
+        [SequenceState.from_prompts(model, prompts[2:4])] + [SequenceState.from_prompts(model, [p]) for p in prompts[4:]]
+    parts = _split(joint, callers)
+    assert [list(p) for p in parts] == [[t] for t in list(joint)[:2]] + [list(joint)[2:4]] + [[t] for t in list(joint)[4:]]
+    other = _split(g(["Why", "Because it"], max_tokens=3), [SequenceState.from_prompts(model, [p]) for p in ["Why", "B"]])
+    mixed = [parts[0], parts[1] + " and then", parts[2], parts[3][:4], other[1], parts[4] + "!", other[0],
+             SequenceState.from_prompts(model, ["hello there"]), parts[2][1, :]]
+    _assert_stacked_as_they_were(mixed)
+    _assert_stacked_as_they_were(parts)  # (every caller in order: the whole joint cache, gathered at once)
+    joint_storage = kv_layers(joint)[0][0].untyped_storage().data_ptr()
+    C = kv_layers(joint)[0][0].shape[2]
+    for p in parts:
+        k = kv_layers(p)[0][0]
+        short = 2 * k.shape[2] < C
+        assert (k.untyped_storage().data_ptr() == joint_storage) is not short, (k.shape, C)
+        assert_reuse_exact(p)
+
+
+def _assert_stacked_as_they_were(parts: list) -> None:
     stacked = SequenceState.stack(parts)
     from continuum.models import kv
 

@@ -158,32 +158,42 @@ def run(key: tuple, generator: Any, state: SequenceState, alone: Callable[[Seque
 def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceState]:
     """Each caller's rows of the joint result (batch-major: a caller's batch items and their samples together).
 
-    On transformers a caller's rows are views of the joint result (its tensors and its cache): no copy per caller,
-    each view without the leading columns that are padding in all its rows; a caller whose rows are less than
-    half the joint cache's width gets its cache in storage of its own (``kv.compact`` of its view: ~0.1 ms, where
-    ``_select``'s general path took ~0.3), so a short row never keeps a long one's storage alive. Another backend's
-    handle selects its rows (``_select``)."""
-    out, row, samples = [], 0, joint.samples
+    On transformers a caller's rows are lazy views of the joint result (its tensors, and its cache: ``kv.split_rows``,
+    no view made until someone reads them, and stacking them for the next joint call gathers from the joint cache
+    directly), each without the leading columns that are padding in all its rows; callers whose rows are less than
+    half the joint cache's width get their caches in storage of their own, shared by them only (one copy for all of
+    them), so a short row never keeps a long one's storage alive. Another backend's handle selects its rows
+    (``_select``)."""
+    samples = joint.samples
     C = kvcache.length(joint._kv)
     real = joint._mask != 0
     first = real.to(torch.int8).argmax(1).tolist()  # each row's first real column
     # views: transformers' tensors, and an uncached suffix real in every row (right-aligned; else _select drops holes)
     views = (joint._kv is None or kvcache.tensors(joint._kv) is not None) and bool(real[:, C:].all())
+    if not views:
+        out, row = [], 0
+        for s in states:
+            out.append(joint._select(range(row, row + s.batch * samples), s.batch, samples))
+            row += s.batch * samples
+        return out
+    spans, row = [], 0
     for s in states:
         n = s.batch * samples
-        lead = min(min(first[row:row + n]), C)
-        if views:
-            last = joint._last.select(range(row, row + n)) if joint._last is not None else None
-            kv = None if joint._kv is None or lead == C else kvcache.rows(joint._kv, row, n, lead)  # (views)
-            if kv is not None and 2 * (C - lead) < C:
-                kv = kvcache.compact(kv)
-            out.append(SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:],
-                                     mask=joint._mask[row:row + n, lead:], logprobs=joint._logprobs[row:row + n, lead:],
-                                     weights=joint._weights[row:row + n], kv=kv, batch=s.batch, samples=samples,
-                                     last=last))
-        else:
-            out.append(joint._select(range(row, row + n), s.batch, samples))
+        spans.append((row, n, min(min(first[row:row + n]), C)))
         row += n
+    cached = [lead < C for _, _, lead in spans]
+    kvs: list = [None] * len(states)
+    if joint._kv is not None and any(cached):
+        at = [i for i, c in enumerate(cached) if c]
+        for i, kv in zip(at, kvcache.split_rows(joint._kv, [spans[i] for i in at],
+                                                [2 * (C - spans[i][2]) < C for i in at])):
+            kvs[i] = kv
+    out = []
+    for s, (row, n, lead), kv in zip(states, spans, kvs):
+        last = joint._last.select(range(row, row + n)) if joint._last is not None else None
+        out.append(SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:], mask=joint._mask[row:row + n, lead:],
+                                 logprobs=joint._logprobs[row:row + n, lead:], weights=joint._weights[row:row + n], kv=kv,
+                                 batch=s.batch, samples=samples, last=last))
     return out
 
 

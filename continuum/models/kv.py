@@ -144,6 +144,23 @@ def rows(kv: KV, start: int, n: int, lead: int) -> KV:
     return narrow(select_rows(kv, torch.arange(start, start + n)), n, lead)
 
 
+def split_rows(kv: KV, spans: list[tuple[int, int, int]], own: list[bool]) -> list[KV]:
+    """:func:`rows` for each ``(start, n, lead)`` of ``spans`` (a joint call's callers), each marked ``own`` in
+    storage that does not keep the others' rows alive (:func:`compact`; a backend may copy them all at once)."""
+    split = getattr(type(kv), "split_rows", None)
+    if split is not None:
+        return split(kv, spans, own)
+    out = [rows(kv, *span) for span in spans]
+    return [compact(k) if o else k for k, o in zip(out, own)]
+
+
+def row_span(kv: KV) -> tuple[Any, int, int] | None:
+    """``(tensors, first row, first column)``: where a transformers cache's rows and columns lie (the parent a lazy
+    row view reads, or its own tensors from ``(0, 0)``); None for a backend without tensors."""
+    own = getattr(kv, "row_span", None)
+    return None if own is None else own()
+
+
 def finish(kv: KV, columns: int) -> KV:
     """What a finished call hands to its result state: its first ``columns`` columns, with the storage it no longer
     needs given back (a handle's own ``finish`` where it has one: transformers copies a small part of the engine's

@@ -11,7 +11,7 @@ from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
 from ..loop.arrivals import gated
 from ..models import kv as kvcache
 from ..models.tokenizer import check_encodable
-from . import stacking
+from . import convert, stacking
 from .convert import check_same_model
 from .core import _NAN, SequenceState
 
@@ -161,7 +161,7 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
             raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}: "
                                  f"select the same number of samples from each, e.g. state[:, :1, :]")
         check_same_model(first, s, "stack")
-    states = [s.to_model(first._model) for s in states]  # the same model: only a changed dtype/device converts
+    states = convert.to_model_all(states, first._model)  # the same model: only a changed dtype/device converts
     widths = [(kvcache.length(s._kv), s._ids.shape[1] - kvcache.length(s._kv)) for s in states]
     C, S = max(c for c, _ in widths), max(w for _, w in widths)
     ids, mask, lp = stacking.tokens(states, widths, C, S, first._model.tokenizer.pad_token_id)

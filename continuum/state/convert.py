@@ -78,6 +78,25 @@ def to_model(state: SequenceState, model) -> SequenceState:
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 
 
+def to_model_all(states: list[SequenceState], model) -> list[SequenceState]:
+    """:func:`to_model` of each state (a stack's), the model's device, KV dtype and layer devices read once: a state of
+    ``model`` whose cache already has them is kept as it is (128 joint-call callers' states stacked again: B22b)."""
+    if not states:
+        return states
+    dev, where, kv_dtype = model.device, None, None
+    out = []
+    for s in states:
+        kv = s._kv
+        if s._model is model and s._ids.device == dev and kv is not None and not kvcache.opaque(kv):
+            if where is None:
+                where, kv_dtype = model.layer_devices, model.kv_dtype
+            if kvcache.dtype(kv) == kv_dtype and kvcache.devices(kv) == where:
+                out.append(s)
+                continue
+        out.append(to_model(s, model))
+    return out
+
+
 def uncached(state: SequenceState, model) -> SequenceState:
     """The same tokens, weights, log-probs and last step on ``model``, with no cache."""
     if kvcache.length(state._kv) == 0 and state._model is model:

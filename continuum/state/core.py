@@ -152,8 +152,11 @@ class SequenceState:
         return self._cache["real"]
 
     def _cached_real(self) -> list[int]:
-        C = kvcache.length(self._kv)
-        return self._mask[:, :C].sum(1).tolist() if C else [0] * self.rows
+        """Per row: how many real tokens the cache covers (memoised: ``state + text`` asks twice)."""
+        if "cached" not in self._cache:
+            C = kvcache.length(self._kv)
+            self._cache["cached"] = self._mask[:, :C].sum(1).tolist() if C else [0] * self.rows
+        return list(self._cache["cached"])
 
     @property
     def texts(self) -> list[str]:

@@ -4,8 +4,8 @@ Each state's cached columns are right-aligned at column ``C`` (the widest cache)
 (the widest suffix); columns a row does not fill are padding (``pad_id``, mask 0, NaN log-prob, zero KV). Written row
 by row this was a handful of small tensor operations per state and layer: 128 one-row states from a joint call took
 ~13 ms to stack on stories260K (B22b: run_batch's joint calls stack their callers' states before each call). Here each
-of ids, mask and log-probs is one scatter, and each layer's keys and values one concatenation and one scatter, for
-every row together: the same tensors, bit for bit.
+of ids, mask and log-probs is one scatter, and each layer's keys and values one gather and one scatter per parent
+cache (the states a joint call handed out share one), for every row together: the same tensors, bit for bit.
 
 Example:
     >>> ids, mask, lp = tokens(states, widths, C, S, pad_id)          # doctest: +SKIP
@@ -66,33 +66,48 @@ def tokens(states: Sequence[Any], widths: Sequence[tuple[int, int]], C: int, S: 
 def kv_layers(states: Sequence[Any], widths: Sequence[tuple[int, int]], C: int) -> tuple:
     """The stacked rows' KV tensors, one ``(keys, values)`` pair per layer, ``(rows, heads, C, head_dim)``: each row's
     cached columns right-aligned at ``C``, zeros before them (masked; never uninitialised memory, as 0 x NaN is NaN
-    in attention)."""
-    own = [kvcache.tensors(s._kv) for s in states]
-    ref = next(t for t in own if t is not None)
+    in attention).
+
+    Each state's cache is read where it lies (``kv.row_span``): the states a joint call handed its callers are lazy
+    views of one parent cache, so stacking them back is one gather and one scatter per tensor from that parent, not a
+    view and a copy per state."""
     cached, _ = _rows(states, widths)
-    rows = [(r, c) for r, c in enumerate(cached) if c]  # (rows without a cache keep zeros)
-    index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    R = len(cached)
+    # per parent cache (by identity): where each of its cached entries comes from and goes to
+    sources: dict[int, tuple[Any, list[tuple[int, int, int, int, int]]]] = {}
+    row = 0
+    for s, (c, _) in zip(states, widths):
+        if c and s._kv is not None:
+            span = kvcache.row_span(s._kv)
+            assert span is not None  # (a backend without tensors stacks its own handles: combine.stack)
+            parent, first, lead = span
+            sources.setdefault(id(parent), (parent, []))[1].append((row, s.rows, c, first, lead))
+        row += s.rows
+    ref = next(iter(sources.values()))[0]
+    plans: list[tuple[Any, dict, tuple[torch.Tensor, ...]]] = []
+    for parent, spans in sources.values():
+        at_row, at_n, at_c, at_first, at_lead = (torch.tensor(x) for x in zip(*spans))  # (one entry per state)
+        per = torch.repeat_interleave(at_c, at_n)  # each row's cached columns
+        rows_out = torch.repeat_interleave(torch.repeat_interleave(at_row, at_n) + _offsets(at_n), per)
+        rows_in = torch.repeat_interleave(torch.repeat_interleave(at_first, at_n) + _offsets(at_n), per)
+        j = _offsets(per)
+        cols_out = C - torch.repeat_interleave(per, per) + j
+        cols_in = torch.repeat_interleave(torch.repeat_interleave(at_lead, at_n), per) + j
+        plans.append((parent, {}, (rows_in, cols_in, rows_out, cols_out)))
 
-    def where(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in index:
-            r = torch.tensor([r for r, _ in rows])
-            c = torch.tensor([c for _, c in rows])
-            row = torch.repeat_interleave(r, c)
-            col = C - torch.repeat_interleave(c, c) + _offsets(c)
-            index[device] = (row.to(device), col.to(device))
-        return index[device]
+    def at(cache: dict, index: tuple, device: torch.device) -> tuple:
+        if device not in cache:
+            cache[device] = tuple(t.to(device) for t in index)
+        return cache[device]
 
-    layers, R = [], len(cached)
+    layers = []
     for i, (k0, _) in enumerate(ref):
         pair = []
         for part in (0, 1):
             out = k0.new_zeros((R, k0.shape[1], C, k0.shape[3]))
-            if rows:
-                # every row's (heads, columns, head_dim) side by side along the columns, then one scatter
-                src = torch.cat([x for t, (c, _) in zip(own, widths) if c and t is not None
-                                 for x in t[i][part].unbind(0)], 1)
-                row, col = where(out.device)
-                out[row, :, col] = src.transpose(0, 1)
+            for parent, cache, index in plans:
+                rows_in, cols_in, rows_out, cols_out = at(cache, index, out.device)
+                out[rows_out, :, cols_out] = parent[i][part][rows_in, :, cols_in]
             pair.append(out)
         layers.append((pair[0], pair[1]))
     return tuple(layers)

@@ -24,12 +24,12 @@ def layer_kinds(config) -> tuple[int, bool]:
     back needs them) and the model adapter masks what lies outside the window. Other kinds (linear
     attention) would need another cache layout and are refused; recurrent layers (convolution, SSM state) are
     counted: :mod:`continuum.models.hf.hybrid` serves them."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
-
     seen = _CHECKED_CONFIGS.get(id(config))
     if seen is not None and seen[0]() is config:  # ids are reused once a config is freed
         return seen[1], seen[2]
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
     layers = DynamicCache(config=config).layers
     # (recurrent layers are hybrid.py's: its HybridKV carries them; spec_of refuses the families it cannot serve)
     bad = {type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)
