@@ -57,6 +57,8 @@ def to_model(state: SequenceState, model) -> SequenceState:
     """``state`` for ``model`` (see the module docstring); ``state`` itself when nothing changes."""
     if not hasattr(model, "tokenizer") or not hasattr(model, "same_model"):
         raise TypeError(f"to_model takes a continuum model (models.Transformers), got {type(model).__name__}")
+    if state._model is model and _unchanged(state, model):  # (every call's input: nothing to compare or move)
+        return state
     check_tokenizer(state, model, "cannot move this state to another model")
     if not state._model.same_model(model):
         return uncached(state, model)
@@ -76,6 +78,17 @@ def to_model(state: SequenceState, model) -> SequenceState:
         kv = kvcache.to_devices(kv, where)  # (where is None only without a cache: nothing to move)
     return SequenceState(model=model, ids=state._ids.to(dev), mask=state._mask.to(dev), logprobs=state._logprobs.to(dev),
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
+
+
+def _unchanged(state: SequenceState, model) -> bool:
+    """Whether ``state`` (of ``model``) is where ``model`` computes now: its ids on the model's device, its cache (if
+    any) of the model's KV dtype on its layers' devices. A backend's opaque handle is checked the long way."""
+    kv = state._kv
+    if state._ids.device != model.device:
+        return False
+    if kv is None:
+        return True
+    return not kvcache.opaque(kv) and kvcache.dtype(kv) == model.kv_dtype and kvcache.devices(kv) == model.layer_devices
 
 
 def to_model_all(states: list[SequenceState], model) -> list[SequenceState]:
