@@ -29,6 +29,7 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 
+import continuum
 from continuum import SequenceState, SlicingError, continuous, generate, samplers
 from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.models import kv as kvcache
@@ -321,7 +322,7 @@ class Program:
             prev_offset = offset
             ops = ["gen", "gen", "slice", "add_text", "add_list", "add_state", "radd", "select"]
             if state.samples == 1:
-                ops += ["fork", "fork"]
+                ops += ["fork", "fork", "joint"]
             if state.batch <= 2:
                 ops += ["stack"]
             op = self.draw(st.sampled_from(ops), "op")
@@ -334,6 +335,22 @@ class Program:
                     groups = offset.reshape(state.batch, state.samples)
                     offset = offset if bool((groups == groups[:, :1]).all()) else None
                 what = f"gen({kind}{state.samples}, max_tokens={k})"
+            elif op == "joint":
+                # each batch row a run_batch program of its own (and row 0 twice, so there are always two): their
+                # greedy calls run as ONE joint call, whose rows come back as lazy views of its cache, short
+                # callers' copied out together (loop/coalesce._split); then stacked again, or one caller kept
+                k = self.draw(st.integers(1, 3), "k")
+                parts = [state[b, :, :] for b in range(state.batch)] + [state[0, :, :]]
+                gen = continuous(generate.text(model, samplers.greedy()))
+                outs = continuum.run_batch(lambda s, k=k, gen=gen: gen(s, max_tokens=k), parts, concurrency=len(parts))
+                keep = self.draw(st.sampled_from(["stack", "first", "last"]), "keep")
+                if keep == "stack":
+                    new = SequenceState.stack(outs[:state.batch])
+                else:
+                    new = outs[0] if keep == "first" else outs[-1]
+                    offset = offset[:1] if offset is not None else None
+                assert list(outs[-1]) == list(outs[0])  # (row 0 twice: the same rows of the joint call)
+                what = f"joint(max_tokens={k}, {keep})"
             elif op == "fork":
                 n = self.draw(st.integers(2, 3), "n")
                 beam = self.draw(st.booleans(), "beam")
