@@ -92,22 +92,19 @@ def _unchanged(state: SequenceState, model) -> bool:
 
 
 def to_model_all(states: list[SequenceState], model) -> list[SequenceState]:
-    """:func:`to_model` of each state (a stack's), the model's device, KV dtype and layer devices read once: a state of
-    ``model`` whose cache already has them is kept as it is (128 joint-call callers' states stacked again: B22b)."""
-    if not states:
-        return states
-    dev, where, kv_dtype = model.device, None, None
-    out = []
-    for s in states:
+    """:func:`to_model` of each state (a stack's), ``model``'s device, KV dtype and layer devices read once for all
+    (128 callers' states of a joint call stacked again: B22b)."""
+    facts: list = []
+
+    def unchanged(s: SequenceState) -> bool:
         kv = s._kv
-        if s._model is model and s._ids.device == dev and kv is not None and not kvcache.opaque(kv):
-            if where is None:
-                where, kv_dtype = model.layer_devices, model.kv_dtype
-            if kvcache.dtype(kv) == kv_dtype and kvcache.devices(kv) == where:
-                out.append(s)
-                continue
-        out.append(to_model(s, model))
-    return out
+        if s._model is not model or kv is None or kvcache.opaque(kv):
+            return False
+        if not facts:
+            facts.extend((model.device, model.kv_dtype, model.layer_devices))
+        return s._ids.device == facts[0] and kvcache.dtype(kv) == facts[1] and kvcache.devices(kv) == facts[2]
+
+    return [s if unchanged(s) else to_model(s, model) for s in states]
 
 
 def uncached(state: SequenceState, model) -> SequenceState:
