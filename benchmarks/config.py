@@ -23,7 +23,7 @@ SMOKE_SIZES: dict = {
     "b19_n": 2, "b19_article": 40, "b19_new": 2,
     "b20_n": 2, "b20_doc": 40,
     "b21_new": 2, "b21_doc": 30,
-    "b22_new": 2, "b22_sizes": (2,), "b22_steps": (1,),
+    "b22_new": 2, "b22_sizes": (2,), "b22_steps": (1,), "b22e_calls": 10,
     "b23_budget": 8, "b23_answer": 8, "b23_turns": 2,
 }
 

@@ -10,10 +10,12 @@ rotated order, median ratio):
   as N rises: the step is shared);
 * B22b a 3-call chain per input (text, then a choice, then a regex, on the state) under ``run_batch``
   vs the same chain as three lockstep list calls over all inputs (>= 0.8x), N = 32 and 128;
-* B22c 128 ``acall``\\ s under ``asyncio.gather`` vs B22a's ``run_batch`` at 128 (>= 0.9x: within 10%).
+* B22c 128 acalls under ``asyncio.gather`` vs B22a's ``run_batch`` at 128 (>= 0.9x: within 10%).
 * B22d a lone call's own cost outside the model's forwards (setup, the loop's step, finish: wall minus the
   engine's ``forward_s``), median of many calls on a state plus text: a 1-token text call (<= 0.3 ms, issue 57);
   a choice among 3 options and a 4-token regex call in the notes.
+* B22e lone calls right after a burst of acalls against the same calls before it (>= 0.9x): the engine's own
+  thread, which drove the burst, must not slow this thread's operations afterwards.
 
 Skipped cleanly (``B22: skipped (...)``, no row) when the fixture is absent.
 """
@@ -134,6 +136,7 @@ def b22(bench: Bench, cfg) -> list[Row]:
                     notes=[f"run_batch at {n} measured twice: {rb128:.3f}s (B22a), "
                            f"{statistics.median(c.seconds for c in calls['run_batch']):.3f}s (here)"]))
     rows.append(b22d(sb, quick))
+    rows.append(b22e(sb, int(getattr(cfg, "b22e_calls", 60 if quick else 200))))
     return rows
 
 
@@ -167,6 +170,62 @@ def b22d(sb: Bench, quick: bool) -> Row:
                unit="ms per call", reps=n,
                notes=[f"model: {sb.name}", f"text(s + ' and', max_tokens=1) {t:.3f} ms; choice among 3 on s + text "
                       f"{c:.3f} ms; regex [0-9]{{2}} (3-4 steps) {r:.3f} ms"])
+
+
+def _lone_ms(call: Callable[[], object], n: int) -> float:
+    """Median wall time of ``n`` calls (ms), after warm-ups."""
+    for _ in range(10):
+        call()
+    walls = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls) * 1e3
+
+
+def b22e(sb: Bench, n: int) -> Row:
+    """Lone calls in a thread right after a burst of acalls (driven by the engine's own thread) against the same calls
+    before it, in a fresh interpreter (no thread here has computed beside this one yet): while a second thread that
+    computed lives, every OpenMP operation of the first wakes its team through the kernel
+    (loop/driving.Driving._serve), 3-4x on stories260K when the engine's thread stayed."""
+    log(f"B22e: {n} lone calls before and right after 16 acalls (a fresh interpreter)")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    threads = torch.get_num_threads()  # (this run's, as configured: --threads)
+    code = f"import json, benchmarks.engine_bench as e; print(json.dumps(e._before_after({str(STORIES)!r}, {n}, {threads})))"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"B22e's interpreter failed: {out.stderr[-2000:]}")
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    return Row(id="B22e", title="lone calls right after a burst of acalls vs before it (4-token text call)",
+               baseline="the same calls before the burst", figure=before / after, op=">=", threshold=0.9,
+               unit="x calls/s", reps=n, notes=[f"model: {sb.name}", f"before {before:.3f} ms, after {after:.3f} ms a call"])
+
+
+def _before_after(path: str, n: int, threads: int) -> tuple[float, float]:
+    """B22e's measurement (in its own interpreter): ms per lone call before and right after 16 acalls."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model = load_bench(path).model
+    text = continuous(generate.text(model, samplers.greedy()))
+    gen = generate.text(model, samplers.greedy())
+    s = text("Once upon a time there was a little girl", max_tokens=8)
+    call = lambda: text(s + " and", max_tokens=4)  # noqa: E731
+
+    async def burst():
+        return await asyncio.gather(*(gen.acall(f"Story {i}: once", max_tokens=8) for i in range(16)))
+
+    before = _lone_ms(call, n)
+    asyncio.run(burst())
+    return before, _lone_ms(call, n)
 
 
 ENGINE_SCENARIOS = {"B22": b22}
