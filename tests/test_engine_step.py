@@ -127,6 +127,31 @@ def test_an_idle_engine_takes_no_cpu_and_its_thread_leaves(gpt2_model):
     assert concurrently(streams, timeout=60) == first  # (nobody drove them: a timeout)
 
 
+def test_a_thread_that_hands_its_calls_over_computes_on_one_thread():
+    """acall's workers, a server's request threads and run_batch's call threads never drive the engine
+    (``never_drive``); their own tensor operations run on one thread, so they make no OpenMP team beside the
+    computing thread's (loop/omp.py), while the other threads keep their setting."""
+    from continuum.loop import omp
+    from continuum.loop.driving import never_drive
+
+    if torch.get_num_threads() < 2 or omp._runtime() is None:
+        pytest.skip("one torch thread, or no OpenMP runtime found in this process: nothing to set")
+    seen: dict = {}
+
+    def worker() -> None:
+        seen["before"] = torch.get_num_threads()
+        never_drive()
+        seen["after"] = torch.get_num_threads()
+        seen["value"] = torch.log_softmax(torch.arange(8 * 65536, dtype=torch.float32).reshape(8, -1), -1)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["before"] == torch.get_num_threads() >= 2 and seen["after"] == 1
+    x = torch.arange(8 * 65536, dtype=torch.float32).reshape(8, -1)
+    assert torch.equal(seen["value"], torch.log_softmax(x, -1))  # (the same values, computed on one thread)
+
+
 class _Exploding:
     """A guide that fails at its third mask: a bug in one call's constraint, mid-batch."""
 

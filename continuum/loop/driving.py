@@ -15,6 +15,7 @@ from ..models.request import Request
 from .arrivals import ARRIVALS, GATE
 from .call import Call
 from .host import HOST
+from .omp import one_thread
 
 __all__ = ["Driving", "never_drive"]
 
@@ -25,8 +26,11 @@ _local = threading.local()
 
 def never_drive() -> None:
     """This thread (a long-lived pool's: asyncio's workers, a server's) never runs the engines' steps itself: they
-    run on each engine's own thread (or the run_batch host), so the threads computing stay few (see ``_hop``)."""
+    run on each engine's own thread (or the run_batch host), so the threads computing stay few (see ``_hop``); its
+    own tensor operations (stacking and splitting joint calls' rows) run on one thread, so it makes no OpenMP team
+    of its own beside the computing thread's (:mod:`.omp`)."""
     _local.never = True
+    one_thread()
 
 
 def _stop_all() -> None:

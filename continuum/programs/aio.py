@@ -22,6 +22,7 @@ from typing import Any
 from ..loop.arrivals import ARRIVALS, Handoff
 from ..loop.cancel import Cancelled, CancelToken, bound, current
 from ..loop.driving import never_drive
+from ..loop.omp import release_team
 from .lockstep import AVAILABLE, Lockstep
 
 __all__ = ["ASYNC_WORKERS", "to_thread", "AsyncStream"]
@@ -111,6 +112,7 @@ _ticks: dict[asyncio.AbstractEventLoop, _Tick] = {}
 def _flush(loop: asyncio.AbstractEventLoop, tick: _Tick) -> None:
     if _ticks.get(loop) is tick:
         del _ticks[loop]
+    release_team()  # (this thread waits in its event loop while the engine's thread computes: loop/omp.py)
     tick.limit = min(len(tick.items), ASYNC_WORKERS)
     ARRIVALS.expect()  # (the tick's runner is on its way to the engine: it claims the count)
     _pool().submit(_run_tick, tick)
