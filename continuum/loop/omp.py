@@ -40,8 +40,10 @@ def _runtime() -> tuple[str, ctypes.CDLL] | None:
             paths = {line.split()[-1] for line in f if "/" in line}
     except OSError:
         return None
+    # (torch's own copy first: where another library brought a second copy under another path, torch uses its own)
+    ordered = sorted(paths, key=lambda p: ("/torch/lib/" not in p, p))
     for name in _RUNTIMES:
-        for path in sorted(paths):
+        for path in ordered:
             if path.rsplit("/", 1)[-1].startswith(name + "."):
                 try:
                     lib = ctypes.CDLL(path)
