@@ -140,18 +140,19 @@ def b22(bench: Bench, cfg) -> list[Row]:
     return rows
 
 
-def _overhead_ms(model, call: Callable[[], object], n: int) -> float:
-    """Median over ``n`` calls of the wall time outside the engine's forwards (ms), after warm-ups."""
+def _median_ms(call: Callable[[], object], n: int, model=None) -> float:
+    """Median over ``n`` calls of the wall time (ms), after warm-ups; outside ``model``'s forwards when it is given
+    (wall time minus the engine's ``forward_s``)."""
     for _ in range(10):
         call()
-    outside = []
+    times = []
     for _ in range(n):
-        f0 = model.engine.stats()["forward_s"]
+        f0 = model.engine.stats()["forward_s"] if model is not None else 0.0
         t0 = time.perf_counter()
         call()
         wall = time.perf_counter() - t0
-        outside.append(wall - (model.engine.stats()["forward_s"] - f0))
-    return statistics.median(outside) * 1e3
+        times.append(wall - (model.engine.stats()["forward_s"] - f0) if model is not None else wall)
+    return statistics.median(times) * 1e3
 
 
 def b22d(sb: Bench, quick: bool) -> Row:
@@ -162,26 +163,14 @@ def b22d(sb: Bench, quick: bool) -> Row:
     s = text("Once upon a time there was a little girl", max_tokens=8)
     n = 60 if quick else 300
     log(f"B22d: a lone call's cost outside the forwards, {n} calls each")
-    t = _overhead_ms(model, lambda: text(s + " and", max_tokens=1), n)
-    c = _overhead_ms(model, lambda: choose(s + "\nMood:"), n)
-    r = _overhead_ms(model, lambda: number(s + "\nAge:", max_tokens=4), n)
+    t = _median_ms(lambda: text(s + " and", max_tokens=1), n, model)
+    c = _median_ms(lambda: choose(s + "\nMood:"), n, model)
+    r = _median_ms(lambda: number(s + "\nAge:", max_tokens=4), n, model)
     return Row(id="B22d", title="a lone call's own cost outside the forwards (1-token text call on state + text)",
                baseline="the call's wall time minus the engine's forward_s", figure=t, op="<=", threshold=0.3,
                unit="ms per call", reps=n,
                notes=[f"model: {sb.name}", f"text(s + ' and', max_tokens=1) {t:.3f} ms; choice among 3 on s + text "
                       f"{c:.3f} ms; regex [0-9]{{2}} (3-4 steps) {r:.3f} ms"])
-
-
-def _lone_ms(call: Callable[[], object], n: int) -> float:
-    """Median wall time of ``n`` calls (ms), after warm-ups."""
-    for _ in range(10):
-        call()
-    walls = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls) * 1e3
 
 
 def b22e(sb: Bench, n: int) -> Row:
@@ -223,9 +212,9 @@ def _before_after(path: str, n: int, threads: int) -> tuple[float, float]:
     async def burst():
         return await asyncio.gather(*(gen.acall(f"Story {i}: once", max_tokens=8) for i in range(16)))
 
-    before = _lone_ms(call, n)
+    before = _median_ms(call, n)
     asyncio.run(burst())
-    return before, _lone_ms(call, n)
+    return before, _median_ms(call, n)
 
 
 ENGINE_SCENARIOS = {"B22": b22}

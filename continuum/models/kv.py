@@ -147,9 +147,9 @@ def rows(kv: KV, start: int, n: int, lead: int) -> KV:
 def split_rows(kv: KV, spans: list[tuple[int, int, int]], own: list[bool]) -> list[KV]:
     """:func:`rows` for each ``(start, n, lead)`` of ``spans`` (a joint call's callers), each marked ``own`` in
     storage that does not keep the others' rows alive (:func:`compact`; a backend may copy them all at once)."""
-    split = getattr(type(kv), "split_rows", None)
+    split = getattr(kv, "split_rows", None)
     if split is not None:
-        return split(kv, spans, own)
+        return split(spans, own)
     out = [rows(kv, *span) for span in spans]
     return [compact(k) if o else k for k, o in zip(out, own)]
 

@@ -80,31 +80,37 @@ def to_model(state: SequenceState, model) -> SequenceState:
                          weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
 
 
-def _unchanged(state: SequenceState, model) -> bool:
-    """Whether ``state`` (of ``model``) is where ``model`` computes now: its ids on the model's device, its cache (if
-    any) of the model's KV dtype on its layers' devices. A backend's opaque handle is checked the long way."""
+def _where(model) -> tuple:
+    """Where ``model`` computes now: its device, its KV dtype, its layers' devices."""
+    return model.device, model.kv_dtype, model.layer_devices
+
+
+def _unchanged(state: SequenceState, model, where: tuple | None = None) -> bool:
+    """Whether ``state`` (of ``model``) is where ``model`` computes now (``where``: :func:`_where`, read once by a
+    caller checking many states): its ids on the model's device, its cache (if any) of the model's KV dtype on its
+    layers' devices. A backend's opaque handle is checked the long way."""
     kv = state._kv
-    if state._ids.device != model.device:
-        return False
     if kv is None:
-        return True
-    return not kvcache.opaque(kv) and kvcache.dtype(kv) == model.kv_dtype and kvcache.devices(kv) == model.layer_devices
+        return state._ids.device == model.device
+    if kvcache.opaque(kv):
+        return False
+    dev, kv_dtype, layers = where or _where(model)
+    return state._ids.device == dev and kvcache.dtype(kv) == kv_dtype and kvcache.devices(kv) == layers
 
 
 def to_model_all(states: list[SequenceState], model) -> list[SequenceState]:
     """:func:`to_model` of each state (a stack's), ``model``'s device, KV dtype and layer devices read once for all
     (128 callers' states of a joint call stacked again: B22b)."""
-    facts: list = []
-
-    def unchanged(s: SequenceState) -> bool:
-        kv = s._kv
-        if s._model is not model or kv is None or kvcache.opaque(kv):
-            return False
-        if not facts:
-            facts.extend((model.device, model.kv_dtype, model.layer_devices))
-        return s._ids.device == facts[0] and kvcache.dtype(kv) == facts[1] and kvcache.devices(kv) == facts[2]
-
-    return [s if unchanged(s) else to_model(s, model) for s in states]
+    where: tuple | None = None
+    out = []
+    for s in states:
+        if s._model is model and s._kv is not None and not kvcache.opaque(s._kv):
+            where = where or _where(model)
+            if _unchanged(s, model, where):
+                out.append(s)
+                continue
+        out.append(to_model(s, model))
+    return out
 
 
 def uncached(state: SequenceState, model) -> SequenceState:

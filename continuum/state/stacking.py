@@ -88,8 +88,9 @@ def kv_layers(states: Sequence[Any], widths: Sequence[tuple[int, int]], C: int) 
     for parent, spans in sources.values():
         at_row, at_n, at_c, at_first, at_lead = (torch.tensor(x) for x in zip(*spans))  # (one entry per state)
         per = torch.repeat_interleave(at_c, at_n)  # each row's cached columns
-        rows_out = torch.repeat_interleave(torch.repeat_interleave(at_row, at_n) + _offsets(at_n), per)
-        rows_in = torch.repeat_interleave(torch.repeat_interleave(at_first, at_n) + _offsets(at_n), per)
+        within = _offsets(at_n)  # each row's index in its state
+        rows_out = torch.repeat_interleave(torch.repeat_interleave(at_row, at_n) + within, per)
+        rows_in = torch.repeat_interleave(torch.repeat_interleave(at_first, at_n) + within, per)
         j = _offsets(per)
         cols_out = C - torch.repeat_interleave(per, per) + j
         cols_in = torch.repeat_interleave(torch.repeat_interleave(at_lead, at_n), per) + j

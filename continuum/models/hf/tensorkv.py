@@ -127,16 +127,15 @@ class TensorKV:
             return TensorKV(Rows(layers.parent, layers.start + start, n, layers.lead + lead, layers.end))
         return TensorKV(Rows(self.tensors(), start, n, lead, self.length()))
 
-    @staticmethod
-    def split_rows(kv: TensorKV, spans: list[tuple[int, int, int]], own: list[bool]) -> list[TensorKV]:
+    def split_rows(self, spans: list[tuple[int, int, int]], own: list[bool]) -> list[TensorKV]:
         """:meth:`rows` for each ``(start, n, lead)`` of ``spans``; those marked ``own`` in storage of their own,
         shared by them only and made by ONE gather per tensor (a short caller must not keep the joint call's long
         rows alive; copied one by one, that was ~0.1 ms per caller)."""
-        out = [kv.rows(*span) for span in spans]
+        out = [self.rows(*span) for span in spans]
         mine = [i for i, o in enumerate(own) if o]
         if not mine:
             return out
-        layers, C = kv.tensors(), kv.length()
+        layers, C = self.tensors(), self.length()
         m = min(spans[i][2] for i in mine)
         index = torch.cat([torch.arange(spans[i][0], spans[i][0] + spans[i][1]) for i in mine])
         on = _hf._per_device(index)
