@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -148,7 +149,7 @@ class Arrivals:
 
 class Gate:
     """At most ``width`` threads run a call's own Python outside the engine at once (its setup, choice
-    scoring's bookkeeping); the others wait on a semaphore, off the GIL.
+    scoring's bookkeeping); the others wait for one of its tokens, off the GIL.
 
     The engine's steps release the GIL at every torch operation; each time, any runnable thread may
     take it for up to the interpreter's switch interval (5 ms). With 128 callers setting up calls at
@@ -158,31 +159,48 @@ class Gate:
     """
 
     def __init__(self, width: int = 2) -> None:
-        self._sem = threading.Semaphore(width)
+        # (a queue of ``width`` tokens, not a threading.Semaphore: its get and put are C, where a semaphore's
+        # acquire and release are Python around a condition; every call takes and gives back the gate twice)
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(width):
+            self._tokens.put(None)
         self._local = threading.local()
+        self._held = _Held(self)
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        if getattr(self._local, "exempt", False):  # (a thread running the engine's steps never waits here)
-            yield
+    def held(self) -> _Held:
+        """Around a call's own Python: the gate taken (reentrant; nothing to take in an exempt thread)."""
+        return self._held
+
+    def _enter(self) -> None:
+        local = self._local
+        if getattr(local, "exempt", False):  # (a thread running the engine's steps never waits here)
             return
-        depth = getattr(self._local, "depth", 0)
+        depth = getattr(local, "depth", 0)
         if not depth:
             self._take()
-        self._local.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._local.depth -= 1
-            if not self._local.depth and self._local.owned:
-                self._sem.release()
+        local.depth = depth + 1
+
+    def _exit(self) -> None:
+        local = self._local
+        if getattr(local, "exempt", False):  # (with-blocks nest: exempt now if and only if exempt at _enter)
+            return
+        local.depth -= 1
+        if not local.depth and local.owned:
+            self._tokens.put(None)
 
     def _take(self) -> None:
         """Take the gate, or go on without it after ``GATE_WAIT_S``: a holder blocked on something that needs this
         thread would otherwise hang both (every wait continuum knows of releases the gate; this is the net)."""
-        self._local.owned = self._sem.acquire(timeout=GATE_WAIT_S)
-        if not self._local.owned:
+        try:
+            self._tokens.get(timeout=GATE_WAIT_S)
+            self._local.owned = True
+        except queue.Empty:
+            self._local.owned = False
             log.debug("the gate was not free within %.0f s: going on without it", GATE_WAIT_S)
+
+    def free(self) -> int:
+        """How many more threads may take the gate now (for tests)."""
+        return self._tokens.qsize()
 
     @contextmanager
     def exempt(self) -> Iterator[None]:
@@ -198,17 +216,34 @@ class Gate:
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Around a wait on the engine (or on another call): the gate is free meanwhile."""
-        depth = getattr(self._local, "depth", 0)
+        local = self._local
+        depth = getattr(local, "depth", 0)
         if depth:
-            self._local.depth = 0
-            if self._local.owned:
-                self._sem.release()
+            local.depth = 0
+            if local.owned:
+                self._tokens.put(None)
         try:
             yield
         finally:
             if depth:
                 self._take()
-                self._local.depth = depth
+                local.depth = depth
+
+
+class _Held:
+    """:meth:`Gate.held`'s context manager: one object per gate, its state per thread in the gate (a generator-based
+    one cost a generator per call)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate._enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate._exit()
 
 
 class Handoff:

@@ -62,22 +62,22 @@ def check_continuable(state: SequenceState, sampler: Sampler, max_tokens: int | 
     if ctx is None:
         steps = max_tokens if max_tokens is not None else 2**31
     else:
-        room = ctx - int(lengths.min())  # the loop stops every row at its own limit
+        room = ctx - min(lengths)  # the loop stops every row at its own limit
         steps = room if max_tokens is None else min(max_tokens, room)
     if n > group:  # a fork: the new rows must fit in memory (a kernel OOM kill is no error message)
-        check_rows_fit(state._model, state.batch, n, int(lengths.max()) + min(steps, 2**20), state._model.device)
+        check_rows_fit(state._model, state.batch, n, max(lengths) + min(steps, 2**20), state._model.device)
     return steps
 
 
-def check_lengths(state: SequenceState) -> torch.Tensor:
+def check_lengths(state: SequenceState) -> list[int]:
     """Every row holds a token and fits the model's context; returns the rows' lengths. (A call run in parts checks
     this on all its rows before any part starts: a bad row fails the call at once, not after the parts before it.)"""
-    lengths = state._mask.sum(1)
-    if bool((lengths == 0).any()):
-        rows = (lengths == 0).nonzero().flatten().tolist()
+    lengths = state._mask.sum(1).tolist()  # (as a list: one tensor op, where min/max/any were one each, per call)
+    if 0 in lengths:
+        rows = [r for r, n in enumerate(lengths) if n == 0]
         raise GeneratorArgumentError(f"row(s) {rows} hold no token: give a non-empty prompt (this tokenizer adds no BOS token)")
     ctx = state._model.context_length
-    if ctx is not None and int(lengths.max()) > ctx:
+    if ctx is not None and max(lengths) > ctx:
         raise ContextLengthError(_too_long(state, ctx))
     return lengths
 

@@ -33,11 +33,11 @@ class Rows:
         self.pad = state._model.tokenizer.pad_token_id
         # ``capacity`` is the most tokens the call may add: with max_tokens=None the rest of the context (2**31
         # where it is unbounded), so only a bounded part is allocated now
-        width = L + min(capacity, PREALLOCATED)
-        self.ids = torch.full((R, width), self.pad, dtype=torch.long, device=dev)
-        self.mask = torch.zeros((R, width), dtype=state._mask.dtype, device=dev)
-        self.lp = torch.full((R, width), float("nan"), dtype=torch.float32, device=dev)
-        self.ids[:, :L], self.mask[:, :L], self.lp[:, :L] = state._ids, state._mask, state._logprobs
+        extra = min(capacity, PREALLOCATED)
+        self.ids = torch.cat([state._ids, state._ids.new_full((R, extra), self.pad)], 1)
+        self.mask = torch.cat([state._mask, state._mask.new_zeros((R, extra))], 1)
+        lp = state._logprobs.to(torch.float32)
+        self.lp = torch.cat([lp, lp.new_full((R, extra), float("nan"))], 1)
         self.width = L
         self.queued: list[tuple[list[int], list[float]]] = []  # decode columns not yet in the tensors (flush)
         self.kv = state._kv
@@ -83,6 +83,15 @@ class Rows:
         k, dev = len(self.queued), self.ids.device
         start = self.width - k
         self.ensure(self.width)
+        if k == 1:  # (the common case, a call's last column: as vectors, a transpose and a sum fewer)
+            (id_list, lp_list), = self.queued
+            ids, lps = torch.tensor(id_list, dtype=torch.long), torch.tensor(lp_list, dtype=torch.float32)
+            self.queued = []
+            self.ids[:, start] = ids.to(dev)
+            self.mask[:, start] = 1
+            self.lp[:, start] = lps.to(dev)
+            self.weights += lps
+            return
         ids = torch.tensor([c[0] for c in self.queued], dtype=torch.long).T
         lps = torch.tensor([c[1] for c in self.queued], dtype=torch.float32).T
         self.queued = []

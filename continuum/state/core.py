@@ -109,7 +109,7 @@ class SequenceState:
                 keep[r] -= 1
                 tails[r] = ([real[r][0][keep[r]]], [real[r][1][keep[r]]])
         device = self._ids.device
-        if C and keep == self._cached_real() and bool(self._mask[:, C - 1].any()):
+        if C and keep == self._cached_real() and self._last_column_used(C):
             C2, kept = C, None  # every cached token kept (text appended: the common case): the columns as they are
         elif C:
             region = self._mask[:, :C]
@@ -135,6 +135,12 @@ class SequenceState:
         # (compact only what a cut made smaller: appending keeps what this state viewed, e.g. a joint call's rows)
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
                              kv=kvcache.compact(kv) if C2 < C else kv, batch=self.batch, samples=self.samples, last=last)
+
+    def _last_column_used(self, C: int) -> bool:
+        """Whether some row holds a real token in cached column ``C - 1`` (one row: one element read)."""
+        if self._mask.shape[0] == 1:
+            return bool(self._mask[0, C - 1])
+        return bool(self._mask[:, C - 1].any())
 
     # ------------------------------------------------------------------ per-row views (memoised)
     @property

@@ -69,6 +69,7 @@ class Transformers:
         self._count_lock = threading.Lock()  # threads share one adapter: `+=` on an attribute is not atomic
         self._kv_dtypes: dict[torch.dtype, torch.dtype] = {}  # weights dtype -> KV dtype seen in forward
         self._kv_bytes: dict[int, int] = {}  # KV bytes per token, per KV dtype size (kv_bytes_per_token)
+        self._layer_devices: tuple | None = None  # ((device, device map), each layer's KV device): layer_devices
         budget = parse_budget(prefix_cache)  # checked before anything is built on the model
         self.prefix_cache: PrefixCache | None = PrefixCache(budget) if budget else None
 
@@ -161,12 +162,15 @@ class Transformers:
         """The device of each layer's KV cache: the device of that decoder layer under a ``device_map``
         that spreads layers (accelerate's execution device for offloaded ones), else ``self.device``.
         Inputs (ids, masks, positions) go to ``self.device``, where the embeddings are."""
+        device, spread = self.device, getattr(self.model, "hf_device_map", None)
+        key = (device, id(spread))  # (every call's input is checked against it: read again only if the weights moved)
+        if self._layer_devices is not None and self._layer_devices[0] == key:
+            return self._layer_devices[1]
         n, _ = layer_kinds(self.config)
-        spread = getattr(self.model, "hf_device_map", None)
         blocks = self._decoder_layers(n) if spread and len({str(d) for d in spread.values()}) > 1 else None
-        if not blocks:
-            return (self.device,) * n
-        return tuple(_execution_device(block, self.device) for block in blocks)
+        found = tuple(_execution_device(block, device) for block in blocks) if blocks else (device,) * n
+        self._layer_devices = (key, found)
+        return found
 
     def _decoder_layers(self, n: int) -> list | None:
         """The model's list of ``n`` decoder layers (``model.layers``, ``transformer.h``...), found once."""
