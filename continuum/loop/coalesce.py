@@ -191,9 +191,10 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
     out = []
     for s, (row, n, lead), kv in zip(states, spans, kvs):
         last = joint._last.select(range(row, row + n)) if joint._last is not None else None
-        out.append(SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:], mask=joint._mask[row:row + n, lead:],
-                                 logprobs=joint._logprobs[row:row + n, lead:], weights=joint._weights[row:row + n], kv=kv,
-                                 batch=s.batch, samples=samples, last=last))
+        part = SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:], mask=joint._mask[row:row + n, lead:],
+                             logprobs=joint._logprobs[row:row + n, lead:], weights=joint._weights[row:row + n], kv=kv,
+                             batch=s.batch, samples=samples, last=last)
+        out.append(part._memo_from(joint, slice(row, row + n)))  # (the columns dropped hold no real token in its rows)
     return out
 
 

@@ -59,5 +59,6 @@ def finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind
                     speculation=dict(speculation) if speculation is not None else None)
     if any(c is not None for c in cuts):
         out = out._truncate(ends)
-    return SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,
+    done = SequenceState(model=out._model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=out._weights,
                          kv=out._kv, batch=out.batch, samples=out.samples, last=last)
+    return done._memo_from(out)  # (the same tensors: its texts and rows, read above, reused by .value and the next call)

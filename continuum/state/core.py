@@ -136,6 +136,14 @@ class SequenceState:
         return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
                              kv=kvcache.compact(kv) if C2 < C else kv, batch=self.batch, samples=self.samples, last=last)
 
+    def _memo_from(self, other: SequenceState, rows: slice | None = None) -> SequenceState:
+        """``self`` with ``other``'s memoised per-row views (of its rows ``rows``), where ``self`` holds the same real
+        tokens, log-probs and cached counts in those rows (a call's result, a joint call's caller): not recomputed."""
+        for key in ("real", "texts", "cached"):
+            if key in other._cache:
+                self._cache[key] = other._cache[key] if rows is None else other._cache[key][rows]
+        return self
+
     def _last_column_used(self, C: int) -> bool:
         """Whether some row holds a real token in cached column ``C - 1`` (one row: one element read)."""
         if self._mask.shape[0] == 1:
