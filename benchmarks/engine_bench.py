@@ -16,6 +16,8 @@ rotated order, median ratio):
   a choice among 3 options and a 4-token regex call in the notes.
 * B22e lone calls right after a burst of acalls against the same calls before it (>= 0.9x): the engine's own
   thread, which drove the burst, must not slow this thread's operations afterwards.
+* B22f a run_batch started right after a burst of acalls against one started 0.2 s after it (>= 0.9x): the engine's
+  thread lingers a while before it leaves, and frees its OpenMP team first.
 
 Skipped cleanly (``B22: skipped (...)``, no row) when the fixture is absent.
 """
@@ -136,7 +138,7 @@ def b22(bench: Bench, cfg) -> list[Row]:
                     notes=[f"run_batch at {n} measured twice: {rb128:.3f}s (B22a), "
                            f"{statistics.median(c.seconds for c in calls['run_batch']):.3f}s (here)"]))
     rows.append(b22d(sb, quick))
-    rows.append(b22e(sb, int(getattr(cfg, "b22e_calls", 60 if quick else 200))))
+    rows += b22e(sb, int(getattr(cfg, "b22e_calls", 60 if quick else 200)))
     return rows
 
 
@@ -173,7 +175,7 @@ def b22d(sb: Bench, quick: bool) -> Row:
                       f"{c:.3f} ms; regex [0-9]{{2}} (3-4 steps) {r:.3f} ms"])
 
 
-def b22e(sb: Bench, n: int) -> Row:
+def b22e(sb: Bench, n: int) -> list[Row]:
     """Lone calls in a thread right after a burst of acalls (driven by the engine's own thread) against the same calls
     before it, in a fresh interpreter (no thread here has computed beside this one yet): while a second thread that
     computed lives, every OpenMP operation of the first wakes its team through the kernel
@@ -192,14 +194,26 @@ def b22e(sb: Bench, n: int) -> Row:
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"B22e's interpreter failed: {out.stderr[-2000:]}")
-    before, after = json.loads(out.stdout.strip().splitlines()[-1])
-    return Row(id="B22e", title="lone calls right after a burst of acalls vs before it (4-token text call)",
-               baseline="the same calls before the burst", figure=before / after, op=">=", threshold=0.9,
-               unit="x calls/s", reps=n, notes=[f"model: {sb.name}", f"before {before:.3f} ms, after {after:.3f} ms a call"])
+    before, after, paused, right = json.loads(out.stdout.strip().splitlines()[-1])
+    reps = _pairs(n)
+    return [Row(id="B22e", title="lone calls right after a burst of acalls vs before it (4-token text call)",
+                baseline="the same calls before the burst", figure=before / after, op=">=", threshold=0.9,
+                unit="x calls/s", reps=n, notes=[f"model: {sb.name}", f"before {before:.3f} ms, after {after:.3f} ms a call"]),
+            Row(id="B22f", title="run_batch right after a burst of acalls vs after a pause (16 programs x 8 tokens)",
+                baseline="the same run_batch 0.2 s after the burst", figure=paused / right, op=">=", threshold=0.9,
+                unit="x programs/s", reps=reps,
+                notes=[f"model: {sb.name}", f"after a pause {paused:.2f} ms, right after {right:.2f} ms (medians of {reps}): "
+                       "the engine's thread, idle after the burst, frees its OpenMP team before it leaves"])]
 
 
-def _before_after(path: str, n: int, threads: int) -> tuple[float, float]:
-    """B22e's measurement (in its own interpreter): ms per lone call before and right after 16 acalls."""
+def _pairs(n: int) -> int:
+    """B22f's repetitions for B22e's ``n`` lone calls."""
+    return max(2, n // 10)
+
+
+def _before_after(path: str, n: int, threads: int) -> tuple[float, float, float, float]:
+    """B22e's and B22f's measurements (in their own interpreter): ms per lone call before and right after 16 acalls,
+    and ms per run_batch 0.2 s after and right after 16 acalls."""
     import torch
 
     torch.set_num_threads(threads)
@@ -214,7 +228,17 @@ def _before_after(path: str, n: int, threads: int) -> tuple[float, float]:
 
     before = _median_ms(call, n)
     asyncio.run(burst())
-    return before, _median_ms(call, n)
+    after = _median_ms(call, n)
+    prompts = [f"Story {i}: once" for i in range(16)]
+    right, paused = [], []
+    for _ in range(_pairs(n)):  # (B22f: a run_batch started right after a burst, and one started after a pause)
+        for pause, times in ((0.0, right), (0.2, paused)):
+            asyncio.run(burst())
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            continuum.run_batch(lambda p: gen(p, max_tokens=8), prompts, concurrency=16)
+            times.append(time.perf_counter() - t0)
+    return before, after, statistics.median(paused) * 1e3, statistics.median(right) * 1e3
 
 
 ENGINE_SCENARIOS = {"B22": b22}

@@ -15,11 +15,12 @@ from ..models.request import Request
 from .arrivals import ARRIVALS, GATE
 from .call import Call
 from .host import HOST
-from .omp import one_thread
+from .omp import one_thread, release_team
 
 __all__ = ["Driving", "never_drive"]
 
 IDLE_EXIT_S = 0.05  # how long the engine's thread waits for work before it leaves (see Driving._serve)
+RELEASE_TEAM_S = 0.005  # how long it waits before it frees its OpenMP team (loop/omp.release_team)
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
 _local = threading.local()
 
@@ -116,16 +117,20 @@ class Driving:
         me = threading.get_ident()
         while True:
             with self._cond:
-                leave = time.monotonic() + IDLE_EXIT_S  # (another thread's steps notify too: they do not count as work)
+                idle = time.monotonic()  # (another thread's steps notify too: they do not count as work)
+                leave, release, released = idle + IDLE_EXIT_S, idle + RELEASE_TEAM_S, self._ranks is not None
                 while not (self._has_work() and self._driver is None and not HOST.active):
                     if self._closing:
                         return
-                    left = leave - time.monotonic()
-                    if left <= 0 and self._ranks is None:
+                    now = time.monotonic()
+                    if now >= leave and self._ranks is None:
                         if self._thread is threading.current_thread():
                             self._thread = None  # (a call that comes now starts another: _wake, under this lock)
                         return
-                    self._cond.wait(left if self._ranks is None else None)
+                    if not released and now >= release:  # (idle a while: its team goes before the thread does, so
+                        release_team()  # a lone call the caller's thread starts meanwhile runs beside no other team)
+                        released = True
+                    self._cond.wait(None if self._ranks is not None else (leave if released else min(leave, release)) - now)
                 self._driver = me
             try:
                 self._steps_while_work()
