@@ -101,6 +101,19 @@ def check_reuse(state: SequenceState, fresh: torch.Tensor) -> None:
         assert diff < 1e-4, f"row {r}: cached next-token logits differ from a fresh forward by {diff}\n{state!r}"
 
 
+def check_views(state: SequenceState) -> None:
+    """A state's per-row views (real tokens and log-probs, texts, cached counts: memoised, and handed on from a call's
+    finish and a joint call's result to its callers) are what its own tensors say, decoded by the tokenizer."""
+    ids, mask, lps = state._ids.tolist(), state._mask.tolist(), state._logprobs.tolist()
+    C = kvcache.length(state._kv)
+    for r, ((got_ids, got_lps), text, cached) in enumerate(zip(state._real_rows(), state.texts, state._cached_real())):
+        want = [i for i, m in zip(ids[r], mask[r]) if m]
+        assert got_ids == want, f"row {r}: real tokens {got_ids} but the tensors hold {want}"
+        assert [x if x == x else None for x in got_lps] == [x if x == x else None for x, m in zip(lps[r], mask[r]) if m]
+        assert text == state._model.tokenizer.decode(want), f"row {r}: text {text!r} is not its tokens decoded"
+        assert cached == sum(mask[r][:C]), f"row {r}: {cached} cached tokens, the mask says {sum(mask[r][:C])}"
+
+
 def check_suffix(state: SequenceState) -> None:
     """Invariant 3 (layout): the uncached suffix is exactly as wide as the longest per-row uncached run."""
     C = kvcache.length(state._kv)
@@ -273,6 +286,7 @@ class Program:
         fresh = fresh_logits(state)
         check_reuse(state, fresh)
         check_suffix(state)
+        check_views(state)
         check_weights(state, fresh, offset)
         self.history.append((state, snapshot(state)))
         for old, snap in self.history:
@@ -350,6 +364,8 @@ class Program:
                     new = outs[0] if keep == "first" else outs[-1]
                     offset = offset[:1] if offset is not None else None
                 assert list(outs[-1]) == list(outs[0])  # (row 0 twice: the same rows of the joint call)
+                for out in outs:  # (each caller's views came from the joint result's rows: its own, not another's)
+                    check_views(out)
                 what = f"joint(max_tokens={k}, {keep})"
             elif op == "fork":
                 n = self.draw(st.integers(2, 3), "n")
