@@ -49,10 +49,16 @@ class TokenTree:
     def outputs(self) -> torch.Tensor:
         """``(rows, T)`` bool: the nodes whose logits :meth:`option_logprobs` reads (``Backend.forward``'s
         ``outputs``: a backend may leave the others uncomputed)."""
-        out = torch.zeros(self.ids.shape, dtype=torch.bool)
+        rows: list[int] = []
+        nodes: list[int] = []
         for r, options in enumerate(self.paths):
+            first = self._first(r)
             for path in options:
-                out[r, [self._first(r)] + path[:-1]] = True
+                cols = [first, *path[:-1]]
+                rows += [r] * len(cols)
+                nodes += cols
+        out = torch.zeros(self.ids.shape, dtype=torch.bool)
+        out[rows, nodes] = True
         return out.to(self.ids.device)
 
     def option_logprobs(self, logits: torch.Tensor) -> list[torch.Tensor]:
@@ -82,42 +88,26 @@ def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence
     ``(rows, cached)`` is the mask of the cached columns each node may see."""
     R = len(roots)
     trunks = trunks if trunks is not None else [[]] * R
-    options = [[list(trunks[r]) + list(o) for o in options[r]] for r in range(R)]
     toks: list[list[int]] = []
     parents: list[list[int]] = []
     depths: list[list[int]] = []
     paths: list[list[list[int]]] = []
+    tries: dict[tuple, tuple] = {}  # (rows with the same trunk and options, e.g. a joint call's: one trie)
     for r in range(R):
-        tok, parent, depth = [roots[r]], [0], [0]  # node 0: the root (its own parent)
-        children: list[dict[int, int]] = [{}]
-        row_paths = []
-        for option in options[r]:
-            node, path = 0, []
-            for t in option:
-                nxt = children[node].get(t)
-                if nxt is None:
-                    nxt = len(tok)
-                    tok.append(t)
-                    parent.append(node)
-                    depth.append(depth[node] + 1)
-                    children.append({})
-                    children[node][t] = nxt
-                path.append(nxt)
-                node = nxt
-            row_paths.append(path)
-        toks.append(tok)
+        key = (tuple(trunks[r]), tuple(map(tuple, options[r])))
+        if key not in tries:
+            tries[key] = _trie([list(trunks[r]) + list(o) for o in options[r]])
+        tok, parent, depth, row_paths = tries[key]
+        toks.append([roots[r], *tok])
         parents.append(parent)
         depths.append(depth)
         paths.append(row_paths)
     T = max(len(t) for t in toks)
-    ids = torch.full((R, T), pad, dtype=torch.long)
-    real = torch.zeros((R, T), dtype=torch.long)
-    up = torch.arange(T).repeat(R, 1)  # each node's parent; padding nodes are their own: they see only themselves
-    level = torch.zeros((R, T), dtype=torch.long)
-    for r in range(R):
-        n = len(toks[r])
-        ids[r, :n], real[r, :n] = torch.tensor(toks[r]), 1
-        up[r, :n], level[r, :n] = torch.tensor(parents[r]), torch.tensor(depths[r])
+    ids = torch.tensor([t + [pad] * (T - len(t)) for t in toks], dtype=torch.long)
+    real = torch.tensor([[1] * len(t) + [0] * (T - len(t)) for t in toks], dtype=torch.long)
+    # each node's parent; padding nodes are their own: they see only themselves
+    up = torch.tensor([p + list(range(len(p), T)) for p in parents], dtype=torch.long)
+    level = torch.tensor([d + [0] * (T - len(d)) for d in depths], dtype=torch.long)
     ancestors = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
     above = torch.arange(T).repeat(R, 1)
     for _ in range(int(level.max())):  # walk every node up to the root, one level per step
@@ -130,3 +120,27 @@ def build(roots: Sequence[int], root_positions: Sequence[int], options: Sequence
     cut = [len(t) for t in trunks]  # (the trunk is each option path's first nodes: 1 .. len(trunk), made first)
     return TokenTree(ids=ids.to(dev), real=real.to(dev), positions=positions.to(dev), allowed=allowed,
                      paths=[[p[n:] for p in row] for row, n in zip(paths, cut)], trunks=[list(range(1, n + 1)) for n in cut])
+
+
+def _trie(options: list[list[int]]) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """The trie of ``options`` below a root (node 0, its token not included): the tokens of nodes 1.., every node's
+    parent and depth (the root's included), and each option's nodes."""
+    tok: list[int] = []
+    parent, depth = [0], [0]  # node 0: the root (its own parent)
+    children: list[dict[int, int]] = [{}]
+    paths = []
+    for option in options:
+        node, path = 0, []
+        for t in option:
+            nxt = children[node].get(t)
+            if nxt is None:
+                nxt = len(parent)
+                tok.append(t)
+                parent.append(node)
+                depth.append(depth[node] + 1)
+                children.append({})
+                children[node][t] = nxt
+            path.append(nxt)
+            node = nxt
+        paths.append(path)
+    return tok, parent, depth, paths
