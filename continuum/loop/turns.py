@@ -78,10 +78,12 @@ def needs_turns(state: SequenceState, sampler: Sampler, options: dict) -> bool:
     chunks come from one loop)."""
     if sampler.is_beam_search or options.get("track_text"):
         return False
+    per = _per_prompt(state, sampler, options)
+    if state.batch * per == 1:  # (one row: every limit is at least one row; a lone call, its checks not walked)
+        return False
     limit = row_limit(state, sampler, options)
     if limit is None:
         return False
-    per = _per_prompt(state, sampler, options)
     return state.batch * per > limit and (state.batch > 1 or (per > limit and _splits_samples(state, sampler, options)))
 
 
