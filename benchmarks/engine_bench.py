@@ -5,9 +5,9 @@ step show: every figure is a ratio against a baseline measured in the same run (
 rotated order, median ratio):
 
 * B22a N one-call programs (32 new greedy tokens) under ``run_batch`` vs ONE list call of the same
-  prompts (target >= 0.9x, issue 57) and vs transformers' ``generate_batch`` (>= 1.5x), N = 32 and 128; the
-  microseconds per row per step of ``run_batch`` at N = 1, 8, 32, 128 in the notes (they should fall
-  as N rises: the step is shared);
+  prompts (target >= 0.9x at 32 and 128, issue 57; 0.8x at --quick's 8 and 16) and vs transformers'
+  ``generate_batch`` (>= 1.5x), N = 32 and 128; the microseconds per row per step of ``run_batch`` at
+  N = 1, 8, 32, 128 in the notes (they should fall as N rises: the step is shared);
 * B22b a 3-call chain per input (text, then a choice, then a regex, on the state) under ``run_batch``
   vs the same chain as three lockstep list calls over all inputs (>= 0.8x), N = 32 and 128;
 * B22c 128 acalls under ``asyncio.gather`` vs B22a's ``run_batch`` at 128 (>= 0.9x: within 10%).
@@ -101,7 +101,7 @@ def b22(bench: Bench, cfg) -> list[Row]:
             extra.append(f"HF generate_batch skipped: {hf or 'not available'}")
         calls = _compare(sb, variants, reps)
         rows += _rows(f"B22a-{n}", f"{n} one-call programs (stories260K)", n, calls,
-                      {"list call": 0.9, "generate_batch": 1.5},
+                      {"list call": 0.9 if n >= 32 else 0.8, "generate_batch": 1.5},  # (the issue's 0.9: 32 and 128)
                       {"list call": "one list call", "generate_batch": "HF generate_batch"}, extra)
         if n == max(sizes):
             rb128 = statistics.median(c.seconds for c in calls["run_batch"])
