@@ -17,7 +17,7 @@ rotated order, median ratio):
 * B22e lone calls right after a burst of acalls against the same calls before it (>= 0.9x): the engine's own
   thread, which drove the burst, must not slow this thread's operations afterwards.
 * B22f a run_batch started right after a burst of acalls against one started 0.2 s after it (>= 0.9x): the engine's
-  thread lingers a while before it leaves, and frees its OpenMP team first.
+  thread lingers a while before it leaves, and frees its OpenMP team once another thread computes.
 
 Skipped cleanly (``B22: skipped (...)``, no row) when the fixture is absent.
 """
@@ -203,7 +203,7 @@ def b22e(sb: Bench, n: int) -> list[Row]:
                 baseline="the same run_batch 0.2 s after the burst", figure=paused / right, op=">=", threshold=0.9,
                 unit="x programs/s", reps=reps,
                 notes=[f"model: {sb.name}", f"after a pause {paused:.2f} ms, right after {right:.2f} ms (medians of {reps}): "
-                       "the engine's thread, idle after the burst, frees its OpenMP team before it leaves"])]
+                       "the engine's thread, idle after the burst, frees its OpenMP team once this thread computes"])]
 
 
 def _pairs(n: int) -> int:

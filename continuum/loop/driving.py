@@ -20,7 +20,7 @@ from .omp import one_thread, release_team
 __all__ = ["Driving", "never_drive"]
 
 IDLE_EXIT_S = 0.05  # how long the engine's thread waits for work before it leaves (see Driving._serve)
-RELEASE_TEAM_S = 0.005  # how long it waits before it frees its OpenMP team (loop/omp.release_team)
+LOOK_S = 0.005  # how often the idle engine's thread looks whether another thread computes (then it frees its team)
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # engines whose thread was started (stopped at interpreter exit)
 _local = threading.local()
 
@@ -117,8 +117,8 @@ class Driving:
         me = threading.get_ident()
         while True:
             with self._cond:
-                idle = time.monotonic()  # (another thread's steps notify too: they do not count as work)
-                leave, release, released = idle + IDLE_EXIT_S, idle + RELEASE_TEAM_S, self._ranks is not None
+                leave = time.monotonic() + IDLE_EXIT_S  # (another thread's steps notify too: they do not count as work)
+                released = self._ranks is not None
                 while not (self._has_work() and self._driver is None and not HOST.active):
                     if self._closing:
                         return
@@ -127,10 +127,10 @@ class Driving:
                         if self._thread is threading.current_thread():
                             self._thread = None  # (a call that comes now starts another: _wake, under this lock)
                         return
-                    if not released and now >= release:  # (idle a while: its team goes before the thread does, so
-                        release_team()  # a lone call the caller's thread starts meanwhile runs beside no other team)
-                        released = True
-                    self._cond.wait(None if self._ranks is not None else (leave if released else min(leave, release)) - now)
+                    if not released and (HOST.active or self._driver not in (None, me)):
+                        release_team()  # another thread computes meanwhile (run_batch's host, a lone call driving
+                        released = True  # inline): this one's team goes, so that one team is alive while it does
+                    self._cond.wait(None if self._ranks is not None else min(leave - now, LOOK_S))
                 self._driver = me
             try:
                 self._steps_while_work()
@@ -166,6 +166,7 @@ class Driving:
             if self._driver is not None or not self._has_work():
                 return
             self._driver = threading.get_ident()
+            self._cond.notify_all()  # (an idle engine thread frees its OpenMP team while this one computes: _serve)
         try:
             self._steps_while_work()
         except Exception as exc:  # noqa: BLE001  (a bug in the engine itself: fail every call, as its thread does)

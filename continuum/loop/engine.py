@@ -155,6 +155,7 @@ class Engine(Driving):
             drive = self._driver is None and not call.done and not hop
             if drive:
                 self._driver = me
+                self._cond.notify_all()  # (an idle engine thread frees its OpenMP team while this one computes)
         if hop:
             self._wake()
         try:
@@ -216,6 +217,7 @@ class Engine(Driving):
                 drive = self._driver is None and not hop
                 if drive:
                     self._driver = me
+                    self._cond.notify_all()  # (as in wait: an idle engine thread frees its team)
                 elif self._ranks is not None:
                     self._cond.notify_all()  # a rank waiting for rank 0's admissions looks again
         if alone:
