@@ -45,20 +45,27 @@ class TokenTree:
         """The node that predicts row ``r``'s options' first token: the trunk's end (the root without a trunk)."""
         return self.trunks[r][-1] if self.trunks[r] else 0
 
-    @property
-    def outputs(self) -> torch.Tensor:
-        """``(rows, T)`` bool: the nodes whose logits :meth:`option_logprobs` reads (``Backend.forward``'s
-        ``outputs``: a backend may leave the others uncomputed)."""
+    def _reads(self) -> tuple[list[int], list[int], list[int]]:
+        """Per option token, row-major: its row, the node that predicts it (the trunk's end for an option's first
+        token, else the node of the token before) and its own node."""
         rows: list[int] = []
+        preds: list[int] = []
         nodes: list[int] = []
         for r, options in enumerate(self.paths):
             first = self._first(r)
             for path in options:
-                cols = [first, *path[:-1]]
-                rows += [r] * len(cols)
-                nodes += cols
+                rows += [r] * len(path)
+                preds += [first, *path[:-1]] if path else []
+                nodes += path
+        return rows, preds, nodes
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        """``(rows, T)`` bool: the nodes whose logits :meth:`option_logprobs` reads (``Backend.forward``'s
+        ``outputs``: a backend may leave the others uncomputed)."""
+        rows, preds, _ = self._reads()
         out = torch.zeros(self.ids.shape, dtype=torch.bool)
-        out[rows, nodes] = True
+        out[rows, preds] = True
         return out.to(self.ids.device)
 
     def option_logprobs(self, logits: torch.Tensor) -> list[torch.Tensor]:
@@ -66,12 +73,7 @@ class TokenTree:
         ``logits`` ``(rows, T, vocab)`` of the tree's forward (token ``i`` is predicted by the node
         of token ``i - 1``, the first one by the root). Only the nodes with children are read: a
         backend may leave a leaf's logits uncomputed (llama.cpp: NaN)."""
-        rows, preds, nodes = [], [], []
-        for r, options in enumerate(self.paths):
-            for path in options:
-                rows += [r] * len(path)
-                preds += ([self._first(r)] + path[:-1]) if path else []
-                nodes += path
+        rows, preds, nodes = self._reads()
         dev = logits.device
         rr, pp, nn = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, preds, nodes))
         tokens = self.ids.to(dev)[rr, nn]
