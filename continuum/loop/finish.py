@@ -20,7 +20,8 @@ def finish(state: SequenceState, rows: Rows, fed: int, samples: int, guide, kind
         if rows.reason[r] is None:
             rows.end(r, exhausted)
     kv = kvcache.finish(rows.kv, fed)  # (a view of merged storage gets its own copy: a small part must not pin it)
-    normal = 0 < fed < rows.width and bool(rows.mask[:, fed:rows.width].all()) and bool(rows.mask[:, fed - 1].any())
+    normal = 0 < fed < rows.width and (bool(rows.mask[0, fed - 1:rows.width].all()) if R == 1 else  # (one read)
+                                       bool(rows.mask[:, fed:rows.width].all()) and bool(rows.mask[:, fed - 1].any()))
     # (normal: already the layout _rebuild makes, every row's uncached tail real and the last cached column used; the
     # KV compacted as _rebuild leaves it)
     raw = SequenceState(model=state._model, ids=rows.ids[:, :rows.width], mask=rows.mask[:, :rows.width],

@@ -29,7 +29,7 @@ from ..errors import BatchMismatch, ContinuumTypeError
 from ..models import kv as kvcache
 from .laststep import LastStep, read_values
 from .layout import NAN as _NAN
-from .layout import right_aligned
+from .layout import rebuild, right_aligned
 
 __all__ = ["SequenceState", "LastStep"]
 
@@ -94,47 +94,9 @@ class SequenceState:
 
     def _rebuild(self, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], list[float]]], weights: torch.Tensor,
                  last: LastStep | None) -> SequenceState:
-        """A state keeping, per row, its first ``keep_cached[r]`` cached tokens, followed by ``tails[r]``.
-
-        The kept cached columns stay where they are (a view of the cache; cut tokens become holes);
-        the tails form a right-aligned uncached suffix. A row left with an empty tail gets its last
-        kept token moved into the suffix, so every row ends on an uncached real token.
-        """
-        C = kvcache.length(self._kv)
-        keep = list(keep_cached)
-        tails = [(list(t), list(p)) for t, p in tails]
-        real = self._real_rows()
-        for r in range(self.rows):
-            if not tails[r][0] and keep[r] > 0:
-                keep[r] -= 1
-                tails[r] = ([real[r][0][keep[r]]], [real[r][1][keep[r]]])
-        device = self._ids.device
-        if C and keep == self._cached_real() and self._last_column_used(C):
-            C2, kept = C, None  # every cached token kept (text appended: the common case): the columns as they are
-        elif C:
-            region = self._mask[:, :C]
-            rank = region.cumsum(1)
-            kept = region.bool() & (rank <= torch.tensor(keep, device=device)[:, None])
-            cols = torch.arange(C, device=device)
-            last_col = torch.where(kept, cols, -1).amax(1)
-            C2 = int(last_col.max()) + 1
-        else:
-            C2, kept = 0, None
-        tail_ids, tail_mask, tail_lp = right_aligned([t for t, _ in tails], [p for _, p in tails],
-                                                      self._model.tokenizer.pad_token_id, device)
-        kv = kvcache.crop(self._kv, C2)
-        if kept is not None and C2 and not torch.equal(kept[:, :C2], region[:, :C2].bool()):
-            # (a backend whose views attend to every cell must drop the cut ones; a hybrid's may have cut further
-            kv = kvcache.keep(kv, kept[:, :kvcache.length(kv)])  # back, to a recurrent snapshot: it covers less)
-        if C2:
-            ids = torch.cat([self._ids[:, :C2], tail_ids], 1)
-            mask = torch.cat([self._mask[:, :C2] if kept is None else kept[:, :C2].to(self._mask.dtype), tail_mask], 1)
-            lp = torch.cat([self._logprobs[:, :C2], tail_lp], 1)
-        else:
-            ids, mask, lp = tail_ids, tail_mask, tail_lp
-        # (compact only what a cut made smaller: appending keeps what this state viewed, e.g. a joint call's rows)
-        return SequenceState(model=self._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
-                             kv=kvcache.compact(kv) if C2 < C else kv, batch=self.batch, samples=self.samples, last=last)
+        """A state keeping, per row, its first ``keep_cached[r]`` cached tokens, followed by ``tails[r]``
+        (:func:`continuum.state.layout.rebuild`)."""
+        return rebuild(self, keep_cached, tails, weights, last)
 
     def _memo_from(self, other: SequenceState, rows: slice | None = None) -> SequenceState:
         """``self`` with ``other``'s memoised per-row views (of its rows ``rows``), where ``self`` holds the same real
@@ -164,6 +126,12 @@ class SequenceState:
                 ([t for t, m in zip(ri, rm) if m], [p for p, m in zip(rl, rm) if m]) for ri, rl, rm in zip(ids, lps, mask)
             ]
         return self._cache["real"]
+
+    def _real_lengths(self) -> list[int]:
+        """Per row: how many real tokens it holds (from the memoised rows when known: no tensor read)."""
+        if "real" in self._cache:
+            return [len(ids) for ids, _ in self._cache["real"]]
+        return self._mask.sum(1).tolist()
 
     def _cached_real(self) -> list[int]:
         """Per row: how many real tokens the cache covers (memoised: ``state + text`` asks twice)."""
