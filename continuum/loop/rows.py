@@ -50,7 +50,7 @@ class Rows:
         self.forced: list[tuple[int, ...]] = [()] * R  # ordinals (in generated) of fast-forwarded tokens
         self.reason: list[str | None] = [None] * R  # why each row finished (LastStep.finish)
         ctx = state._model.context_length  # tokens each row may still add before its own context limit
-        self.room = [ctx - n for n in state._real_lengths()] if ctx is not None else [math.inf] * R
+        self.room: list = [ctx - n for n in state._real_lengths()] if ctx is not None else [math.inf] * R
         self.stops = stops
         self.heal = list(heals) if heals is not None else [None] * R  # token healing: the first token's plan
         self.heal_chars = [h.chars if h is not None else 0 for h in self.heal]  # removed text: not output
