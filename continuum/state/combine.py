@@ -181,8 +181,12 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
         last = replace(lasts[0], starts=sum((x.starts for x in lasts), ()), ends=sum((x.ends for x in lasts), ()),
                                complete=sum((x.complete for x in lasts), ()), finish=joined("finish"),
                                marks=joined("marks"), guide_states=joined("guide_states"), thoughts=joined("thoughts"))
-    return SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
-                         batch=sum(s.batch for s in states), samples=first.samples, last=last)
+    out = SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
+                        batch=sum(s.batch for s in states), samples=first.samples, last=last)
+    for key in ("real", "texts"):  # (each row's real tokens and text are its state's, where they were known: a joint
+        if all(key in s._cache for s in states):  # call's stacked callers are not read back from the new tensors)
+            out._cache[key] = [row for s in states for row in s._cache[key]]
+    return out
 
 
 def _handle_of(state: SequenceState, states: list[SequenceState]) -> kvcache.KV:

@@ -21,6 +21,7 @@ Two invariants keep continuing cheap and exact:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -120,11 +121,16 @@ class SequenceState:
     def _real_rows(self) -> list[tuple[list[int], list[float]]]:
         """Per row: (real token ids, their log-probs) in order."""
         if "real" not in self._cache:
-            mask = self._mask.bool().tolist()
-            ids, lps = self._ids.tolist(), self._logprobs.tolist()
-            self._cache["real"] = [
-                ([t for t, m in zip(ri, rm) if m], [p for p, m in zip(rl, rm) if m]) for ri, rl, rm in zip(ids, lps, mask)
-            ]
+            if self._mask.shape[0] >= 8:  # (many rows: the real cells gathered in one op, row-major, then cut per row)
+                real = self._mask.bool()
+                ids, lps = self._ids[real].tolist(), self._logprobs[real].tolist()
+                ends = list(accumulate(real.sum(1).tolist()))
+                self._cache["real"] = [(ids[s:e], lps[s:e]) for s, e in zip([0] + ends[:-1], ends)]
+            else:
+                mask = self._mask.bool().tolist()
+                ids, lps = self._ids.tolist(), self._logprobs.tolist()
+                self._cache["real"] = [([t for t, m in zip(ri, rm) if m], [p for p, m in zip(rl, rm) if m])
+                                       for ri, rl, rm in zip(ids, lps, mask)]
         return self._cache["real"]
 
     def _real_lengths(self) -> list[int]:
