@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["CancelToken", "Cancelled", "check_cancelled", "bound", "current"]
+__all__ = ["CancelToken", "Cancelled", "check_cancelled", "bound", "swap", "current"]
 
 
 class Cancelled(BaseException):
@@ -72,6 +72,14 @@ def bound(token: CancelToken) -> Iterator[CancelToken]:
         yield token
     finally:
         _local.token = previous
+
+
+def swap(token: CancelToken | None) -> CancelToken | None:
+    """Make ``token`` the calling thread's token; returns the previous one (``bound`` without a generator's
+    context manager: run_batch switches into its instances hundreds of times a run)."""
+    previous = getattr(_local, "token", None)
+    _local.token = token
+    return previous
 
 
 def check_cancelled(tokens: int = 0) -> None:

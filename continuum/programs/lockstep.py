@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from ..loop import coalesce
 from ..loop.arrivals import ARRIVALS, GATE, Handoff
-from ..loop.cancel import Cancelled, CancelToken, bound
+from ..loop.cancel import Cancelled, CancelToken, bound, swap
 from ..loop.driving import never_drive
 
 try:
@@ -165,13 +165,16 @@ class Lockstep:
                 if not inst:  # (never started: nothing to unwind)
                     self._finished(inst)
                     continue
-            with bound(inst.token):  # (the instance's own Python checks it, e.g. in check_cancelled)
+            previous = swap(inst.token)  # (the instance's own Python checks it, e.g. in check_cancelled)
+            try:
                 if error is not None:
                     inst.throw(error)
                 elif inst:
                     inst.switch(result)
                 else:
                     inst.switch()  # (its start: run() takes no argument)
+            finally:
+                swap(previous)
             if inst.dead:
                 self._finished(inst)
 

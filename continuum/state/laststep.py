@@ -43,12 +43,26 @@ class LastStep:
     speculation: dict[str, int] | None = None
 
     def select(self, rows: Sequence[int]) -> LastStep:
+        if isinstance(rows, range) and rows.step == 1:  # (a joint call's caller: its rows one after another)
+            return self._span(rows.start, rows.stop)
+
         def pick(t: Any) -> Any:  # any per-row tuple field, or None
             return tuple(t[r] for r in rows) if t is not None else None
 
         return self._with(starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
                           guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks),
                           thoughts=pick(self.thoughts))
+
+    def _span(self, start: int, stop: int) -> LastStep:
+        """``select(range(start, stop))`` by slicing each per-row field (once per caller of a joint call)."""
+        new = object.__new__(LastStep)
+        d = new.__dict__
+        d.update(self.__dict__)
+        for name in _ROW_FIELDS:
+            t = d[name]
+            if t is not None:
+                d[name] = t[start:stop] if type(t) is tuple else tuple(t[start:stop])
+        return new
 
     def edited(self, **changes) -> LastStep:
         """The same step after the text was edited: resumable guide states are dropped."""
@@ -67,6 +81,7 @@ class LastStep:
 
 
 _FIELDS = frozenset(LastStep.__dataclass_fields__)
+_ROW_FIELDS = ("starts", "ends", "complete", "guide_states", "finish", "marks", "thoughts")  # (what select picks)
 
 
 def read_values(state: Any, last: LastStep) -> list:
