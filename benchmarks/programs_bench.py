@@ -75,12 +75,16 @@ def _reset_sched(model) -> None:
         reset()
 
 
-def _compare(bench: Bench, variants: dict[str, Callable[[], object]], reps: int) -> dict[str, list[Call]]:
-    """Each variant timed ``reps`` times, the order rotated every repetition (slow drifts hit all alike).
+def _compare(bench: Bench, variants: dict[str, Callable[[], object]], reps: int, warmup: int = 0) -> dict[str, list[Call]]:
+    """Each variant run ``warmup`` times untimed, then timed ``reps`` times, the order rotated every repetition (slow
+    drifts hit all alike).
 
     The ``run_batch`` variant's scheduler figures are collected into ``calls["run_batch"][i].extra``."""
     calls: dict[str, list[Call]] = {k: [] for k in variants}
     names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             if name == "run_batch":
