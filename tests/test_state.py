@@ -461,3 +461,23 @@ def test_saving_over_the_file_a_state_was_loaded_from_leaves_that_state_whole(tm
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=str(Path(__file__).parents[1]))
     assert out.returncode == 0 and "ok" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 40])
+def test_real_rows_of_many_rows_equal_a_per_row_listing(rows):
+    """A state's real rows (many rows: one boolean gather, cut per row) against a brute-force listing of every row's
+    masked-in ids and log-probs, holes and empty rows included."""
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, 1000, (rows, 13), generator=g)
+    mask = (torch.rand((rows, 13), generator=g) > 0.3).long()
+    mask[0] = 0  # an empty row
+    lp = torch.randn((rows, 13), generator=g)
+    lp[:, ::3] = float("nan")  # prompt tokens' log-probs
+    state = SequenceState(model=None, ids=ids, mask=mask, logprobs=lp, weights=torch.zeros(rows), kv=None, batch=rows,
+                          samples=1)
+    want = [([int(t) for t, m in zip(ids[r], mask[r]) if m], [float(x) for x, m in zip(lp[r], mask[r]) if m])
+            for r in range(rows)]
+    got = state._real_rows()
+    assert [i for i, _ in got] == [i for i, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
