@@ -99,7 +99,7 @@ def b22(bench: Bench, cfg) -> list[Row]:
             variants["generate_batch"] = hf
         else:
             extra.append(f"HF generate_batch skipped: {hf or 'not available'}")
-        calls = _compare(sb, variants, reps)
+        calls = _compare(sb, variants, reps, collect=False)
         rows += _rows(f"B22a-{n}", f"{n} one-call programs (stories260K)", n, calls,
                       {"list call": 0.9 if n >= 32 else 0.8, "generate_batch": 1.5},  # (the 0.9: 32 and 128)
                       {"list call": "one list call", "generate_batch": "HF generate_batch"}, extra)
@@ -118,7 +118,7 @@ def b22(bench: Bench, cfg) -> list[Row]:
         calls = _compare(sb, {
             "lockstep": lambda: chain(prompts) and n * 12,
             "run_batch": lambda: continuum.run_batch(chain, prompts, concurrency=n) and n * 12,
-        }, 2 * reps, warmup=1)
+        }, 2 * reps, warmup=1, collect=False)
         rows += _rows(f"B22b-{n}", f"3-call chain x{n} (text, choice, regex)", n, calls, {"lockstep": 0.8},
                       {"lockstep": "three lockstep list calls"}, [])
     n = max(sizes)
@@ -128,10 +128,10 @@ def b22(bench: Bench, cfg) -> list[Row]:
         return await asyncio.gather(*(gen.acall(p, max_tokens=new) for p in prompts))
 
     log(f"B22c: {n} acalls under asyncio.gather")
-    calls = _compare(sb, {
+    calls = _compare(sb, {  # (one untimed run of each first: the first gather starts acall's worker threads)
         "run_batch": lambda: continuum.run_batch(lambda p: gen(p, max_tokens=new), prompts, concurrency=n) and n * new,
         "acall": lambda: asyncio.run(gathered()) and n * new,
-    }, reps)
+    }, reps, warmup=1, collect=False)
     ratio = statistics.median(r.seconds / a.seconds for r, a in zip(calls["run_batch"], calls["acall"]))
     rows.append(Row(id=f"B22c-{n}", title=f"{n} acalls under asyncio.gather vs run_batch", baseline="run_batch (B22a)",
                     figure=ratio, op=">=", threshold=0.9, unit="x tokens/s",

@@ -75,9 +75,10 @@ def _reset_sched(model) -> None:
         reset()
 
 
-def _compare(bench: Bench, variants: dict[str, Callable[[], object]], reps: int, warmup: int = 0) -> dict[str, list[Call]]:
+def _compare(bench: Bench, variants: dict[str, Callable[[], object]], reps: int, warmup: int = 0,
+             collect: bool = True) -> dict[str, list[Call]]:
     """Each variant run ``warmup`` times untimed, then timed ``reps`` times, the order rotated every repetition (slow
-    drifts hit all alike).
+    drifts hit all alike); ``collect=False``: no full garbage collection before each (``measurement.measure``).
 
     The ``run_batch`` variant's scheduler figures are collected into ``calls["run_batch"][i].extra``."""
     calls: dict[str, list[Call]] = {k: [] for k in variants}
@@ -89,7 +90,7 @@ def _compare(bench: Bench, variants: dict[str, Callable[[], object]], reps: int,
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             if name == "run_batch":
                 _reset_sched(bench.model)
-            call = measure(bench, variants[name])
+            call = measure(bench, variants[name], collect)
             if name == "run_batch":
                 call.extra["scheduler"] = _sched_stats(bench.model)
             calls[name].append(call)
