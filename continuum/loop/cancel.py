@@ -66,12 +66,11 @@ def current() -> CancelToken | None:
 @contextmanager
 def bound(token: CancelToken) -> Iterator[CancelToken]:
     """Run the body with ``token`` as the calling thread's token (restored after)."""
-    previous = getattr(_local, "token", None)
-    _local.token = token
+    previous = swap(token)
     try:
         yield token
     finally:
-        _local.token = previous
+        swap(previous)
 
 
 def swap(token: CancelToken | None) -> CancelToken | None:

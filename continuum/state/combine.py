@@ -13,7 +13,7 @@ from ..models import kv as kvcache
 from ..models.tokenizer import check_encodable
 from . import convert, stacking
 from .convert import check_same_model
-from .core import _NAN, SequenceState
+from .core import _NAN, VIEWS, SequenceState
 
 __all__ = ["add", "radd", "stack"]
 
@@ -183,8 +183,8 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
                                marks=joined("marks"), guide_states=joined("guide_states"), thoughts=joined("thoughts"))
     out = SequenceState(model=first._model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=kv,
                         batch=sum(s.batch for s in states), samples=first.samples, last=last)
-    for key in ("real", "texts", "cached"):  # (each row's real tokens, text and cached count are its state's, where
-        if all(key in s._cache for s in states):  # they were known: a joint call's callers not read back again)
+    for key in VIEWS:  # (each row's real tokens, text and cached count are its state's, where they were known: a
+        if all(key in s._cache for s in states):  # joint call's callers not read back again)
             out._cache[key] = [row for s in states for row in s._cache[key]]
     return out
 

@@ -34,6 +34,8 @@ from .layout import rebuild, right_aligned
 
 __all__ = ["SequenceState", "LastStep"]
 
+VIEWS = ("real", "texts", "cached")  # the memoised per-row views a state may take over from another (_memo_from, stack)
+
 
 def _as_list(value: Any) -> list:
     return value if isinstance(value, list) else [value]
@@ -102,7 +104,7 @@ class SequenceState:
     def _memo_from(self, other: SequenceState, rows: slice | None = None) -> SequenceState:
         """``self`` with ``other``'s memoised per-row views (of its rows ``rows``), where ``self`` holds the same real
         tokens, log-probs and cached counts in those rows (a call's result, a joint call's caller): not recomputed."""
-        for key in ("real", "texts", "cached"):
+        for key in VIEWS:
             if key in other._cache:
                 self._cache[key] = other._cache[key] if rows is None else other._cache[key][rows]
         return self

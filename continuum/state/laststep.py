@@ -49,20 +49,14 @@ class LastStep:
         def pick(t: Any) -> Any:  # any per-row tuple field, or None
             return tuple(t[r] for r in rows) if t is not None else None
 
-        return self._with(starts=pick(self.starts), ends=pick(self.ends), complete=pick(self.complete),
-                          guide_states=pick(self.guide_states), finish=pick(self.finish), marks=pick(self.marks),
-                          thoughts=pick(self.thoughts))
+        return self._with(**{name: pick(getattr(self, name)) for name in _ROW_FIELDS})
 
     def _span(self, start: int, stop: int) -> LastStep:
         """``select(range(start, stop))`` by slicing each per-row field (once per caller of a joint call)."""
-        new = object.__new__(LastStep)
-        d = new.__dict__
-        d.update(self.__dict__)
-        for name in _ROW_FIELDS:
-            t = d[name]
-            if t is not None:
-                d[name] = t[start:stop] if type(t) is tuple else tuple(t[start:stop])
-        return new
+        def cut(t: Any) -> Any:
+            return None if t is None else t[start:stop] if type(t) is tuple else tuple(t[start:stop])
+
+        return self._with(**{name: cut(getattr(self, name)) for name in _ROW_FIELDS})
 
     def edited(self, **changes) -> LastStep:
         """The same step after the text was edited: resumable guide states are dropped."""
@@ -81,7 +75,7 @@ class LastStep:
 
 
 _FIELDS = frozenset(LastStep.__dataclass_fields__)
-_ROW_FIELDS = ("starts", "ends", "complete", "guide_states", "finish", "marks", "thoughts")  # (what select picks)
+_ROW_FIELDS = ("starts", "ends", "complete", "guide_states", "finish", "marks", "thoughts")  # (a value per row)
 
 
 def read_values(state: Any, last: LastStep) -> list:

@@ -7,7 +7,6 @@ from array import array
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..models import kv as kvcache
 
@@ -21,8 +20,8 @@ def right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]],
     """Left-pad ragged rows into (ids, mask, logprobs) tensors."""
     width = max((len(r) for r in rows), default=0)
     if width and all(len(r) == width for r in rows):  # (no padding: a lone prompt, a joint call's rows)
-        return (torch.tensor(rows, dtype=torch.long).to(device), torch.ones((len(rows), width), dtype=torch.long).to(device),
-                torch.tensor(lps, dtype=torch.float32).to(device))
+        return (torch.tensor(rows, dtype=torch.long, device=device), torch.ones((len(rows), width), dtype=torch.long,
+                device=device), torch.tensor(lps, dtype=torch.float32, device=device))
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     lp = torch.full((len(rows), width), NAN, dtype=torch.float32)
@@ -62,12 +61,6 @@ def rebuild(state, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], 
         C2 = int(last_col.max()) + 1
     else:
         C2, kept = 0, None
-    w = len(tails[0][0])
-    if C2 and kept is None and all(len(t) == w for t, _ in tails):  # (text appended to every row alike, the common
-        ids = torch.cat([state._ids[:, :C2], torch.tensor([t for t, _ in tails], dtype=torch.long, device=device)], 1)
-        mask = F.pad(state._mask[:, :C2], (0, w), value=1)  # case: the new columns written straight after the kept ones)
-        lp = torch.cat([state._logprobs[:, :C2], torch.tensor([p for _, p in tails], dtype=torch.float32, device=device)], 1)
-        return _rebuilt(state, ids, mask, lp, weights, kvcache.crop(state._kv, C2), C, C2, real, keep, tails, True, last)
     tail_ids, tail_mask, tail_lp = right_aligned([t for t, _ in tails], [p for _, p in tails],
                                                   state._model.tokenizer.pad_token_id, device)
     kv = kvcache.crop(state._kv, C2)
@@ -80,10 +73,6 @@ def rebuild(state, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], 
         lp = torch.cat([state._logprobs[:, :C2], tail_lp], 1)
     else:
         ids, mask, lp = tail_ids, tail_mask, tail_lp
-    return _rebuilt(state, ids, mask, lp, weights, kv, C, C2, real, keep, tails, kept is None, last)
-
-
-def _rebuilt(state, ids, mask, lp, weights, kv, C: int, C2: int, real, keep: list[int], tails, whole: bool, last):
     # (compact only what a cut made smaller: appending keeps what this state viewed, e.g. a joint call's rows)
     out = type(state)(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
                       kv=kvcache.compact(kv) if C2 < C else kv, batch=state.batch, samples=state.samples, last=last)
@@ -92,6 +81,6 @@ def _rebuilt(state, ids, mask, lp, weights, kv, C: int, C2: int, real, keep: lis
     # stayed, the cache covers what it covered before)
     out._cache["real"] = [(ids_r[:k] + t, lps_r[:k] + array("f", p).tolist())
                           for (ids_r, lps_r), k, (t, p) in zip(real, keep, tails)]
-    if whole and C2 == C:
+    if kept is None and C2 == C:
         out._cache["cached"] = keep
     return out
