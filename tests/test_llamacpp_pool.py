@@ -45,6 +45,7 @@ def test_run_batch_of_48_programs_on_a_512_cell_pool_completes(small, roomy):
     got = run_batch(lambda p: gen(p, max_tokens=60), PROMPTS)
     stats = small.engine.stats()
     assert stats["no_room"] == 0 and stats["parked_calls"] == 0 and stats["waiting_calls"] == 0
+    assert 1 < stats["peak_rows"] <= small.engine.max_rows  # (programs' rows shared steps, within the admission bound)
     alone = [continuous(generate.text(roomy, samplers.greedy()))(p, max_tokens=60) for p in PROMPTS]
     equal = 0
     for state, ref in zip(got, alone):

@@ -331,9 +331,10 @@ class Engine(Driving):
     def stats(self) -> dict:
         """Counters: ``steps``, ``busy_s`` (time in steps), ``forward_s`` (in the model's forwards, the merged ones'
         log-softmax included), ``outside_forward_share``, ``merged_forwards``, ``requests_merged``, ``alone``,
-        ``fallbacks``, ``wakeups`` (callers woken: one per call); at the largest merged step ``peak_rows`` and
-        ``peak_padding`` (KV cells, holes and dead rows included, over real tokens); ``peak_kv_bytes`` (the largest
-        slab); ``p99_step_s`` (a step's 99th percentile while several calls ran: the wait between two tokens)."""
+        ``fallbacks``, ``wakeups`` (callers woken: one per call); ``peak_rows`` (the most rows one step ran); on
+        transformers, at the largest merged step, ``peak_padding`` (KV cells, holes and dead rows included, over real
+        tokens) and ``peak_kv_bytes`` (the largest slab; llama.cpp has no slabs: 1.0 and 0); ``p99_step_s``
+        (a step's 99th percentile while several calls ran: the wait between two tokens)."""
         with self._cond:
             out = report(self._stats, self._steps)
             out["running_calls"], out["running_rows"] = len(self._running), self.scheduler.rows
