@@ -215,7 +215,7 @@ class LlamaCpp:
         stats["forward_s"] += time.perf_counter() - t
         stats["merged_forwards"] += 1
         stats["requests_merged"] += len(requests)
-        stats["peak_rows"] = max(stats["peak_rows"], sum(r.rows for r in requests))  # (token trees: their rows)
+        stats["peak_rows"] = max(stats.get("peak_rows", 0), sum(r.rows for r in requests))  # (token trees: their rows)
 
     def _hold_results(self, requests: list[Request]) -> None:
         """The sequences ``requests`` decoded into (new forks among them) stay held for the rest of the step: the
