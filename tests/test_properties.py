@@ -26,7 +26,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import HealthCheck, assume, event, example, given, note, settings
 from hypothesis import strategies as st
 
 import continuum
@@ -649,6 +649,25 @@ def test_slice_weights_keep_whole_tokens(model, rows, seed, start, stop):
     for r, (t, w, got) in enumerate(zip(state, want, new.weights.flatten().tolist())):
         assert w is not None
         assert abs(got - w) < 1e-4, f"row {r} {t!r}[{sl}]: weights {got} != {w}"
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(rows=st.lists(st.tuples(long_texts, st.integers(1, 6)), min_size=2, max_size=3), seed=st.integers(0, 1000),
+       start=st.integers(-12, 40), stop=st.integers(-12, 40))
+@example(rows=[("Once upon a timeOnce upon a time", 1), (".\U0001f917", 1)], seed=0, start=-2, stop=0)
+def test_a_rows_cut_is_the_same_cut_of_that_row_alone(model, rows, seed, start, stop):
+    """``state[..., a:b]`` cuts each row as the same cut of a state of that row alone: its tokens, their log-probs,
+    its weight and text never depend on the other rows' cuts (regression: a row cut from its start was re-tokenized,
+    and a SentencePiece row's leading "▁" dropped from it and its weight, when another row's cut started later)."""
+    state = synthetic_state(model, rows, seed)
+    sl = slice(start, stop)
+    cut = state[chars_key(state, sl)]
+    for r, ((ids, lps), weight) in enumerate(zip(state._real_rows(), state.weights.flatten().tolist())):
+        alone = SequenceState._from_rows(model, [list(ids)], [list(lps)], torch.tensor([weight]), 1, 1, None)[sl]
+        (got_ids, got_lps), (want_ids, want_lps) = cut._real_rows()[r], alone._real_rows()[0]
+        assert (cut.texts[r], got_ids) == (alone.texts[0], want_ids), f"row {r}"
+        assert all(a == b or (a != a and b != b) for a, b in zip(got_lps, want_lps)), f"row {r}"
+        assert abs(cut.weights.flatten()[r].item() - alone.weights.item()) < 1e-6, f"row {r}"
 
 
 def test_slice_weights_drop_tokens_of_cut_characters(model):

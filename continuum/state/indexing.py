@@ -2,7 +2,8 @@
 
 Cutting from the start (``state[..., :n]``) keeps the cache of the longest token prefix inside the
 kept text (:func:`truncate`); any other cut re-tokenizes the kept text as a fresh prompt
-(:func:`resegment`). Weights keep the log-probs of the generated tokens that lie wholly inside.
+(:func:`resegment`), except in rows cut from their own start, which keep their tokens as a lone row would.
+Weights keep the log-probs of the generated tokens that lie wholly inside.
 """
 
 from __future__ import annotations
@@ -90,21 +91,7 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
             tails.append((ids[cached[r]:], lps[cached[r]:]))
             weights.append(float(state._weights[r]))
             continue
-        target = texts[r][:ends[r]]
-        k, n = longest_token_prefix(tok, ids, target)
-        split = byte_token_prefix(tok, ids, target) if n < len(target) else None  # (a cut at a token's end: no split)
-        if split is not None and split[0] > k:  # the cut ends inside a character split across tokens
-            k, leftover = split
-        else:
-            leftover = tok.encode_continuation(target[n:])
-        if leftover and tok.decode(ids[:k] + leftover) != target:
-            # the re-encoded text merged with a kept dangling byte token: back off a few tokens
-            for k2 in range(k - 1, max(-1, k - 9), -1):
-                prefix = tok.decode(ids[:k2])
-                rest = tok.encode_continuation(target[len(prefix):]) if target.startswith(prefix) else None
-                if rest is not None and tok.decode(ids[:k2] + rest) == target:
-                    k, n, leftover = k2, len(prefix), rest
-                    break
+        k, leftover = _prefix_tokens(tok, ids, texts[r][:ends[r]])
         c = min(k, cached[r])
         keep.append(c)
         tails.append((ids[c:k] + leftover, lps[c:k] + [_NAN] * len(leftover)))
@@ -117,17 +104,51 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
         last = state._last.edited(starts=starts, ends=ends_, complete=complete)
     return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), last)
 
+def _prefix_tokens(tok, ids: list[int], target: str) -> tuple[int, list[int]]:
+    """``(k, leftover)``: the row's first ``k`` tokens lie inside ``target`` (a prefix of its text), and ``leftover``
+    tokens complete it (a character split across tokens, or the text after the last whole token)."""
+    k, n = longest_token_prefix(tok, ids, target)
+    split = byte_token_prefix(tok, ids, target) if n < len(target) else None  # (a cut at a token's end: no split)
+    if split is not None and split[0] > k:  # the cut ends inside a character split across tokens
+        k, leftover = split
+    else:
+        leftover = tok.encode_continuation(target[n:])
+    if leftover and tok.decode(ids[:k] + leftover) != target:
+        # the re-encoded text merged with a kept dangling byte token: back off a few tokens
+        for k2 in range(k - 1, max(-1, k - 9), -1):
+            prefix = tok.decode(ids[:k2])
+            rest = tok.encode_continuation(target[len(prefix):]) if target.startswith(prefix) else None
+            if rest is not None and tok.decode(ids[:k2] + rest) == target:
+                return k2, rest
+    return k, leftover
+
+
 def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> SequenceState:
-    """Cut ``text[start:stop]`` per row: re-tokenized as fresh prompts, no cache."""
+    """Cut ``text[start:stop]`` per row, as fresh prompts (no cache): a row cut from its start keeps its tokens as
+    :func:`truncate` keeps them (what another row's cut needs never changes this row's tokens or weight); any
+    other row is its kept text re-tokenized."""
     tok = state._model.tokenizer
     texts, real = state.texts, state._real_rows()
+    kept: dict[int, tuple[list[int], list[float]]] = {}  # each row's tokens and their log-probs
     new_texts, weights = [], []
     for r, (s, e) in enumerate(bounds):
         ids, lps = real[r]
-        spans = token_char_spans(tok, ids)
-        weights.append(math.fsum(p for p, (a, b) in zip(lps, spans) if p == p and a >= s and b <= max(e, s) and b > a))
         new_texts.append(texts[r][s:max(e, s)])
-    rows = [_kept_text(tok, ids, t) for ids, t in zip(tok.encode_prompts(new_texts), new_texts)]
+        if s == 0 and e >= len(texts[r]):  # uncut (as in truncate: its tokens and carried weight)
+            kept[r] = (list(ids), list(lps))
+            weights.append(float(state._weights[r]))
+        elif s == 0:
+            k, leftover = _prefix_tokens(tok, ids, new_texts[r])
+            kept[r] = (ids[:k] + leftover, lps[:k] + [_NAN] * len(leftover))
+            weights.append(math.fsum(x for x in lps[:k] if x == x))
+        else:
+            spans = token_char_spans(tok, ids)
+            weights.append(math.fsum(p for p, (a, b) in zip(lps, spans) if p == p and a >= s and b <= max(e, s) and b > a))
+    fresh = [r for r in range(state.rows) if r not in kept]
+    for r, ids in zip(fresh, tok.encode_prompts([new_texts[r] for r in fresh]) if fresh else []):
+        row = _kept_text(tok, ids, new_texts[r])
+        kept[r] = (row, [_NAN] * len(row))
+    rows, lp_rows = [kept[r][0] for r in range(state.rows)], [kept[r][1] for r in range(state.rows)]
     last = None
     if state._last is not None:
         clip = lambda x, r: min(max(x - bounds[r][0], 0), len(new_texts[r]))  # noqa: E731
@@ -135,8 +156,8 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
                        ends=tuple(clip(x, r) for r, x in enumerate(state._last.ends)),
                        complete=tuple(c and state._last.ends[r] <= bounds[r][1] for r, c in enumerate(state._last.complete)),
                        marks=_rebase_marks(state._last, bounds))
-    return SequenceState._from_rows(state._model, rows, [[_NAN] * len(x) for x in rows],
-                                    torch.tensor(weights, dtype=state._weights.dtype), state.batch, state.samples, last)
+    return SequenceState._from_rows(state._model, rows, lp_rows, torch.tensor(weights, dtype=state._weights.dtype),
+                                    state.batch, state.samples, last)
 
 
 def _kept_text(tok, ids: list[int], text: str) -> list[int]:
