@@ -221,3 +221,31 @@ def test_a_step_of_more_rows_than_an_attention_tile_equals_each_row_alone_in_inv
     step = decode(pool, [DecodeRow(v, [3]) for v in views])
     for i in (0, 37, 63, 64, 99):
         np.testing.assert_array_equal(step.row(i), decode(pool, [DecodeRow(views[i], [3])]).row(0))
+
+
+@pytest.mark.parametrize("hold", ["numpy view", "tensor view", "memoryview"])
+def test_a_decodes_logits_are_never_overwritten_while_anything_reads_them(hold):
+    """Decodes reuse the arrays they copy logits into (``outputs.py``), but only once nothing refers to one: a later
+    decode of the same shape never writes where an earlier result can still be read, however it is held; once that
+    reference goes, the array is handed out again."""
+    import torch
+
+    _, tok, pool = load("f32")
+    rows = [_ids(tok, PROMPTS[0]), _ids(tok, PROMPTS[2])]
+    first = decode(pool, [DecodeRow(pool.empty(), r) for r in rows])
+    want, owner = first.logits.copy(), first.logits.base
+    ref = {"numpy view": lambda a: a[1:], "tensor view": lambda a: torch.from_numpy(a)[1:],
+           "memoryview": lambda a: memoryview(a)[1:]}[hold](first.logits)
+    owner_id = id(owner)
+    del first, owner  # (only `ref` reads the first result now)
+    for text in PROMPTS[1:]:  # other ids, the same shape: their logits differ
+        again = decode(pool, [DecodeRow(pool.empty(), _ids(tok, text)), DecodeRow(pool.empty(), rows[0])])
+        assert id(again.logits.base) != owner_id
+        np.testing.assert_array_equal(np.asarray(ref), want[1:])
+        del again
+    del ref
+    reused = decode(pool, [DecodeRow(pool.empty(), r) for r in rows])
+    assert id(reused.logits.base) == owner_id  # (free again: the pool's first array is handed out)
+    np.testing.assert_array_equal(reused.logits, want)
+    seen = {id(decode(pool, [DecodeRow(pool.empty(), r) for r in rows]).logits.base) for _ in range(4)}
+    assert len(seen) == 1  # (nothing holds them: the same array every time)

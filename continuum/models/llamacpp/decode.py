@@ -4,7 +4,8 @@ A row is a :class:`DecodeRow`: a :class:`~.sequences.KVView` and the tokens that
 need logits. :func:`decode` plans where each row's cells go (its own sequence when no longer view of it lives,
 else a fork that shares the prefix), checks sliding-window rows can be extended, fills one ``llama_batch`` from
 numpy arrays (no per-token ctypes writes), decodes it in chunks of ``n_batch`` tokens, and returns the requested
-logits (copied out of llama.cpp's buffer, which the next decode overwrites) with one new view per row.
+logits (copied out of llama.cpp's buffer, which the next decode overwrites, into an array of its own:
+``outputs.py``) with one new view per row.
 
 Failures leave every view as it was: the cells a failed decode added are removed (``seq_rm`` beyond each row's
 old length, where no live view reaches). ``llama_decode`` returning 1 (no free KV cell) spills idle sequences to
@@ -31,6 +32,7 @@ import numpy as np
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
 from . import cells, recurrent, window
 from ._lib import lib, mark_decoded
+from .outputs import Outputs
 from .seq import Seq
 from .sequences import KVView, SequencePool
 
@@ -93,6 +95,7 @@ class _BatchBuffers:
         self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self.batch.seq_id = ctypes.cast(self.seq_ptrs.ctypes.data, ctypes.POINTER(ctypes.POINTER(L.llama_seq_id)))
         self.batch.logits = self.out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.outputs = Outputs()  # the arrays the logits are copied into, reused once nothing reads them
 
 
 def _buffers(pool: SequencePool) -> _BatchBuffers:
@@ -242,7 +245,7 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
     token = np.concatenate([t for _, _, t, _ in live])
     pos = np.concatenate([np.arange(n, n + len(t), dtype=np.int32) for _, n, t, _ in live])
     out = np.concatenate([f for _, _, _, f in live])
-    logits = np.empty((n_out, model.n_vocab), np.float32)
+    logits = _buffers(pool).outputs.take(n_out, model.n_vocab)
     pinned, spare = _needed(rows, targets)
     cells.make_room(pool, len(token), pinned, spare)  # (room before the decode: a failed decode is the exception path)
     if model.hybrid and len(chunks(np.concatenate([np.full(len(t), s.id, np.int32) for s, _, t, _ in live]),
