@@ -154,7 +154,7 @@ class SequencePool:
     def release_id(self, seq_id: int) -> None:
         """Sequence ``seq_id`` leaves the pool (released or spilled): its cells dropped (kept, in the invariant mode,
         counted as such), its id free again. Under the model's lock; the caller sets its ``Seq.id`` to None."""
-        before = cells.used(self)
+        before = cells.used(self) if self.zombie is not None else 0  # (a walk of every resident sequence: only if used)
         self.resident.pop(seq_id, None)
         self.drop(seq_id)
         if self.zombie is not None:
