@@ -83,8 +83,18 @@ class GreedySampler(Sampler):
         return "GreedySampler()"
 
     def __call__(self, logprobs, scores, group, rng=None):
-        best, ids = logprobs.max(dim=-1)
+        ids = argmax(logprobs)
+        best = logprobs.gather(-1, ids[:, None])[:, 0]
         return ids, torch.arange(logprobs.shape[0], device=logprobs.device), scores + best
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first most likely index, as ``x.argmax(-1)`` (NaN counts as the largest, as there). On the CPU in
+    float32 numpy's vectorised argmax: 6x faster than torch's over Gemma's 262,144 columns (0.18 against 1.1 ms for
+    16 rows, 2 cores), once per greedy step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[-1] and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 class MultinomialSampler(Sampler):

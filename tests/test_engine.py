@@ -334,6 +334,23 @@ def test_samplers_validate_arguments():
     assert "MultinomialSampler(4" in repr(samplers.multinomial(4, temperature=0.7, top_k=50, top_p=0.9))
 
 
+def test_greedy_argmax_is_torchs_argmax():
+    """``samplers.argmax`` (numpy's on CPU float32) picks what ``torch.argmax`` picks: ties (the first), NaN (the
+    largest), rows all -inf, infinities, non-contiguous rows, other dtypes, a gradient."""
+    inf, nan = math.inf, math.nan
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.tensor([[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [1.0, nan, 5.0, nan], [inf, 1.0, inf, 0.0],
+                           [-inf, 0.0, -inf, 0.0]]),
+             torch.randn(9, 1000, generator=gen), torch.randn(6, 40, generator=gen)[:, ::3],
+             torch.randn(6, 40, generator=gen).t(), torch.randint(0, 3, (8, 50), generator=gen).float(),
+             torch.randn(4, 30, generator=gen, dtype=torch.float64), torch.randn(3, 7, generator=gen).requires_grad_()]
+    for x in cases:
+        assert samplers.argmax(x).tolist() == x.argmax(-1).tolist()
+        ids, _, best = samplers.greedy()(x.detach(), torch.zeros(x.shape[0]), 1)
+        assert ids.tolist() == x.argmax(-1).tolist()
+        assert torch.equal(best, x.detach().max(-1).values) or torch.allclose(best, x.detach().max(-1).values, equal_nan=True)
+
+
 def test_top_k_one_is_greedy(model):
     g = generate.text(model, samplers.greedy())("The dog", max_tokens=8)
     m = generate.text(model, samplers.multinomial(top_k=1))("The dog", max_tokens=8, rng=torch.Generator().manual_seed(0))

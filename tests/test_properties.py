@@ -411,7 +411,12 @@ class Program:
                     offset = uncut_rows_after(offset, [len(t[sl]) < len(t) for t in state])
                 else:
                     assert int(new.cached_tokens.sum()) == 0
-                    offset = new.weights.flatten().double()
+                    # rows cut from their own start keep their tokens and log-probs as a cut from the start does
+                    # (uncut_rows_after); the others are fresh prompts, their whole weights carried
+                    kept = uncut_rows_after(offset, [len(t[sl]) < len(t) for t in state])
+                    offset = torch.tensor([w if sl.indices(len(t))[0] else math.nan if kept is None else float(kept[r])
+                                           for r, (t, w) in enumerate(zip(state, new.weights.flatten().tolist()))],
+                                          dtype=torch.float64)
                 what = f"slice[{sl}]"
             elif op in ("add_text", "add_list"):
                 if op == "add_text":
