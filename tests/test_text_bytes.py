@@ -161,6 +161,20 @@ def test_detokenizer_agrees_with_the_final_text(tok_model, data):
     assert copy.text == d.text and copy.stable_text() == d.stable_text()
 
 
+def test_detokenizer_shows_bytes_no_character_begins_with_as_the_final_text_does(tok_model):
+    """Regression (randomized runs): pushed b"\\xed", b"\\xa0" (a surrogate's encoding, never valid UTF-8), the
+    detokenizer showed one U+FFFD where the row's text has two (Python's incremental decoder still holds both bytes)."""
+    name, model = tok_model
+    tok = model.tokenizer
+    context = tok.encode_prompts(["Hi"])[0]
+    d = detokenizer(tok, context)
+    before, new = reference_text(name, tok.hf, context), []
+    for b in b"\xed\xa0\x80a\xe6\x9d\xb1":
+        new.append(byte_token(tok.hf, b))
+        d.push(new[-1])
+        assert d.text == reference_text(name, tok.hf, context + new)[len(before):], bytes([b])
+
+
 def test_stream_chunks_and_stop_strings_agree_with_the_final_text(tok_model):
     """A random model over the real tokenizer, continuing a state that ends inside a character: the streamed
     chunks join to the final text, and a stop string taken from that text ends the text at its first match."""

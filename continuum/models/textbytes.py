@@ -199,7 +199,11 @@ class ByteStream:
 
     @property
     def text(self) -> str:
-        return self.done + "\ufffd" if self.pending and not self.skip else self.done
+        if not self.pending or self.skip:
+            return self.done
+        # the pending bytes as the whole row's decoding shows them: one U+FFFD for a character's beginning, more for
+        # bytes no character begins with that Python's incremental decoder still holds (b"\xed\xa0": a surrogate's)
+        return self.done + self.utf8.getstate()[0].decode("utf-8", "replace")
 
     def stable_text(self) -> str:
         """The part of ``text`` no later token can change."""
