@@ -167,3 +167,22 @@ def test_a_stale_window_row_in_a_token_tree_fails_its_own_request_only(monkeypat
     assert reqs[0].error is None
     torch.testing.assert_close(reqs[0].result[0], want, rtol=0, atol=0, equal_nan=True)  # (NaN: leaves, not computed)
     assert isinstance(reqs[1].error, StaleWindowError)
+
+
+def test_a_token_trees_logits_are_nan_wherever_the_tree_reads_nothing():
+    """A token tree's result: finite logits at the nodes choice scoring reads (``tree.outputs``), NaN everywhere else
+    (leaves, and the padding of a row whose options make a smaller trie): never a value nobody computed."""
+    model = models.llamacpp(gguf("f32"), n_threads=2)
+    state = continuous(generate.text(model, samplers.greedy()))(PROMPTS[:2], max_tokens=3)
+    tok, C = model.tokenizer, kv.length(state._kv)
+    options = [[tok.encode_continuation(o) for o in (" cat", " dog")],
+               [tok.encode_continuation(o) for o in (" big dog", " small cat", " a")]]
+    tree = token_tree.build(state._ids[:, C].tolist(), (state._mask.sum(1) - 1).tolist(), options,
+                            state._mask[:, :C], tok.pad_token_id)
+    assert not bool(tree.real.all())  # (the first row's trie is smaller: padded)
+    r = Request(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions, state._kv, logits="all",
+                allowed=tree.allowed, outputs=tree.outputs)
+    model.run_step([r], _counters())
+    assert r.error is None
+    lg, reads = r.result[0], tree.outputs
+    assert bool(torch.isfinite(lg[reads]).all()) and bool(torch.isnan(lg[~reads]).all())
