@@ -78,8 +78,10 @@ class TokenTree:
         rr, pp, nn = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, preds, nodes))
         tokens = self.ids.to(dev)[rr, nn]
         at, where = torch.unique(rr * logits.shape[1] + pp, return_inverse=True)  # each predicting node once
-        norm = torch.logsumexp(logits.reshape(-1, logits.shape[-1]).index_select(0, at), -1)
-        flat = logits[rr, pp, tokens] - norm[where]
+        # their rows, normalised in place (torch.logsumexp makes a vocabulary-wide temporary: on Gemma's 262,144
+        # columns, 32 rows took 32 ms with it against 17 ms this way, the copy included)
+        lp = logits.reshape(-1, logits.shape[-1]).index_select(0, at).float()
+        flat = torch.log_softmax(lp, -1, out=lp)[where, tokens]
         return list(flat.split([len(p) for options in self.paths for p in options]))
 
 
