@@ -72,8 +72,9 @@ def run_logprobs(logits: torch.Tensor, runs: Sequence[Sequence[int]], width: int
     out: list[list[float]] = [[] for _ in runs]
     if not toks:
         return out
-    picked = logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)]
-    lps = torch.log_softmax(picked.float(), -1).gather(1, torch.tensor(toks, device=logits.device)[:, None])[:, 0].tolist()
+    picked = logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)].float()
+    # (normalised in place: the indexing made a copy, and a second vocabulary-wide array costs its page faults)
+    lps = torch.log_softmax(picked, -1, out=picked).gather(1, torch.tensor(toks, device=logits.device)[:, None])[:, 0].tolist()
     i = 0
     for r, run in enumerate(runs):
         out[r] = lps[i:i + len(run)]
