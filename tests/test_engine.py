@@ -351,6 +351,46 @@ def test_greedy_argmax_is_torchs_argmax():
         assert torch.equal(best, x.detach().max(-1).values) or torch.allclose(best, x.detach().max(-1).values, equal_nan=True)
 
 
+def _nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """top-p by a full sort in float64 (the textbook way): which tokens it drops, and which lie so close to the
+    boundary (the probability before them within 1e-5 of top_p) that float32 rounding may decide either way."""
+    sorted_logits, order = logits.double().sort(dim=-1, descending=True)
+    p = sorted_logits.softmax(-1)
+    before = p.cumsum(-1) - p
+    drop, close = before >= top_p, (before - top_p).abs() < 1e-5
+    return drop.scatter(-1, order, drop), close.scatter(-1, order, close)
+
+
+@pytest.mark.parametrize("vocab,scale", [(50, 1.0), (3000, 0.05), (3000, 3.0), (20000, 0.01)])
+def test_top_p_keeps_what_a_full_sort_keeps(vocab, scale):
+    """``samplers._nucleus`` sorts only the most likely tokens, more while some row's set reaches past them (a flat
+    distribution: thousands of tokens); it keeps exactly the tokens a full sort keeps, masked tokens included."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * scale
+    logits[1, ::3] = -math.inf  # (a row a guide or top-k masked first)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        drop, close = _nucleus_by_sorting(logits, top_p)
+        got = samplers._nucleus(logits, top_p)
+        dropped = torch.isinf(got) & ~torch.isinf(logits)
+        assert torch.equal((dropped | torch.isinf(logits))[~close], (drop | torch.isinf(logits))[~close]), top_p
+        assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])  # (kept tokens keep their logits)
+        assert int(close.sum()) <= 0.01 * close.numel()  # (the band is a tie-break, not where the answer hides)
+
+
+def test_draws_follow_the_probabilities():
+    """``samplers.draw`` (inverse CDF): frequencies within 4.5 standard deviations of the probabilities over 40,000
+    draws, zero-probability tokens never drawn, the same seed the same draws."""
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.125, 0.125, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.1] * 5 + [0.5]])
+    probs = probs / probs.sum(-1, keepdim=True)
+    n = 40000
+    ids = samplers.draw(probs, n, torch.Generator().manual_seed(3))
+    assert ids.shape == (3, n)
+    freq = torch.stack([torch.bincount(row, minlength=6) for row in ids]).double() / n
+    sd = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert bool(((freq - probs.double()).abs() <= 4.5 * sd + 1e-12).all()), freq
+    assert torch.equal(ids, samplers.draw(probs, n, torch.Generator().manual_seed(3)))
+
+
 def test_top_k_one_is_greedy(model):
     g = generate.text(model, samplers.greedy())("The dog", max_tokens=8)
     m = generate.text(model, samplers.multinomial(top_k=1))("The dog", max_tokens=8, rng=torch.Generator().manual_seed(0))
