@@ -83,18 +83,23 @@ class GreedySampler(Sampler):
         return "GreedySampler()"
 
     def __call__(self, logprobs, scores, group, rng=None):
-        ids = argmax(logprobs)
-        best = logprobs.gather(-1, ids[:, None])[:, 0]
+        best, ids = row_max(logprobs)
         return ids, torch.arange(logprobs.shape[0], device=logprobs.device), scores + best
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's first most likely index, as ``x.argmax(-1)`` (NaN counts as the largest, as there). On the CPU in
-    float32 numpy's vectorised argmax: 6x faster than torch's over Gemma's 262,144 columns (0.18 against 1.1 ms for
-    16 rows, 2 cores), once per greedy step."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[-1] and not x.requires_grad:
-        return torch.from_numpy(x.numpy().argmax(axis=-1))
-    return x.argmax(dim=-1)
+NUMPY_ARGMAX_FROM = 16384  # columns from which numpy's argmax pays for its conversions (a few microseconds a call)
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest value and its first index, as ``x.max(dim=-1)`` (NaN counts as the largest, as there). On
+    the CPU in float32 over a large vocabulary, numpy's vectorised argmax: 6x faster than torch's over Gemma's 262,144
+    columns (0.18 against 1.1 ms for 16 rows, 2 cores), once per greedy step."""
+    if (x.shape[-1] >= NUMPY_ARGMAX_FROM and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and not x.requires_grad):
+        ids = torch.from_numpy(x.numpy().argmax(axis=-1))
+        return x.gather(-1, ids[:, None])[:, 0], ids
+    best, ids = x.max(dim=-1)
+    return best, ids
 
 
 class MultinomialSampler(Sampler):

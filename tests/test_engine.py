@@ -334,9 +334,12 @@ def test_samplers_validate_arguments():
     assert "MultinomialSampler(4" in repr(samplers.multinomial(4, temperature=0.7, top_k=50, top_p=0.9))
 
 
-def test_greedy_argmax_is_torchs_argmax():
-    """``samplers.argmax`` (numpy's on CPU float32) picks what ``torch.argmax`` picks: ties (the first), NaN (the
-    largest), rows all -inf, infinities, non-contiguous rows, other dtypes, a gradient."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_greedy_row_max_is_torchs_max(wide, monkeypatch):
+    """``samplers.row_max`` (numpy's argmax on CPU float32 over wide rows) picks what ``torch.max`` picks: ties (the
+    first), NaN (the largest), rows all -inf, infinities, non-contiguous rows, other dtypes, a gradient."""
+    if wide:  # (every case on the numpy path)
+        monkeypatch.setattr(samplers, "NUMPY_ARGMAX_FROM", 1)
     inf, nan = math.inf, math.nan
     gen = torch.Generator().manual_seed(0)
     cases = [torch.tensor([[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [1.0, nan, 5.0, nan], [inf, 1.0, inf, 0.0],
@@ -345,10 +348,12 @@ def test_greedy_argmax_is_torchs_argmax():
              torch.randn(6, 40, generator=gen).t(), torch.randint(0, 3, (8, 50), generator=gen).float(),
              torch.randn(4, 30, generator=gen, dtype=torch.float64), torch.randn(3, 7, generator=gen).requires_grad_()]
     for x in cases:
-        assert samplers.argmax(x).tolist() == x.argmax(-1).tolist()
+        best, ids = samplers.row_max(x)
+        want = x.max(-1)
+        assert ids.tolist() == want.indices.tolist() == x.argmax(-1).tolist()
+        torch.testing.assert_close(best, want.values, rtol=0, atol=0, equal_nan=True)
         ids, _, best = samplers.greedy()(x.detach(), torch.zeros(x.shape[0]), 1)
-        assert ids.tolist() == x.argmax(-1).tolist()
-        assert torch.equal(best, x.detach().max(-1).values) or torch.allclose(best, x.detach().max(-1).values, equal_nan=True)
+        assert ids.tolist() == want.indices.tolist()
 
 
 def _nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:

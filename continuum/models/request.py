@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..samplers import argmax
+from ..samplers import row_max
 from . import kv as kvcache
 
 __all__ = ["Request", "normalized"]
@@ -78,5 +78,5 @@ class Request:
 def normalized(logits: torch.Tensor) -> tuple[torch.Tensor, list[float], list[int]]:
     """Log-softmax of ``(rows, vocab)`` logits, and each row's best log-prob and token (as lists)."""
     lp = torch.log_softmax(logits, dim=-1)
-    top = argmax(lp)
-    return lp, lp.gather(-1, top[:, None])[:, 0].tolist(), top.tolist()
+    best, top = row_max(lp)
+    return lp, best.tolist(), top.tolist()
