@@ -173,7 +173,7 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     k = min(V, 1024)
     while True:
         top, order = logits.topk(k, dim=-1)  # (sorted, most likely first)
-        p = (top - norm).exp()
+        p = (top - norm).to(torch.promote_types(top.dtype, torch.float32)).exp()  # (half precision cannot sum these)
         drop = p.cumsum(-1) - p >= top_p  # (the probability before each token already reaches top_p)
         if k == V or bool(drop[:, -1].all()):  # every row's set ends among these k: the rest is dropped too
             break
