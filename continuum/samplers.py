@@ -147,7 +147,7 @@ class MultinomialSampler(Sampler):
         rows = logprobs.shape[0]
         ancestors = _fork_ancestors(rows, group, self.samples, logprobs.device)
         if self.temperature == 0:
-            ids = logprobs.argmax(-1).index_select(0, ancestors)
+            ids = row_max(logprobs)[1].index_select(0, ancestors)  # (greedy's pick)
         else:
             probs = self._filter(logprobs).softmax(-1)
             # (torch.multinomial draws one sample as an exponential race, argmax(p / E): a seeded call keeps its tokens

@@ -86,16 +86,11 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
     keep, tails, weights = [], [], []
     for r in range(state.rows):
         ids, lps = real[r]
-        if ends[r] >= len(texts[r]):  # an uncut row keeps its tokens and carried weight
-            keep.append(cached[r])
-            tails.append((ids[cached[r]:], lps[cached[r]:]))
-            weights.append(float(state._weights[r]))
-            continue
-        k, leftover = _prefix_tokens(tok, ids, texts[r][:ends[r]])
+        k, leftover, weight = _from_start(tok, ids, lps, texts[r], ends[r], float(state._weights[r]))
         c = min(k, cached[r])
         keep.append(c)
         tails.append((ids[c:k] + leftover, lps[c:k] + [_NAN] * len(leftover)))
-        weights.append(math.fsum(x for x in lps[:k] if x == x))
+        weights.append(weight)
     last = None
     if state._last is not None:
         ends_ = tuple(min(e, ends[r]) for r, e in enumerate(state._last.ends))
@@ -103,6 +98,15 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
         complete = tuple(c and e <= ends[r] for r, (c, e) in enumerate(zip(state._last.complete, state._last.ends)))
         last = state._last.edited(starts=starts, ends=ends_, complete=complete)
     return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), last)
+
+def _from_start(tok, ids: list[int], lps: list[float], text: str, end: int, weight: float) -> tuple[int, list[int], float]:
+    """A row cut to ``text[:end]``: ``(k, leftover, weight)``, its first ``k`` tokens kept, ``leftover`` tokens completing
+    the cut, and its weight: carried whole by an uncut row, else the log-probs of the tokens kept."""
+    if end >= len(text):
+        return len(ids), [], weight
+    k, leftover = _prefix_tokens(tok, ids, text[:end])
+    return k, leftover, math.fsum(x for x in lps[:k] if x == x)
+
 
 def _prefix_tokens(tok, ids: list[int], target: str) -> tuple[int, list[int]]:
     """``(k, leftover)``: the row's first ``k`` tokens lie inside ``target`` (a prefix of its text), and ``leftover``
@@ -134,13 +138,10 @@ def resegment(state: SequenceState, bounds: Sequence[tuple[int, int]]) -> Sequen
     for r, (s, e) in enumerate(bounds):
         ids, lps = real[r]
         new_texts.append(texts[r][s:max(e, s)])
-        if s == 0 and e >= len(texts[r]):  # uncut (as in truncate: its tokens and carried weight)
-            kept[r] = (list(ids), list(lps))
-            weights.append(float(state._weights[r]))
-        elif s == 0:
-            k, leftover = _prefix_tokens(tok, ids, new_texts[r])
+        if s == 0:  # (as truncate cuts it)
+            k, leftover, weight = _from_start(tok, ids, lps, texts[r], e, float(state._weights[r]))
             kept[r] = (ids[:k] + leftover, lps[:k] + [_NAN] * len(leftover))
-            weights.append(math.fsum(x for x in lps[:k] if x == x))
+            weights.append(weight)
         else:
             spans = token_char_spans(tok, ids)
             weights.append(math.fsum(p for p, (a, b) in zip(lps, spans) if p == p and a >= s and b <= max(e, s) and b > a))

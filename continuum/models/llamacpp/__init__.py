@@ -14,7 +14,7 @@ Modules, one job each:
 * ``decode.py``: :func:`decode`, many rows' new tokens in one ``llama_decode`` (:class:`DecodeRow`,
   :class:`DecodeResult`); ``outputs.py``: the arrays its logits are copied into, reused once nothing reads them.
 * ``gather.py``: the engine's requests as decode rows, and each request's result gathered from the decode (a
-  decoding step's rows: one in-place log-softmax, numpy's argmax, no per-row copies).
+  decoding step's rows: one in-place log-softmax, ``samplers.row_max``, no per-row copies).
 * ``fingerprint.py``: what a KV blob is valid for (GGUF hash, KV layout, mode, llama.cpp version); ``pack`` and
   ``unpack`` refuse a blob from elsewhere.
 * ``persist.py``: a state's KV in its file (each distinct sequence's bytes once), restored into fresh sequences.

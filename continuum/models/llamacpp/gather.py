@@ -5,7 +5,7 @@ The hot path is a decoding step (``normalize``, one column per row): with Gemma'
 logits is 1 MiB, so nothing here walks or copies rows one at a time. The step's normalized requests take their
 rows of the decode's logits together (a view when they are consecutive, as in a step where every row decodes one
 token, else one indexed copy), get ONE log-softmax (torch spreads it over the threads) and each row's best token by
-numpy's ``argmax`` (several times faster than ``torch.max`` over a vocabulary this wide); each request reads its
+``samplers.row_max`` (numpy's argmax over a vocabulary this wide, several times faster than ``torch.max``); each request reads its
 slice of them. Other requests get tensors of their own (their loops may write to them), zeros where a row has no
 logits.
 
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ...samplers import row_max
 from ..request import Request
 from .decode import DecodeResult, DecodeRow
 from .sequences import SequencePool
@@ -124,8 +125,7 @@ def fill_results(requests: list[Request], plans: list[RowPlan], out: DecodeResul
         # than the log-softmax itself), and the other requests took theirs above
         x = _take(logits_all, group_idx, own=False)
         lp = torch.log_softmax(x, dim=-1, out=x)
-        top = lp.numpy().argmax(axis=1)
-        best = lp[torch.arange(len(top)), torch.from_numpy(top)].tolist()
-        top_list = top.tolist()
+        best_t, top_t = row_max(lp)
+        best, top_list = best_t.tolist(), top_t.tolist()
         for r, row in group:
             r.logprobs, r.top = (lp, row), (top_list[row:row + r.rows], best[row:row + r.rows])
