@@ -322,66 +322,6 @@ def test_max_tokens_none_on_a_huge_context_allocates_a_small_buffer_and_grows_it
     assert 1 <= len(grown) <= 3
 
 
-def test_samplers_validate_arguments():
-    with pytest.raises(ValueError):
-        samplers.multinomial(0)
-    with pytest.raises(ValueError):
-        samplers.multinomial(2, top_p=1.5)
-    with pytest.raises(ValueError):
-        samplers.beam_search(0)
-    assert samplers.BeamSearchSampler(3).samples == 3
-    assert isinstance(samplers.greedy(), samplers.GreedySampler)
-    assert "MultinomialSampler(4" in repr(samplers.multinomial(4, temperature=0.7, top_k=50, top_p=0.9))
-
-
-@pytest.mark.parametrize("wide", [False, True])
-def test_greedy_row_max_is_torchs_max(wide, monkeypatch):
-    """``samplers.row_max`` (numpy's argmax on CPU float32 over wide rows) picks what ``torch.max`` picks: ties (the
-    first), NaN (the largest), rows all -inf, infinities, non-contiguous rows, other dtypes, a gradient."""
-    if wide:  # (every case on the numpy path)
-        monkeypatch.setattr(samplers, "NUMPY_ARGMAX_FROM", 1)
-    inf, nan = math.inf, math.nan
-    gen = torch.Generator().manual_seed(0)
-    cases = [torch.tensor([[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [1.0, nan, 5.0, nan], [inf, 1.0, inf, 0.0],
-                           [-inf, 0.0, -inf, 0.0]]),
-             torch.randn(9, 1000, generator=gen), torch.randn(6, 40, generator=gen)[:, ::3],
-             torch.randn(6, 40, generator=gen).t(), torch.randint(0, 3, (8, 50), generator=gen).float(),
-             torch.randn(4, 30, generator=gen, dtype=torch.float64), torch.randn(3, 7, generator=gen).requires_grad_()]
-    for x in cases:
-        best, ids = samplers.row_max(x)
-        want = x.max(-1)
-        assert ids.tolist() == want.indices.tolist() == x.argmax(-1).tolist()
-        torch.testing.assert_close(best, want.values, rtol=0, atol=0, equal_nan=True)
-        ids, _, best = samplers.greedy()(x.detach(), torch.zeros(x.shape[0]), 1)
-        assert ids.tolist() == want.indices.tolist()
-
-
-def _nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """top-p by a full sort in float64 (the textbook way): which tokens it drops, and which lie so close to the
-    boundary (the probability before them within 1e-5 of top_p) that float32 rounding may decide either way."""
-    sorted_logits, order = logits.double().sort(dim=-1, descending=True)
-    p = sorted_logits.softmax(-1)
-    before = p.cumsum(-1) - p
-    drop, close = before >= top_p, (before - top_p).abs() < 1e-5
-    return drop.scatter(-1, order, drop), close.scatter(-1, order, close)
-
-
-@pytest.mark.parametrize("vocab,scale", [(50, 1.0), (3000, 0.05), (3000, 3.0), (20000, 0.01)])
-def test_top_p_keeps_what_a_full_sort_keeps(vocab, scale):
-    """``samplers._nucleus`` sorts only the most likely tokens, more while some row's set reaches past them (a flat
-    distribution: thousands of tokens); it keeps exactly the tokens a full sort keeps, masked tokens included."""
-    gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(6, vocab, generator=gen) * scale
-    logits[1, ::3] = -math.inf  # (a row a guide or top-k masked first)
-    for top_p in (0.05, 0.5, 0.9, 0.999):
-        drop, close = _nucleus_by_sorting(logits, top_p)
-        got = samplers._nucleus(logits, top_p)
-        dropped = torch.isinf(got) & ~torch.isinf(logits)
-        assert torch.equal((dropped | torch.isinf(logits))[~close], (drop | torch.isinf(logits))[~close]), top_p
-        assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])  # (kept tokens keep their logits)
-        assert int(close.sum()) <= 0.01 * close.numel()  # (the band is a tie-break, not where the answer hides)
-
-
 def test_top_k_one_is_greedy(model):
     g = generate.text(model, samplers.greedy())("The dog", max_tokens=8)
     m = generate.text(model, samplers.multinomial(top_k=1))("The dog", max_tokens=8, rng=torch.Generator().manual_seed(0))
