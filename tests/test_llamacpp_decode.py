@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 
 from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.models.llamacpp import DecodeRow, decode
-from continuum.models.llamacpp.decode import FA_TILE_ROWS, chunks
+from continuum.models.llamacpp.decode import FA_TILE_ROWS, PACK_FROM, chunks
 
 from llamacpp_support import DECODE_TOL, load, reference_logits
 
@@ -196,20 +198,29 @@ def test_threads_share_one_model():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 150), min_size=1, max_size=40), st.sampled_from([8, 16, 63, 64, 255, 512]))
-def test_chunks_cover_the_batch_and_keep_rows_of_several_sequences_under_the_attention_tile(lengths, step):
+@given(st.lists(st.integers(1, 150), min_size=1, max_size=40), st.sampled_from([8, 16, 63, 64, 255, 512]),
+       st.sampled_from([None, PACK_FROM]))
+def test_chunks_cover_the_batch_and_keep_rows_of_several_sequences_under_the_attention_tile(lengths, step, pack):
+    """Every decode holds at most ``step`` tokens, in batch order; one of ``FA_TILE_ROWS`` rows or more holds one
+    sequence, or (``pack``) only runs of ``pack`` tokens or more, so none of its tiles spans more than a few sequences;
+    a run that fits a decode is never cut."""
     ids = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
-    got = chunks(ids, step)
+    got = chunks(ids, step, pack)
     assert got[0][0] == 0 and got[-1][1] == len(ids)
     assert all(a[1] == b[0] for a, b in zip(got, got[1:]))  # contiguous, in order: outputs stay in batch order
     for s, e in got:
         assert 0 < e - s <= step
-        assert len(set(ids[s:e].tolist())) == 1 or e - s < FA_TILE_ROWS
+        inside = [lengths[i] for i in sorted(set(ids[s:e].tolist()))]
+        assert len(inside) == 1 or e - s < FA_TILE_ROWS or (pack is not None and min(inside) >= pack)
     starts = {s for s, _ in got}
     bounds = np.cumsum([0, *lengths])
-    for a, n in zip(bounds, lengths):  # a short run is never cut: its tokens decode together
-        if n < FA_TILE_ROWS and n <= step:
+    for a, n in zip(bounds, lengths):  # a run is never cut when it fits: its tokens decode together
+        if (n < FA_TILE_ROWS or pack is not None) and n <= step:
             assert not any(a < s < a + n for s in starts)
+    if pack is not None:  # prompts are packed: as few decodes as the runs allow
+        assert len(got) <= sum(math.ceil(n / step) for n in lengths)
+        if all(n >= pack for n in lengths) and len(ids) <= step:
+            assert len(got) == 1
 
 
 def test_a_step_of_more_rows_than_an_attention_tile_equals_each_row_alone_in_invariant_mode():

@@ -248,8 +248,8 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
     logits = _buffers(pool).outputs.take(n_out, model.n_vocab)
     pinned, spare = _needed(rows, targets)
     cells.make_room(pool, len(token), pinned, spare)  # (room before the decode: a failed decode is the exception path)
-    if model.hybrid and len(chunks(np.concatenate([np.full(len(t), s.id, np.int32) for s, _, t, _ in live]),
-                                   _buffers(pool).capacity)) > 1:
+    if model.hybrid and len(decode_chunks(pool, np.concatenate([np.full(len(t), s.id, np.int32)
+                                                                for s, _, t, _ in live]))) > 1:
         for seq, n, _, _ in live:  # (a later chunk may fail after earlier ones committed: undo needs each row's summary)
             if n == seq.extent:
                 recurrent.keep_end(pool, seq)
@@ -276,16 +276,24 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
 # step's cost grows as rows x all cells. Below it, the per-row kernel skips each masked cell. Measured on Gemma 3 270M,
 # 2 threads, a 128-row step over 128 x 61 cells: 1.45 s in one micro-batch, 0.95 s in chunks under 64 rows.
 FA_TILE_ROWS = 64
+# Runs of this many tokens or more (prompts, long appends) are packed into decodes of up to n_batch tokens: 128
+# prompts of ~22 tokens took 64 decodes of ~46 tokens (4.0-4.1 s on Gemma 3 270M, 2 threads) in chunks under the
+# tile, 8 decodes of ~400 tokens packed (3.0-3.3 s). A tile of 64 rows then spans at most 5 sequences.
+PACK_FROM = 16
 
 
-def chunks(ids: np.ndarray, step: int) -> list[tuple[int, int]]:
+def chunks(ids: np.ndarray, step: int, pack_from: int | None = None) -> list[tuple[int, int]]:
     """``(start, end)`` ranges of the batch, each one ``llama_decode`` of at most ``step`` tokens: a sequence's run of
     ``FA_TILE_ROWS`` tokens or more (a prefill) goes alone, cut at ``step`` (its rows mask nothing but the causal
     future: the tiled kernel skips other sequences' cells); shorter runs (one-token steps, short appends) are
-    packed into balanced chunks of fewer than ``FA_TILE_ROWS`` tokens, never cutting a run.
+    packed into balanced chunks of fewer than ``FA_TILE_ROWS`` tokens, never cutting a run. With ``pack_from``,
+    consecutive runs of at least that many tokens (prompts) are packed together up to ``step`` instead: a tile of
+    ``FA_TILE_ROWS`` rows then spans a few sequences, whose cells the tiled kernel computes, and skips the rest.
 
     >>> chunks(np.array([0] * 70 + list(range(1, 101))), 512)
     [(0, 70), (70, 120), (120, 170)]
+    >>> chunks(np.array([0] * 20 + [1] * 30 + [2] * 40 + [3, 4]), 512, pack_from=16)
+    [(0, 90), (90, 92)]
     """
     n = len(ids)
     if n == 0:
@@ -293,39 +301,59 @@ def chunks(ids: np.ndarray, step: int) -> list[tuple[int, int]]:
     cuts = np.flatnonzero(np.diff(ids)) + 1
     bounds = np.concatenate([[0], cuts, [n]]).tolist()
     runs = list(zip(bounds[:-1], bounds[1:]))
-    small = sum(e - s for s, e in runs if e - s < FA_TILE_ROWS)
+    wide = FA_TILE_ROWS if pack_from is None else min(pack_from, FA_TILE_ROWS)
+    small = sum(e - s for s, e in runs if e - s < wide)
     parts = math.ceil(small / (FA_TILE_ROWS - 1))  # the fewest chunks under the tile, then balanced:
     target = math.ceil(small / parts) if parts else 0  # 128 rows -> 43, 43, 42
     out: list[tuple[int, int]] = []
-    open_start: int | None = None
+    open_start: int | None = None  # an open chunk of short runs
+    packed: int | None = None  # an open chunk of wide runs (pack_from)
     for s, e in runs:
-        if e - s >= FA_TILE_ROWS or e - s > step:
+        if e - s >= wide or e - s > step:
             if open_start is not None:
                 out.append((open_start, s))
                 open_start = None
-            out.extend((a, min(a + step, e)) for a in range(s, e, step))
+            if pack_from is None:
+                out.extend((a, min(a + step, e)) for a in range(s, e, step))
+                continue
+            if packed is not None and e - packed > step:
+                out.append((packed, s))
+                packed = None
+            if packed is None:
+                while e - s > step:
+                    out.append((s, s + step))
+                    s += step
+                packed = s
             continue
+        if packed is not None:
+            out.append((packed, s))
+            packed = None
         if open_start is not None and (e - open_start > target or e - open_start > step):
             out.append((open_start, s))
             open_start = None
         if open_start is None:
             open_start = s
-    if open_start is not None:
-        out.append((open_start, n))
+    if open_start is not None or packed is not None:
+        out.append((open_start if open_start is not None else packed, n))
     return out
+
+
+def decode_chunks(pool: SequencePool, ids: np.ndarray) -> list[tuple[int, int]]:
+    """The decodes a batch of sequence ``ids`` takes in ``pool`` (:func:`chunks`)."""
+    step = _buffers(pool).capacity
+    if pool.scratch is None:
+        return chunks(ids, step, PACK_FROM)
+    # the batch-invariant mode: no micro-batch reaches the tiled kernel, whose sums follow where a row's cells lie and
+    # which rows share its tiles, so a prompt's positions round alike however they are split into decodes (a
+    # prefix-cache hit, a chunked prefill) and wherever its cells land in the pool; one token of room for the scratch
+    return chunks(ids, min(step - 1, FA_TILE_ROWS - 1))
 
 
 def _decode_chunks(pool: SequencePool, token: np.ndarray, pos: np.ndarray, ids: np.ndarray, out: np.ndarray,
                    logits: np.ndarray) -> int:
     L, model = lib(), pool.model
     buf, ctx, done = _buffers(pool), model.ctx, 0
-    step = buf.capacity - (pool.scratch is not None)  # room for the scratch token
-    if pool.scratch is not None:
-        # the batch-invariant mode: no micro-batch reaches the tiled kernel, whose sums follow where a row's cells lie
-        # and which rows share its tiles, so a prompt's positions round alike however they are split into decodes (a
-        # prefix-cache hit, a chunked prefill) and wherever its cells land in the pool
-        step = min(step, FA_TILE_ROWS - 1)
-    for start, end in chunks(ids, step):
+    for start, end in decode_chunks(pool, ids):
         k = end - start
         buf.token[:k], buf.pos[:k], buf.seq[:k], buf.out[:k] = token[start:end], pos[start:end], ids[start:end], out[start:end]
         m = int(out[start:end].sum())
