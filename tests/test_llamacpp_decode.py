@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from continuum.errors import ContextLengthError, GeneratorArgumentError
 from continuum.models.llamacpp import DecodeRow, decode
-from continuum.models.llamacpp.decode import FA_TILE_ROWS, PACK_FROM, chunks
+from continuum.models.llamacpp.decode import FA_TILE_ROWS, PACK_FROM, chunks, decode_chunks
 
 from llamacpp_support import DECODE_TOL, load, reference_logits
 
@@ -115,6 +115,24 @@ def test_rows_in_one_decode_equal_each_alone_in_invariant_mode(kind):
 def test_rows_in_one_decode_are_close_to_alone_in_default_mode(kind):
     _, tok, pool = load(kind)
     assert _merged_vs_alone(pool, tok) <= DECODE_TOL[kind]
+
+
+@pytest.mark.parametrize("kind", ["f32", "q8_0"])
+def test_prompts_packed_into_one_wide_decode_are_close_to_each_alone(kind):
+    """Prompts of 16+ tokens are packed into one decode past the 64-row attention tile (``PACK_FROM``): the tiled
+    kernel runs over tiles spanning several sequences, masked by sequence; every position's logits stay within the
+    stated tolerance of each prompt decoded alone, in either order."""
+    _, tok, pool = load(kind)
+    texts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(3)] + [PROMPTS[0] + " " + PROMPTS[0]]
+    prompts = [_ids(tok, t) for t in texts]
+    assert min(map(len, prompts)) >= PACK_FROM and sum(map(len, prompts)) >= FA_TILE_ROWS
+    ids = np.concatenate([np.full(len(p), i) for i, p in enumerate(prompts)])
+    assert decode_chunks(pool, ids) == [(0, len(ids))]  # one decode
+    alone = [decode(pool, [DecodeRow(pool.empty(), p, "all")]).logits for p in prompts]
+    for order in (prompts, prompts[::-1]):
+        together = decode(pool, [DecodeRow(pool.empty(), p, "all") for p in order])
+        for i, p in enumerate(order):
+            assert np.abs(together.row(i) - alone[prompts.index(p)]).max() <= DECODE_TOL[kind]
 
 
 def test_logits_selection_and_offsets():
