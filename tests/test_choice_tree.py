@@ -218,6 +218,11 @@ def test_a_tree_forward_projects_only_the_nodes_its_owner_reads(model):
     assert bool(some[:, ~cols].isnan().all())
     for (k1, v1), (k2, v2) in zip(kvcache.tensors(kv_all), kvcache.tensors(kv_some)):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    # logits="outputs": only the nodes read, row-major (what choice scoring normalises in place)
+    compact, _ = model.forward(tree.ids, mask, tree.positions, gen._kv, logits="outputs", allowed=tree.allowed,
+                               outputs=tree.outputs)
+    assert compact.shape == (int(read.sum()), every.shape[-1])
+    torch.testing.assert_close(compact, every[read], atol=1e-5, rtol=0)
 
 
 def test_sliding_window_models(spm_tokenizer):

@@ -186,3 +186,21 @@ def test_a_token_trees_logits_are_nan_wherever_the_tree_reads_nothing():
     assert r.error is None
     lg, reads = r.result[0], tree.outputs
     assert bool(torch.isfinite(lg[reads]).all()) and bool(torch.isnan(lg[~reads]).all())
+    # logits="outputs" (choice scoring's): only the nodes read, row-major, for each of two requests sharing a decode
+    other = token_tree.build(state._ids[:, C].tolist(), (state._mask.sum(1) - 1).tolist(), options[::-1],
+                             state._mask[:, :C], tok.pad_token_id)
+    trees = [tree, other]
+    dense = []
+    for t in trees:
+        alone = Request(t.ids, torch.cat([state._mask[:, :C], t.real], 1), t.positions, state._kv, logits="all",
+                        allowed=t.allowed, outputs=t.outputs)
+        model.run_step([alone], _counters())
+        dense.append(alone.result[0][t.outputs])
+    both = [Request(t.ids, torch.cat([state._mask[:, :C], t.real], 1), t.positions, state._kv, logits="outputs",
+                    allowed=t.allowed, outputs=t.outputs) for t in trees]
+    calls = model.forward_calls
+    model.run_step(both, _counters())
+    assert model.forward_calls == calls + 1  # (one decode for both trees)
+    for r, want in zip(both, dense):
+        assert r.error is None and r.result[0].shape == want.shape
+        torch.testing.assert_close(r.result[0], want, rtol=0, atol=DECODE_TOL["f32"])

@@ -117,7 +117,7 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
     tree = token_tree.build([s[0] for s in suffix], state._mask[:, :C].sum(1).tolist(), row_options,
                             state._mask[:, :C], tok.pad_token_id, trunks=[s[1:] for s in suffix])
     logits, kv = model.forward(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions, state._kv,
-                               logits="all", allowed=tree.allowed, outputs=tree.outputs)
+                               logits="outputs", allowed=tree.allowed, outputs=tree.outputs)
     pair_lps = tree.option_logprobs(logits)  # per (row, option) pair, row-major
     del logits
     lengths = torch.tensor([len(ids) for ids in option_ids])

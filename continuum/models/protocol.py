@@ -87,7 +87,9 @@ class Backend(Protocol):
         """The new columns ``input_ids`` on top of ``cache``: the float32 logits of the last column (``"last"``), of
         every new column (``"all"``) or none (``"none"``), and the KV of every column; ``cache`` is not changed.
         With ``allowed`` (a token tree) and ``logits="all"``, ``outputs`` ``(rows, new)`` may say which nodes' logits
-        are read: the others may be left uncomputed (NaN)."""
+        are read: the others may be left uncomputed (NaN). ``logits="outputs"`` (with ``allowed`` and ``outputs``):
+        only those nodes' logits, ``(outputs.sum(), vocab)``, row-major (row by row, each row's columns in order),
+        no vocabulary-wide row for a node nobody reads (choice scoring on a large vocabulary)."""
         ...
 
     @property

@@ -15,7 +15,7 @@ import torch
 from ..samplers import row_max
 from . import kv as kvcache
 
-__all__ = ["Request", "normalized"]
+__all__ = ["Request", "compact_outputs", "normalized"]
 
 
 @dataclass(eq=False, slots=True)
@@ -27,7 +27,7 @@ class Request:
     mask: torch.Tensor
     pos: torch.Tensor
     kv: kvcache.KV | None
-    logits: str = "last"  # which columns' logits: "last", "all" or "none"
+    logits: str = "last"  # which columns' logits: "last", "all", "none" or "outputs" (a tree's nodes read, row-major)
     reserve: int = 0  # columns the call may still append (a backend that preallocates makes room)
     allowed: torch.Tensor | None = None  # a token tree's attention (choice scoring): such a request runs alone
     outputs: torch.Tensor | None = None  # with allowed: the nodes whose logits are read (None: every node); others may
@@ -80,3 +80,8 @@ def normalized(logits: torch.Tensor) -> tuple[torch.Tensor, list[float], list[in
     lp = torch.log_softmax(logits, dim=-1)
     best, top = row_max(lp)
     return lp, best.tolist(), top.tolist()
+
+
+def compact_outputs(logits: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """``logits="all"``'s ``(rows, new, vocab)`` as ``logits="outputs"``: the rows ``outputs`` marks, row-major."""
+    return logits[outputs.bool().to(logits.device)]

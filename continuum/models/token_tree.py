@@ -69,19 +69,27 @@ class TokenTree:
         return out.to(self.ids.device)
 
     def option_logprobs(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        """Per (row, option) pair, row-major: the log-prob of each of the option's tokens, read from
-        ``logits`` ``(rows, T, vocab)`` of the tree's forward (token ``i`` is predicted by the node
-        of token ``i - 1``, the first one by the root). Only the nodes with children are read: a
-        backend may leave a leaf's logits uncomputed (llama.cpp: NaN)."""
+        """Per (row, option) pair, row-major: the log-prob of each of the option's tokens (token ``i`` is predicted by
+        the node of token ``i - 1``, the first one by the trunk's end). ``logits``: the tree forward's
+        ``logits="outputs"``, ``(nodes read, vocab)``: the rows of the nodes :attr:`outputs` marks, row-major, which
+        are normalised here in place (the forward's own tensor: on Gemma's 262,144 columns a copy of them, or a
+        ``(rows, nodes, vocab)`` tensor around them, cost more than the log-softmax); or ``logits="all"``'s
+        ``(rows, T, vocab)``, whose nodes read are copied first."""
         rows, preds, nodes = self._reads()
         dev = logits.device
-        rr, pp, nn = (torch.tensor(x, dtype=torch.long, device=dev) for x in (rows, preds, nodes))
-        tokens = self.ids.to(dev)[rr, nn]
-        at, where = torch.unique(rr * logits.shape[1] + pp, return_inverse=True)  # each predicting node once
-        # their rows, normalised in place (torch.logsumexp makes a vocabulary-wide temporary: on Gemma's 262,144
-        # columns, 32 rows took 32 ms with it against 17 ms this way, the copy included)
-        lp = logits.reshape(-1, logits.shape[-1]).index_select(0, at).float()
-        flat = torch.log_softmax(lp, -1, out=lp)[where, tokens]
+        rr, pp, nn = (torch.tensor(x, dtype=torch.long) for x in (rows, preds, nodes))
+        tokens = self.ids.cpu()[rr, nn].to(dev)
+        T = self.ids.shape[1]
+        if logits.dim() == 3:  # every node's logits: the rows read, each once, copied out
+            at, where = torch.unique(rr * T + pp, return_inverse=True)
+            lp = logits.reshape(-1, logits.shape[-1]).index_select(0, at.to(dev)).float()
+        else:
+            read = self.outputs.cpu().flatten()
+            where = (read.long().cumsum(0) - 1)[rr * T + pp]  # each read node's row among the outputs
+            assert logits.shape[0] == int(read.sum()), "logits='outputs' holds one row per node read"
+            lp = logits if logits.dtype == torch.float32 else logits.float()
+        with torch.inference_mode(lp.is_inference()):  # (a forward's own tensor may be an inference tensor)
+            flat = torch.log_softmax(lp, -1, out=lp)[where.to(dev), tokens]
         return list(flat.split([len(p) for options in self.paths for p in options]))
 
 

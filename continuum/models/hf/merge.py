@@ -341,7 +341,7 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     cache.layers = [layer_cls(p, i) for i in range(len(p.slab.keys))]
     p.zeroed, p.runs = _zero_spans(p.copies), _copy_runs(p.copies)  # (once: every layer copies the same way)
     ids, mask, pos = merged_inputs(p, model.device, model.tokenizer.pad_token_id)
-    want = "all" if any(r.logits == "all" for r in p.requests) else (
+    want = "all" if any(r.logits in ("all", "outputs") for r in p.requests) else (
         "none" if all(r.logits == "none" for r in p.requests) else "last")
     outputs = None  # token trees whose owners name the nodes they read: the union's columns only (model._run)
     named = [r.outputs for r in p.requests if r.outputs is not None]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..identity import ModelFingerprint, fingerprint_of
+from ..request import compact_outputs
 from ..tokenizer import Tokenizer
 from . import hybrid
 from .cache import to_devices
@@ -258,14 +259,16 @@ class Transformers:
                     outputs=None):
         """:meth:`forward` for one call, on a fresh ``DynamicCache`` wrapping ``cache``'s tensors."""
         if self.hybrid is not None:
-            return hybrid.forward(self, self.hybrid, input_ids, attention_mask, position_ids, cache, logits=logits,
-                                  reserve=reserve, allowed=allowed)
+            lg, kv = hybrid.forward(self, self.hybrid, input_ids, attention_mask, position_ids, cache,
+                                    logits="all" if logits == "outputs" else logits, reserve=reserve, allowed=allowed)
+            return (compact_outputs(lg, outputs) if logits == "outputs" else lg), kv
         past = to_dynamic_cache(layers_of(cache), self.config, reserve)
         out = self._run(input_ids, attention_mask, position_ids, past, logits, allowed,
-                        outputs if allowed is not None and logits == "all" else None)
+                        outputs if allowed is not None and logits in ("all", "outputs") else None)
         with self._count_lock:
             self.tokens_computed += input_ids.numel()
-        result = {"last": lambda: out[:, -1, :], "all": lambda: out, "none": lambda: None}[logits]()
+        result = {"last": lambda: out[:, -1, :], "all": lambda: out, "outputs": lambda: out,
+                  "none": lambda: None}[logits]()
         kv = from_dynamic_cache(past)
         if cache is None and kv:  # a cache computed from scratch: remember what dtype these weights produce
             self._kv_dtypes[self.model.dtype] = kv[0][0].dtype
@@ -288,10 +291,11 @@ class Transformers:
 
     def _run(self, input_ids, attention_mask, position_ids, past, logits: str, allowed=None, outputs=None) -> torch.Tensor:
         """One model forward on the ``Cache`` object ``past``; the float32 logits of the last column
-        (``logits != "all"``: shape ``(rows, 1, vocab)``) or of every new column; ``allowed``: see :meth:`forward`.
-        ``outputs`` ``(rows, new)``: only the columns some row reads get the output projection (a token tree's trunk
-        and leaves are not read; on a large vocabulary each column's projection costs about what its layers do),
-        the others are NaN."""
+        (``logits`` "last" or "none": shape ``(rows, 1, vocab)``) or of every new column; ``allowed``: see
+        :meth:`forward`. ``outputs`` ``(rows, new)``: only the columns some row reads get the output projection (a
+        token tree's trunk and leaves are not read; on a large vocabulary each column's projection costs about what its
+        layers do), the others are NaN; with ``logits="outputs"`` only the read ones are returned, ``(read, vocab)``
+        row-major."""
         if allowed is not None:
             mask: Any = self._tree_masks(attention_mask, position_ids, allowed)
         elif self._window is not None:
@@ -304,10 +308,15 @@ class Transformers:
             position_ids=position_ids,
             **cache_kwargs(self.model, past),
             use_cache=True,
-            logits_to_keep=keep if (keep := _kept(outputs)) is not None else (0 if logits == "all" else 1),
+            logits_to_keep=keep if (keep := _kept(outputs)) is not None else (0 if logits in ("all", "outputs") else 1),
         )
         with self._count_lock:
             self.forward_calls += 1
+        if logits == "outputs":  # (without outputs: every column, row-major)
+            if outputs is None:
+                return out.logits.float().reshape(-1, out.logits.shape[-1])
+            read = outputs.bool() if keep is None else outputs.bool()[:, keep]
+            return out.logits[read.to(out.logits.device)].float()
         if keep is None:
             return out.logits.float()
         full = torch.full((*input_ids.shape, out.logits.shape[-1]), float("nan"), device=out.logits.device)

@@ -333,8 +333,9 @@ def chunks(ids: np.ndarray, step: int, pack_from: int | None = None) -> list[tup
             open_start = None
         if open_start is None:
             open_start = s
-    if open_start is not None or packed is not None:
-        out.append((open_start if open_start is not None else packed, n))
+    last = open_start if open_start is not None else packed
+    if last is not None:
+        out.append((last, n))
     return out
 
 

@@ -163,12 +163,16 @@ def _run_group(backend: Any, group: list[tuple[Request, list[_Row]]]) -> None:
     first = 0
     for r, req_rows in group:
         R, T = r.ids.shape
-        # NaN wherever _decode computed nothing (leaves, padding): one pass over (rows, nodes, vocab), ~170 MB for 32
-        # rows of 4 one-token options on Gemma (zeros, then NaN over the nodes, took two)
-        lg = torch.full((R, T, backend.vocab_size), float("nan"))
-        for i, row in enumerate(req_rows):
-            done = [node for node in row.nodes if (first + i, node) in order]
-            lg[i, done] = out[[order[(first + i, node)] for node in done]]
+        if r.logits == "outputs":  # row-major already: its slice, no copy
+            at = [order[(first + i, node)] for i, row in enumerate(req_rows) for node in row.nodes
+                  if (first + i, node) in order]
+            lg = out[min(at, default=0):max(at, default=-1) + 1]
+        else:
+            # NaN wherever _decode computed nothing (leaves, padding): one pass over (rows, nodes, vocab)
+            lg = torch.full((R, T, backend.vocab_size), float("nan"))
+            for i, row in enumerate(req_rows):
+                done = [node for node in row.nodes if (first + i, node) in order]
+                lg[i, done] = out[[order[(first + i, node)] for node in done]]
         cols = r.kv.cols if r.kv is not None else torch.zeros((R, 0), dtype=torch.bool)
         r.result, r.error = (lg, TreeKV(req_rows, views[first:first + R], cols, T)), None
         first += R
@@ -231,9 +235,11 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
     pos = np.array([rows[k].view.n_tokens + d for d, k, node in items], np.int32)
     reads = [row.wanted if row.wanted is not None else set(row.nodes) - set(row.leaves) for row in rows]
     wanted = np.array([node in reads[k] for _, k, node in items], np.int8)
-    out_at = np.cumsum(wanted) - 1  # each wanted item's row among the outputs
-    order = {(k, node): int(out_at[j]) for j, (_, k, node) in enumerate(items) if wanted[j]}
-    logits = np.empty((int(wanted.sum()), model.n_vocab), np.float32)
+    # the outputs are stored row-major (row by row, nodes in order), not in the batch's order (by depth): each
+    # request's rows are then one slice of the array, its logits="outputs" as they are
+    order = {key: i for i, key in enumerate(sorted((k, node) for k, read in enumerate(reads) for node in read))}
+    dest = np.array([order[(k, node)] for _, k, node in items if (k, node) in order], np.intp)
+    logits = np.empty((len(order), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
     keep = [s for seqs in leaf_seqs for s in seqs]
     # (the rows' own sequences only lend the leaves their context: spillable, last, if the pool is full of them)
@@ -245,8 +251,8 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
         for start in range(0, len(items), step):
             end = min(start + step, len(items))
             o0 = int(wanted[:start].sum())
-            rc = _decode_chunk(pool, token[start:end], pos[start:end], sets[start:end], wanted[start:end],
-                               logits[o0:o0 + int(wanted[start:end].sum())])
+            rc = _decode_chunk(pool, token[start:end], pos[start:end], sets[start:end], wanted[start:end], logits,
+                               dest[o0:o0 + int(wanted[start:end].sum())])
             if rc != 0:
                 break
         if rc == 0:
@@ -265,12 +271,12 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
 
 
 def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: list[list[int]], wanted: np.ndarray,
-                  logits: np.ndarray) -> int:
+                  logits: np.ndarray, dest: np.ndarray) -> int:
     """One ``llama_decode`` of tokens with several sequence ids each, the ``wanted`` ones outputs, their logits into
-    ``logits`` in order (a lone token padded with the scratch row in the batch-invariant mode, as ``decode.py``
+    ``logits``' rows ``dest`` (a lone token padded with the scratch row in the batch-invariant mode, as ``decode.py``
     does)."""
     L, model = lib(), pool.model
-    k, m = len(token), len(logits)
+    k, m = len(token), len(dest)
     out = np.array(wanted, np.int8)
     pad, extra = pool.scratch is not None and k == 1, -1
     if pad:
@@ -303,7 +309,10 @@ def _decode_chunk(pool: SequencePool, token: np.ndarray, pos: np.ndarray, sets: 
         got = np.ctypeslib.as_array(ptr, shape=(m + (extra >= 0), model.n_vocab))
         if extra >= 0:
             got = np.delete(got, int(out[:extra].sum()), axis=0)
-        logits[:] = got
+        if m and int(dest[-1]) - int(dest[0]) == m - 1 and bool((np.diff(dest) == 1).all()):
+            logits[int(dest[0]):int(dest[0]) + m] = got  # (in order: one copy)
+        else:
+            logits[dest] = got
     return rc
 
 
