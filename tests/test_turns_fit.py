@@ -22,7 +22,7 @@ import numpy as np
 
 from continuum import continuous, generate, models, samplers
 
-from llamacpp_support import CROSS_TOL, check_greedy_path, gguf, reference_logits
+from llamacpp_support import CROSS_TOL, DECODE_TOL, check_greedy_path, gguf, reference_logits
 
 
 def _model(**options):
@@ -144,3 +144,55 @@ def test_programs_on_a_small_pool_all_complete():
     errors = [r for r in out if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} of 128 failed, e.g. {errors[0]!r}"
     assert all(v in (" happy", " sad", " brave") and set(j) == {"name", "age"} for v, j in out)
+
+
+def test_samples_with_cells_of_their_own_run_as_parts_on_a_small_pool():
+    """(Found by the long oracle.) 2 prompts x 3 samples, each sample holding ~45 cells of its own after the shared
+    prompt (``state + state`` appends to every row; the rows' tokens are the same, their cells are not): priced as
+    one prompt's width plus the new tokens they ran as one call on a 256-cell pool, needed ~258 cells and failed
+    with ``KVCacheFullError``. Priced by their tokens, the prompts run as parts; every row continues its own input,
+    each new token's log-prob what llama.cpp gives for that row alone."""
+    model = _model(n_ctx=256)
+    gen = continuous(generate.text(model, samplers.multinomial(3)))
+    s = gen(["item 3: once upon a time", "Once upon a time"], max_tokens=0, rng=torch.Generator().manual_seed(0))
+    assert (s.batch, s.samples) == (2, 3)
+    s = s + s + s + s + s[..., :24]
+    inp = s + " ok?"
+    cells = inp._mask.sum(1).view(2, 3).sum(1).tolist()  # (each row's cells its own but the prompt's)
+    assert sum(cells) + 6 * 6 > 256 and max(cells) + 3 * 6 < 256  # one call cannot fit, each prompt's part can
+    out = gen(inp, max_tokens=6, rng=torch.Generator().manual_seed(94))
+    assert (out.batch, out.samples) == (2, 3)
+    for r in range(out.rows):
+        before, after = _ids(inp, r), _ids(out, r)
+        assert after[:len(before)] == before and len(after) > len(before)
+        logits = reference_logits("f32", after)
+        lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        got = out.token_logprobs[r][out._mask[r].bool()][len(before):]
+        want = [float(lp[c - 1, after[c]]) for c in range(len(before), len(after))]
+        np.testing.assert_allclose(got.numpy(), want, atol=DECODE_TOL["f32"])
+
+
+def test_a_choice_on_samples_of_several_prompts_scores_in_parts():
+    """A choice on 2 prompts x 3 samples whose trees do not fit a 256-cell pool together scores the prompts as parts
+    (each part sliced ``state[b, :, :]``: a multi-sample state takes three indices, the two-index form raised
+    SlicingError); a row's draw is one of the options, and the weights are llama.cpp's own log-probs of it."""
+    model = _model(n_ctx=256)
+    s = continuous(generate.text(model, samplers.multinomial(3)))(["The cat", "Once upon a time"], max_tokens=4,
+                                                                   rng=torch.Generator().manual_seed(3))
+    labels = [f" label number {i}" for i in range(8)]
+    out = continuous(generate.choice(model, labels, samplers.multinomial(3)))(s + " is", rng=torch.Generator().manual_seed(0))
+    assert (out.batch, out.samples) == (2, 3)
+    checked = 0
+    for r in range(out.rows):
+        base = _ids(s + " is", r)
+        scores = []
+        for label in labels:
+            full = _ids((s + " is" + label), r)
+            logits = reference_logits("f32", full)
+            lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            scores.append(sum(float(lp[c - 1, full[c]]) for c in range(len(base), len(full))))
+        picked = out.value[r // 3][r % 3]
+        gain = float(out.weights.flatten()[r] - s.weights.flatten()[r])
+        assert abs(gain - scores[labels.index(picked)]) <= 4 * DECODE_TOL["f32"]
+        checked += 1
+    assert checked == 6

@@ -63,13 +63,26 @@ def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | No
     new = options.get("max_tokens")
     if limit is None or cap is None or not new:
         return limit
-    width, per = int(state._ids.shape[1]), _per_prompt(state, sampler, options)
+    width, per = _prompt_cells(state), _per_prompt(state, sampler, options)
     prompts = cap.total // (width + per * new)  # whole prompts, each with all its samples
     if prompts == 0 and _splits_samples(state, sampler, options):
         by_cells = (cap.total - width) // new  # one prompt's samples in groups
     else:
         by_cells = max(1, prompts) * per  # (a prompt that cannot fit alone is the backend's clear error)
     return max(1, min(limit, by_cells))
+
+
+def _prompt_cells(state: SequenceState) -> int:
+    """The most cells one prompt's input rows may hold: a one-sample state's width; a prompt's samples, every row's
+    tokens (they share the cells of a fork's prefix, but not those added to each row after it, even where the tokens
+    are the same: ``state + state``, ``state + text``). Pricing samples as one prompt, the long oracle's 2 prompts x 3
+    samples with ~45 tokens of their own after a shared 18 took 68 cells a prompt, ran as one call on a 256-cell pool
+    and failed with ``KVCacheFullError``; priced by their tokens, the prompts run as two parts, which the engine
+    admits as they fit. (An overestimate only splits prompts that could have shared a call; the parts still share
+    steps.)"""
+    if state.samples == 1:
+        return int(state._ids.shape[1])
+    return int(state._mask.sum(1).view(state.batch, state.samples).sum(1).max())
 
 
 def needs_turns(state: SequenceState, sampler: Sampler, options: dict) -> bool:
@@ -120,7 +133,7 @@ def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceSt
         prompts = [concat_samples(done[b * groups:(b + 1) * groups]) for b in range(state.batch)]
         return SequenceState.stack(prompts)
     k = max(1, limit // per)
-    jobs = [(state[i:i + k, :], sampler, seeded(options)) for i in range(0, state.batch, k)]  # (prompts in parts)
+    jobs = [(state[i:i + k, :, :], sampler, seeded(options)) for i in range(0, state.batch, k)]  # (prompts in parts)
     return SequenceState.stack(_run_all(run, jobs, token, _at_once(state, k * per)))
 
 
@@ -159,7 +172,7 @@ def in_parts(run_part: Callable[[SequenceState, dict], Generator[Any, None, Any]
     _check_up_front(state, options)
     token = cancel.CancelToken(cancel.current())
     run = _runner(token, run_part)
-    jobs = [(state[i:i + k, :], seeded(options)) for i in range(0, state.batch, k)]
+    jobs = [(state[i:i + k, :, :], seeded(options)) for i in range(0, state.batch, k)]
     return SequenceState.stack(_run_all(run, jobs, token, _at_once(state, k * state.samples)))
 
 
