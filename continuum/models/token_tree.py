@@ -83,9 +83,10 @@ class TokenTree:
         if logits.dim() == 3:  # every node's logits: the rows read, each once, copied out
             at, where = torch.unique(rr * T + pp, return_inverse=True)
             lp = logits.reshape(-1, logits.shape[-1]).index_select(0, at.to(dev)).float()
-        else:
-            read = self.outputs.cpu().flatten()
-            where = (read.long().cumsum(0) - 1)[rr * T + pp]  # each read node's row among the outputs
+        else:  # (the nodes read are :attr:`outputs`' marks: each one's row among them, counted row-major)
+            read = torch.zeros(self.ids.numel(), dtype=torch.long)
+            read[rr * T + pp] = 1
+            where = (read.cumsum(0) - 1)[rr * T + pp]
             assert logits.shape[0] == int(read.sum()), "logits='outputs' holds one row per node read"
             lp = logits if logits.dtype == torch.float32 else logits.float()
         with torch.inference_mode(lp.is_inference()):  # (a forward's own tensor may be an inference tensor)
