@@ -82,6 +82,9 @@ def normalized(logits: torch.Tensor) -> tuple[torch.Tensor, list[float], list[in
     return lp, best.tolist(), top.tolist()
 
 
-def compact_outputs(logits: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-    """``logits="all"``'s ``(rows, new, vocab)`` as ``logits="outputs"``: the rows ``outputs`` marks, row-major."""
+def compact_outputs(logits: torch.Tensor, outputs: torch.Tensor | None) -> torch.Tensor:
+    """``logits="all"``'s ``(rows, new, vocab)`` as ``logits="outputs"``: the rows ``outputs`` marks (None: every
+    column), row-major."""
+    if outputs is None:
+        return logits.reshape(-1, logits.shape[-1])
     return logits[outputs.bool().to(logits.device)]

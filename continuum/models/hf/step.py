@@ -34,7 +34,7 @@ def run_requests(model, batch: list[Request], stats: dict) -> None:
             continue
         _note(p, stats)
         for r, (lg, kv) in zip(group, results):  # a one-off request's owner gets plain views (a loop: lazy ones)
-            if r.logits == "outputs" and lg is not None and r.outputs is not None:  # (the merged forward ran "all")
+            if r.logits == "outputs" and lg is not None:  # (the merged forward ran "all")
                 lg = compact_outputs(lg, r.outputs)
             r.result, r.error = (lg, TensorKV(kv if r.event is None else tuple(kv))), None
         stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], p.slab.nbytes())
