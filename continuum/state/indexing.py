@@ -99,6 +99,7 @@ def truncate(state: SequenceState, ends: Sequence[int]) -> SequenceState:
         last = state._last.edited(starts=starts, ends=ends_, complete=complete)
     return state._rebuild(keep, tails, torch.tensor(weights, dtype=state._weights.dtype), last)
 
+
 def _from_start(tok, ids: list[int], lps: list[float], text: str, end: int, weight: float) -> tuple[int, list[int], float]:
     """A row cut to ``text[:end]``: ``(k, leftover, weight)``, its first ``k`` tokens kept, ``leftover`` tokens completing
     the cut, and its weight: carried whole by an uncut row, else the log-probs of the tokens kept."""

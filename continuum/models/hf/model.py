@@ -312,11 +312,8 @@ class Transformers:
         )
         with self._count_lock:
             self.forward_calls += 1
-        if logits == "outputs":  # (without outputs: every column, row-major)
-            if outputs is None:
-                return out.logits.float().reshape(-1, out.logits.shape[-1])
-            read = outputs.bool() if keep is None else outputs.bool()[:, keep]
-            return out.logits[read.to(out.logits.device)].float()
+        if logits == "outputs":  # (the kept columns' rows that are read, row-major)
+            return compact_outputs(out.logits, outputs if outputs is None or keep is None else outputs[:, keep]).float()
         if keep is None:
             return out.logits.float()
         full = torch.full((*input_ids.shape, out.logits.shape[-1]), float("nan"), device=out.logits.device)
