@@ -121,7 +121,7 @@ def test_rows_in_one_decode_are_close_to_alone_in_default_mode(kind):
 def test_prompts_packed_into_one_wide_decode_are_close_to_each_alone(kind):
     """Prompts of 16+ tokens are packed into one decode past the 64-row attention tile (``PACK_FROM``): the tiled
     kernel runs over tiles spanning several sequences, masked by sequence; every position's logits stay within the
-    stated tolerance of each prompt decoded alone, in either order."""
+    stated tolerance of each prompt decoded alone, in either order, and of llama-cpp-python's own evaluation."""
     _, tok, pool = load(kind)
     texts = [" ".join(PROMPTS[i:] + PROMPTS[:i]) for i in range(3)] + [PROMPTS[0] + " " + PROMPTS[0]]
     prompts = [_ids(tok, t) for t in texts]
@@ -133,6 +133,7 @@ def test_prompts_packed_into_one_wide_decode_are_close_to_each_alone(kind):
         together = decode(pool, [DecodeRow(pool.empty(), p, "all") for p in order])
         for i, p in enumerate(order):
             assert np.abs(together.row(i) - alone[prompts.index(p)]).max() <= DECODE_TOL[kind]
+            assert np.abs(together.row(i) - reference_logits(kind, p, flash_attn=True)).max() <= DECODE_TOL[kind]
 
 
 def test_logits_selection_and_offsets():
