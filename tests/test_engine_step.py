@@ -244,12 +244,13 @@ def test_concurrent_choices_share_their_token_tree_forward(model):
     prompts = _prompts(8)
     states = [continuous(generate.text(model, samplers.greedy()))(p, max_tokens=3) for p in prompts]
     solo = [comparable(choose(s + " Colour:")) for s in states]
-    trees = []
+    trees, kinds = [], set()
     real_run = model._run
 
     def spy(ids, mask, pos, past, logits, allowed=None, outputs=None):
         if allowed is not None:
             trees.append(ids.shape[0])
+            kinds.add(logits)
         return real_run(ids, mask, pos, past, logits, allowed, outputs)
 
     model._run = spy
@@ -259,6 +260,7 @@ def test_concurrent_choices_share_their_token_tree_forward(model):
         del model._run
     assert together == solo
     assert sum(trees) >= len(states) and len(trees) < len(states)  # some trees shared a forward
+    assert kinds == {"outputs"}  # (merged or alone, only the nodes read are projected: no (rows, N, vocab) tensor)
 
 
 def test_a_step_waits_for_calls_being_set_up_and_for_nobody_else(gpt2_model):

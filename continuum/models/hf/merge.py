@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..request import Request, normalized
+from ..request import Request, compact_outputs, normalized
 from . import cache as kvcache
 from .slab import Slab, SlabView, slot_of
 from .tensorkv import layers_of
@@ -308,18 +308,24 @@ def merged_inputs(p: Plan, device: torch.device, pad_id: int) -> tuple[torch.Ten
     return ids, mask[:R, :C + N].contiguous(), pos
 
 
-def split_outputs(p: Plan, logits: torch.Tensor | None) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
-    """Each request's logits and its row-slice of the slab (lazy views covering exactly its own columns)."""
+def split_outputs(p: Plan, logits: torch.Tensor | None,
+                  compact: list[torch.Tensor] | None = None) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
+    """Each request's logits and its row-slice of the slab (lazy views covering exactly its own columns); a
+    ``logits="outputs"`` request's as ``(read, vocab)`` rows (``compact``: already split per request)."""
     C, N = p.cached, p.new
     out = []
-    for r, row in zip(p.requests, p.first_rows):
+    for k, (r, row) in enumerate(zip(p.requests, p.first_rows)):
         width = r.cached + r.new
         start = C + N - width  # contiguous: a cached request has N new columns, a fresh one no cached ones
         view: Any = SlabView((p.slab, row, r.rows, start), width)
-        if logits is None or r.logits == "none" or (r.normalize and r.logits == "last"):
+        if compact is not None:
+            lg = compact[k]
+        elif logits is None or r.logits == "none" or (r.normalize and r.logits == "last"):
             lg = None  # (a normalized request reads its log-probs, log_probs(), only if it needs the tensor)
         elif r.logits == "last":
             lg = logits[row:row + r.rows, -1]
+        elif r.logits == "outputs":
+            lg = compact_outputs(logits[row:row + r.rows, N - r.new:], r.outputs)
         else:
             lg = logits[row:row + r.rows, N - r.new:]
         out.append((lg, view))
@@ -343,13 +349,28 @@ def run_group(model, p: Plan) -> list[tuple[torch.Tensor | None, kvcache.KV]]:
     ids, mask, pos = merged_inputs(p, model.device, model.tokenizer.pad_token_id)
     want = "all" if any(r.logits in ("all", "outputs") for r in p.requests) else (
         "none" if all(r.logits == "none" for r in p.requests) else "last")
-    outputs = None  # token trees whose owners name the nodes they read: the union's columns only (model._run)
-    named = [r.outputs for r in p.requests if r.outputs is not None]
-    if p.allowed is not None and want == "all" and len(named) == len(p.requests):
-        outputs = torch.cat([o.bool().any(0, keepdim=True) for o in named])
-    logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last", p.allowed, outputs)  # (rows, 1 or N, vocab)
+    compact = None
+    if p.allowed is not None and all(r.logits == "outputs" for r in p.requests):
+        # token trees whose owners read some nodes: only those rows' logits, row-major (no (rows, N, vocab) tensor,
+        # which a large vocabulary makes hundreds of MB); each request's rows are one slice of them, in row order
+        N = p.new
+        read = torch.zeros((ids.shape[0], N), dtype=torch.bool)
+        for r, row in zip(p.requests, p.first_rows):
+            read[row:row + r.rows, N - r.new:] = True if r.outputs is None else r.outputs.bool().cpu()
+        flat = model._run(ids, mask, pos, cache, "outputs", p.allowed, read)
+        counts = [int(read[row:row + r.rows].sum()) for r, row in zip(p.requests, p.first_rows)]
+        order = sorted(range(len(counts)), key=lambda k: p.first_rows[k])
+        parts = dict(zip(order, flat.split([counts[k] for k in order])))
+        compact = [parts[k] for k in range(len(counts))]
+        logits = None
+    else:
+        outputs = None  # token trees whose owners name the nodes they read: the union's columns only (model._run)
+        named = [r.outputs for r in p.requests if r.outputs is not None]
+        if p.allowed is not None and want == "all" and len(named) == len(p.requests):
+            outputs = torch.cat([o.bool().any(0, keepdim=True) for o in named])
+        logits = model._run(ids, mask, pos, cache, "all" if want == "all" else "last", p.allowed, outputs)  # (rows, 1|N, vocab)
     slab = p.slab
     slab.rows_used = max(slab.rows_used, p.forward_rows)
     slab.end = p.cached + p.new
     p.copies, p.zeroed, p.runs = [], [], []
-    return split_outputs(p, None if want == "none" else logits)
+    return split_outputs(p, None if want == "none" else logits, compact)

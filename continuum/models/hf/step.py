@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ..request import Request, compact_outputs, normalized
+from ..request import Request, normalized
 from . import merge
 from .tensorkv import TensorKV, layers_of
 
@@ -34,8 +34,6 @@ def run_requests(model, batch: list[Request], stats: dict) -> None:
             continue
         _note(p, stats)
         for r, (lg, kv) in zip(group, results):  # a one-off request's owner gets plain views (a loop: lazy ones)
-            if r.logits == "outputs" and lg is not None:  # (the merged forward ran "all")
-                lg = compact_outputs(lg, r.outputs)
             r.result, r.error = (lg, TensorKV(kv if r.event is None else tuple(kv))), None
         stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], p.slab.nbytes())
         with model._count_lock:
