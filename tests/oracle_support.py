@@ -105,23 +105,47 @@ class Backend:
         return self._gens[key]
 
 
+def tiny_window(tok) -> Any:
+    """A random tiny Qwen2 (sharpened) whose second layer attends over a sliding window of 8 tokens (the first over
+    every token, as Gemma 3 mixes them): states of the oracle's lengths outgrow the window many times."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, use_sliding_window=True,
+                      sliding_window=8, max_window_layers=1, bos_token_id=tok.bos_token_id or 0,
+                      eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        hf = _sharpen(Qwen2ForCausalLM(cfg).eval(), 4.0)
+    hf.generation_config.eos_token_id = tok.eos_token_id
+    return hf
+
+
 @cache
 def hf_backend(name: str) -> Backend:
     """``stories``: the pretrained stories260K; ``tiny``: a random tiny Llama (sharpened) over the real qwen2 BPE
-    tokenizer. Variants share the weights (states move between them with their KV)."""
+    tokenizer; ``window``: :func:`tiny_window` over the same tokenizer; ``lfm2``: the random LFM2 hybrid fixture
+    (short convolutions beside attention: recurrent snapshots). Variants share the weights (states move between them
+    with their KV)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name == "stories":
-        path = str(fixture_path("models", "stories260K"))
+    if name in ("stories", "lfm2"):
+        path = str(fixture_path("models", "stories260K" if name == "stories" else "lfm2-tiny"))
         tok, hf = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     else:
         tok = AutoTokenizer.from_pretrained(str(fixture_path("tokenizers", "qwen2-bpe")))
-        hf = _sharpen(tiny_llama(len(tok), bos=tok.bos_token_id or 0, eos=tok.eos_token_id), 4.0)
-        hf.generation_config.eos_token_id = tok.eos_token_id
+        if name == "window":
+            hf = tiny_window(tok)
+        else:
+            hf = _sharpen(tiny_llama(len(tok), bos=tok.bos_token_id or 0, eos=tok.eos_token_id), 4.0)
+            hf.generation_config.eos_token_id = tok.eos_token_id
     plain = models.Transformers(hf, tok)
     budget = 6 * MAX_TOKENS * int(plain.kv_bytes_per_token)  # any one call (<= 6 rows) fits; a few at once wait
-    variants = {"plain": plain, "prefix": models.Transformers(hf, tok, prefix_cache="4MiB"),
-                "budget": models.Transformers(hf, tok, kv_budget=budget)}
+    variants = {"plain": plain, "prefix": None, "budget": models.Transformers(hf, tok, kv_budget=budget)}
+    if plain.hybrid is None:
+        variants["prefix"] = models.Transformers(hf, tok, prefix_cache="4MiB")
+    else:  # (the prefix cache holds attention KV only: refused on a hybrid, docs/hybrid.md)
+        del variants["prefix"]
     return Backend(name, "hf", variants, HF_TOL, HF_MARGIN, hf=hf)
 
 

@@ -9,8 +9,10 @@ prefixes; regex and JSON calls; ``state[..., :k]`` cuts; ``state + "text"`` and 
 transformers, under a ``kv_budget`` that makes calls wait; on llama.cpp the pool is roomy or 256 cells (calls park,
 held states spill).
 
-Backends: the pretrained stories260K and a random tiny Llama over the real qwen2 BPE tokenizer on transformers; the
-f32 stories260K GGUF on llama.cpp, default and batch-invariant modes (skipped without the fixtures or llama_cpp).
+Backends: on transformers, the pretrained stories260K, a random tiny Llama over the real qwen2 BPE tokenizer, a random
+tiny Qwen2 whose second layer attends over a sliding window of 8 tokens (``window``: states outgrow it many times), and
+the random LFM2 hybrid fixture (``lfm2``: convolution layers' recurrent snapshots; no prefix cache there); the f32
+stories260K GGUF on llama.cpp, default and batch-invariant modes (skipped without the fixtures or llama_cpp).
 
 EVERY result is checked against the backend's own reference over the same token ids (``tests/oracle_support.py``):
 each stored log-prob and each weight against a fresh forward (transformers, 1e-4 in fp32) or llama-cpp-python's own
@@ -79,8 +81,10 @@ LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # matched its relatives (test_a_member_spilled_twice_*); the greedy token past position 450 that differed from the
 # reference's argmax was a near-tie the oracle compared with too small a margin (test_greedy_margin_regression).
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
-CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "gguf": (10, 12), "gguf-invariant": (10, 12)}  # (histories, steps)
-LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "gguf": (200, 40), "gguf-invariant": (200, 40)}  # ~5 minutes
+CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "window": (3, 8), "lfm2": (3, 8), "gguf": (10, 12),
+             "gguf-invariant": (10, 12)}  # (histories, steps)
+LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "window": (40, 30), "lfm2": (40, 30), "gguf": (200, 40),
+               "gguf-invariant": (200, 40)}  # ~5 minutes
 
 
 def settings_for(name: str) -> settings:
@@ -125,8 +129,8 @@ def call_strategy(variants: list[str], unbounded: bool):
 
 def machine_for(name: str):
     """The state machine of one backend (its variants decide the strategies)."""
-    hf = name in ("stories", "tiny")
-    variants = ["plain", "prefix", "budget"] if hf else ["plain"]
+    hf = not name.startswith("gguf")
+    variants = list(hf_backend(name).variants) if hf else ["plain"]
     calls = call_strategy(variants, unbounded=not hf)
 
     class Oracle(RuleBasedStateMachine):
@@ -225,7 +229,10 @@ def machine_for(name: str):
     return Oracle
 
 
-@pytest.mark.parametrize("name", ["stories", "tiny", "gguf", "gguf-invariant"])
+BACKENDS = ["stories", "tiny", "window", "lfm2", "gguf", "gguf-invariant"]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_oracle(name):
     if name.startswith("gguf"):
         pytest.importorskip("llama_cpp")
@@ -241,10 +248,10 @@ def tour(m) -> None:
     """One scripted history through every rule and every kind of call (CI runs it whatever hypothesis draws)."""
     a = m.start(prompts=["Once upon a time", "The cat"], small=True, prefix=True)
     b = m.prompt(prompt="Lily saw a big dog.")
-    c = m.call(h=b, call=Call("greedy", k=6, variant="prefix" if m.b.kind == "hf" else "plain"))
+    c = m.call(h=b, call=Call("greedy", k=6, variant="prefix" if "prefix" in m.b.variants else "plain"))
     d = m.call(h=c, call=Call("choice", arg=(" yes", " no"), suffix=" ok?"))
     e = m.call(h=a, call=Call("fork", n=2, k=3, seed=1))
-    f = m.call(h=e, call=Call("sample", k=3, seed=2, variant="budget" if m.b.kind == "hf" else "plain"))
+    f = m.call(h=e, call=Call("sample", k=3, seed=2, variant="budget" if "budget" in m.b.variants else "plain"))
     m.call(h=b, call=Call("beam", n=3, k=4))
     m.call(h=a, call=Call("regex", arg=PATTERNS[1], k=10))
     m.call(h=c, call=Call("json", arg="color", k=12))
@@ -260,7 +267,7 @@ def tour(m) -> None:
     m.teardown()
 
 
-@pytest.mark.parametrize("name", ["stories", "tiny", "gguf", "gguf-invariant"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_oracle_tour(name):
     if name.startswith("gguf"):
         pytest.importorskip("llama_cpp")
