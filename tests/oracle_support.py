@@ -54,6 +54,7 @@ class Backend:
     margin: float
     hf: Any = None  # the transformers module (beams: its own generate)
     flash_attn: bool = False
+    gguf: str = "f32"  # llama.cpp: which GGUF the reference evaluates (llamacpp_support.gguf's kinds, or "lfm2")
     _memo: dict = field(default_factory=dict)
     _gens: dict = field(default_factory=dict)
 
@@ -78,7 +79,7 @@ class Backend:
                 with torch.no_grad():
                     logits = self.hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
             else:
-                llm = llama_reference(self.flash_attn)
+                llm = llama_reference(self.flash_attn, self.gguf)
                 llm.reset()
                 llm.eval(list(ids))
                 logits = torch.tensor(llm.scores[:len(ids)])
@@ -149,41 +150,47 @@ def hf_backend(name: str) -> Backend:
     return Backend(name, "hf", variants, HF_TOL, HF_MARGIN, hf=hf)
 
 
+def gguf_path(kind: str):
+    """The GGUF of ``kind``: ``f32`` (stories260K, llamacpp_support.gguf) or ``lfm2`` (the random LFM2 hybrid)."""
+    from llamacpp_support import gguf
+
+    return fixture_path("models", "lfm2-tiny-gguf", "lfm2-tiny-f32.gguf") if kind == "lfm2" else gguf(kind)
+
+
 @cache
-def llama_reference(flash_attn: bool):
+def llama_reference(flash_attn: bool, kind: str = "f32"):
     """llama-cpp-python's ``Llama`` on the f32 GGUF, every position's logits kept (``llamacpp_support.reference`` on one
     thread: two spin-wait badly on a loaded 2-core machine, 10-100x slower; results do not depend on it)."""
     import llama_cpp
 
     from continuum.models.llamacpp.decode import FA_TILE_ROWS
 
-    from llamacpp_support import gguf
-
     # micro-batches below flash attention's tiled kernel (64+ query rows), as continuum's generated tokens are
     # computed (one-row decodes; prefills in the batch-invariant mode): found by the long oracle (ninth session), at
     # position 497 of a 512-token row llama.cpp's own one-pass evaluation in ONE 512-row micro-batch gave a log-prob
     # of -0.8005 where its evaluation in 32-row micro-batches gave -0.9100, bit for bit what continuum computed (HF
     # transformers on the same weights: -0.8555): the reference's own batching, not continuum's, made the difference
-    return llama_cpp.Llama(model_path=str(gguf("f32")), n_ctx=1024, n_batch=512, n_ubatch=FA_TILE_ROWS - 1,
+    return llama_cpp.Llama(model_path=str(gguf_path(kind)), n_ctx=1024, n_batch=512, n_ubatch=FA_TILE_ROWS - 1,
                            n_threads=1, n_threads_batch=1, logits_all=True, flash_attn=flash_attn, verbose=False)
 
 
-def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False) -> Backend:
-    """The f32 stories260K GGUF on a llama.cpp model of its own; ``n_ctx=256``: a small pool (16 sequence ids), where
-    calls park and held states spill."""
-    from llamacpp_support import DECODE_TOL, gguf
+def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False, kind: str = "f32") -> Backend:
+    """A GGUF (:func:`gguf_path`) on a llama.cpp model of its own; ``n_ctx=256``: a small pool (16 sequence ids),
+    where calls park and held states spill. (A hybrid's prefix cache is refused: ``prefix`` is ignored there.)"""
+    from llamacpp_support import DECODE_TOL
 
-    m = models.llamacpp(gguf("f32"), batch_invariant=invariant, n_threads=1, n_ctx=n_ctx,
-                        prefix_cache="8MiB" if prefix else None, **(dict(n_seq_max=16) if n_ctx < 512 else {}))
+    m = models.llamacpp(gguf_path(kind), batch_invariant=invariant, n_threads=1, n_ctx=n_ctx,
+                        prefix_cache="8MiB" if prefix and kind != "lfm2" else None,
+                        **(dict(n_seq_max=16) if n_ctx < 512 else {}))
     tol = DECODE_TOL["f32"]
-    return Backend(f"gguf{'-invariant' if invariant else ''}-{n_ctx}", "llama", {"plain": m}, 2 * tol, 2 * tol,
-                   flash_attn=m.llama.flash_attn)
+    name = f"gguf{'-' + kind if kind != 'f32' else ''}{'-invariant' if invariant else ''}-{n_ctx}"
+    return Backend(name, "llama", {"plain": m}, 2 * tol, 2 * tol, flash_attn=m.llama.flash_attn, gguf=kind)
 
 
 @cache
-def llama_backend(invariant: bool, small: bool, prefix: bool) -> Backend:
+def llama_backend(invariant: bool, small: bool, prefix: bool, kind: str = "f32") -> Backend:
     """:func:`own_llama`, one per setting (shared by the histories and the tests)."""
-    return own_llama(256 if small else 1024, invariant, prefix)
+    return own_llama(256 if small else 1024, invariant, prefix and kind != "lfm2", kind)
 
 
 # ------------------------------------------------------------------------------------------------- checks

@@ -166,6 +166,29 @@ def test_save_and_load_continue_exactly(lfm, ref, tmp_path):
     _check_row(ref, out)
 
 
+@pytest.mark.parametrize("how", ["resident", "spilled"])
+def test_a_loaded_state_continued_twice_is_exact(lfm, ref, tmp_path, how):
+    """Found by the oracle on this GGUF: a loaded state (its sequence ends where it does, no snapshot kept) continued
+    once was extended in place, and continuing it again raised BackendError "no recurrent snapshot at position 8"
+    (``continuum serve`` loads every stored state). Now a call's setup snapshots each view that ends its sequence
+    (``recurrent.stale``), and a restored sequence extended in place is snapshotted at its end first."""
+    gen = continuous(generate.text(lfm, samplers.greedy()))
+    s = gen(PROMPT, max_tokens=4)
+    s.save(tmp_path / "s.safetensors")
+    s = SequenceState.load(tmp_path / "s.safetensors", lfm)
+    if how == "spilled":  # (then restored by the first call's decode, which extends it in place)
+        with lfm.llama.lock:
+            lfm.pool.spill(s._kv.views[0].seq)
+    a = gen(s, max_tokens=3)
+    b = gen(s + " and", max_tokens=3)
+    before = lfm.tokens_computed
+    c = gen(s, max_tokens=5)
+    assert lfm.tokens_computed - before == 5  # (its summary kept: nothing recomputed)
+    for out in (a, b, c):
+        _check_row(ref, out)
+    assert list(c)[0].startswith(list(a)[0])
+
+
 def test_json_under_a_schema_and_choice(lfm, ref):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
               "required": ["a", "b"]}

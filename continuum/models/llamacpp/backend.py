@@ -26,7 +26,7 @@ import torch
 from ...errors import KVCacheFullError, ModelLoadError, SequencesExhaustedError
 from ..capacity import Capacity
 from ..request import Request
-from . import capacity, cells, window
+from . import capacity, cells, recurrent, window
 from .decode import DecodeRow, decode
 from .fingerprint import fingerprint_of
 from .gather import RowPlan, fill_results, plan_rows
@@ -229,9 +229,12 @@ class LlamaCpp:
             self.pool.held.update(id(v.seq) for v in views if v.seq is not None)
 
     def stale_rows(self, kv: SeqKV | None) -> list[int]:
-        """Rows of ``kv`` a decode could not extend (a sliding window's cells gone: :mod:`.window`); the loop
+        """Rows of ``kv`` a decode could not extend (a sliding window's cells gone: :mod:`.window`; a hybrid's
+        recurrent summary not kept: :func:`.recurrent.stale`, which keeps it at each view's end first); the loop
         recomputes them from their tokens."""
-        return [] if kv is None else window.stale(self.pool, kv.views)
+        if kv is None:
+            return []
+        return recurrent.stale(self.pool, kv.views) if self.hybrid else window.stale(self.pool, kv.views)
 
     def capacity(self, requests: list[Request]) -> Capacity:
         """The pool's cells and ids now, ``requests``' KV held (the capacity model: ``continuum.models.capacity``)."""

@@ -194,6 +194,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[Seq | Non
             elif fork and (seq := window.fork_spilled(pool, src, view.n_tokens, pinned)) is not None:
                 forks.append(seq)  # (a short view of a long spilled state: only its positions restored)
             else:
+                spilled = src.id is None
                 pool.ensure_resident(src, pinned)
                 if not window.fits(pool, src.id, view.n_tokens):  # type: ignore[arg-type]
                     stale.append(i)
@@ -202,6 +203,8 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[Seq | Non
                 if not fork:
                     if src.extent > view.n_tokens:  # a dead tail no live view reaches
                         window.cut_tail(pool, src, view.n_tokens)
+                    elif spilled and pool.model.hybrid:  # (restored: a state ending here stays continuable once this
+                        recurrent.keep_end(pool, src)  # row extends it in place; resident ones: recurrent.stale)
                     seq = src
                 else:
                     seq = pool.new_seq(pinned)

@@ -11,7 +11,9 @@ for decoding only where the summary can be had at ``n``: the sequence ends there
 Policy (bounded, documented in docs/hybrid.md):
 
 * A snapshot is taken at the end of every call, for each row (``SeqKV.settle``, once per position): the state a
-  call returns can be continued twice, or after its sequence moved on. Positions inside a call keep none.
+  call returns can be continued twice, or after its sequence moved on. Positions inside a call keep none. A call
+  that starts from a sequence's end without one (a loaded state) takes it at its setup (:func:`stale`), or before the
+  decode that restores a spilled one and extends it in place (``decode._plan``).
   (A spilled sequence's bytes hold its summary at its end.)
 * A fork at ``n`` copies the attention cells (``seq_cp``: shared) and restores the snapshot at ``n`` into the new
   sequence; rewinding a sequence to ``n`` restores it then cuts the attention tail.
@@ -40,7 +42,7 @@ SequencePool: TypeAlias = Any  # sequences.py imports this module, and a typing 
 Seq: TypeAlias = Any
 KVView: TypeAlias = Any
 
-__all__ = ["snapshot", "keep_end", "keep_ends", "forked", "usable", "restore_at", "rewind", "undo"]
+__all__ = ["snapshot", "keep_end", "keep_ends", "stale", "forked", "usable", "restore_at", "rewind", "undo"]
 
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (alias SWA_ONLY): the recurrent part of a hybrid's memory
 
@@ -83,6 +85,26 @@ def keep_ends(pool: SequencePool, views: Iterable[KVView]) -> None:
             seq = v.seq
             if seq is not None and seq.id is not None and v.n_tokens == seq.extent:
                 keep_end(pool, seq)
+
+
+def stale(pool: SequencePool, views: Iterable[KVView]) -> list[int]:
+    """At a call's setup: each resident view's sequence snapshotted where the view ends at the sequence's end and no
+    snapshot is kept there (a loaded state's, a restored one's), so that the call may extend the sequence in place
+    and the state it started from stays continuable; returns the indices of the views whose summary cannot be had
+    (none by this policy: the caller would recompute those rows, never fail)."""
+    out = []
+    with pool.model.lock:
+        pool.collect()
+        for i, v in enumerate(views):
+            seq, n = v.seq, v.n_tokens
+            if seq is None or n == 0:
+                continue
+            if n == seq.extent:
+                if seq.id is not None:
+                    keep_end(pool, seq)
+            elif n not in seq.snaps:
+                out.append(i)
+    return out
 
 
 def forked(pool: SequencePool, src: Seq, dst: Seq, n: int) -> None:
