@@ -54,7 +54,7 @@ class Backend:
     margin: float
     hf: Any = None  # the transformers module (beams: its own generate)
     flash_attn: bool = False
-    gguf: str = "f32"  # llama.cpp: which GGUF the reference evaluates (llamacpp_support.gguf's kinds, or "lfm2")
+    gguf: str = "f32"  # llama.cpp: the GGUF the reference evaluates (gguf_path: "f32", "lfm2" or "window")
     _memo: dict = field(default_factory=dict)
     _gens: dict = field(default_factory=dict)
 
@@ -151,9 +151,14 @@ def hf_backend(name: str) -> Backend:
 
 
 def gguf_path(kind: str):
-    """The GGUF of ``kind``: ``f32`` (stories260K, llamacpp_support.gguf) or ``lfm2`` (the random LFM2 hybrid)."""
+    """The GGUF of ``kind``: ``f32`` (stories260K, llamacpp_support.gguf), ``lfm2`` (the random LFM2 hybrid) or
+    ``window`` (a random tiny Gemma 3 with a window of 8 tokens, written at test time: tiny_gguf.py)."""
+    from tiny_gguf import window_gguf
+
     from llamacpp_support import gguf
 
+    if kind == "window":
+        return window_gguf()
     return fixture_path("models", "lfm2-tiny-gguf", "lfm2-tiny-f32.gguf") if kind == "lfm2" else gguf(kind)
 
 

@@ -83,9 +83,9 @@ LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # reference's argmax was a near-tie the oracle compared with too small a margin (test_greedy_margin_regression).
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
 CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "window": (3, 8), "lfm2": (3, 8), "gguf": (10, 12),
-             "gguf-invariant": (10, 12), "gguf-lfm2": (4, 10)}  # (histories, steps)
+             "gguf-invariant": (10, 12), "gguf-lfm2": (4, 10), "gguf-window": (4, 10)}  # (histories, steps)
 LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "window": (40, 30), "lfm2": (40, 30), "gguf": (200, 40),
-               "gguf-invariant": (200, 40), "gguf-lfm2": (60, 30)}  # ~5 minutes
+               "gguf-invariant": (200, 40), "gguf-lfm2": (60, 30), "gguf-window": (60, 30)}  # ~5 minutes
 
 
 def settings_for(name: str) -> settings:
@@ -128,6 +128,11 @@ def call_strategy(variants: list[str], unbounded: bool):
         st.builds(Call, kind=st.just("json"), arg=st.sampled_from(sorted(JSON_SCHEMAS)), k=st.just(12), variant=v))
 
 
+def _kind(name: str) -> str:
+    """The GGUF a ``gguf...`` backend name runs (oracle_support.gguf_path)."""
+    return "lfm2" if "lfm2" in name else "window" if "window" in name else "f32"
+
+
 def machine_for(name: str):
     """The state machine of one backend (its variants decide the strategies)."""
     hf = not name.startswith("gguf")
@@ -149,7 +154,7 @@ def machine_for(name: str):
                     small=st.booleans(), prefix=st.booleans())
         def start(self, prompts, small, prefix):
             if not hf:  # the pool is the model's: one per history (a KV view never crosses pools)
-                self.b = llama_backend(name.endswith("invariant"), small, prefix, "lfm2" if "lfm2" in name else "f32")
+                self.b = llama_backend(name.endswith("invariant"), small, prefix, _kind(name))
             s = SequenceState.from_prompts(self.b.model, prompts)
             check_state(self.b, s, [0.0] * s.rows)
             return Held(s, [0.0] * s.rows)
@@ -230,14 +235,14 @@ def machine_for(name: str):
     return Oracle
 
 
-BACKENDS = ["stories", "tiny", "window", "lfm2", "gguf", "gguf-invariant", "gguf-lfm2"]
+BACKENDS = ["stories", "tiny", "window", "lfm2", "gguf", "gguf-invariant", "gguf-lfm2", "gguf-window"]
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_oracle(name):
     if name.startswith("gguf"):
         pytest.importorskip("llama_cpp")
-        gguf_path("lfm2" if "lfm2" in name else "f32")  # (skips without the fixture)
+        gguf_path(_kind(name))  # (skips without the fixture)
     else:
         hf_backend(name)  # (skips without the fixture)
     run_state_machine_as_test(machine_for(name), settings=settings_for(name))
