@@ -31,7 +31,7 @@ from hypothesis import event, note
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import multiple
 
-from continuum import SequenceState, continuous, generate, models, samplers
+from continuum import SequenceState, continuous, generate, models, samplers, speculate
 
 from conftest import _sharpen, chars_key, fixture_path, tiny_llama
 
@@ -91,15 +91,17 @@ class Backend:
         key = (variant, kind, n, repr(arg))
         if key not in self._gens:
             m = self.variants[variant]
-            sampler = {"greedy": samplers.greedy(), "sample": samplers.multinomial(n), "fork": samplers.multinomial(n),
-                       "beam": samplers.beam_search(n), "choice": samplers.greedy(), "regex": samplers.greedy(),
-                       "json": samplers.greedy()}[kind]
+            sampler = {"greedy": samplers.greedy(), "lookup": samplers.greedy(), "sample": samplers.multinomial(n),
+                       "fork": samplers.multinomial(n), "beam": samplers.beam_search(n), "choice": samplers.greedy(),
+                       "regex": samplers.greedy(), "json": samplers.greedy()}[kind]
             if kind == "choice":
                 g = generate.choice(m, list(arg), sampler)
             elif kind == "regex":
                 g = generate.regex(m, arg, sampler)
             elif kind == "json":
                 g = generate.json(m, JSON_SCHEMAS[arg], sampler)
+            elif kind == "lookup":  # greedy with prompt-lookup speculation: drafts verified in one forward each
+                g = generate.text(m, sampler, speculate=speculate.lookup())
             else:
                 g = generate.text(m, sampler)
             self._gens[key] = continuous(g)
@@ -357,7 +359,7 @@ def check_pattern(out: SequenceState, pattern: str | None, schema: str | None) -
 # ------------------------------------------------------------------------------------------- the machine's steps
 @dataclass(frozen=True)
 class Call:
-    kind: str  # greedy | sample | fork | beam | choice | regex | json
+    kind: str  # greedy | lookup (greedy, speculating) | sample | fork | beam | choice | regex | json
     k: int | None = 4
     n: int = 1
     arg: Any = None  # options, a pattern or a schema's name
@@ -419,16 +421,19 @@ def verify(b: Backend, call: Call, inp: SequenceState, carried: list, out: Seque
     for r, (ids, _) in enumerate(real_rows(out)):
         assert ids[:len(inputs[src[r]][0])] == inputs[src[r]][0], f"row {r}: the input's tokens changed"
     check_state(b, out, out_carried)
-    if call.kind == "greedy":
+    if call.kind in ("greedy", "lookup"):
         compared = check_greedy(b, out, [len(inputs[i][0]) for i in src], [inputs[i][0] for i in src])
         record(f"greedy tokens compared: {min(compared, 3)}+", "")
+        if call.kind == "lookup":
+            spec = out._last.speculation if out._last is not None else None
+            record(f"lookup drafts accepted: {min((spec or {}).get('accepted', 0), 2)}+", "")
     elif call.kind == "choice":
         record(f"choices compared: {check_choice(b, inp, out, list(call.arg))}", "")
     elif call.kind == "beam" and b.kind == "hf":
         record(f"beams compared with generate: {check_beams(b, inp, out, call.n, call.k)}", "")
     elif call.kind in ("regex", "json"):
         check_pattern(out, call.arg if call.kind == "regex" else None, call.arg if call.kind == "json" else None)
-    return Held(out, out_carried, final=call.k is None and call.kind == "greedy")
+    return Held(out, out_carried, final=call.k is None and call.kind in ("greedy", "lookup"))
 
 
 def keep(*held: Held):

@@ -113,10 +113,12 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def call_strategy(variants: list[str], unbounded: bool):
+def call_strategy(variants: list[str], unbounded: bool, speculation: bool = True):
     """``unbounded``: greedy calls without ``max_tokens`` too (to EOS or the context: on a small llama.cpp pool such
-    calls outgrow it beside others and park)."""
+    calls outgrow it beside others and park); ``speculation``: greedy calls with prompt-lookup drafts too (a hybrid
+    model refuses them)."""
     v, k, seed, sfx = st.sampled_from(variants), st.integers(0, 6), st.integers(0, 2**16), st.sampled_from(SUFFIXES)
+    lookup = [st.builds(Call, kind=st.just("lookup"), k=st.integers(0, 12), variant=v, suffix=sfx)] if speculation else []
     return st.one_of(
         st.builds(Call, kind=st.just("greedy"), k=st.none() | k if unbounded else k, variant=v, suffix=sfx),
         st.builds(Call, kind=st.just("sample"), k=k, seed=seed, variant=v, suffix=sfx),
@@ -125,7 +127,8 @@ def call_strategy(variants: list[str], unbounded: bool):
         st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=sfx),
         st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=st.just(" ok?")),
         st.builds(Call, kind=st.just("regex"), arg=st.sampled_from(PATTERNS), k=st.just(10), variant=v),
-        st.builds(Call, kind=st.just("json"), arg=st.sampled_from(sorted(JSON_SCHEMAS)), k=st.just(12), variant=v))
+        st.builds(Call, kind=st.just("json"), arg=st.sampled_from(sorted(JSON_SCHEMAS)), k=st.just(12), variant=v),
+        *lookup)
 
 
 def _kind(name: str) -> str:
@@ -137,7 +140,7 @@ def machine_for(name: str):
     """The state machine of one backend (its variants decide the strategies)."""
     hf = not name.startswith("gguf")
     variants = list(hf_backend(name).variants) if hf else ["plain"]
-    calls = call_strategy(variants, unbounded=not hf)
+    calls = call_strategy(variants, unbounded=not hf, speculation="lfm2" not in name)
 
     class Oracle(RuleBasedStateMachine):
         states = Bundle("states")
@@ -259,6 +262,8 @@ def tour(m) -> None:
     m.call(h=b, call=Call("beam", n=3, k=4))
     m.call(h=a, call=Call("regex", arg=PATTERNS[1], k=10))
     m.call(h=c, call=Call("json", arg="color", k=12))
+    if "lfm2" not in m.b.name:  # (a hybrid refuses speculation)
+        m.call(h=m.add_text(h=c, text=" and the"), call=Call("lookup", k=10))
     y = m.add_text(h=m.cut(h=c, k=12), text=" 東京")
     z = m.add_state(h=c, k=None)
     m.add_state(h=f, k=20)
