@@ -86,3 +86,61 @@ def test_a_row_found_stale_at_its_first_forward_is_recomputed(gemma, monkeypatch
     out = text(t, max_tokens=6)
     assert gemma.tokens_computed - before > len(_ids(t)), "recomputed from the start"
     check_greedy_path(_ids(out), len(_ids(t)), kind="gemma", flash_attn=False)
+
+
+# -- the window's cells given away behind an end (a tiny Gemma 3 with a window of 8: tests/tiny_gguf.py) ---------------
+# llama.cpp hands a sliding-window cell to new tokens once it lies outside the window behind its one sequence's END,
+# though a view behind that end still reads it; the long oracle found log-probs off by up to 26 nats on this model
+# (views continued over the gaps, `seq_pos_min` unchanged). Here the gaps are made directly (the cells of a few
+# positions inside a view's window removed), and the reference is llama.cpp's own evaluation of the ids.
+
+@pytest.fixture(scope="module")
+def window():
+    from oracle_support import own_llama
+
+    return own_llama(1024, kind="window")
+
+
+def _gap(b, state, lo: int, hi: int) -> None:
+    """Positions ``[lo, hi)`` of ``state``'s sequence gone from llama.cpp's cells, as a reuse leaves them."""
+    from continuum.models.llamacpp._lib import lib
+
+    m = b.model
+    with m.llama.lock:
+        lib().llama_memory_seq_rm(m.llama.memory, state._kv.views[0].seq.id, lo, hi)
+
+
+def test_a_view_whose_window_has_gaps_is_recomputed_not_extended_over_them(window):
+    from oracle_support import chars_key, check_state, real_rows
+
+    from continuum import SequenceState
+
+    gen = window.generator("plain", "greedy")
+    s = gen(SequenceState.from_prompts(window.model, "Once upon a time"), max_tokens=40)
+    cut = s[chars_key(s, slice(None, 40))]
+    n = cut._kv.views[0].n_tokens
+    assert 12 < n < s._kv.views[0].n_tokens - 8  # (behind the end by more than a window)
+    _gap(window, s, n - 5, n - 3)  # (inside the window behind n; the sequence's lowest cell stays)
+    before = window.model.tokens_computed
+    out = gen(cut + " and", max_tokens=6)
+    assert window.model.tokens_computed - before > len(real_rows(cut)[0][0]) - n  # (the row computed again)
+    check_state(window, out, [0.0])
+
+
+def test_a_sequence_cut_back_over_gaps_is_recomputed(window):
+    """A view behind the end stays while the longer one goes: the sequence is cut back to the view (``window.trim``),
+    whose window is then the one behind the end, which a later decode no longer probes."""
+    import gc
+
+    from oracle_support import chars_key, check_state
+
+    from continuum import SequenceState
+
+    gen = window.generator("plain", "greedy")
+    s = gen(SequenceState.from_prompts(window.model, "Lily saw a big dog."), max_tokens=40)
+    cut = s[chars_key(s, slice(None, 40))]
+    n = cut._kv.views[0].n_tokens
+    _gap(window, s, n - 5, n - 3)
+    del s
+    gc.collect()
+    check_state(window, gen(cut, max_tokens=6), [0.0])

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError
+from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError, StaleWindowError
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop import coalesce
 from ..loop.arrivals import gated
 from ..loop.cfg import Guidance
-from ..loop.decoding import Step, check_max_tokens, check_rng, decode
+from ..loop.decoding import Step, check_max_tokens, check_rng, decode, recompute_stale
 from ..programs import lockstep
 from ..programs.aio import AsyncStream, to_thread
 from ..samplers import Sampler, multinomial
@@ -191,12 +191,23 @@ class Generator:
         return self._run_alone(state, max_tokens, stop_at, rng)
 
     def _run_alone(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
-        gen = self._steps(state, max_tokens, stop_at, rng, False)
-        while True:
+        drawn = rng.get_state() if rng is not None else None
+        for attempt in range(2):
+            gen = self._steps(state, max_tokens, stop_at, rng, False)
             try:
-                next(gen)
+                while True:
+                    next(gen)
             except StopIteration as stop:
                 return stop.value
+            except StaleWindowError:
+                # (llama.cpp: another call's decode took window cells of this state's rows after this call's setup
+                # found them there; those rows are computed again from their tokens, the draws from the same seed)
+                if attempt:
+                    raise
+                if drawn is not None:
+                    rng.set_state(drawn)
+                state = recompute_stale(state)
+        raise AssertionError("unreachable")
 
     def _prompt_state(self, prompts: Prompt) -> SequenceState:
         return SequenceState.from_prompts(self.model, prompts)

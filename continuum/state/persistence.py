@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 
-from ..errors import BackendError, StateFileError
+from ..errors import BackendError, StaleWindowError, StateFileError
 from ..models import kv as kvcache
 from ..models.identity import ModelFingerprint
 from .convert import uncached
@@ -143,8 +143,11 @@ def save(state: SequenceState, path) -> None:
     meta = metadata(state)
     saver = getattr(state._model, "save_kv", None)
     if kvcache.opaque(state._kv) and saver is not None:  # another backend's KV: its own format
-        handle_tensors, meta["kv_handle"] = saver(state._kv)
-        tensors.update(handle_tensors)
+        try:
+            handle_tensors, meta["kv_handle"] = saver(state._kv)
+            tensors.update(handle_tensors)
+        except StaleWindowError:  # (llama.cpp gave a sliding window's cells away: loaded, the tokens are computed again)
+            meta.pop("kv_handle", None)
     write(path, tensors, meta)
 
 

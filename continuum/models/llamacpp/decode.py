@@ -262,6 +262,7 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
         if rc == 0:
             return logits
         for seq, n, _, _ in live:  # undo: cells beyond each row's old length belong to no live view
+            window.check_cut(pool, seq, n, int(L.llama_memory_seq_pos_max(model.memory, seq.id)) + 1)
             if not L.llama_memory_seq_rm(model.memory, seq.id, n, -1):  # a hybrid's summary moved on (an abort)
                 recurrent.undo(pool, seq, n)
         if rc != 1:

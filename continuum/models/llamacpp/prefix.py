@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError
+from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
 from .seqkv import SeqKV
 from .sequences import KVView
 
@@ -113,7 +113,7 @@ class DonorCache:
                 self._donors.move_to_end(best)
                 try:
                     view = self.model.pool.fork(self._donors[best], k)  # seq_cp: shared cells
-                except (KVCacheFullError, SequencesExhaustedError):
+                except (KVCacheFullError, SequencesExhaustedError, StaleWindowError):
                     # a spilled donor with no room to restore it now (the cells are a running step's): computing the
                     # prefix is what the call does without the cache, admitted when it fits (the long oracle: "no
                     # room to restore a spilled state of 70 tokens" raised from a call's setup on 256 cells)

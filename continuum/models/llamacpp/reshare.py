@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import cells, seqbytes
+from . import cells, seqbytes, window
 from ._lib import lib
 
 __all__ = ["reshare", "restore", "settle", "adopt", "MIN_CELLS"]
@@ -111,4 +111,8 @@ def _window_kept(pool: Any, relative: Any, extent: int, n: int) -> bool:
     if n_swa <= 0:
         return True
     need = max(0, extent - n_swa + 1)  # the first position the next decode after the end attends to
-    return n <= need or int(lib().llama_memory_seq_pos_min(pool.model.memory, relative.id)) <= need
+    if n <= need:
+        return True
+    L, mem = lib(), pool.model.memory
+    end = int(L.llama_memory_seq_pos_max(mem, relative.id)) + 1  # (and none of those cells given away: window.intact)
+    return int(L.llama_memory_seq_pos_min(mem, relative.id)) <= need and window.intact(pool, relative.id, need, n, end)

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError
+from ...errors import BackendError, KVCacheFullError, SequencesExhaustedError, SlicingError, StaleWindowError
 from . import cells, recurrent, reshare, seqbytes, window
 from ._lib import lib
 from .model import LlamaCppModel
@@ -107,9 +107,11 @@ class SequencePool:
         # sequence, so its new cells stay in position order (cells.py: keep, flush)
         self.zombie: int | None = model.n_seq_max - 2 if model.batch_invariant and not model.hybrid else None
         self.zombie_cells = 0  # cells only the zombie holds
+        last = model.n_seq_max - 1 - (self.scratch is not None) - (self.zombie is not None)
+        self.probe: int | None = last if model.n_swa > 0 and not model.hybrid else None  # window.intact's (SWA models)
         self.held: set[int] = set()  # (ids of) the sequences the running calls hold: spilled last (LlamaCpp.hold)
         self.idle_cells: int | None = cells.IDLE_CELLS  # idle cells kept resident at least (cells.trim_idle; None: all)
-        self.n_ids = model.n_seq_max - (self.scratch is not None) - (self.zombie is not None)
+        self.n_ids = model.n_seq_max - (self.scratch is not None) - (self.zombie is not None) - (self.probe is not None)
         if self.n_ids < 1:
             raise BackendError("the batch-invariant mode needs n_seq_max >= 3 (one id pads one-token decodes, one keeps "
                                "released cells)")
@@ -311,10 +313,9 @@ class SequencePool:
             return self.empty()
         with self.model.lock:
             self.collect()
-            src = view.seq
-            self.ensure_resident(src, pinned)
-            dst = self.new_seq([src, *pinned])
-            view = KVView(self, dst, n)  # (held: a failed restore in share releases it)
+            if not window.fits(self, self.ensure_resident(src := view.seq, pinned), n):  # (gaps: window.intact)
+                raise StaleWindowError(f"the sliding-window cells behind position {n} are gone: recompute the state")
+            view = KVView(self, dst := self.new_seq([src, *pinned]), n)  # (held: a failed restore in share releases it)
             self.share(src, dst, n)
             return view
 
