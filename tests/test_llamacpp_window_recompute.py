@@ -144,3 +144,19 @@ def test_a_sequence_cut_back_over_gaps_is_recomputed(window):
     del s
     gc.collect()
     check_state(window, gen(cut, max_tokens=6), [0.0])
+
+
+def test_a_view_behind_its_end_among_other_cells_is_found_whole_and_reused(window):
+    """The probe's other side: two rows generated together (their cells interleaved), each cut behind its end, are
+    continued on their own cells (only the new tokens computed) and exactly."""
+    from oracle_support import chars_key, check_state
+
+    from continuum import SequenceState
+
+    gen = window.generator("plain", "greedy")
+    two = gen(SequenceState.from_prompts(window.model, ["Once upon a time", "The cat sat on"]), max_tokens=40)
+    cut = two[chars_key(two, slice(None, 40))]
+    before = window.model.tokens_computed
+    out = gen(cut, max_tokens=5)
+    assert window.model.tokens_computed - before == 2 * 5
+    check_state(window, out, [0.0, 0.0])
