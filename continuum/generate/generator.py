@@ -191,7 +191,7 @@ class Generator:
         return self._run_alone(state, max_tokens, stop_at, rng)
 
     def _run_alone(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
-        drawn = rng.get_state() if rng is not None else None
+        drawn = rng.get_state() if isinstance(rng, torch.Generator) else None  # (a bad rng: refused in the setup)
         for attempt in range(2):
             gen = self._steps(state, max_tokens, stop_at, rng, False)
             try:

@@ -19,6 +19,8 @@ Modules, one job each:
   ``unpack`` refuse a blob from elsewhere.
 * ``persist.py``: a state's KV in its file (each distinct sequence's bytes once), restored into fresh sequences.
 * ``prefix.py``: the prefix cache as donor sequences (``prefix_cache=``), reused by ``seq_cp``.
+* ``window.py``: sliding-window states kept extendable, and the rows that are not found; ``gaps.py``: the window cells
+  llama.cpp gave away behind a sequence's end, found by a probe.
 
 Example:
     >>> from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePool, DecodeRow, decode

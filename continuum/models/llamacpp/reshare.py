@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import cells, seqbytes, window
+from . import cells, gaps, seqbytes
 from ._lib import lib
 
 __all__ = ["reshare", "restore", "settle", "adopt", "MIN_CELLS"]
@@ -114,5 +114,5 @@ def _window_kept(pool: Any, relative: Any, extent: int, n: int) -> bool:
     if n <= need:
         return True
     L, mem = lib(), pool.model.memory
-    end = int(L.llama_memory_seq_pos_max(mem, relative.id)) + 1  # (and none of those cells given away: window.intact)
-    return int(L.llama_memory_seq_pos_min(mem, relative.id)) <= need and window.intact(pool, relative.id, need, n, end)
+    end = int(L.llama_memory_seq_pos_max(mem, relative.id)) + 1  # (and none of those cells given away: gaps.py)
+    return int(L.llama_memory_seq_pos_min(mem, relative.id)) <= need and gaps.intact(pool, relative.id, need, n, end)

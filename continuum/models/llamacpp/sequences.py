@@ -108,7 +108,7 @@ class SequencePool:
         self.zombie: int | None = model.n_seq_max - 2 if model.batch_invariant and not model.hybrid else None
         self.zombie_cells = 0  # cells only the zombie holds
         last = model.n_seq_max - 1 - (self.scratch is not None) - (self.zombie is not None)
-        self.probe: int | None = last if model.n_swa > 0 and not model.hybrid else None  # window.intact's (SWA models)
+        self.probe: int | None = last if model.n_swa > 0 and not model.hybrid else None  # gaps.intact's (SWA models)
         self.held: set[int] = set()  # (ids of) the sequences the running calls hold: spilled last (LlamaCpp.hold)
         self.idle_cells: int | None = cells.IDLE_CELLS  # idle cells kept resident at least (cells.trim_idle; None: all)
         self.n_ids = model.n_seq_max - (self.scratch is not None) - (self.zombie is not None) - (self.probe is not None)
@@ -313,7 +313,7 @@ class SequencePool:
             return self.empty()
         with self.model.lock:
             self.collect()
-            if not window.fits(self, self.ensure_resident(src := view.seq, pinned), n):  # (gaps: window.intact)
+            if not window.fits(self, self.ensure_resident(src := view.seq, pinned), n):  # (gaps.py)
                 raise StaleWindowError(f"the sliding-window cells behind position {n} are gone: recompute the state")
             view = KVView(self, dst := self.new_seq([src, *pinned]), n)  # (held: a failed restore in share releases it)
             self.share(src, dst, n)

@@ -22,10 +22,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ...errors import BackendError, KVCacheFullError
-from . import cells, recurrent, reshare, seqbytes
+from . import cells, gaps, recurrent, reshare, seqbytes
 from ._lib import lib
 
-__all__ = ["fits", "intact", "check_cut", "cut_tail", "cut_spilled", "trim", "stale"]
+__all__ = ["fits", "check_cut", "cut_tail", "cut_spilled", "trim", "stale"]
 
 
 def fits(pool: Any, seq_id: int, n: int) -> bool:
@@ -39,27 +39,7 @@ def fits(pool: Any, seq_id: int, n: int) -> bool:
     need = max(0, n - pool.model.n_swa + 1) if pool.model.n_swa > 0 else 0
     if not (0 <= lo <= need and hi >= n - 1) or getattr(pool.resident.get(seq_id), "broken", False):
         return False
-    return intact(pool, seq_id, max(0, n - pool.model.n_swa + 1), n, hi + 1)  # (behind the end: see intact)
-
-
-def intact(pool: Any, seq_id: int, lo: int, hi: int, end: int) -> bool:
-    """Whether sequence ``seq_id`` (``end`` positions) still holds its window cells at positions ``[lo, hi)`` (at most
-    ``n_swa - 1`` of them, behind its end). llama.cpp gives a sliding-window cell to new tokens once it lies outside
-    the window behind its one sequence's END (``find_slot``: such a masked cell counts as free), though a view behind
-    that end (a cut, a rollback, a fork's parent) or a relative sharing the cells later still needs it, and nothing
-    says so (``seq_pos_min`` sees the lowest cell only). Probe: those cells, then as many behind the end (never given
-    away), copied into the probe id in turn; their bytes (every cell of both caches) are as long only if none is
-    missing. Under the model's lock."""
-    m = hi - lo
-    if m <= 0 or pool.probe is None or hi >= end:
-        return True
-    L, mem, ctx, probe = lib(), pool.model.memory, pool.model.ctx, pool.probe
-    sizes = []
-    for start in (lo, end - m):
-        L.llama_memory_seq_cp(mem, seq_id, probe, start, start + m)
-        sizes.append(int(L.llama_state_seq_get_size(ctx, probe)))
-        L.llama_memory_seq_rm(mem, probe, -1, -1)
-    return sizes[0] == sizes[1]
+    return gaps.intact(pool, seq_id, max(0, n - pool.model.n_swa + 1), n, hi + 1)  # (behind the end)
 
 
 def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its Seq: sequences.py imports this module)
@@ -77,9 +57,9 @@ def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its Se
 
 def check_cut(pool: Any, seq: Any, n: int, end: int) -> None:
     """Before resident ``seq`` (``end`` positions) is cut back to ``n``: the window behind ``n`` becomes the window
-    behind its end, which :func:`fits` no longer probes; cells llama.cpp gave away from it meanwhile (:func:`intact`)
+    behind its end, which :func:`fits` no longer probes; cells llama.cpp gave away from it meanwhile (:mod:`.gaps`)
     mark the sequence ``broken``, and every view of it is then recomputed, never extended over the gaps."""
-    if pool.probe is not None and n < end and not intact(pool, seq.id, max(0, n - pool.model.n_swa + 1), n, end):
+    if pool.probe is not None and n < end and not gaps.intact(pool, seq.id, max(0, n - pool.model.n_swa + 1), n, end):
         seq.broken = True
 
 

@@ -1,0 +1,39 @@
+"""Cells of a sliding-window cache that llama.cpp gave to other tokens behind a sequence's end, found by a probe.
+
+llama.cpp's ``find_slot`` counts a sliding-window cell as free once it lies outside the window behind its one
+sequence's END (masked for that sequence), and hands it to new tokens; a view behind that end (a cut, a rollback, a
+fork's parent, a prefix-cache donor, a relative a restored sequence shares) still reads it, and nothing says so:
+``seq_pos_min`` sees the lowest cell only. The oracle found it on a tiny Gemma 3 with a window of 8 (log-probs off by
+up to 26 nats, continued over the gaps). :mod:`.window` probes before such a view is extended or forked and before a
+sequence is cut back to a view; :mod:`.reshare` before a relative's cells are shared.
+
+Example:
+    >>> intact(pool, seq_id, 13, 20, 44)   # positions 13..19 still in sequence seq_id's cells?   # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._lib import lib
+
+__all__ = ["intact"]
+
+
+def intact(pool: Any, seq_id: int, lo: int, hi: int, end: int) -> bool:
+    """Whether sequence ``seq_id`` (``end`` positions) still holds its cells at positions ``[lo, hi)`` (at most
+    ``n_swa - 1`` of them, behind its end). Probe: those cells, then as many behind the end (never given away: inside
+    the window), copied into the pool's probe id in turn; their bytes (``llama_state_seq_get_size``: every cell of
+    both caches) are as long only if none is missing. True without a probe id (no sliding window). Under the
+    model's lock."""
+    m = hi - lo
+    if m <= 0 or pool.probe is None or hi >= end:
+        return True
+    L, mem, ctx, probe = lib(), pool.model.memory, pool.model.ctx, pool.probe
+    sizes = []
+    for start in (lo, end - m):
+        L.llama_memory_seq_cp(mem, seq_id, probe, start, start + m)
+        sizes.append(int(L.llama_state_seq_get_size(ctx, probe)))
+        L.llama_memory_seq_rm(mem, probe, -1, -1)
+    return sizes[0] == sizes[1]
