@@ -91,7 +91,8 @@ class Backend:
         key = (variant, kind, n, repr(arg))
         if key not in self._gens:
             m = self.variants[variant]
-            sampler = {"greedy": samplers.greedy(), "lookup": samplers.greedy(), "sample": samplers.multinomial(n),
+            sampler = {"greedy": samplers.greedy(), "lookup": samplers.greedy(), "cfg": samplers.greedy(),
+                       "sample": samplers.multinomial(n),
                        "fork": samplers.multinomial(n), "beam": samplers.beam_search(n), "choice": samplers.greedy(),
                        "regex": samplers.greedy(), "json": samplers.greedy()}[kind]
             if kind == "choice":
@@ -102,6 +103,8 @@ class Backend:
                 g = generate.json(m, JSON_SCHEMAS[arg], sampler)
             elif kind == "lookup":  # greedy with prompt-lookup speculation: drafts verified in one forward each
                 g = generate.text(m, sampler, speculate=speculate.lookup())
+            elif kind == "cfg":  # greedy under classifier-free guidance (an unconditional branch beside the rows)
+                g = generate.text(m, sampler, guidance_scale=CFG_SCALE)
             else:
                 g = generate.text(m, sampler)
             self._gens[key] = continuous(g)
@@ -252,6 +255,31 @@ def check_greedy(b: Backend, out: SequenceState, starts: list[int], prefixes: li
     return compared
 
 
+CFG_SCALE = 1.5  # the oracle's classifier-free guidance calls (no negative prompt: the unconditional branch is BOS)
+
+
+def check_cfg(b: Backend, out: SequenceState, starts: list[int], last: list[int]) -> int:
+    """Every token after ``starts[r]`` is the argmax of ``uncond + s * (cond - uncond)`` (loop/cfg.py's formula), each
+    branch the reference's own log-probs: ``cond`` after the row's ids, ``uncond`` after BOS (the input's last token
+    without one) and the tokens this call generated before it; where the guided top-2 margin exceeds the noise of
+    ``2 s + 1`` log-probs. Returns how many tokens were compared."""
+    compared, bos = 0, b.model.tokenizer.bos_token_id
+    for r, (ids, _) in enumerate(real_rows(out)):
+        gen = ids[starts[r]:]
+        if not gen:
+            continue
+        cond = b.logprobs(ids)
+        uncond = b.logprobs([bos if bos is not None else last[r]] + gen)
+        for k in range(len(gen)):
+            guided = uncond[k] + CFG_SCALE * (cond[starts[r] + k - 1] - uncond[k])
+            top = torch.topk(guided, 2)
+            if float(top.values[0] - top.values[1]) > (2 * CFG_SCALE + 1) * b.margin:
+                assert gen[k] == int(top.indices[0]), (f"row {r} token {starts[r] + k}: guided greedy chose {gen[k]}, the "
+                                                        f"reference's guided argmax is {int(top.indices[0])}")
+                compared += 1
+    return compared
+
+
 def option_scores(b: Backend, inp: SequenceState, options: list[str]) -> tuple[list[list[list[int]]], list[list[float]]]:
     """Per row and option: the ids of ``inp + option`` (continuum's own tokenization of the option in context) and
     the reference's total log-prob of the option's tokens there."""
@@ -359,7 +387,7 @@ def check_pattern(out: SequenceState, pattern: str | None, schema: str | None) -
 # ------------------------------------------------------------------------------------------- the machine's steps
 @dataclass(frozen=True)
 class Call:
-    kind: str  # greedy | lookup (greedy, speculating) | sample | fork | beam | choice | regex | json
+    kind: str  # greedy | lookup (greedy, speculating) | cfg (greedy, guided) | sample | fork | beam | choice | regex | json
     k: int | None = 4
     n: int = 1
     arg: Any = None  # options, a pattern or a schema's name
@@ -427,6 +455,9 @@ def verify(b: Backend, call: Call, inp: SequenceState, carried: list, out: Seque
         if call.kind == "lookup":
             spec = out._last.speculation if out._last is not None else None
             record(f"lookup drafts accepted: {min((spec or {}).get('accepted', 0), 2)}+", "")
+    elif call.kind == "cfg":
+        last = [real_rows(inp)[i][0][-1] for i in src]
+        record(f"guided tokens compared: {min(check_cfg(b, out, [len(inputs[i][0]) for i in src], last), 3)}+", "")
     elif call.kind == "choice":
         record(f"choices compared: {check_choice(b, inp, out, list(call.arg))}", "")
     elif call.kind == "beam" and b.kind == "hf":

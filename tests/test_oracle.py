@@ -128,6 +128,7 @@ def call_strategy(variants: list[str], unbounded: bool, speculation: bool = True
         st.builds(Call, kind=st.just("choice"), arg=st.sampled_from(OPTIONS), variant=v, suffix=st.just(" ok?")),
         st.builds(Call, kind=st.just("regex"), arg=st.sampled_from(PATTERNS), k=st.just(10), variant=v),
         st.builds(Call, kind=st.just("json"), arg=st.sampled_from(sorted(JSON_SCHEMAS)), k=st.just(12), variant=v),
+        st.builds(Call, kind=st.just("cfg"), k=st.integers(1, 8), variant=v, suffix=sfx),
         *lookup)
 
 
@@ -264,6 +265,7 @@ def tour(m) -> None:
     m.call(h=c, call=Call("json", arg="color", k=12))
     if "lfm2" not in m.b.name:  # (a hybrid refuses speculation)
         m.call(h=m.add_text(h=c, text=" and the"), call=Call("lookup", k=10))
+    m.call(h=d, call=Call("cfg", k=6))
     y = m.add_text(h=m.cut(h=c, k=12), text=" 東京")
     z = m.add_state(h=c, k=None)
     m.add_state(h=f, k=20)
