@@ -140,8 +140,8 @@ def stale(pool: Any, views: Sequence[Any]) -> list[int]:
                 continue
             if seq.id is not None:
                 ok = fits(pool, seq.id, view.n_tokens)
-            else:
-                ok = view.n_tokens >= seq.extent or seq.extent <= model.n_swa
+            else:  # (a sequence cut back over gaps before its spill is still broken: gaps.py)
+                ok = not seq.broken and (view.n_tokens >= seq.extent or seq.extent <= model.n_swa)
             if not ok:
                 out.append(i)
     return out
