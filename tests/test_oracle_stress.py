@@ -1,0 +1,77 @@
+"""A stress driver beside the oracle: long random histories of concurrent steps, off unless asked for.
+
+``CONTINUUM_ORACLE_STRESS=N python -m pytest tests/test_oracle_stress.py`` runs N histories on one backend
+(``CONTINUUM_ORACLE_STRESS_BACKEND``, default ``gguf-window``: the tiny Gemma 3 GGUF with a window of 8) from a seed
+(``CONTINUUM_ORACLE_STRESS_SEED``, default a new one, printed). Each history holds up to 8 states and draws 12 steps:
+``run_batch`` of 1-2-call programs, threads, ``asyncio.gather``, single calls of every kind and cuts, each result
+checked by the oracle's rules (``tests/test_oracle.py``: the backend's own evaluation of the same ids). A failure
+prints the seed, the history's index and every step; ``CONTINUUM_ORACLE_STRESS_ONLY=i`` replays history ``i`` of that
+seed alone (thread timing still varies: a history may need a few replays). The sixteenth session's first version of
+it found window-8 histories whose fork's first sampled token is off llama.cpp's (one in 4 of 5 replays, none while the
+decode was traced: docs/benchmarks.md, open).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import test_oracle as oracle
+from oracle_support import Call
+
+N = int(os.environ.get("CONTINUUM_ORACLE_STRESS", "0"))
+pytestmark = pytest.mark.skipif(N <= 0, reason="set CONTINUUM_ORACLE_STRESS=N to run N stress histories")
+KINDS = ["greedy", "lookup", "sample", "choice", "fork", "beam", "regex", "cfg"]
+
+
+def _call(rng: random.Random) -> Call:
+    kind = rng.choice(KINDS)
+    if kind == "choice":
+        return Call("choice", arg=rng.choice(oracle.OPTIONS), suffix=rng.choice(["", " ok?"]))
+    if kind == "regex":
+        return Call("regex", arg=rng.choice(oracle.PATTERNS), k=10)
+    if kind in ("fork", "beam"):
+        return Call(kind, n=rng.randint(2, 3), k=rng.randint(1, 4), seed=rng.randint(0, 999))
+    return Call(kind, k=rng.randint(1, 30), seed=rng.randint(0, 999), suffix=rng.choice(["", " She was", " and"]))
+
+
+def _history(name: str, rng: random.Random, log: list) -> None:
+    m = oracle.machine_for(name)()
+    try:
+        held = [m.start(prompts=rng.sample(oracle.PROMPTS, 2), small=True, prefix=False)]
+        for _ in range(12):
+            hs = [rng.choice(held) for _ in range(3)]
+            r = rng.random()
+            if r < 0.35:
+                step = ("batch", dict(hs=hs, programs=[[_call(rng) for _ in range(rng.randint(1, 2))] for _ in range(3)]))
+            elif r < 0.5:
+                step = ("threads", dict(hs=hs, cs=[_call(rng) for _ in range(3)]))
+            elif r < 0.8:
+                step = ("gather", dict(hs=hs, cs=[_call(rng) for _ in range(3)]))
+            else:
+                step = ("call", dict(h=hs[0], call=_call(rng)))
+            log.append(step)
+            out = getattr(m, step[0])(**step[1])
+            held.extend(getattr(out, "values", None) or [out])
+            if rng.random() < 0.3:
+                k = rng.randint(1, 50)
+                log.append(("cut", k))
+                held.append(m.cut(h=rng.choice(held), k=k))
+            held = [h for h in held if h is not None and not getattr(h, "final", False)][-8:]
+    finally:
+        m.teardown()
+
+
+def test_stress():
+    name = os.environ.get("CONTINUUM_ORACLE_STRESS_BACKEND", "gguf-window")
+    seed = int(os.environ.get("CONTINUUM_ORACLE_STRESS_SEED", random.randrange(1 << 30)))
+    only = os.environ.get("CONTINUUM_ORACLE_STRESS_ONLY")
+    for i in range(N) if only is None else [int(only)]:
+        log: list = []
+        try:
+            _history(name, random.Random(seed * 1_000_003 + i), log)  # (each history its own draws: replayable alone)
+        except Exception as exc:
+            steps = "\n".join(f"  {s}" for s in log)
+            raise AssertionError(f"{name}, CONTINUUM_ORACLE_STRESS_SEED={seed} CONTINUUM_ORACLE_STRESS_ONLY={i}: {exc}\n"
+                                 f"{steps}") from exc
