@@ -147,7 +147,7 @@ def save(state: SequenceState, path) -> None:
             handle_tensors, meta["kv_handle"] = saver(state._kv)
             tensors.update(handle_tensors)
         except StaleWindowError:  # (llama.cpp gave a sliding window's cells away: loaded, the tokens are computed again)
-            meta.pop("kv_handle", None)
+            pass
     write(path, tensors, meta)
 
 

@@ -39,7 +39,7 @@ def fits(pool: Any, seq_id: int, n: int) -> bool:
     need = max(0, n - pool.model.n_swa + 1) if pool.model.n_swa > 0 else 0
     if not (0 <= lo <= need and hi >= n - 1) or getattr(pool.resident.get(seq_id), "broken", False):
         return False
-    return gaps.intact(pool, seq_id, max(0, n - pool.model.n_swa + 1), n, hi + 1)  # (behind the end)
+    return gaps.intact(pool, seq_id, need, n, hi + 1)  # (behind the end: cells given away, gaps.py)
 
 
 def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its Seq: sequences.py imports this module)
