@@ -63,8 +63,9 @@ def test_forks_share_cells_not_copies():
     del out, forks, view, base
     gc.collect()
     assert pool.n_free == pool.n_ids  # every sequence released
+    other = ids[:1] + [(ids[1] + 1) % model.n_vocab] + ids[2:]  # (no common prefix: prefill.py shares none)
     with pytest.raises(KVCacheFullError, match="n_ctx"):
-        decode(pool, [DecodeRow(pool.empty(), ids), DecodeRow(pool.empty(), ids)])  # 400 separate cells > 256
+        decode(pool, [DecodeRow(pool.empty(), ids), DecodeRow(pool.empty(), other)])  # 400 separate cells > 256
     assert pool.n_free == pool.n_ids  # the failed decode left nothing behind
     one = _prefill(pool, ids).views[0]
     want = _next(pool, one, 42)[0]
@@ -77,6 +78,34 @@ def test_forks_share_cells_not_copies():
     one.release()
     assert pool.n_free == pool.n_ids
     _prefill(pool, ids)  # released cells are free again
+
+
+def test_rows_from_no_cells_with_a_common_prefix_compute_it_once():
+    """Rows of one decode starting from no cells with the same first tokens (identical prompts, a state recomputed by
+    several programs): the prefix is decoded once and shared (``prefill.py``), so two 200-token rows fit a 256-cell
+    pool that two copies overflow (beside a 30-token row sharing their first 29), and each row's logits equal its own
+    decode alone (batch-invariant: exactly)."""
+    from continuum.models.llamacpp import cells
+
+    model = LlamaCppModel(gguf("f32"), n_ctx=256, n_seq_max=9, n_threads=2, batch_invariant=True)
+    tok, pool = LlamaTokenizer(model), SequencePool.of(model)
+    ids = (tok.encode_prompts([TEXT * 2])[0])[:200]
+    a, b = ids + [42, 43], ids + [44]
+    out = decode(pool, [DecodeRow(pool.empty(), a), DecodeRow(pool.empty(), b), DecodeRow(pool.empty(), ids[:30])])
+    assert cells.used(pool) == len(ids) + 2 + 1 + 1 and out.views[0].n_tokens == len(a) and out.views[1].n_tokens == len(b)
+    assert out.views[0].seq_id != out.views[1].seq_id  # (each row its own sequence: appends never meet)
+    rows = [out.row(i)[-1].copy() for i in range(3)]
+    del out
+    gc.collect()
+    for row, t in zip(rows, (a, b, ids[:30])):
+        np.testing.assert_array_equal(row, _prefill(pool, t).row(0)[-1])
+        gc.collect()
+    ref = reference_logits("f32", b, flash_attn=True)[-1]
+    assert np.abs(rows[1] - ref).max() <= DECODE_TOL["f32"]
+    short = ids[:100]
+    both = decode(pool, [DecodeRow(pool.empty(), short, "all"), DecodeRow(pool.empty(), short + [7])])
+    assert both.row(0).shape[0] == 100 and cells.used(pool) == 201  # (logits inside the prefix: not shared)
+    np.testing.assert_array_equal(both.row(0)[29], rows[2])  # (position 29: ids[:30]'s last, computed alike)
 
 
 def test_appends_never_change_another_view():

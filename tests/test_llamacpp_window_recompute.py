@@ -160,3 +160,34 @@ def test_a_view_behind_its_end_among_other_cells_is_found_whole_and_reused(windo
     out = gen(cut, max_tokens=5)
     assert window.model.tokens_computed - before == 2 * 5
     check_state(window, out, [0.0, 0.0])
+
+
+def test_a_short_view_of_a_spilled_window_long_sequence_is_not_forked_from_bytes_without_its_window():
+    """A sequence of exactly ``n_swa`` positions: llama.cpp's ``find_slot`` may give its position 0's window cell
+    (masked behind its end) to new tokens, so its spilled bytes lack it, and a short view forked from those bytes cut
+    short (``window.fork_spilled``) was extended without it (the stress driver: a log-prob 14 nats off). Now the
+    bytes are read first (``window.holds``): the view is recomputed. Failed before (the first check)."""
+    import gc
+
+    from oracle_support import chars_key, check_state, own_llama, real_rows
+
+    from continuum import SequenceState
+    from continuum.models.llamacpp._lib import lib
+
+    b = own_llama(256, kind="window")  # (a fresh pool: where find_slot puts cells is known)
+    gen, m = b.generator("plain", "greedy"), b.model
+    x = gen(SequenceState.from_prompts(m, "The"), max_tokens=1)  # (cells 0..1)
+    p = SequenceState.from_prompts(m, "Lily saw a big dog.")
+    s = gen(p, max_tokens=9 - len(real_rows(p)[0][0]))  # (its KV: every token but the last, cells 2..9)
+    seq = s._kv.views[0].seq
+    assert s._kv.views[0].n_tokens == m.llama.n_swa == 8
+    short = s[chars_key(s, slice(None, 2))]
+    assert short._kv.views[0].n_tokens < 8
+    del x
+    gc.collect()  # (its cells freed: llama.cpp's search for free cells starts at 0 again)
+    w = gen(SequenceState.from_prompts(m, "The cat sat on the mat"), max_tokens=1)  # cells 0, 1, then s's masked one
+    assert int(lib().llama_memory_seq_pos_min(m.llama.memory, seq.id)) == 1  # (position 0's window cell given away)
+    assert m.pool.spill_idle() >= 1 and seq.id is None
+    check_state(b, gen(short + " She was", max_tokens=6), [0.0])
+    check_state(b, gen(s, max_tokens=3), [0.0])
+    del w

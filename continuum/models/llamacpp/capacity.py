@@ -44,7 +44,7 @@ def step_need(request: Request) -> int:
     for v in getattr(request.kv, "views", None) or ():
         s = getattr(v, "seq", None)
         if s is not None and s.id is None and s.blob is not None:
-            need = cells.restore_need(s, v.n_tokens, window.cuttable(s.pool.model, s))
+            need = cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens))
             restore[id(s)] = max(restore.get(id(s), 0), need)
     return new + sum(restore.values())
 

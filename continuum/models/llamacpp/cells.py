@@ -98,7 +98,7 @@ def copied(src: Seq, dst: Seq, n: int) -> None:
     dst.lineage, dst.lin_end = held, n
 
 
-def restore_need(seq: Seq, n: int, cuttable: bool) -> int:
+def restore_need(seq: Seq, n: int, cuttable: bool) -> int:  # (cuttable: window.holds(seq, n))
     """Cells making ``n`` positions of spilled ``seq`` available takes: ``n`` when a decode forks them from its bytes
     cut at ``n`` (``window.fork_spilled``: a longer view holds the rest), else all its positions."""
     return n if cuttable and n < seq.longest else seq.extent

@@ -1,11 +1,11 @@
 """One ``llama_decode`` for many rows: every row's new tokens, each with its sequence id and position, no padding.
 
 A row is a :class:`DecodeRow`: a :class:`~.sequences.KVView` and the tokens that follow it, and which of them
-need logits. :func:`decode` plans where each row's cells go (its own sequence when no longer view of it lives,
-else a fork that shares the prefix), checks sliding-window rows can be extended, fills one ``llama_batch`` from
-numpy arrays (no per-token ctypes writes), decodes it in chunks of ``n_batch`` tokens, and returns the requested
-logits (copied out of llama.cpp's buffer, which the next decode overwrites, into an array of its own:
-``outputs.py``) with one new view per row.
+need logits. :func:`decode` decodes once a prefix rows from no cells share (``prefill.py``), plans where each row's
+cells go (its own sequence when no longer view of it lives, else a fork that shares the prefix), checks
+sliding-window rows can be extended, fills one ``llama_batch`` from numpy arrays, decodes it in chunks of
+``n_batch`` tokens, and returns the requested logits (copied out of llama.cpp's buffer, which the next decode
+overwrites: ``outputs.py``) with one new view per row.
 
 Failures leave every view as it was: the cells a failed decode added are removed (``seq_rm`` beyond each row's
 old length, where no live view reaches). ``llama_decode`` returning 1 (no free KV cell) spills idle sequences to
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
-from . import cells, recurrent, window
+from . import cells, prefill, recurrent, window
 from ._lib import lib, mark_decoded
 from .outputs import Outputs
 from .seq import Seq
@@ -124,7 +124,7 @@ def _wanted(row: DecodeRow, i: int) -> np.ndarray:
 
 
 def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
-    """Decode every row's tokens in one ``llama_decode`` (chunked at ``n_batch``); see the module docstring.
+    """Decode every row's tokens in one ``llama_decode`` (chunked; a shared prefix first): the module docstring.
 
     Raises:
         StaleWindowError: sliding-window rows whose window cells are gone (``.rows``); nothing was decoded.
@@ -132,8 +132,18 @@ def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
         KVCacheFullError: no KV cells left, even after spilling idle sequences.
         BackendError: llama.cpp aborted or failed the decode.
     """
-    model = pool.model
-    n_vocab = model.n_vocab
+    with pool.model.lock:
+        pool.collect()
+        rows, shared = prefill.share(pool, rows, decode)  # (rows from no cells with a common prefix: it goes once)
+        try:
+            return _decode(pool, rows)
+        finally:
+            for view in shared:
+                view.release()
+
+
+def _decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
+    model, n_vocab = pool.model, pool.model.n_vocab
     toks, flags = [], []
     for i, row in enumerate(rows):
         pool.check(row.view)
@@ -147,23 +157,21 @@ def decode(pool: SequencePool, rows: Sequence[DecodeRow]) -> DecodeResult:
         flags.append(_wanted(row, i) if t.size else np.zeros(0, np.int8))
     counts = [int(f.sum()) for f in flags]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-    with model.lock:
-        pool.collect()
-        targets, forks = _plan(pool, rows)
-        try:
-            logits = _run(pool, rows, targets, toks, flags, offsets[-1])
-        except BaseException:
-            for fork in forks:
-                discard(pool, fork)
-            raise
-        views = []
-        for row, target, new in zip(rows, targets, toks):
-            if target is None:
-                views.append(row.view)
-                continue
-            target.extent = row.view.n_tokens + len(new)
-            views.append(KVView(pool, target, target.extent))
-        return DecodeResult(views, logits, offsets)
+    targets, forks = _plan(pool, rows)
+    try:
+        logits = _run(pool, rows, targets, toks, flags, offsets[-1])
+    except BaseException:
+        for fork in forks:
+            discard(pool, fork)
+        raise
+    views = []
+    for row, target, new in zip(rows, targets, toks):
+        if target is None:
+            views.append(row.view)
+            continue
+        target.extent = row.view.n_tokens + len(new)
+        views.append(KVView(pool, target, target.extent))
+    return DecodeResult(views, logits, offsets)
 
 
 def discard(pool: SequencePool, seq: Seq) -> None:
@@ -193,6 +201,10 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[Seq | Non
                 forks.append(seq)
             elif fork and (seq := window.fork_spilled(pool, src, view.n_tokens, pinned)) is not None:
                 forks.append(seq)  # (a short view of a long spilled state: only its positions restored)
+                if not window.fits(pool, seq.id, view.n_tokens):
+                    stale.append(i)  # (window.holds read the bytes: never expected; a wrong log-prob if missed)
+                    targets.append(None)
+                    continue
             else:
                 spilled = src.id is None
                 pool.ensure_resident(src, pinned)
@@ -266,8 +278,7 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
             if not L.llama_memory_seq_rm(model.memory, seq.id, n, -1):  # a hybrid's summary moved on (an abort)
                 recurrent.undo(pool, seq, n)
         if rc != 1:
-            raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); the states are "
-                               "unchanged")
+            raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); states unchanged")
         if attempt == 0 and not cells.spill_every_idle(pool, pinned):
             break
     raise KVCacheFullError(f"llama.cpp has no free KV cell for {len(token)} new tokens (n_ctx={model.n_ctx} cells shared "

@@ -15,7 +15,7 @@ class Seq:
     """One llama.cpp sequence's content, shared by the views that hold it: resident under an id, or spilled."""
 
     __slots__ = ("pool", "id", "extent", "holders", "blob", "last_use", "snaps", "key", "own_lo", "inherit", "lineage",
-                 "lin_end", "broken")
+                 "lin_end", "broken", "held")
 
     def __init__(self, pool: Any, seq_id: int | None):  # (a SequencePool: sequences.py imports this module)
         self.pool, self.id = pool, seq_id
@@ -28,6 +28,7 @@ class Seq:
         self.inherit: tuple[tuple[int, int, int], ...] = ()
         self.lineage: tuple[tuple[int, int, int], ...] = ()  # what its cells hold, below lin_end (cells.content)
         self.lin_end = 0
+        self.held: tuple[bytes, Any] | None = None  # (blob, the positions it holds): window.holds, read once per blob
         self.broken = False  # a sliding window's cells given away behind an end it was cut back to (window.cut_tail)
         cells.fresh(self)
 

@@ -12,7 +12,7 @@ import numpy as np
 from ...errors import BackendError
 from ._lib import lib
 
-__all__ = ["get", "set_", "repack", "cut", "tail"]
+__all__ = ["get", "set_", "repack", "cut", "tail", "positions"]
 
 
 def get(model: Any, seq_id: int) -> bytes:
@@ -77,15 +77,24 @@ def tail(blob: bytes, n: int) -> bytes | None:
     return _select(blob, n, None)
 
 
-def _select(blob: bytes, lo: int, hi: int | None) -> bytes | None:
-    """``blob`` with only its cells at positions ``lo <= pos < hi`` (``hi`` None: no upper end)."""
+def positions(blob: bytes) -> list[np.ndarray] | None:
+    """The positions of the cells ``blob`` holds, one array per cache (an iSWA model's base cache, then its window
+    cache: llama.cpp writes a window cache's cells that are not masked behind the sequence's last position, and
+    ``find_slot`` may already have given the oldest of them to other tokens). None as for :func:`cut`."""
+    held: list[np.ndarray] = []
+    return held if _select(blob, 0, 0, held) is not None else None  # (no cell selected: the offsets walked only)
+
+
+def _select(blob: bytes, lo: int, hi: int | None, held: list | None = None) -> bytes | None:
+    """``blob`` with only its cells at positions ``lo <= pos < hi`` (``hi`` None: no upper end); each section's cell
+    positions appended to ``held`` if given."""
     try:
         view, out, off = memoryview(blob), [], 0
         if len(view) >= 8 and struct.unpack_from("<I", view)[0] == _MAGIC:
             out.append(bytes(view[:8]))
             off = 8
         while off < len(view):
-            off = _section(view, off, lo, hi, out)
+            off = _section(view, off, lo, hi, out, held)
     except (_Layout, struct.error, ValueError):
         return None
     return b"".join(out)
@@ -105,9 +114,9 @@ def _rows(view: memoryview, off: int, shape: tuple[int, ...]) -> tuple[np.ndarra
     return np.frombuffer(view, np.uint8, size, off).reshape(shape), off + size
 
 
-def _section(view: memoryview, off: int, lo: int, hi: int | None, out: list[bytes]) -> int:
-    """One cache's section from ``off``, its cells at positions ``lo <= pos < hi`` appended to ``out``; returns the
-    offset after it."""
+def _section(view: memoryview, off: int, lo: int, hi: int | None, out: list[bytes], held: list | None = None) -> int:
+    """One cache's section from ``off``, its cells at positions ``lo <= pos < hi`` appended to ``out`` (with ``held``:
+    only its cells' positions appended there); returns the offset after it."""
     (n_stream,), off = _take(view, off, "<I")
     if not 1 <= n_stream <= 256:
         raise _Layout("n_stream")
@@ -116,11 +125,15 @@ def _section(view: memoryview, off: int, lo: int, hi: int | None, out: list[byte
         (count,), off = _take(view, off, "<I")
         if count == 0:
             out.append(struct.pack("<I", 0))
+            if held is not None:
+                held.append(np.zeros(0, np.int32))
             continue
         meta, off = _rows(view, off, (count, 12))
         cells = meta.view("<i4")
         if not (cells[:, 1] == 1).all():
             raise _Layout("a cell of several sequences")  # (the whole context's layout, or positions with an ext)
+        if held is not None:
+            held.append(cells[:, 0].copy())
         keep = cells[:, 0] >= lo
         if hi is not None:
             keep &= cells[:, 0] < hi

@@ -21,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ...errors import BackendError, KVCacheFullError
 from . import cells, gaps, recurrent, reshare, seqbytes
 from ._lib import lib
 
-__all__ = ["fits", "check_cut", "cut_tail", "cut_spilled", "trim", "stale"]
+__all__ = ["fits", "check_cut", "cut_tail", "holds", "cut_spilled", "trim", "stale"]
 
 
 def fits(pool: Any, seq_id: int, n: int) -> bool:
@@ -76,11 +78,23 @@ def trim(pool: Any, seqs: Iterable[Any]) -> None:
             cut_spilled(pool, seq, end)
 
 
-def cuttable(model: Any, seq: Any) -> bool:
-    """Whether ``seq``'s spilled bytes can be cut below their end (:func:`cut_spilled`, :func:`fork_spilled`): not on a
-    hybrid (the recurrent summary is at the old end), nor on a sliding-window model once the bytes hold only the
-    window behind their end."""
-    return not model.hybrid and not (model.n_swa > 0 and seq.extent > model.n_swa)
+def holds(model: Any, seq: Any, n: int) -> bool:
+    """Whether spilled ``seq``'s bytes, cut at ``n`` (:func:`cut_spilled`, :func:`fork_spilled`), still hold every
+    cell a view of ``n`` positions reads: not on a hybrid (the recurrent summary is at the old end); on a
+    sliding-window model only where the window behind ``n`` is in them. llama.cpp writes a window cache's cells that
+    are not masked behind the sequence's last position, and ``find_slot`` may already have given the oldest of those
+    to other tokens: a sequence of exactly ``n_swa`` positions may lack position 0 (the stress driver: a 1-token view
+    of an 8-token spilled sequence, window 8, forked from the cut bytes without it, its next tokens' log-probs off
+    by up to 14 nats). Read from the bytes themselves (:func:`~.seqbytes.positions`)."""
+    if model.hybrid:
+        return False
+    if model.n_swa <= 0 or seq.extent < model.n_swa:  # (no cell of it was ever masked)
+        return True
+    if seq.held is None or seq.held[0] is not seq.blob:
+        seq.held = (seq.blob, seqbytes.positions(seq.blob) if seq.blob is not None else None)
+    held = seq.held[1]
+    need = np.arange(max(0, n - model.n_swa + 1), n)
+    return held is not None and all(np.isin(need, h).all() for h in held)
 
 
 def fork_spilled(pool: Any, src: Any, n: int, pinned: list) -> Any:
@@ -89,7 +103,7 @@ def fork_spilled(pool: Any, src: Any, n: int, pinned: list) -> Any:
     restores ``n`` cells, not all of them (the long oracle: "no room to restore a spilled state of 128 tokens" for
     7-token views on 256 cells, their sequences extended to 128 by states still held). None where the bytes cannot be
     cut: the caller restores ``src`` and shares its cells. Under the model's lock."""
-    if src.id is not None or src.blob is None or n >= src.extent or not cuttable(pool.model, src):
+    if src.id is not None or src.blob is None or n >= src.extent or not holds(pool.model, src, n):
         return None
     blob = seqbytes.cut(src.blob, n)
     if blob is None:
@@ -113,10 +127,10 @@ def fork_spilled(pool: Any, src: Any, n: int, pinned: list) -> Any:
 def cut_spilled(pool: Any, seq: Any, n: int) -> None:
     """Cut spilled ``seq``'s bytes back to its first ``n`` positions (its longest view was dropped after the spill):
     restored whole, they took cells no view reaches, so a restore that fitted was refused, and the scheduler priced
-    it at its old extent. Left whole on hybrids (the recurrent summary is at the old end), on sliding-window models
-    when the bytes hold only the window behind their end (:func:`stale` reads that end), and where llama.cpp's bytes
-    are in a layout :func:`~.seqbytes.cut` does not read."""
-    if not cuttable(pool.model, seq):
+    it at its old extent. Left whole where the cut bytes would not hold what a view of ``n`` reads (:func:`holds`:
+    hybrids, a sliding window's cells behind the end; :func:`stale` reads that end), and where llama.cpp's bytes are
+    in a layout :func:`~.seqbytes.cut` does not read."""
+    if not holds(pool.model, seq, n):
         return
     blob = seqbytes.cut(seq.blob, n)
     if blob is not None:
@@ -141,7 +155,7 @@ def stale(pool: Any, views: Sequence[Any]) -> list[int]:
             if seq.id is not None:
                 ok = fits(pool, seq.id, view.n_tokens)
             else:  # (a sequence cut back over gaps before its spill is still broken: gaps.py)
-                ok = not seq.broken and (view.n_tokens >= seq.extent or seq.extent <= model.n_swa)
+                ok = not seq.broken and (view.n_tokens >= seq.extent or holds(model, seq, view.n_tokens))
             if not ok:
                 out.append(i)
     return out
