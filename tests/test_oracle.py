@@ -454,3 +454,23 @@ def test_greedy_margin_regression():
     greedy = [Call("greedy", k=None), Call("greedy", k=None), Call("greedy", k=None, suffix=".")]
     out = gather(b, [(c, *prepare(h, c)) for h, c in zip([h2, h2, h1], greedy)])
     assert [len(real_rows(h.state)[0][0]) for h in out] == [512] * 3  # (to the context: the long texts it was found on)
+
+
+# (found by the stress driver, tests/test_oracle_stress.py, stories GGUF on a 256-cell pool: a choice on two rows, a
+# 57-token view of a spilled 134-token state beside a 62-token view of a resident 135-token one, failed with
+# KVCacheFullError 'no room to restore a spilled state of 134 tokens': the token tree restored the whole spilled
+# sequence where a decode forks only the view's positions from its bytes (window.fork_spilled). Now the tree does too.)
+def test_a_choice_on_a_short_view_of_a_long_spilled_state_restores_only_the_view_regression():
+    b = own_llama(256)
+    greedy = Call("greedy", k=140)
+    longer = verify(b, greedy, inp := SequenceState.from_prompts(b.model, "Once upon a time"), [0.0],
+                    execute(b, greedy, inp))
+    short = longer.state[chars_key(longer.state, slice(None, 30))]
+    assert b.model.pool.spill_idle() >= 1 and longer.state._kv.views[0].seq.id is None
+    other = verify(b, greedy, inp := SequenceState.from_prompts(b.model, "The cat sat on the mat"), [0.0],
+                   execute(b, greedy, inp))
+    cut = other.state[chars_key(other.state, slice(None, 40))]
+    both = SequenceState.stack([short, cut])
+    assert longest(longer.state) + longest(other.state) > 256  # (both sequences whole do not fit the pool)
+    choice = Call("choice", arg=OPTIONS[0])
+    verify(b, choice, both, [0.0, 0.0], execute(b, choice, both))

@@ -26,6 +26,8 @@ from .reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolv
 
 __all__ = ["Generator", "ChoiceGenerator", "Stream"]
 
+STALE_RETRIES = 3  # a call found stale reruns at most this often (Generator._run_alone)
+
 Prompt = str | Sequence[str]
 
 
@@ -192,7 +194,7 @@ class Generator:
 
     def _run_alone(self, state: SequenceState, max_tokens, stop_at, rng) -> SequenceState:
         drawn = rng.get_state() if isinstance(rng, torch.Generator) else None  # (a bad rng: refused in the setup)
-        for attempt in range(2):
+        for attempt in range(STALE_RETRIES + 1):
             gen = self._steps(state, max_tokens, stop_at, rng, False)
             try:
                 while True:
@@ -201,12 +203,16 @@ class Generator:
                 return stop.value
             except StaleWindowError:
                 # (llama.cpp: another call's decode took window cells of this state's rows after this call's setup
-                # found them there; those rows are computed again from their tokens, the draws from the same seed)
-                if attempt:
+                # found them there; those rows are computed again from their tokens, the draws from the same seed.
+                # A recomputed row is safe from then on (its view ends its own sequence), so each retry that
+                # recomputes a row makes progress; another concurrent call may take the cells of a row behind
+                # its end that was whole at the last retry: the stress driver saw a run_batch program fail twice.)
+                fresh = recompute_stale(state)
+                if attempt == STALE_RETRIES or (attempt and fresh is state):
                     raise
                 if drawn is not None:
                     rng.set_state(drawn)
-                state = recompute_stale(state)
+                state = fresh
         raise AssertionError("unreachable")
 
     def _prompt_state(self, prompts: Prompt) -> SequenceState:

@@ -190,34 +190,44 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[Seq]]:
             f"scoring these options needs {need} llama.cpp sequences (one per option path of each of {len(rows)} "
             f"rows) beside the rows' own, more than the {pool.n_ids} sequence ids: score fewer rows at once "
             "(e.g. slice the state's samples), fewer options, or use generate.choice(..., method='greedy')")
-    stale = []
+    stale, srcs, temps = [], [row.view.seq for row in rows], []
     for i, row in enumerate(rows):
         src = row.view.seq
         if src is not None:
-            pool.ensure_resident(src, pinned)
-            if not window.fits(pool, src.id, row.view.n_tokens):  # type: ignore[arg-type]
+            short = window.fork_spilled(pool, src, row.view.n_tokens, pinned) if src.longest > row.view.n_tokens else None
+            if short is not None:  # (a short view of a long spilled state: only its positions restored, as decodes do)
+                srcs[i] = short
+                temps.append(short)
+                pinned.append(short)
+            else:
+                pool.ensure_resident(src, pinned)
+            if not window.fits(pool, srcs[i].id, row.view.n_tokens):  # type: ignore[union-attr,arg-type]
                 stale.append(i)
-    if stale:
-        raise StaleWindowError(
-            f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
-            f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=stale)
     out: list[list[Seq]] = []
     seqs: list[Seq] = []
     try:
-        for row in rows:
+        if stale:
+            raise StaleWindowError(
+                f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
+                f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens",
+                rows=stale)
+        for row, src in zip(rows, srcs):
             seqs = []
             for _ in row.leaves:
                 seq = pool.new_seq(pinned)
                 seqs.append(seq)
                 pinned.append(seq)
-                if row.view.seq is not None:  # (the context's cells shared; a hybrid's summary at its end)
-                    pool.share(row.view.seq, seq, row.view.n_tokens)
+                if src is not None:  # (the context's cells shared; a hybrid's summary at its end)
+                    pool.share(src, seq, row.view.n_tokens)
             out.append(seqs)
     except BaseException:
         for made in out + [seqs]:
             for seq in made:
                 discard(pool, seq)
         raise
+    finally:
+        for temp in temps:  # (its cells live on in the leaves)
+            discard(pool, temp)
     return out
 
 
