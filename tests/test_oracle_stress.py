@@ -36,6 +36,14 @@ def _call(rng: random.Random, name: str) -> Call:
     return Call(kind, k=rng.randint(1, 30), seed=rng.randint(0, 999), suffix=rng.choice(["", " She was", " and"]))
 
 
+def _keep(held: list, out) -> None:
+    """A rule's result kept: a ``Held``, or hypothesis's ``multiple(...)`` of none or several."""
+    if hasattr(out, "values"):
+        held.extend(out.values)
+    else:
+        held.append(out)
+
+
 def _history(name: str, rng: random.Random, log: list) -> None:
     m = oracle.machine_for(name)()
     try:
@@ -53,11 +61,19 @@ def _history(name: str, rng: random.Random, log: list) -> None:
                 step = ("call", dict(h=hs[0], call=_call(rng, name)))
             log.append(step)
             out = getattr(m, step[0])(**step[1])
-            held.extend(getattr(out, "values", None) or [out])
-            if rng.random() < 0.3:
+            _keep(held, out)
+            r = rng.random()
+            if r < 0.3:
                 k = rng.randint(1, 50)
                 log.append(("cut", k))
-                held.append(m.cut(h=rng.choice(held), k=k))
+                _keep(held, m.cut(h=rng.choice(held), k=k))
+            elif r < 0.4:  # (the algebra between steps: a text or a state added, a save and load)
+                h = rng.choice(held)
+                what = rng.choice(["add_text", "add_state", "save_load"])
+                kw = {"add_text": {"text": rng.choice(oracle.TEXTS)}, "add_state": {"k": rng.choice([None, 5, 20])},
+                      "save_load": {"variant": "plain"}}[what]
+                log.append((what, kw))
+                _keep(held, getattr(m, what)(h=h, **kw))
             held = [h for h in held if h is not None and not getattr(h, "final", False)][-8:]
     finally:
         m.teardown()

@@ -38,7 +38,8 @@ def share(pool: Any, rows: Sequence[Any], decode: Callable[..., Any]) -> tuple[l
     views, so nested prefixes go once each (a short prompt and two long ones that extend it: the short one's
     prefix, then the long ones'). Returns the rows and those views, for the caller to release after its decode.
     Under the model's lock."""
-    out, shared = list(rows), []
+    out: list[Any] = list(rows)
+    shared: list[Any] = []
     while True:
         heads: dict[tuple, list[int]] = defaultdict(list)
         for i, row in enumerate(out):
@@ -54,7 +55,12 @@ def share(pool: Any, rows: Sequence[Any], decode: Callable[..., Any]) -> tuple[l
             if p < MIN_TOKENS or any(w is None for w in wanted):
                 continue
             row = out[members[0]]
-            view = decode(pool, [type(row)(row.view, toks[0][:p], "none")]).views[0]
+            try:
+                view = decode(pool, [type(row)(row.view, toks[0][:p], "none")]).views[0]
+            except BaseException:
+                for made in shared:  # (an earlier group's prefix: nobody will hold it)
+                    made.release()
+                raise
             shared.append(view)
             for i, t, w in zip(members, toks, wanted):
                 out[i] = type(row)(view, t[p:], w)
