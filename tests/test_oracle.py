@@ -474,3 +474,23 @@ def test_a_choice_on_a_short_view_of_a_long_spilled_state_restores_only_the_view
     assert longest(longer.state) + longest(other.state) > 256  # (both sequences whole do not fit the pool)
     choice = Call("choice", arg=OPTIONS[0])
     verify(b, choice, both, [0.0, 0.0], execute(b, choice, both))
+
+
+# (found by the stress driver on the LFM2 GGUF, a 256-cell pool: a run_batch program's greedy call on two rows, 65-
+# and 58-token views of spilled 146- and 139-token states, was refused 'no room to restore a spilled state of 139
+# tokens'. A hybrid's bytes cannot be cut (its recurrent summary is at their end), so each row restores its whole
+# sequence, 285 cells together; the call's rows were priced at their 78-token width and not split. Now a row is priced
+# at least at what its sequence takes resident (model.row_cells, loop/turns.py): the rows run as parts.)
+def test_short_views_of_long_spilled_hybrid_states_run_apart_regression():
+    pytest.importorskip("llama_cpp")
+    gguf_path("lfm2")
+    b = own_llama(256, kind="lfm2")
+    first, then, cuts, longs = Call("greedy", k=60), Call("greedy", k=70), [], []
+    for prompt in ("Once upon a time", "The cat sat on the mat"):
+        inp = SequenceState.from_prompts(b.model, prompt)
+        cuts.append(verify(b, first, inp, [0.0], execute(b, first, inp)).state)  # (a snapshot where it ends)
+        longs.append(verify(b, then, cuts[-1], [0.0], execute(b, then, cuts[-1])))  # (its sequence extended)
+        b.model.pool.spill_idle()
+    assert sum(longest(h.state) for h in longs) > 256 and all(c._kv.views[0].seq.id is None for c in cuts)
+    both, more = SequenceState.stack(cuts), Call("greedy", k=12)
+    verify(b, more, both, [0.0, 0.0], execute(b, more, both))

@@ -79,10 +79,14 @@ def _prompt_cells(state: SequenceState) -> int:
     samples with ~45 tokens of their own after a shared 18 took 68 cells a prompt, ran as one call on a 256-cell pool
     and failed with ``KVCacheFullError``; priced by their tokens, the prompts run as two parts, which the engine
     admits as they fit. (An overestimate only splits prompts that could have shared a call; the parts still share
-    steps.)"""
+    steps.) At least what a row's sequence takes resident (``model.row_cells``): a hybrid's 65-token view of a
+    spilled 146-token state restores all 146 (its bytes cannot be cut; the stress driver: a 2-row call refused on a
+    256-cell pool, its rows priced at their 78-token width)."""
+    held = getattr(state._model, "row_cells", None)
+    least = held(state._kv) if held is not None and state._kv is not None else 0
     if state.samples == 1:
-        return int(state._ids.shape[1])
-    return int(state._mask.sum(1).view(state.batch, state.samples).sum(1).max())
+        return max(least, int(state._ids.shape[1]))
+    return max(least, int(state._mask.sum(1).view(state.batch, state.samples).sum(1).max()))
 
 
 def needs_turns(state: SequenceState, sampler: Sampler, options: dict) -> bool:
@@ -160,7 +164,8 @@ def choice_prompts(state: SequenceState, option_lengths: list[int]) -> int | Non
     by_rows = rows // per
     measure = getattr(model, "capacity", None)
     cap = measure([]) if measure is not None else None
-    by_cells = state.batch if cap is None else cap.total // (per * (int(state._ids.shape[1]) + 1 + sum(option_lengths)))
+    width = max(int(state._ids.shape[1]), _prompt_cells(state) if per == 1 else 0)
+    by_cells = state.batch if cap is None else cap.total // (per * (width + 1 + sum(option_lengths)))
     k = max(1, min(by_ids, by_rows, by_cells))
     return k if k < state.batch else None
 

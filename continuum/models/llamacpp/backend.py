@@ -244,6 +244,12 @@ class LlamaCpp:
         """Cells ``request`` adds in its step (new tokens, tree nodes, spilled states restored)."""
         return capacity.step_need(request)
 
+    def row_cells(self, kv: SeqKV) -> int:
+        """The most cells one row of a state on ``kv`` takes resident (a spilled one: its restore); splitting a call
+        into parts prices a row at least at this (``loop/turns.py``)."""
+        with self.pool.model.lock:
+            return capacity.row_cells(kv)
+
     def hold(self, requests: list[Request]) -> None:
         """Keep the sequences of ``requests`` (their KV, and their new KV once run) resident through the next step:
         under pressure the pool spills everything else first (user-held states, parked calls; the protocol)."""

@@ -10,7 +10,7 @@ from . import cells, window
 from .seq import Seq
 from .sequences import SequencePool
 
-__all__ = ["capacity", "step_need", "request_seqs"]
+__all__ = ["capacity", "step_need", "request_seqs", "row_cells"]
 
 
 def request_seqs(requests: list[Request]) -> dict[int, Seq]:
@@ -48,3 +48,17 @@ def step_need(request: Request) -> int:
             restore[id(s)] = max(restore.get(id(s), 0), need)
     return new + sum(restore.values())
 
+
+
+def row_cells(kv) -> int:
+    """The most cells one row of a state on ``kv`` (a ``SeqKV``) takes resident while a call continues it: its view's
+    positions, or where its sequence is spilled what the restore writes (:func:`~.cells.restore_need`: all of a
+    hybrid's positions, and a sliding window's where the cut bytes would lack the view's window)."""
+    out = 0
+    for v in getattr(kv, "views", None) or ():
+        s = getattr(v, "seq", None)
+        if s is not None and s.id is None and s.blob is not None:
+            out = max(out, cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens)))
+        else:
+            out = max(out, v.n_tokens)
+    return out
