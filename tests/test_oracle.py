@@ -494,3 +494,21 @@ def test_short_views_of_long_spilled_hybrid_states_run_apart_regression():
     assert sum(longest(h.state) for h in longs) > 256 and all(c._kv.views[0].seq.id is None for c in cuts)
     both, more = SequenceState.stack(cuts), Call("greedy", k=12)
     verify(b, more, both, [0.0, 0.0], execute(b, more, both))
+
+
+# (found by the stress driver on the LFM2 GGUF, 256 cells: three samples of one state, spilled, continued together:
+# a hybrid's fork family restores apart, each member its own copy of their common prefix (reshare cannot share a
+# recurrent sequence's cells), 3 x 93 cells, refused 'no room to restore a spilled state of 93 tokens'. A call refused
+# for room running alone now computes such rows from their tokens instead (setup.recompute_costly), their common
+# prefix decoded once: 60 + 3 x 33 cells.)
+def test_a_spilled_hybrid_fork_family_is_recomputed_not_refused_regression():
+    pytest.importorskip("llama_cpp")
+    gguf_path("lfm2")
+    b = own_llama(256, kind="lfm2")
+    inp = SequenceState.from_prompts(b.model, "Once upon a time, there was a little girl named Lily. " * 3)
+    fork = Call("fork", n=3, k=40, seed=3)
+    fam = verify(b, fork, inp, [0.0], execute(b, fork, inp))
+    b.model.pool.spill_idle()
+    assert 3 * longest(fam.state) > 256 and all(v.seq.id is None for v in fam.state._kv.views)
+    more = Call("sample", k=3, seed=5)
+    verify(b, more, fam.state, fam.carried, execute(b, more, fam.state))

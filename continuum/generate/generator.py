@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
-from ..errors import ContinuumTypeError, GeneratorArgumentError, ReasoningError, StaleWindowError
+from ..errors import ContinuumTypeError, GeneratorArgumentError, KVCacheFullError, ReasoningError, StaleWindowError
 from ..guides import Guide
 from ..guides.reasoning import OPEN, THINK, Markers
 from ..loop import coalesce
 from ..loop.arrivals import gated
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode, recompute_stale
+from ..loop.setup import recompute_costly
 from ..programs import lockstep
 from ..programs.aio import AsyncStream, to_thread
 from ..samplers import Sampler, multinomial
@@ -210,9 +211,16 @@ class Generator:
                 fresh = recompute_stale(state)
                 if attempt == STALE_RETRIES or (attempt and fresh is state):
                     raise
-                if drawn is not None:
-                    rng.set_state(drawn)
-                state = fresh
+            except KVCacheFullError:
+                # (refused for room while running alone: rows whose cache takes more cells to bring back than to
+                # compute, a hybrid's or a sliding window's short view of a long spilled state, are computed from
+                # their tokens instead; the stress driver: 2-row calls on a 256-cell LFM2 pool)
+                fresh = recompute_costly(state)
+                if attempt == STALE_RETRIES or fresh is state:
+                    raise
+            if drawn is not None:
+                rng.set_state(drawn)
+            state = fresh
         raise AssertionError("unreachable")
 
     def _prompt_state(self, prompts: Prompt) -> SequenceState:

@@ -23,7 +23,7 @@ from .healing import heal
 from .parallel import check_seeded
 from .rows import Rows
 
-__all__ = ["Setup", "setup", "prefill", "recompute_stale"]
+__all__ = ["Setup", "setup", "prefill", "recompute_stale", "recompute_costly", "recompute_rows"]
 
 
 @dataclass
@@ -85,7 +85,19 @@ def recompute_stale(state: SequenceState) -> SequenceState:
     from their tokens (llama.cpp: a sliding window's cells gone behind a restored state's end,
     ``models/llamacpp/window.py``): a state is never refused for what the backend evicted."""
     find = getattr(state._model, "stale_rows", None)
-    stale = set(find(state._kv)) if find is not None and state._kv is not None else set()
+    return recompute_rows(state, set(find(state._kv)) if find is not None and state._kv is not None else set())
+
+
+def recompute_costly(state: SequenceState) -> SequenceState:
+    """``state`` with the cache dropped of the rows whose cache takes more cells to bring back than their tokens to
+    compute (llama.cpp: a short view of a long spilled state whose bytes cannot be cut, a hybrid's or a sliding
+    window's, restores all of it): what a call refused for room tries next (``Generator._run_alone``)."""
+    find = getattr(state._model, "costly_rows", None)
+    return recompute_rows(state, set(find(state._kv)) if find is not None and state._kv is not None else set())
+
+
+def recompute_rows(state: SequenceState, stale: set[int]) -> SequenceState:
+    """``state`` with rows ``stale``'s cache dropped (computed again from their tokens by the next call)."""
     if not stale:
         return state
     keep = [0 if r in stale else c for r, c in enumerate(state._cached_real())]

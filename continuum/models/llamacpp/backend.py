@@ -250,6 +250,11 @@ class LlamaCpp:
         with self.pool.model.lock:
             return capacity.row_cells(kv)
 
+    def costly_rows(self, kv: SeqKV) -> list[int]:
+        """Rows of ``kv`` cheaper to compute from their tokens than to restore (``loop/setup.recompute_costly``)."""
+        with self.pool.model.lock:
+            return capacity.costly_rows(kv)
+
     def hold(self, requests: list[Request]) -> None:
         """Keep the sequences of ``requests`` (their KV, and their new KV once run) resident through the next step:
         under pressure the pool spills everything else first (user-held states, parked calls; the protocol)."""

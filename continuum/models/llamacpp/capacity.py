@@ -10,7 +10,7 @@ from . import cells, window
 from .seq import Seq
 from .sequences import SequencePool
 
-__all__ = ["capacity", "step_need", "request_seqs", "row_cells"]
+__all__ = ["capacity", "step_need", "request_seqs", "row_cells", "costly_rows"]
 
 
 def request_seqs(requests: list[Request]) -> dict[int, Seq]:
@@ -61,4 +61,21 @@ def row_cells(kv) -> int:
             out = max(out, cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens)))
         else:
             out = max(out, v.n_tokens)
+    return out
+
+
+def costly_rows(kv) -> list[int]:
+    """Rows of ``kv`` (a ``SeqKV``) cheaper in cells to compute from their tokens than to bring back, for a call that
+    found no room running alone: a view of a spilled sequence whose bytes cannot be cut at it (:func:`~.window.holds`);
+    on a hybrid every row with cells, since its fork family members restore apart, each with its own copy of their
+    common prefix (``reshare`` cannot share a recurrent sequence's cells), where rows computed together decode their
+    common prefix once (``prefill.py``)."""
+    out = []
+    for i, v in enumerate(getattr(kv, "views", None) or ()):
+        s = getattr(v, "seq", None)
+        if s is None or v.n_tokens == 0:
+            continue
+        if s.pool.model.hybrid or (s.id is None and s.blob is not None and cells.restore_need(
+                s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens)) > v.n_tokens):
+            out.append(i)
     return out
