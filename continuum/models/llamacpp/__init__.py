@@ -12,7 +12,8 @@ Modules, one job each:
   llama.cpp sequence (forks and slices share cells, release frees, spilling to bytes when ids run out,
   the sliding-window check); ``seq.py``: :class:`~.seq.Seq`, the record of one sequence its views share.
 * ``decode.py``: :func:`decode`, many rows' new tokens in one ``llama_decode`` (:class:`DecodeRow`,
-  :class:`DecodeResult`); ``outputs.py``: the arrays its logits are copied into, reused once nothing reads them.
+  :class:`DecodeResult`); ``outputs.py``: the arrays its logits are copied into, reused once nothing reads them;
+  ``prefill.py``: a prefix the rows of one decode share, decoded once.
 * ``gather.py``: the engine's requests as decode rows, and each request's result gathered from the decode (a
   decoding step's rows: one in-place log-softmax, ``samplers.row_max``, no per-row copies).
 * ``fingerprint.py``: what a KV blob is valid for (GGUF hash, KV layout, mode, llama.cpp version); ``pack`` and
