@@ -54,15 +54,10 @@ def add(state: SequenceState, other) -> SequenceState:
     else:  # raised here rather than NotImplemented: Python's generic message names no accepted type
         raise _not_addable(other, "add")
     tok, real, cached = state._model.tokenizer, state._real_rows(), state._cached_real()
-    own = other._real_rows() if isinstance(other, SequenceState) else None
     tails = []
     for r in range(state.rows):
         ids, lps = real[r]
         extra = tok.encode_continuation(appended[r])
-        if own is not None and tok.decode(extra) != appended[r]:
-            # (a tokenizer whose normalizer changes the text, NFC on Qwen2's: a generated U+F92E read back as
-            # U+51B7; the other state's own text tokens keep it exactly, found by the stress driver)
-            extra = [i for i in own[r][0] if i not in tok.special_ids]
         if extra and no_text(tok, ids):
             extra = first_text(tok, ids, extra, appended[r])
         tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
