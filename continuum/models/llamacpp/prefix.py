@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,9 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["DonorCache"]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences (donors here, a decode's rows in
-    ``prefill.py``)."""
+def _common(a: tuple[int, ...], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -107,7 +104,7 @@ class DonorCache:
             for r, (toks, _) in enumerate(real):
                 best, k = None, 0
                 for key in self._donors:
-                    n = common_prefix(key, toks[:-1])
+                    n = _common(key, toks[:-1])
                     if n > k:
                         best, k = key, n
                 if best is None or k <= own[r] or k < self.min_tokens:
