@@ -106,6 +106,24 @@ def test_llama2_text_after_a_dangling_byte_keeps_the_added_emoji():
     assert str(out[:len(str(s))]) == str(s) and str(out[:-1]) == str(s) + "😀"
 
 
+def test_state_plus_state_reads_both_texts_where_the_normalizer_would_rewrite_one(tok_model):
+    """Found by the stress driver (transformers, the qwen2 tokenizer): a random model spelled U+F92E (a CJK
+    compatibility ideograph) in byte tokens; ``state + state`` re-encoded the other state's text and qwen2's NFC
+    normalizer read it back as U+51B7, so ``str(a + b) != str(a) + str(b)``. Checked on every fixture tokenizer
+    against the texts joined, ordinary text included (a SentencePiece continuation's leading space kept once)."""
+    name, model = tok_model
+    for char in ("\uf92e", "\u212b", "e\u0301"):  # NFC rewrites each: 冷 (compat), Å (Angstrom), é (combining)
+        a = dangling_state(model, "Un café", "a", 0)
+        b = dangling_state(model, " au lait", char, len(char.encode()))
+        assert str(b).endswith(char)
+        out = a + b
+        assert str(out) == str(a) + str(b), (name, char)
+        check_text(name, model, out)
+        assert str(out + b) == str(a) + str(b) * 2
+    a, b = dangling_state(model, "Crème", "a", 0), dangling_state(model, " brûlée", "a", 0)
+    assert str(a + b) == str(a) + str(b)
+
+
 # ---------------------------------------------------------------------------------- properties
 @settings(**SETTINGS)
 @given(data=st.data())

@@ -25,18 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..models.seqprefix import common_prefix
+
 __all__ = ["own_tokens", "common_prefix"]
 
 _WINDOW = 8  # tokens around the binary search's answer (enough for any one character)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of two token sequences (the chat's and the server's reconciliation)."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _boundary(decode, prompt: Sequence[int], lo: int, text: str) -> int | None:

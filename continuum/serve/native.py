@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from ..errors import GeneratorArgumentError
 from ..loop.arrivals import ARRIVALS, Handoff
 from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from
+from ..models.seqprefix import common_prefix
 from .chat_completions import STREAM_HEADERS
 from .errors import APIError, from_exception
 from .messages import new_id
@@ -220,18 +221,12 @@ class Native:
                 if sent is None or len(sent) != len(texts):
                     sent = [""] * len(texts)
                 if texts != sent:
-                    emit([[_common(a, b), b[_common(a, b):]] for a, b in zip(sent, texts)])
+                    emit([[common_prefix(a, b), b[common_prefix(a, b):]] for a, b in zip(sent, texts)])
                 sent = texts
         finally:
             steps.close()  # (a cancelled stream leaves the decoding loop: its rows freed)
 
 
-def _common(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _build(model: Any, spec: dict) -> Any:

@@ -44,10 +44,12 @@ def per_row_texts(state: SequenceState, other: str | Sequence[str], op: str) -> 
 @gated  # (state + text in 128 threads at once: few in continuum's Python, loop/arrivals.Gate)
 def add(state: SequenceState, other) -> SequenceState:
     """``state + other``: append text (one string, one per batch row) or another state's text."""
+    own: list[list[int]] | None = None
     if isinstance(other, SequenceState):
         check_compatible(state, other)
         appended = other.texts
         weights = state._weights + other._weights.to(state._weights.device)
+        own = [[i for i in ids if i not in state._model.tokenizer.special_ids] for ids, _ in other._real_rows()]
     elif isinstance(other, (str, list, tuple)):
         appended = per_row_texts(state, other, "adding")
         weights = state._weights
@@ -60,6 +62,8 @@ def add(state: SequenceState, other) -> SequenceState:
         extra = tok.encode_continuation(appended[r])
         if extra and no_text(tok, ids):
             extra = first_text(tok, ids, extra, appended[r])
+        if own is not None and extra != own[r]:
+            extra = faithful(tok, ids, extra, own[r], appended[r])
         tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
     return state._rebuild(cached, tails, weights, state._last.edited() if state._last else None)
 
@@ -79,6 +83,20 @@ def first_text(tok, ids: list[int], extra: list[int], text: str) -> list[int]:
         return extra
     spaced = tok.encode_continuation(" " + text)
     return spaced if tok.decode(ids + spaced) == text else extra
+
+
+def faithful(tok, ids: list[int], extra: list[int], own: list[int], text: str) -> list[int]:
+    """Tokens for another state's ``text`` (its tokens ``own``, specials left out) appended to ``ids``.
+
+    Re-encoding is the rule (the joined row then tokenizes as its text would), but a tokenizer's normalizer may
+    rewrite generated text: NFC reads U+F92E, which a model can spell in byte tokens, as U+51B7. Where the
+    re-encoded row reads other than the two texts joined and the other state's own tokens read right, those
+    are kept. Compared joined, not alone: a SentencePiece decoder drops a row's first leading space, so a
+    continuation read alone loses a space the joined row keeps."""
+    want = tok.decode(ids) + text
+    if tok.decode(ids + extra) == want or tok.decode(ids + own) != want:
+        return extra
+    return own
 
 
 def lead_space(state: SequenceState) -> SequenceState:

@@ -27,6 +27,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..seqprefix import common_prefix
+
 __all__ = ["share", "MIN_TOKENS"]
 
 MIN_TOKENS = 16  # a shorter common prefix is not worth a decode of its own
@@ -50,7 +52,7 @@ def share(pool: Any, rows: Sequence[Any], decode: Callable[..., Any]) -> tuple[l
             if len(members) < 2:
                 continue
             toks = [list(out[i].tokens) for i in members]
-            p = min(min(_common(toks[0], t) for t in toks[1:]), min(len(t) for t in toks) - 1)
+            p = min(min(common_prefix(toks[0], t) for t in toks[1:]), min(len(t) for t in toks) - 1)
             wanted = [_outside(out[i].logits, p) for i in members]
             if p < MIN_TOKENS or any(w is None for w in wanted):
                 continue
@@ -77,9 +79,3 @@ def _outside(logits: Any, p: int) -> Any:
     return [i - p for i in idx] if all(i >= p for i in idx) else None
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

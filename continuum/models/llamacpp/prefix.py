@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
+from ..seqprefix import common_prefix
 from .seqkv import SeqKV
 from .sequences import KVView
 
@@ -46,14 +47,6 @@ if TYPE_CHECKING:
     from ...state import SequenceState
 
 __all__ = ["DonorCache"]
-
-
-def _common(a: tuple[int, ...], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class DonorCache:
@@ -104,7 +97,7 @@ class DonorCache:
             for r, (toks, _) in enumerate(real):
                 best, k = None, 0
                 for key in self._donors:
-                    n = _common(key, toks[:-1])
+                    n = common_prefix(key, toks[:-1])
                     if n > k:
                         best, k = key, n
                 if best is None or k <= own[r] or k < self.min_tokens:
