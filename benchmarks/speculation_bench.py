@@ -102,7 +102,9 @@ def b25(bench: Bench, cfg) -> list[Row]:
     log("B25d: vs llama-cpp-python's LlamaPromptLookupDecoding")
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    ref = llama_cpp.Llama(str(path), n_threads=threads, n_ctx=2048, verbose=False,
+    from continuum.models.llamacpp.amx import guarded_llama  # (around llama.cpp's AMX crash, as continuum loads)
+
+    ref = guarded_llama(path, threads, n_ctx=2048, verbose=False,
                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8))
     try:
         theirs = []

@@ -34,6 +34,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from continuum.models.llamacpp import LlamaCppModel, LlamaTokenizer, SequencePool
+from continuum.models.llamacpp.amx import guarded_llama  # (the reference loads around the AMX crash as continuum does)
 
 from conftest import FIXTURES
 
@@ -72,8 +73,8 @@ def load(kind: str = "f32", **options) -> tuple[LlamaCppModel, LlamaTokenizer, S
 def reference(kind: str = "f32", flash_attn: bool = False):
     """llama-cpp-python's ``Llama`` on the same file, every position's logits kept."""
     path = gemma_path() if kind == "gemma" else gguf(kind)
-    return llama_cpp.Llama(model_path=str(path), n_ctx=1024 if kind == "gemma" else 512, n_batch=512, n_ubatch=512,
-                           n_threads=THREADS, n_threads_batch=THREADS, logits_all=True, flash_attn=flash_attn, verbose=False)
+    return guarded_llama(path, THREADS, n_ctx=1024 if kind == "gemma" else 512, n_batch=512, n_ubatch=512,
+                         n_threads_batch=THREADS, logits_all=True, flash_attn=flash_attn, verbose=False)
 
 
 def reference_logits(kind: str, ids: list[int], flash_attn: bool = False, first: int = 0) -> np.ndarray:

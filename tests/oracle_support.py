@@ -171,8 +171,9 @@ def gguf_path(kind: str):
 def llama_reference(flash_attn: bool, kind: str = "f32"):
     """llama-cpp-python's ``Llama`` on the f32 GGUF, every position's logits kept (``llamacpp_support.reference`` on one
     thread: two spin-wait badly on a loaded 2-core machine, 10-100x slower; results do not depend on it)."""
-    import llama_cpp
+    import llama_cpp  # noqa: F401  (absent: ImportError, as before)
 
+    from continuum.models.llamacpp.amx import guarded_llama  # (around llama.cpp's AMX crash, as continuum loads)
     from continuum.models.llamacpp.decode import FA_TILE_ROWS
 
     # micro-batches below flash attention's tiled kernel (64+ query rows), as continuum's generated tokens are
@@ -180,8 +181,8 @@ def llama_reference(flash_attn: bool, kind: str = "f32"):
     # position 497 of a 512-token row llama.cpp's own one-pass evaluation in ONE 512-row micro-batch gave a log-prob
     # of -0.8005 where its evaluation in 32-row micro-batches gave -0.9100, bit for bit what continuum computed (HF
     # transformers on the same weights: -0.8555): the reference's own batching, not continuum's, made the difference
-    return llama_cpp.Llama(model_path=str(gguf_path(kind)), n_ctx=1024, n_batch=512, n_ubatch=FA_TILE_ROWS - 1,
-                           n_threads=1, n_threads_batch=1, logits_all=True, flash_attn=flash_attn, verbose=False)
+    return guarded_llama(gguf_path(kind), 1, n_ctx=1024, n_batch=512, n_ubatch=FA_TILE_ROWS - 1, n_threads_batch=1,
+                         logits_all=True, flash_attn=flash_attn, verbose=False)
 
 
 def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False, kind: str = "f32") -> Backend:

@@ -32,9 +32,9 @@ def lfm():
 
 @pytest.fixture(scope="module")
 def ref():
-    import llama_cpp
+    from continuum.models.llamacpp.amx import guarded_llama
 
-    return llama_cpp.Llama(model_path=str(GGUF), n_ctx=512, n_batch=512, n_threads=2, logits_all=True, verbose=False)
+    return guarded_llama(GGUF, 2, n_ctx=512, n_batch=512, logits_all=True, verbose=False)
 
 
 def _logprobs(ref, ids: list[int]) -> np.ndarray:

@@ -512,3 +512,21 @@ def test_a_spilled_hybrid_fork_family_is_recomputed_not_refused_regression():
     assert 3 * longest(fam.state) > 256 and all(v.seq.id is None for v in fam.state._kv.views)
     more = Call("sample", k=3, seed=5)
     verify(b, more, fam.state, fam.carried, execute(b, more, fam.state))
+
+
+# (found by the stress driver on the LFM2 GGUF, 256 cells: a 3-sample state continued by multinomial(3) needed its
+# shared prefix and 3 x (own tokens + new) cells, more than the pool; a fresh draw's samples were split into seeded
+# groups, a state's own were not, and the call was refused as 'a prompt that cannot fit alone'. Splitting them needed
+# the family's true cells (model.rows_cells: the fork's shared prefix once): priced by the sum of their tokens,
+# families that fit were split too and their seeded draws changed.)
+def test_a_state_s_own_samples_that_cannot_continue_together_run_in_groups_regression():
+    pytest.importorskip("llama_cpp")
+    gguf_path("lfm2")
+    b = own_llama(256, kind="lfm2")
+    inp = SequenceState.from_prompts(b.model, "Once upon a time, there was a little girl named Lily. " * 2)
+    fork = Call("fork", n=3, k=60, seed=3)
+    fam = verify(b, fork, inp, [0.0], execute(b, fork, inp))
+    shared = longest(inp)
+    assert shared + 3 * (longest(fam.state) - shared) <= 256 < shared + 3 * (longest(fam.state) - shared + 26)
+    more = Call("sample", k=26, seed=5)
+    verify(b, more, fam.state, fam.carried, execute(b, more, fam.state))

@@ -39,9 +39,11 @@ def _per_prompt(state: SequenceState, sampler: Sampler, options: dict) -> int:
 
 
 def _splits_samples(state: SequenceState, sampler: Sampler, options: dict) -> bool:
-    """Independent samples of a fresh draw (``multinomial(n)`` on one-sample rows, no guidance) can be drawn in
-    groups: each group its own call, with its own generator seeded from the caller's."""
-    return isinstance(sampler, MultinomialSampler) and state.samples == 1 and not options.get("guidance")
+    """Independent samples (``multinomial(n)`` on one-sample rows, a fresh draw; or one draw each on a state's own
+    samples, no guidance) can be drawn in groups: each group its own call, with its own generator seeded from the
+    caller's. (Only where the prompt and its samples cannot fit together: :func:`row_limit`.)"""
+    return isinstance(sampler, MultinomialSampler) and not options.get("guidance") and (
+        state.samples == 1 or sampler.samples in (1, state.samples))
 
 
 def _step_rows(model) -> int | None:
@@ -65,17 +67,19 @@ def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | No
         return limit
     width, per = _prompt_cells(state), _per_prompt(state, sampler, options)
     prompts = cap.total // (width + per * new)  # whole prompts, each with all its samples
-    if prompts == 0 and _splits_samples(state, sampler, options):
-        by_cells = (cap.total - width) // new  # one prompt's samples in groups
+    if prompts == 0 and _splits_samples(state, sampler, options):  # one prompt's samples in groups
+        # (a fresh draw's groups each copy the prompt; a state's own samples take their share of its cells each)
+        by_cells = (cap.total - width) // new if state.samples == 1 else cap.total * per // (width + per * new)
     else:
         by_cells = max(1, prompts) * per  # (a prompt that cannot fit alone is the backend's clear error)
     return max(1, min(limit, by_cells))
 
 
 def _prompt_cells(state: SequenceState) -> int:
-    """The most cells one prompt's input rows may hold: a one-sample state's width; a prompt's samples, every row's
-    tokens (they share the cells of a fork's prefix, but not those added to each row after it, even where the tokens
-    are the same: ``state + state``, ``state + text``). Pricing samples as one prompt, the long oracle's 2 prompts x 3
+    """The most cells one prompt's input rows may hold: a one-sample state's width; a prompt's samples, the cells
+    their KV holds together (``model.rows_cells``: a fork's shared prefix once) and every row's uncached tokens (not
+    shared, even where the tokens are the same: ``state + state``, ``state + text``); without a pool model every
+    row's tokens. Pricing samples as one prompt, the long oracle's 2 prompts x 3
     samples with ~45 tokens of their own after a shared 18 took 68 cells a prompt, ran as one call on a 256-cell pool
     and failed with ``KVCacheFullError``; priced by their tokens, the prompts run as two parts, which the engine
     admits as they fit. (An overestimate only splits prompts that could have shared a call; the parts still share
@@ -86,6 +90,12 @@ def _prompt_cells(state: SequenceState) -> int:
     least = held(state._kv) if held is not None and state._kv is not None else 0
     if state.samples == 1:
         return max(least, int(state._ids.shape[1]))
+    together = getattr(state._model, "rows_cells", None)
+    if together is not None and state._kv is not None:  # (a fork family's shared cells once, the rest per row)
+        real, cached = state._mask.sum(1).tolist(), state._cached_real()
+        S = state.samples
+        return max(together(state._kv, list(range(b * S, b * S + S)))
+                   + sum(int(real[r]) - cached[r] for r in range(b * S, b * S + S)) for b in range(state.batch))
     return max(least, int(state._mask.sum(1).view(state.batch, state.samples).sum(1).max()))
 
 
@@ -131,8 +141,13 @@ def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceSt
         sizes = [per // groups + (g < per % groups) for g in range(groups)]
         jobs: list[tuple[Any, Sampler, dict]] = []
         for b in range(state.batch):
-            for size in sizes:
-                jobs.append((state if state.batch == 1 else state[b:b + 1, :], _with_samples(sampler, size), seeded(options)))
+            start = 0
+            for size in sizes:  # (a state's own samples: each group its share, one draw each)
+                part = state if state.batch == 1 else state[b:b + 1, :]
+                if state.samples > 1:
+                    part = state[b:b + 1, start:start + size, :]
+                jobs.append((part, _with_samples(sampler, size), seeded(options)))
+                start += size
         done = _run_all(run, jobs, token, _at_once(state, max(sizes)))
         prompts = [concat_samples(done[b * groups:(b + 1) * groups]) for b in range(state.batch)]
         return SequenceState.stack(prompts)

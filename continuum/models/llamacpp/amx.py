@@ -34,6 +34,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from ...errors import ModelLoadError
 from ._lib import lib, version
 from .bufts import AMX_TYPES, MODES, apply, cpu_features, extra_bufts, gguf_tensors, repack_patterns
 
-__all__ = ["ENV", "Decision", "decide", "verdict", "probe", "cpu_amx_flags", "build_uses_amx", "cache_file"]
+__all__ = ["ENV", "Decision", "decide", "verdict", "probe", "cpu_amx_flags", "build_uses_amx", "cache_file", "guarded_llama"]
 
 ENV = "CONTINUUM_LLAMACPP_AMX"
 ISSUE = "llama.cpp #20824"
@@ -249,6 +250,35 @@ def _child(args: list[str]) -> int:
             return _BAD_LOGITS
     del keep
     return 0
+
+
+_PATCH = threading.Lock()
+
+
+def guarded_llama(path: str | os.PathLike, n_threads: int, **kwargs):
+    """llama-cpp-python's own ``Llama`` on ``path``, loaded in the mode :func:`decide` gives continuum's loads (around
+    llama.cpp's AMX path where it crashes here): the side-by-side reference of tests and benchmarks, which on a
+    Sapphire Rapids-class CPU otherwise segfaults in ``ggml_backend_amx_mul_mat`` (Gemma 3 270M Q4_K_M, a 500-token
+    prefill). ``Llama`` builds its model params inside its constructor, so their defaults are wrapped while it runs."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as bindings
+
+    mode, keep = decide(path, n_threads).mode, []
+    default = bindings.llama_model_default_params
+
+    def params():
+        mparams = default()
+        keep.append(apply(mparams, mode, path))  # (the override array llama.cpp reads through a pointer)
+        return mparams
+
+    with _PATCH:
+        bindings.llama_model_default_params = params
+        try:
+            llm = llama_cpp.Llama(model_path=str(path), n_threads=n_threads, **kwargs)
+        finally:
+            bindings.llama_model_default_params = default
+    llm._continuum_overrides = keep  # type: ignore[attr-defined]  # (kept alive with the model)
+    return llm
 
 
 def main(args: list[str]) -> None:

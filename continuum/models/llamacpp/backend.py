@@ -250,6 +250,12 @@ class LlamaCpp:
         with self.pool.model.lock:
             return capacity.row_cells(kv)
 
+    def rows_cells(self, kv: SeqKV, rows: list[int]) -> int:
+        """Cells ``rows`` of ``kv`` (a prompt's samples) take together resident, a fork family's shared cells once;
+        a call's samples are split into groups only where this and their new tokens outgrow the pool."""
+        with self.pool.model.lock:
+            return capacity.rows_cells(kv, rows)
+
     def costly_rows(self, kv: SeqKV) -> list[int]:
         """Rows of ``kv`` cheaper to compute from their tokens than to restore (``loop/setup.recompute_costly``)."""
         with self.pool.model.lock:

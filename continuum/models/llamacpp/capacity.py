@@ -10,7 +10,7 @@ from . import cells, window
 from .seq import Seq
 from .sequences import SequencePool
 
-__all__ = ["capacity", "step_need", "request_seqs", "row_cells", "costly_rows"]
+__all__ = ["capacity", "step_need", "request_seqs", "row_cells", "rows_cells", "costly_rows"]
 
 
 def request_seqs(requests: list[Request]) -> dict[int, Seq]:
@@ -62,6 +62,32 @@ def row_cells(kv) -> int:
         else:
             out = max(out, v.n_tokens)
     return out
+
+
+def rows_cells(kv, rows: list[int]) -> int:
+    """Cells ``rows`` of ``kv`` (a ``SeqKV``; a prompt's samples) take together resident: their resident sequences'
+    cells, a shared cell once (a fork family's common prefix: :func:`~.cells.count`); spilled ones restored whole,
+    their common content once (``reshare`` shares it again; not on hybrids, whose restores are apart); a view forked
+    from cut bytes, its own positions. (An upper bound: a restore may also share a resident relative's cells.)"""
+    views = getattr(kv, "views", None) or ()
+    resident: dict[int, Seq] = {}
+    whole: dict[int, Seq] = {}
+    apart: dict[int, int] = {}
+    for i in rows:
+        v = views[i]
+        s = getattr(v, "seq", None)
+        if s is None or v.n_tokens == 0:
+            continue
+        if s.id is None and s.blob is not None:
+            need = cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens))
+            if need == s.extent and not s.pool.model.hybrid:
+                whole[id(s)] = s
+            else:
+                apart[id(s)] = max(apart.get(id(s), 0), need)
+        else:
+            resident[id(s)] = s
+    shared = cells.count(whole.values(), runs=cells.content) if whole else 0
+    return cells.count(resident.values()) + shared + sum(v for k, v in apart.items() if k not in whole)
 
 
 def costly_rows(kv) -> list[int]:

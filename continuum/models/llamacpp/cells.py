@@ -136,11 +136,12 @@ def cut(seq: Seq, n: int) -> None:
     seq.key, seq.own_lo, seq.lin_end = next(_KEYS), n, n
 
 
-def count(seqs: Iterable[Seq]) -> int:
-    """Cells ``seqs`` hold together, a shared cell once (per origin: the highest end of its segments less its start)."""
+def count(seqs: Iterable[Seq], runs: Callable[[Seq], Iterable[tuple[int, int, int]]] | None = None) -> int:
+    """Cells ``seqs`` hold together, a shared cell once (per origin: the highest end of its segments less its start).
+    ``runs=content``: the cells spilled ``seqs`` take restored together, a common content prefix once (``reshare``)."""
     top: dict[int, tuple[int, int]] = {}
     for s in seqs:
-        for o, lo, hi in segments(s):
+        for o, lo, hi in (runs or segments)(s):
             prev = top.get(o)
             top[o] = (lo, hi if prev is None else max(prev[1], hi))
     return sum(hi - lo for lo, hi in top.values())
