@@ -30,6 +30,9 @@ from continuum.models.llamacpp._lib import lib, mark_decoded
 from llamacpp_support import gemma_path, gguf
 
 PY = sys.executable
+# this machine runs llama.cpp's AMX kernels for real (an AMX CPU and a build with them), where #20824 may crash the
+# default mode (seen on the eighteenth session's Xeon: the Gemma probe's default child died with SIGSEGV)
+REAL_AMX = bool(amx.cpu_amx_flags()) and amx.build_uses_amx(lib().llama_print_system_info().decode(), bufts.extra_bufts())
 SEGV = [PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
 OK = [PY, "-c", "pass"]
 
@@ -140,8 +143,10 @@ def test_probe_verdicts_from_real_children(tmp_path):
 
 @pytest.mark.parametrize("mode", bufts.MODES)
 def test_the_real_child_loads_and_decodes_gemma(mode):
-    """The probe's own program (no argv): llama.cpp's load in each mode and a prefill + two decodes survive here."""
-    assert amx.probe(gemma_path(), mode, 2, timeout=120) == "ok"
+    """The probe's own program (no argv): llama.cpp's load in each mode and a prefill + two decodes survive here; the
+    default mode may crash where the AMX kernels really run (#20824: the verdict the guard exists for)."""
+    verdict = amx.probe(gemma_path(), mode, 2, timeout=120)
+    assert verdict == "ok" or (mode == "default" and REAL_AMX and verdict in amx.UNSAFE), verdict
 
 
 def test_the_real_child_reports_a_file_llama_cpp_refuses(tmp_path):
@@ -265,8 +270,10 @@ def test_the_loader_goes_around_amx_on_a_crash_verdict_and_keeps_repacking(cache
     amx._write(cache, f"{key}/default", {"verdict": "crashes"})
     logits, repack = {}, {}
     # (verdict of the repack mode, the setting, the mode expected, warnings expected)
-    for repack_verdict, setting, mode, warned in [("ok", "probe", "repack", 1), ("ok", "probe", "repack", 0),
-                                                  ("crashes", "probe", "plain", 0), ("crashes", "on", "default", 0)]:
+    cases = [("ok", "probe", "repack", 1), ("ok", "probe", "repack", 0), ("crashes", "probe", "plain", 0)]
+    if not REAL_AMX:  # (with AMX kernels really here, the default mode may crash this process: #20824)
+        cases.append(("crashes", "on", "default", 0))
+    for repack_verdict, setting, mode, warned in cases:
         amx._write(cache, f"{key}/repack", {"verdict": repack_verdict})
         monkeypatch.setenv(amx.ENV, setting)
         with warnings.catch_warnings(record=True) as caught, LlamaLog() as log:
@@ -276,9 +283,10 @@ def test_the_loader_goes_around_amx_on_a_crash_verdict_and_keeps_repacking(cache
         assert len([w for w in caught if "#20824" in str(w.message)]) == warned
         logits[mode], repack[mode] = prefill_logits(model, ids), log.repack_mib()
         model.close()
-    assert repack["plain"] is None and repack["repack"] == repack["default"] and repack["default"] > 10
-    assert np.array_equal(logits["repack"], logits["default"])
-    assert not np.array_equal(logits["plain"], logits["default"])  # (repacked kernels round differently)
+    assert repack["plain"] is None and repack["repack"] > 10
+    assert not np.array_equal(logits["plain"], logits["repack"])  # (repacked kernels round differently)
+    if not REAL_AMX:  # (where AMX kernels run, llama.cpp's default puts weights in the AMX buffer, not CPU_REPACK)
+        assert repack["repack"] == repack["default"] and np.array_equal(logits["repack"], logits["default"])
 
 
 def test_the_batch_invariant_mode_never_probes(cache, amx_machine, monkeypatch):
