@@ -519,14 +519,21 @@ def test_a_spilled_hybrid_fork_family_is_recomputed_not_refused_regression():
 # groups, a state's own were not, and the call was refused as 'a prompt that cannot fit alone'. Splitting them needed
 # the family's true cells (model.rows_cells: the fork's shared prefix once): priced by the sum of their tokens,
 # families that fit were split too and their seeded draws changed.)
-def test_a_state_s_own_samples_that_cannot_continue_together_run_in_groups_regression():
+# (Its first version sliced a 2-prompt state's rows as state[b:b + 1, :], a SlicingError on samples > 1: the stress
+# driver, seed 61, history 39.)
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_a_state_s_own_samples_that_cannot_continue_together_run_in_groups_regression(prompts):
     pytest.importorskip("llama_cpp")
     gguf_path("lfm2")
     b = own_llama(256, kind="lfm2")
-    inp = SequenceState.from_prompts(b.model, "Once upon a time, there was a little girl named Lily. " * 2)
-    fork = Call("fork", n=3, k=60, seed=3)
-    fam = verify(b, fork, inp, [0.0], execute(b, fork, inp))
-    shared = longest(inp)
-    assert shared + 3 * (longest(fam.state) - shared) <= 256 < shared + 3 * (longest(fam.state) - shared + 26)
-    more = Call("sample", k=26, seed=5)
-    verify(b, more, fam.state, fam.carried, execute(b, more, fam.state))
+    fams, carried = [], []
+    for text in ["Once upon a time, there was a little girl named Lily. ", "The cat sat on the mat and looked out. "][:prompts]:
+        inp = SequenceState.from_prompts(b.model, text * 2)
+        fork = Call("fork", n=3, k=60, seed=3)
+        fam = verify(b, fork, inp, [0.0], execute(b, fork, inp))
+        shared = longest(inp)
+        assert shared + 3 * (longest(fam.state) - shared) <= 256 < shared + 3 * (longest(fam.state) - shared + 26)
+        fams.append(fam.state)
+        carried += fam.carried
+    both, more = SequenceState.stack(fams), Call("sample", k=26, seed=5)
+    verify(b, more, both, carried, execute(b, more, both))

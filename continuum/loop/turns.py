@@ -143,9 +143,10 @@ def in_turns(decode: Callable[..., Generator[Any, None, Any]], state: SequenceSt
         for b in range(state.batch):
             start = 0
             for size in sizes:  # (a state's own samples: each group its share, one draw each)
-                part = state if state.batch == 1 else state[b:b + 1, :]
                 if state.samples > 1:
                     part = state[b:b + 1, start:start + size, :]
+                else:
+                    part = state if state.batch == 1 else state[b:b + 1, :]
                 jobs.append((part, _with_samples(sampler, size), seeded(options)))
                 start += size
         done = _run_all(run, jobs, token, _at_once(state, max(sizes)))
