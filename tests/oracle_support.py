@@ -346,18 +346,31 @@ def check_beams(b: Backend, inp: SequenceState, out: SequenceState, n: int, k: i
             want = sorted(res.sequences_scores.tolist(), reverse=True)
             assert max(abs(a - c) for a, c in zip(got, want)) <= 1e-3, (got, want)
             continue
-        t = next(t for t in range(1, k + 1) if {x[:t] for x in ours} != {x[:t] for x in theirs})
-        prev = sorted({x[:t - 1] for x in theirs})  # the common beams before the step where they part
-        cands = []
-        for p in prev:
-            ref = b.logprobs(ids + list(p))
-            base = sum(float(ref[len(ids) + j - 1, tok]) for j, tok in enumerate(p))
-            cands += (base + ref[-1]).tolist()
-        top = sorted(cands, reverse=True)
-        assert top[n - 1] - top[n] <= b.margin, (f"beams part at step {t} where the reference's n-th and (n+1)-th "
-                                                 f"candidates are {top[n - 1] - top[n]:.3g} apart: ours {ours}, "
-                                                 f"generate's {theirs}")
+        # (the sets differ: a brute-force beam search on the reference's own log-probs must meet a near-tie on its way;
+        # the final sequences' prefixes do not say where the live beams parted, since a beam alive at a step may be
+        # dropped later: the stress driver, window backend, seed 1802, history 24)
+        found, gap = _reference_beams(b, ids, n, k)
+        assert set(ours) == found or gap <= b.margin, (
+            f"beams differ where the reference's own beam search met no near-tie (its smallest n-th vs (n+1)-th gap "
+            f"{gap:.3g}): ours {ours}, its {sorted(found)}, generate's {theirs}")
     return True
+
+
+def _reference_beams(b: Backend, ids: list[int], n: int, k: int) -> tuple[set, float]:
+    """A beam search of ``n`` beams and ``k`` steps run on the reference's log-probs (each beam's next row from a fresh
+    evaluation of its ids): its final beams, and the smallest gap between its n-th and (n+1)-th candidates."""
+    beams: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+    smallest = float("inf")
+    for _ in range(k):
+        cands = []
+        for score, p in beams:
+            row = torch.as_tensor(b.logprobs(ids + list(p))[-1], dtype=torch.float64)
+            top = torch.topk(row, n + 1)
+            cands += [(score + float(v), p + (int(t),)) for v, t in zip(top.values, top.indices)]
+        cands.sort(key=lambda c: c[0], reverse=True)
+        smallest = min(smallest, cands[n - 1][0] - cands[n][0])
+        beams = cands[:n]
+    return {p for _, p in beams}, smallest
 
 
 def check_pattern(out: SequenceState, pattern: str | None, schema: str | None) -> None:
