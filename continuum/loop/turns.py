@@ -86,16 +86,16 @@ def _prompt_cells(state: SequenceState) -> int:
     steps.) At least what a row's sequence takes resident (``model.row_cells``): a hybrid's 65-token view of a
     spilled 146-token state restores all 146 (its bytes cannot be cut; the stress driver: a 2-row call refused on a
     256-cell pool, its rows priced at their 78-token width)."""
-    held = getattr(state._model, "row_cells", None)
-    least = held(state._kv) if held is not None and state._kv is not None else 0
-    if state.samples == 1:
-        return max(least, int(state._ids.shape[1]))
     together = getattr(state._model, "rows_cells", None)
-    if together is not None and state._kv is not None:  # (a fork family's shared cells once, the rest per row)
+    if state.samples > 1 and together is not None and state._kv is not None:  # (a fork's shared cells once)
         real, cached = state._mask.sum(1).tolist(), state._cached_real()
         S = state.samples
         return max(together(state._kv, list(range(b * S, b * S + S)))
                    + sum(int(real[r]) - cached[r] for r in range(b * S, b * S + S)) for b in range(state.batch))
+    held = getattr(state._model, "row_cells", None)
+    least = held(state._kv) if held is not None and state._kv is not None else 0
+    if state.samples == 1:
+        return max(least, int(state._ids.shape[1]))
     return max(least, int(state._mask.sum(1).view(state.batch, state.samples).sum(1).max()))
 
 

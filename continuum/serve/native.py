@@ -221,12 +221,10 @@ class Native:
                 if sent is None or len(sent) != len(texts):
                     sent = [""] * len(texts)
                 if texts != sent:
-                    emit([[common_prefix(a, b), b[common_prefix(a, b):]] for a, b in zip(sent, texts)])
+                    emit([[(n := common_prefix(a, b)), b[n:]] for a, b in zip(sent, texts)])
                 sent = texts
         finally:
             steps.close()  # (a cancelled stream leaves the decoding loop: its rows freed)
-
-
 
 
 def _build(model: Any, spec: dict) -> Any:

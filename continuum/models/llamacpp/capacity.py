@@ -10,7 +10,7 @@ from . import cells, window
 from .seq import Seq
 from .sequences import SequencePool
 
-__all__ = ["capacity", "step_need", "request_seqs", "row_cells", "rows_cells", "costly_rows"]
+__all__ = ["capacity", "step_need", "request_seqs", "restore_cells", "row_cells", "rows_cells", "costly_rows"]
 
 
 def request_seqs(requests: list[Request]) -> dict[int, Seq]:
@@ -33,6 +33,15 @@ def capacity(pool: SequencePool, requests: list[Request]) -> Capacity:
                         ids_total=pool.n_ids, ids_held=len(held))
 
 
+def restore_cells(v) -> int | None:
+    """Cells making view ``v``'s positions available takes where its sequence is spilled (:func:`~.cells.restore_need`:
+    the view's own where its bytes can be cut at it, else all the sequence's); None where it is not spilled."""
+    s = getattr(v, "seq", None)
+    if s is None or s.id is not None or s.blob is None:
+        return None
+    return cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens))
+
+
 def step_need(request: Request) -> int:
     """Cells ``request`` adds to the pool in its step: each row's new tokens (a token tree's nodes), and what every
     spilled sequence it continues takes restored (all its positions, or the view's own where a decode forks them
@@ -42,12 +51,10 @@ def step_need(request: Request) -> int:
         new = int(request.ids.numel())  # (a tree's nodes, padded: an upper bound)
     restore: dict[int, int] = {}
     for v in getattr(request.kv, "views", None) or ():
-        s = getattr(v, "seq", None)
-        if s is not None and s.id is None and s.blob is not None:
-            need = cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens))
-            restore[id(s)] = max(restore.get(id(s), 0), need)
+        need = restore_cells(v)
+        if need is not None:
+            restore[id(v.seq)] = max(restore.get(id(v.seq), 0), need)
     return new + sum(restore.values())
-
 
 
 def row_cells(kv) -> int:
@@ -56,11 +63,8 @@ def row_cells(kv) -> int:
     hybrid's positions, and a sliding window's where the cut bytes would lack the view's window)."""
     out = 0
     for v in getattr(kv, "views", None) or ():
-        s = getattr(v, "seq", None)
-        if s is not None and s.id is None and s.blob is not None:
-            out = max(out, cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens)))
-        else:
-            out = max(out, v.n_tokens)
+        need = restore_cells(v)
+        out = max(out, v.n_tokens if need is None else need)
     return out
 
 
@@ -78,14 +82,13 @@ def rows_cells(kv, rows: list[int]) -> int:
         s = getattr(v, "seq", None)
         if s is None or v.n_tokens == 0:
             continue
-        if s.id is None and s.blob is not None:
-            need = cells.restore_need(s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens))
-            if need == s.extent and not s.pool.model.hybrid:
-                whole[id(s)] = s
-            else:
-                apart[id(s)] = max(apart.get(id(s), 0), need)
-        else:
+        need = restore_cells(v)
+        if need is None:
             resident[id(s)] = s
+        elif need == s.extent and not s.pool.model.hybrid:
+            whole[id(s)] = s
+        else:
+            apart[id(s)] = max(apart.get(id(s), 0), need)
     shared = cells.count(whole.values(), runs=cells.content) if whole else 0
     return cells.count(resident.values()) + shared + sum(v for k, v in apart.items() if k not in whole)
 
@@ -101,7 +104,6 @@ def costly_rows(kv) -> list[int]:
         s = getattr(v, "seq", None)
         if s is None or v.n_tokens == 0:
             continue
-        if s.pool.model.hybrid or (s.id is None and s.blob is not None and cells.restore_need(
-                s, v.n_tokens, window.holds(s.pool.model, s, v.n_tokens)) > v.n_tokens):
+        if s.pool.model.hybrid or (restore_cells(v) or 0) > v.n_tokens:
             out.append(i)
     return out

@@ -77,5 +77,3 @@ def _outside(logits: Any, p: int) -> Any:
         return logits if logits in ("last", "none") else None
     idx = list(logits)
     return [i - p for i in idx] if all(i >= p for i in idx) else None
-
-
