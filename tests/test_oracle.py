@@ -537,3 +537,28 @@ def test_a_state_s_own_samples_that_cannot_continue_together_run_in_groups_regre
         carried += fam.carried
     both, more = SequenceState.stack(fams), Call("sample", k=26, seed=5)
     verify(b, more, both, carried, execute(b, more, both))
+
+
+# (found by the stress driver on the window-8 GGUF, 256 cells, seed 7, history 1: six samples of two prompts, spilled,
+# continued by one call, were priced with each prompt's common prefix once (model.rows_cells) and fitted; restored, a
+# member shared that prefix with a resident relative only from 16 positions on (reshare.MIN_CELLS), and theirs were
+# 12-13: restored apart they outgrew the pool mid-call, 'no free KV cell for 6 new tokens'. Any common prefix is
+# shared now, as the price assumes.)
+@pytest.mark.parametrize("kind", ["f32", "window"])
+def test_a_spilled_fork_family_with_a_short_common_prefix_is_restored_shared_regression(kind):
+    pytest.importorskip("llama_cpp")
+    b = own_llama(256, kind=kind)
+    fams, carried = [], []
+    for text in ["Once upon a time", "The cat sat"]:
+        inp = SequenceState.from_prompts(b.model, text)
+        fork = Call("fork", n=3, k=30, seed=11)
+        fam = verify(b, fork, inp, [0.0], execute(b, fork, inp))
+        fams.append((longest(inp), fam.state))
+        carried += fam.carried
+    both, more = SequenceState.stack([f for _, f in fams]), Call("sample", k=10, seed=5)
+    shared = sum(p + 3 * (longest(f) - p) for p, f in fams)  # (what the call is priced at: each prefix once)
+    apart = sum(3 * longest(f) for _, f in fams)
+    assert max(p for p, _ in fams) < 16 and shared + 6 * 10 <= 256 < apart + 6 * 10
+    b.model.pool.spill_idle()
+    assert all(v.seq.id is None for v in both._kv.views)
+    verify(b, more, both, carried, execute(b, more, both))

@@ -37,7 +37,11 @@ from ._lib import lib
 
 __all__ = ["reshare", "restore", "settle", "adopt", "MIN_CELLS"]
 
-MIN_CELLS = 16  # a shorter common prefix is not worth two llama calls
+# Any common prefix is shared: the pool's pricing of a spilled family (``capacity.rows_cells``: a common content
+# prefix once) assumes it. At 16 (two llama calls were thought not worth fewer cells) six samples of two prompts on
+# the 256-cell pool, 12-13 common positions each, were priced at 216 cells and restored apart in 264: refused
+# mid-call (stress driver, window-8 GGUF, seed 7, history 1).
+MIN_CELLS = 1
 
 
 def restore(pool: Any, seq_id: int, blob: bytes, held: Sequence, extent: int, pinned: list) -> tuple[Any, int]:
