@@ -191,3 +191,38 @@ def test_a_short_view_of_a_spilled_window_long_sequence_is_not_forked_from_bytes
     check_state(b, gen(short + " She was", max_tokens=6), [0.0])
     check_state(b, gen(s, max_tokens=3), [0.0])
     del w
+
+
+def test_a_choice_row_probed_before_another_row_s_restore_is_probed_again():
+    """A token tree (choice scoring) probed each row's window, then restored the next row's spilled sequence, whose
+    cells llama.cpp may take from the window behind an earlier row's sequence end (masked there, though the earlier
+    row's view behind that end still reads them): the earlier row was scored over the gaps, silently (the stress
+    driver: -40.4 where llama.cpp gives -32.6). Now every restore comes before every probe, and the row is computed
+    again. Here the restore is made to take them: a freed cell sends llama.cpp's search back to 0, then to row 0's
+    oldest (masked) window cells; a restored window cache holds the 8 cells behind its end. Failed before (row 0's
+    option token: -27.6 where llama.cpp gives -12.5)."""
+    import gc
+
+    from oracle_support import chars_key, check_choice, check_state, own_llama
+
+    from continuum import SequenceState
+    from continuum.models.llamacpp._lib import lib
+
+    b = own_llama(256, kind="window")  # (a fresh pool: where find_slot puts cells is known)
+    gen, m = b.generator("plain", "greedy"), b.model
+    x = gen(SequenceState.from_prompts(m, "The"), max_tokens=1)  # (cells 0..1)
+    s = gen(SequenceState.from_prompts(m, "Once upon a time"), max_tokens=40)  # (the cells after them)
+    cut = next(c for c in (s[chars_key(s, slice(None, k))] for k in range(20, 40)) if c._kv.views[0].n_tokens >= 10)
+    n, seq = cut._kv.views[0].n_tokens, s._kv.views[0].seq
+    assert 10 <= n <= 12 and n < seq.extent - 8  # (behind its sequence's end by more than the window)
+    other = gen(SequenceState.from_prompts(m, "Lily saw a big dog. The cat sat on the mat."), max_tokens=20)
+    with m.llama.lock:
+        m.pool.spill(other._kv.views[0].seq)  # (only it: the cut's sequence stays resident)
+    del x
+    gc.collect()  # (llama.cpp's search for free cells starts at 0 again: x's 2 cells, then s's positions 0..5)
+    both = SequenceState.stack([cut, other])
+    options = [" ok", " and then"]
+    out = b.generator("plain", "choice", arg=tuple(options))(both)
+    assert int(lib().llama_memory_seq_pos_min(m.llama.memory, seq.id)) > n - m.llama.n_swa  # (the restore took them)
+    check_state(b, out, [0.0, 0.0])
+    check_choice(b, both, out, options)

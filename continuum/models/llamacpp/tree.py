@@ -201,8 +201,13 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[Seq]]:
                 pinned.append(short)
             else:
                 pool.ensure_resident(src, pinned)
-            if not window.fits(pool, srcs[i].id, row.view.n_tokens):  # type: ignore[union-attr,arg-type]
-                stale.append(i)
+    # (every restore first, then every probe: a restore's cells may be window cells llama.cpp counts free behind
+    # another row's sequence end, and a row probed before a later row's restore read them gone, silently: the stress
+    # driver, window-8 GGUF, seed 1802, history 98, a choice's log-prob -40.4 where llama.cpp gives -32.6. Nothing
+    # takes cells between the probes and the leaves' seq_cp below, which holds them.)
+    for i, row in enumerate(rows):
+        if srcs[i] is not None and not window.fits(pool, srcs[i].id, row.view.n_tokens):  # type: ignore[union-attr,arg-type]
+            stale.append(i)
     out: list[list[Seq]] = []
     seqs: list[Seq] = []
     try:
