@@ -3,8 +3,9 @@
 ``CONTINUUM_ORACLE_STRESS=N python -m pytest tests/test_oracle_stress.py`` runs N histories on one backend
 (``CONTINUUM_ORACLE_STRESS_BACKEND``, default ``gguf-window``: the tiny Gemma 3 GGUF with a window of 8) from a seed
 (``CONTINUUM_ORACLE_STRESS_SEED``, default a new one, printed). Each history holds up to 8 states and draws 12 steps:
-``run_batch`` of 1-2-call programs, threads, ``asyncio.gather``, single calls of every kind and cuts, each result
-checked by the oracle's rules (``tests/test_oracle.py``: the backend's own evaluation of the same ids). A failure
+``run_batch`` of 1-2-call programs, threads, ``asyncio.gather``, single calls of every kind (JSON included) on every
+variant of the model (transformers: its prefix cache and a KV budget; a GGUF: a prefix cache drawn per history) and
+cuts, each result checked by the oracle's rules (``tests/test_oracle.py``: the backend's own evaluation of the same ids). A failure
 prints the seed, the history's index and every step; ``CONTINUUM_ORACLE_STRESS_ONLY=i`` replays history ``i`` of that
 seed alone (thread timing still varies: a history may need a few replays). The sixteenth session's first version of
 it found window-8 histories whose fork's first sampled token is off llama.cpp's (one in 4 of 5 replays, none while the
@@ -22,18 +23,24 @@ from oracle_support import Call
 
 N = int(os.environ.get("CONTINUUM_ORACLE_STRESS", "0"))
 pytestmark = pytest.mark.skipif(N <= 0, reason="set CONTINUUM_ORACLE_STRESS=N to run N stress histories")
-KINDS = ["greedy", "lookup", "sample", "choice", "fork", "beam", "regex", "cfg"]
+KINDS = ["greedy", "lookup", "sample", "choice", "fork", "beam", "regex", "json", "cfg"]
 
 
-def _call(rng: random.Random, name: str) -> Call:
+def _call(rng: random.Random, name: str, variants: list[str]) -> Call:
+    """A call of a random kind on a random variant of the model (transformers: plain, its prefix cache, a KV budget
+    that makes calls wait for room; one GGUF model per history, its prefix cache drawn at the start)."""
     kind = rng.choice([k for k in KINDS if k != "lookup" or "lfm2" not in name])  # (no speculation on hybrids)
+    v = rng.choice(variants)
     if kind == "choice":
-        return Call("choice", arg=rng.choice(oracle.OPTIONS), suffix=rng.choice(["", " ok?"]))
+        return Call("choice", arg=rng.choice(oracle.OPTIONS), suffix=rng.choice(["", " ok?"]), variant=v)
     if kind == "regex":
-        return Call("regex", arg=rng.choice(oracle.PATTERNS), k=10)
+        return Call("regex", arg=rng.choice(oracle.PATTERNS), k=10, variant=v)
+    if kind == "json":
+        return Call("json", arg=rng.choice(sorted(oracle.JSON_SCHEMAS)), k=12, variant=v)
     if kind in ("fork", "beam"):
-        return Call(kind, n=rng.randint(2, 3), k=rng.randint(1, 4), seed=rng.randint(0, 999))
-    return Call(kind, k=rng.randint(1, 30), seed=rng.randint(0, 999), suffix=rng.choice(["", " She was", " and"]))
+        return Call(kind, n=rng.randint(2, 3), k=rng.randint(1, 4), seed=rng.randint(0, 999), variant=v)
+    k = None if kind == "greedy" and name.startswith("gguf") and rng.random() < 0.05 else rng.randint(1, 30)
+    return Call(kind, k=k, seed=rng.randint(0, 999), suffix=rng.choice(["", " She was", " and"]), variant=v)
 
 
 def _keep(held: list, out) -> None:
@@ -47,18 +54,20 @@ def _keep(held: list, out) -> None:
 def _history(name: str, rng: random.Random, log: list) -> None:
     m = oracle.machine_for(name)()
     try:
-        held = [m.start(prompts=rng.sample(oracle.PROMPTS, 2), small=True, prefix=False)]
+        held = [m.start(prompts=rng.sample(oracle.PROMPTS, 2), small=True, prefix=rng.random() < 0.5)]
+        variants = list(m.b.variants)
         for _ in range(12):
             hs = [rng.choice(held) for _ in range(3)]
             r = rng.random()
             if r < 0.35:
-                step = ("batch", dict(hs=hs, programs=[[_call(rng, name) for _ in range(rng.randint(1, 2))] for _ in range(3)]))
+                programs = [[_call(rng, name, variants) for _ in range(rng.randint(1, 2))] for _ in range(3)]
+                step = ("batch", dict(hs=hs, programs=programs))
             elif r < 0.5:
-                step = ("threads", dict(hs=hs, cs=[_call(rng, name) for _ in range(3)]))
+                step = ("threads", dict(hs=hs, cs=[_call(rng, name, variants) for _ in range(3)]))
             elif r < 0.8:
-                step = ("gather", dict(hs=hs, cs=[_call(rng, name) for _ in range(3)]))
+                step = ("gather", dict(hs=hs, cs=[_call(rng, name, variants) for _ in range(3)]))
             else:
-                step = ("call", dict(h=hs[0], call=_call(rng, name)))
+                step = ("call", dict(h=hs[0], call=_call(rng, name, variants)))
             log.append(step)
             out = getattr(m, step[0])(**step[1])
             _keep(held, out)
