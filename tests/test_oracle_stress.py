@@ -5,11 +5,11 @@
 (``CONTINUUM_ORACLE_STRESS_SEED``, default a new one, printed). Each history holds up to 8 states and draws 12 steps:
 ``run_batch`` of 1-2-call programs, threads, ``asyncio.gather``, single calls of every kind (JSON included) on every
 variant of the model (transformers: its prefix cache and a KV budget; a GGUF: a prefix cache drawn per history) and
-cuts, each result checked by the oracle's rules (``tests/test_oracle.py``: the backend's own evaluation of the same ids). A failure
-prints the seed, the history's index and every step; ``CONTINUUM_ORACLE_STRESS_ONLY=i`` replays history ``i`` of that
-seed alone (thread timing still varies: a history may need a few replays). The sixteenth session's first version of
-it found window-8 histories whose fork's first sampled token is off llama.cpp's (one in 4 of 5 replays, none while the
-decode was traced: docs/benchmarks.md, open).
+cuts, each result checked by the oracle's rules (``tests/test_oracle.py``: the backend's own evaluation of the same
+ids). A failure prints the seed, the history's index and every step; ``CONTINUUM_ORACLE_STRESS_ONLY=i`` replays
+history ``i`` of that seed alone (thread timing still varies: a history may need a few replays, and tracing each
+decode changes the timing: record plain tuples, format them after the failure). What it found, and the fixes:
+docs/benchmarks.md (sixteenth session on).
 """
 
 from __future__ import annotations
