@@ -199,6 +199,33 @@ def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False, 
 
 
 @cache
+def remote_backend(kind: str = "window", n_ctx: int = 256) -> Backend:
+    """``models.remote`` against ``continuum serve --speculate lookup`` of a GGUF (:func:`gguf_path`) on loopback, a
+    pool of ``n_ctx`` cells on one thread: a served state's log-probs are llama.cpp's evaluation of its ids as any
+    local one's, whatever the server ran before (its greedy calls drafting from their context). One server per
+    process (stopped at exit); its store in a temporary folder."""
+    import atexit
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks import replicas
+
+    from llamacpp_support import DECODE_TOL
+
+    folder = Path(tempfile.mkdtemp(prefix="oracle-remote-"))
+    os.environ.setdefault("CONTINUUM_REMOTE_CACHE", str(folder / "tokenizers"))
+    path = str(gguf_path(kind))
+    srv = replicas.Server(path, folder / "store", "--api-key", "oracle", "--n-ctx", str(n_ctx), "--threads", "1",
+                          "--speculate", "lookup", name=f"gguf-{kind}", key="oracle")
+    atexit.register(srv.stop)
+    flash = models.llamacpp(path, n_ctx=n_ctx, n_threads=1).llama.flash_attn  # (the server loads it the same way)
+    tol = DECODE_TOL["f32"]
+    return Backend(f"remote-gguf-{kind}", "llama", {"plain": models.remote(srv.base, api_key="oracle")}, 2 * tol,
+                   2 * tol, flash_attn=flash, gguf=kind)
+
+
+@cache
 def llama_backend(invariant: bool, small: bool, prefix: bool, kind: str = "f32") -> Backend:
     """:func:`own_llama`, one per setting (shared by the histories and the tests)."""
     return own_llama(256 if small else 1024, invariant, prefix and kind != "lfm2", kind)

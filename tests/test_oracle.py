@@ -59,6 +59,7 @@ from oracle_support import (
     own_llama,
     prepare,
     real_rows,
+    remote_backend,
     run_program,
     verify,
 )
@@ -139,7 +140,7 @@ def _kind(name: str) -> str:
 
 def machine_for(name: str):
     """The state machine of one backend (its variants decide the strategies)."""
-    hf = not name.startswith("gguf")
+    hf = not name.startswith(("gguf", "remote"))
     variants = list(hf_backend(name).variants) if hf else ["plain"]
     calls = call_strategy(variants, unbounded=not hf, speculation="lfm2" not in name)
 
@@ -157,7 +158,9 @@ def machine_for(name: str):
         @initialize(target=states, prompts=st.lists(st.sampled_from(PROMPTS), min_size=1, max_size=2),
                     small=st.booleans(), prefix=st.booleans())
         def start(self, prompts, small, prefix):
-            if not hf:  # the pool is the model's: one per history (a KV view never crosses pools)
+            if name.startswith("remote"):  # (one server: whatever it ran before, for every history)
+                self.b = remote_backend(_kind(name))
+            elif not hf:  # the pool is the model's: one per history (a KV view never crosses pools)
                 self.b = llama_backend(name.endswith("invariant"), small, prefix, _kind(name))
             s = SequenceState.from_prompts(self.b.model, prompts)
             check_state(self.b, s, [0.0] * s.rows)

@@ -22,14 +22,14 @@ import test_oracle as oracle
 from oracle_support import Call
 
 N = int(os.environ.get("CONTINUUM_ORACLE_STRESS", "0"))
-pytestmark = pytest.mark.skipif(N <= 0, reason="set CONTINUUM_ORACLE_STRESS=N to run N stress histories")
 KINDS = ["greedy", "lookup", "sample", "choice", "fork", "beam", "regex", "json", "cfg"]
 
 
 def _call(rng: random.Random, name: str, variants: list[str]) -> Call:
     """A call of a random kind on a random variant of the model (transformers: plain, its prefix cache, a KV budget
     that makes calls wait for room; one GGUF model per history, its prefix cache drawn at the start)."""
-    kind = rng.choice([k for k in KINDS if k != "lookup" or "lfm2" not in name])  # (no speculation on hybrids)
+    kind = rng.choice([k for k in KINDS if (k != "lookup" or "lfm2" not in name)  # (no speculation on hybrids)
+                       and (k not in ("cfg", "lookup") or not name.startswith("remote"))])  # (the server speculates)
     v = rng.choice(variants)
     if kind == "choice":
         return Call("choice", arg=rng.choice(oracle.OPTIONS), suffix=rng.choice(["", " ok?"]), variant=v)
@@ -88,11 +88,25 @@ def _history(name: str, rng: random.Random, log: list) -> None:
         m.teardown()
 
 
+@pytest.mark.skipif(N <= 0, reason="set CONTINUUM_ORACLE_STRESS=N to run N stress histories")
 def test_stress():
     name = os.environ.get("CONTINUUM_ORACLE_STRESS_BACKEND", "gguf-window")
     seed = int(os.environ.get("CONTINUUM_ORACLE_STRESS_SEED", random.randrange(1 << 30)))
-    only = os.environ.get("CONTINUUM_ORACLE_STRESS_ONLY")
-    for i in range(N) if only is None else [int(only)]:
+    _run(name, seed, range(N) if os.environ.get("CONTINUUM_ORACLE_STRESS_ONLY") is None
+         else [int(os.environ["CONTINUUM_ORACLE_STRESS_ONLY"])])
+
+
+def test_served_states_against_llama_cpp():
+    """Two histories through ``models.remote`` and ``continuum serve --speculate lookup`` of the window-8 GGUF on a
+    256-cell pool (``oracle_support.remote_backend``), in CI: the served path's results against llama.cpp's own
+    evaluation, whatever the server ran before (the longer runs: ``CONTINUUM_ORACLE_STRESS_BACKEND=remote-gguf-window``)."""
+    pytest.importorskip("llama_cpp")
+    oracle.gguf_path("window")
+    _run("remote-gguf-window", 5, range(2))
+
+
+def _run(name: str, seed: int, histories) -> None:
+    for i in histories:
         log: list = []
         try:
             _history(name, random.Random(seed * 1_000_003 + i), log)  # (each history its own draws: replayable alone)
