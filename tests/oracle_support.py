@@ -199,11 +199,12 @@ def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False, 
 
 
 @cache
-def remote_backend(kind: str = "window", n_ctx: int = 256) -> Backend:
-    """``models.remote`` against ``continuum serve --speculate lookup`` of a GGUF (:func:`gguf_path`) on loopback, a
-    pool of ``n_ctx`` cells on one thread: a served state's log-probs are llama.cpp's evaluation of its ids as any
-    local one's, whatever the server ran before (its greedy calls drafting from their context). One server per
-    process (stopped at exit); its store in a temporary folder."""
+def remote_backend(target: str = "gguf-window", n_ctx: int = 256) -> Backend:
+    """``models.remote`` against ``continuum serve`` on loopback: ``target`` ``stories`` (stories260K on transformers,
+    checked against a fresh forward of the same weights) or a GGUF (``gguf``, ``gguf-window``, ``gguf-lfm2``:
+    :func:`gguf_path`; ``--speculate lookup``, a pool of ``n_ctx`` cells on one thread; checked against llama.cpp's
+    evaluation). A served state's log-probs are the reference's as any local one's, whatever the server ran before.
+    One server per target and process (stopped at exit); its store in a temporary folder."""
     import atexit
     import os
     import tempfile
@@ -215,14 +216,20 @@ def remote_backend(kind: str = "window", n_ctx: int = 256) -> Backend:
 
     folder = Path(tempfile.mkdtemp(prefix="oracle-remote-"))
     os.environ.setdefault("CONTINUUM_REMOTE_CACHE", str(folder / "tokenizers"))
-    path = str(gguf_path(kind))
-    srv = replicas.Server(path, folder / "store", "--api-key", "oracle", "--n-ctx", str(n_ctx), "--threads", "1",
-                          "--speculate", "lookup", name=f"gguf-{kind}", key="oracle")
+    if target == "stories":
+        ref = hf_backend("stories")
+        path, args = str(fixture_path("models", "stories260K")), []
+    else:
+        kind = target.removeprefix("gguf").lstrip("-") or "f32"
+        path, args = str(gguf_path(kind)), ["--n-ctx", str(n_ctx), "--threads", "1", "--speculate", "lookup"]
+    srv = replicas.Server(path, folder / "store", "--api-key", "oracle", *args, name=target, key="oracle")
     atexit.register(srv.stop)
+    remote = {"plain": models.remote(srv.base, api_key="oracle")}
+    if target == "stories":
+        return Backend(f"remote-{target}", "hf", remote, ref.tol, ref.margin, hf=ref.hf)
     flash = models.llamacpp(path, n_ctx=n_ctx, n_threads=1).llama.flash_attn  # (the server loads it the same way)
     tol = DECODE_TOL["f32"]
-    return Backend(f"remote-gguf-{kind}", "llama", {"plain": models.remote(srv.base, api_key="oracle")}, 2 * tol,
-                   2 * tol, flash_attn=flash, gguf=kind)
+    return Backend(f"remote-{target}", "llama", remote, 2 * tol, 2 * tol, flash_attn=flash, gguf=kind)
 
 
 @cache

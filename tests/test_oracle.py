@@ -159,7 +159,7 @@ def machine_for(name: str):
                     small=st.booleans(), prefix=st.booleans())
         def start(self, prompts, small, prefix):
             if name.startswith("remote"):  # (one server: whatever it ran before, for every history)
-                self.b = remote_backend(_kind(name))
+                self.b = remote_backend(name.removeprefix("remote-"))
             elif not hf:  # the pool is the model's: one per history (a KV view never crosses pools)
                 self.b = llama_backend(name.endswith("invariant"), small, prefix, _kind(name))
             s = SequenceState.from_prompts(self.b.model, prompts)
