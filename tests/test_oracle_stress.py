@@ -28,8 +28,7 @@ KINDS = ["greedy", "lookup", "sample", "choice", "fork", "beam", "regex", "json"
 def _call(rng: random.Random, name: str, variants: list[str]) -> Call:
     """A call of a random kind on a random variant of the model (transformers: plain, its prefix cache, a KV budget
     that makes calls wait for room; one GGUF model per history, its prefix cache drawn at the start)."""
-    kind = rng.choice([k for k in KINDS if (k != "lookup" or "lfm2" not in name)  # (no speculation on hybrids)
-                       and (k not in ("cfg", "lookup") or not name.startswith("remote"))])  # (the server speculates)
+    kind = rng.choice([k for k in KINDS if k != "lookup" or "lfm2" not in name])  # (no speculation on hybrids)
     v = rng.choice(variants)
     if kind == "choice":
         return Call("choice", arg=rng.choice(oracle.OPTIONS), suffix=rng.choice(["", " ok?"]), variant=v)

@@ -224,6 +224,26 @@ def test_streams_send_each_step_as_the_server_decodes_and_join_to_the_local_stat
          continuous(generate.text(local, samplers.greedy()))("The cat", max_tokens=3))
 
 
+def test_guidance_and_speculation_run_on_the_server_as_locally(remote, local):
+    """Classifier-free guidance (a scale, a negative prompt) and prompt-lookup speculation travel with the generator:
+    the server runs them as the local model does (greedy: the same ids, log-probs within 1e-4)."""
+    from continuum import continuous, generate, samplers, speculate
+
+    def run(model):
+        s = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=6)
+        guided = continuous(generate.text(model, samplers.greedy(), guidance_scale=1.5, negative_prompt="The dog"))
+        drafted = continuous(generate.text(model, samplers.greedy(), speculate=speculate.lookup(ngram=2, max_draft=4)))
+        number = continuous(generate.regex(model, r" [0-9]{2}", samplers.greedy(), guidance_scale=2.0))
+        a = guided(s + " She", max_tokens=8)
+        b = drafted(a + " Once upon a time", max_tokens=12)
+        return [a, b, number(b + " Age:", max_tokens=4)]
+
+    before_r, before_l = remote.tokens_computed, local.tokens_computed
+    for got, want in zip(run(remote), run(local)):
+        same(got, want)
+    assert remote.tokens_computed - before_r == local.tokens_computed - before_l  # (drafts verified alike)
+
+
 def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
     from continuum import continuous, generate, models, samplers
     from continuum.errors import ContextLengthError, GeneratorArgumentError, RemoteError, RemoteStateError
@@ -233,8 +253,8 @@ def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
     s = text("Once upon a time", max_tokens=4)
     with pytest.raises(ContextLengthError):  # raised by the server, re-raised here as the library's own class
         text("a b " * 400, max_tokens=4)
-    with pytest.raises(GeneratorArgumentError, match="guidance_scale"):
-        continuous(generate.text(remote, samplers.greedy(), guidance_scale=2.0))("x", max_tokens=2)
+    with pytest.raises(GeneratorArgumentError, match="reasoning"):  # (refused by name: not run remotely yet)
+        continuous(generate.text(remote, samplers.greedy(), reasoning=("<s>", "</s>")))("x", max_tokens=2)
 
     other = models.remote(server.url, api_key=KEYS[1])  # (the /v1 URL works too)
     with pytest.raises(RemoteStateError, match="for your API key"):

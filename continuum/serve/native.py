@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ..errors import GeneratorArgumentError
 from ..loop.arrivals import ARRIVALS, Handoff
-from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from
+from ..models.remote.wire import GENERATE, MODEL, TOKENIZER, TUNNEL, last_json, rng_from, rng_json, sampler_from, speculator_from
 from ..models.seqprefix import common_prefix
 from .chat_completions import STREAM_HEADERS
 from .errors import APIError, from_exception
@@ -49,13 +49,14 @@ __all__ = ["register"]
 
 # what each constructor may receive over the wire (the rest of its arguments are refused: guidance, reasoning and
 # speculation are not run remotely yet, and anything else is a client of another version)
+_GUIDANCE = {"guidance_scale", "negative_prompt", "guidance_rescale", "cfg_mode"}  # (classifier-free guidance)
 _ARGUMENTS = {
-    "text": {"token_healing"},
-    "regex": {"pattern", "backend", "fast_forward", "token_healing"},
-    "choice": {"choices", "method", "backend", "fast_forward", "token_healing"},
+    "text": {"token_healing", "speculate", *_GUIDANCE},
+    "regex": {"pattern", "backend", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
+    "choice": {"choices", "method", "backend", "fast_forward", "token_healing", *_GUIDANCE},
     "json": {"schema", "whitespace_pattern", "backend", "max_string_length", "additional_properties", "on_unsupported",
-             "max_items", "bounds", "fast_forward", "token_healing"},
-    "cfg": {"grammar", "syntax", "backend", "fast_forward", "token_healing"},
+             "max_items", "bounds", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
+    "cfg": {"grammar", "syntax", "backend", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
 }
 _ANSWER = TypeAdapter(Any)  # (what FastAPI's own encoding writes: NaN and infinities as null)
 _GENERATORS_KEPT = 128  # generators built, least recently used out (a schema's compiled guide lives in each)
@@ -237,6 +238,8 @@ def _build(model: Any, spec: dict) -> Any:
     extra = sorted(set(arguments) - allowed)
     if extra:
         raise GeneratorArgumentError(f"generate.{kind} on a remote model does not take {extra} (docs/remote.md)")
+    if arguments.get("speculate") is not None:
+        arguments = {**arguments, "speculate": speculator_from(arguments["speculate"])}
     return getattr(generate, kind)(model, sampler=sampler_from(spec.get("sampler") or {"type": "greedy"}), **arguments)
 
 

@@ -32,15 +32,14 @@ from ...state.layout import right_aligned
 from ..identity import ModelFingerprint
 from .client import Client, load_tokenizer
 from .handle import RemoteKV
-from .wire import GENERATE, MODEL, floats, last_from, nans, rng_from, rng_json, sampler_json
+from .wire import GENERATE, MODEL, floats, last_from, nans, rng_from, rng_json, sampler_json, speculator_json
 
 __all__ = ["RemoteModel", "remote", "generator_json"]
 
 # arguments of the generator constructors that only configure what this slice does not run remotely (refused
 # unless at their defaults), and the one every call sends on its own (the sampler)
-_UNSUPPORTED = {"guidance_scale": 1.0, "negative_prompt": None, "reasoning": False, "thinking_budget": None,
-                "speculate": None}
-_LOCAL_ONLY = ("sampler", "guidance_rescale", "cfg_mode", *_UNSUPPORTED)
+_UNSUPPORTED = {"reasoning": False, "thinking_budget": None}
+_LOCAL_ONLY = ("sampler", *_UNSUPPORTED)
 
 
 def remote(url: str, api_key: str | None = None, model: str | None = None, timeout: float = 120.0) -> RemoteModel:
@@ -238,11 +237,15 @@ def generator_json(gen: Any) -> dict:
         raise GeneratorArgumentError(f"{gen!r} was not built by continuum.generate's constructors (text, choice, regex, "
                                      f"json, cfg), so a server cannot rebuild it")
     what = [name for name, default in _UNSUPPORTED.items() if spec.arguments.get(name, default) != default]
-    if gen.guidance is not None or gen.markers is not None or gen.speculate is not None or what:
-        named = ", ".join(what) or "guidance, reasoning or speculate"
+    if gen.markers is not None or what:
+        named = ", ".join(what) or "reasoning"
         raise GeneratorArgumentError(f"a remote model does not run {named} yet (docs/remote.md): drop it, or run "
                                      f"this generator on a local model")
     args = {k: v for k, v in spec.arguments.items() if k not in _LOCAL_ONLY}
+    if args.get("speculate") is not None:
+        args["speculate"] = speculator_json(args["speculate"])
+    if args.get("negative_prompt") is not None and not isinstance(args["negative_prompt"], str):
+        args["negative_prompt"] = list(args["negative_prompt"])  # (strings, the constructor checked: JSON's list)
     schema = args.get("schema")
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # pydantic: the server validates its schema
         args["schema"] = schema.model_json_schema()  # (values are still parsed into the class here: gen.parse)

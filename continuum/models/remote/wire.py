@@ -20,7 +20,7 @@ from ...samplers import BeamSearchSampler, GreedySampler, MultinomialSampler, Sa
 from ...state.laststep import LastStep
 
 __all__ = ["MODEL", "GENERATE", "TOKENIZER", "TUNNEL", "floats", "nans", "sampler_json", "sampler_from", "rng_json", "rng_from",
-           "last_json", "last_from"]
+           "last_json", "last_from", "speculator_json", "speculator_from"]
 
 MODEL = "/v1/continuum/model"  # what the server serves: its name, fingerprints, context length
 GENERATE = "/v1/continuum/generate"  # one generator call on stored states
@@ -65,6 +65,29 @@ def sampler_from(spec: Any) -> Sampler:
     if kind == "beam_search":
         return samplers.beam_search(spec.get("beams", 1))
     raise GeneratorArgumentError(f"sampler type {kind!r}: expected 'greedy', 'multinomial' or 'beam_search'")
+
+
+def speculator_json(spec: Any) -> dict:
+    """A speculator as the server rebuilds it: prompt lookup (``speculate.lookup``) and its settings."""
+    import dataclasses
+
+    from ...speculate import Lookup
+
+    if type(spec) is not Lookup:
+        raise GeneratorArgumentError(f"a remote model speculates with speculate.lookup(...), not {type(spec).__name__}: "
+                                     f"use it, or run this generator on a local model")
+    return {"type": "lookup", **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}}
+
+
+def speculator_from(data: Any) -> Any:
+    from ... import speculate
+
+    if not isinstance(data, dict) or data.get("type") != "lookup":
+        raise GeneratorArgumentError(f"speculate: expected {{'type': 'lookup', ...}}, got {data!r}")
+    try:
+        return speculate.lookup(**{k: v for k, v in data.items() if k != "type"})
+    except TypeError as exc:
+        raise GeneratorArgumentError(f"speculate: {exc}") from None
 
 
 def rng_json(rng: torch.Generator | None) -> str | None:
