@@ -224,9 +224,10 @@ def test_streams_send_each_step_as_the_server_decodes_and_join_to_the_local_stat
          continuous(generate.text(local, samplers.greedy()))("The cat", max_tokens=3))
 
 
-def test_guidance_and_speculation_run_on_the_server_as_locally(remote, local):
-    """Classifier-free guidance (a scale, a negative prompt) and prompt-lookup speculation travel with the generator:
-    the server runs them as the local model does (greedy: the same ids, log-probs within 1e-4)."""
+def test_guidance_speculation_and_reasoning_run_on_the_server_as_locally(remote, local):
+    """Classifier-free guidance (a scale, a negative prompt), prompt-lookup speculation and reasoning (a thought
+    between markers, with a budget) travel with the generator: the server runs them as the local model does (greedy:
+    the same ids, log-probs within 1e-4, the same positions computed, the same thought)."""
     from continuum import continuous, generate, samplers, speculate
 
     def run(model):
@@ -234,18 +235,24 @@ def test_guidance_and_speculation_run_on_the_server_as_locally(remote, local):
         guided = continuous(generate.text(model, samplers.greedy(), guidance_scale=1.5, negative_prompt="The dog"))
         drafted = continuous(generate.text(model, samplers.greedy(), speculate=speculate.lookup(ngram=2, max_draft=4)))
         number = continuous(generate.regex(model, r" [0-9]{2}", samplers.greedy(), guidance_scale=2.0))
+        think = continuous(generate.regex(model, r" [0-9]{2}", samplers.greedy(), reasoning=("[T]", "[/T]"),
+                                          thinking_budget=5))
         a = guided(s + " She", max_tokens=8)
         b = drafted(a + " Once upon a time", max_tokens=12)
-        return [a, b, number(b + " Age:", max_tokens=4)]
+        c = number(b + " Age:", max_tokens=4)
+        return [a, b, c, think(c + " Then:", max_tokens=32)]
 
     before_r, before_l = remote.tokens_computed, local.tokens_computed
-    for got, want in zip(run(remote), run(local)):
-        same(got, want)
+    got, want = run(remote), run(local)
+    for x, y in zip(got, want):
+        same(x, y)
     assert remote.tokens_computed - before_r == local.tokens_computed - before_l  # (drafts verified alike)
+    assert got[-1].reasoning == want[-1].reasoning != ""  # (the thought's span travels with the last step)
+    assert got[1]._last.speculation == want[1]._last.speculation is not None  # (drafted and accepted: the server's count)
 
 
 def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
-    from continuum import continuous, generate, models, samplers
+    from continuum import continuous, generate, models, samplers, speculate
     from continuum.errors import ContextLengthError, GeneratorArgumentError, RemoteError, RemoteStateError
     from continuum.models.remote.handle import RemoteKV
 
@@ -253,8 +260,9 @@ def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
     s = text("Once upon a time", max_tokens=4)
     with pytest.raises(ContextLengthError):  # raised by the server, re-raised here as the library's own class
         text("a b " * 400, max_tokens=4)
-    with pytest.raises(GeneratorArgumentError, match="reasoning"):  # (refused by name: not run remotely yet)
-        continuous(generate.text(remote, samplers.greedy(), reasoning=("<s>", "</s>")))("x", max_tokens=2)
+    with pytest.raises(GeneratorArgumentError, match="speculate.lookup"):  # (a draft model stays local)
+        draft = speculate.draft(models.transformers(MODEL))
+        continuous(generate.text(remote, samplers.greedy(), speculate=draft))("x", max_tokens=2)
 
     other = models.remote(server.url, api_key=KEYS[1])  # (the /v1 URL works too)
     with pytest.raises(RemoteStateError, match="for your API key"):

@@ -49,7 +49,8 @@ __all__ = ["register"]
 
 # what each constructor may receive over the wire (the rest of its arguments are refused: guidance, reasoning and
 # speculation are not run remotely yet, and anything else is a client of another version)
-_GUIDANCE = {"guidance_scale", "negative_prompt", "guidance_rescale", "cfg_mode"}  # (classifier-free guidance)
+_GUIDANCE = {"guidance_scale", "negative_prompt", "guidance_rescale", "cfg_mode",  # (classifier-free guidance)
+             "reasoning", "thinking_budget"}  # (and a thought first: continuum.generate.reasoning)
 _ARGUMENTS = {
     "text": {"token_healing", "speculate", *_GUIDANCE},
     "regex": {"pattern", "backend", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
@@ -240,6 +241,8 @@ def _build(model: Any, spec: dict) -> Any:
         raise GeneratorArgumentError(f"generate.{kind} on a remote model does not take {extra} (docs/remote.md)")
     if arguments.get("speculate") is not None:
         arguments = {**arguments, "speculate": speculator_from(arguments["speculate"])}
+    if isinstance(arguments.get("reasoning"), list):  # (a marker pair: JSON's list, the constructor's tuple)
+        arguments = {**arguments, "reasoning": tuple(arguments["reasoning"])}
     return getattr(generate, kind)(model, sampler=sampler_from(spec.get("sampler") or {"type": "greedy"}), **arguments)
 
 

@@ -36,10 +36,9 @@ from .wire import GENERATE, MODEL, floats, last_from, nans, rng_from, rng_json, 
 
 __all__ = ["RemoteModel", "remote", "generator_json"]
 
-# arguments of the generator constructors that only configure what this slice does not run remotely (refused
-# unless at their defaults), and the one every call sends on its own (the sampler)
-_UNSUPPORTED = {"reasoning": False, "thinking_budget": None}
-_LOCAL_ONLY = ("sampler", *_UNSUPPORTED)
+# arguments of the generator constructors the server does not take as recorded: the sampler (every call sends its
+# own), and reasoning, sent as the generator holds it (``with_reasoning`` changes it after construction)
+_LOCAL_ONLY = ("sampler", "reasoning", "thinking_budget")
 
 
 def remote(url: str, api_key: str | None = None, model: str | None = None, timeout: float = 120.0) -> RemoteModel:
@@ -236,12 +235,10 @@ def generator_json(gen: Any) -> dict:
     if spec is None:
         raise GeneratorArgumentError(f"{gen!r} was not built by continuum.generate's constructors (text, choice, regex, "
                                      f"json, cfg), so a server cannot rebuild it")
-    what = [name for name, default in _UNSUPPORTED.items() if spec.arguments.get(name, default) != default]
-    if gen.markers is not None or what:
-        named = ", ".join(what) or "reasoning"
-        raise GeneratorArgumentError(f"a remote model does not run {named} yet (docs/remote.md): drop it, or run "
-                                     f"this generator on a local model")
     args = {k: v for k, v in spec.arguments.items() if k not in _LOCAL_ONLY}
+    if gen.reasoning:  # (True, or the marker pair; resolved against the server's tokenizer there, as here)
+        args["reasoning"] = gen.reasoning if gen.reasoning is True else list(gen.reasoning)
+        args["thinking_budget"] = gen.thinking_budget
     if args.get("speculate") is not None:
         args["speculate"] = speculator_json(args["speculate"])
     if args.get("negative_prompt") is not None and not isinstance(args["negative_prompt"], str):

@@ -112,14 +112,18 @@ def last_json(last: LastStep | None) -> dict | None:
         return None
     return {"kind": last.kind, "starts": list(last.starts), "ends": list(last.ends), "complete": list(last.complete),
             "max_tokens": last.max_tokens, "finish": list(last.finish) if last.finish is not None else None,
-            "marks": [[list(m) for m in row] for row in last.marks] if last.marks is not None else None}
+            "marks": [[list(m) for m in row] for row in last.marks] if last.marks is not None else None,
+            "thoughts": [list(t) for t in last.thoughts] if last.thoughts is not None else None,
+            "speculation": last.speculation}
 
 
 def last_from(data: dict | None, parse: Any) -> LastStep | None:
     if data is None:
         return None
-    marks = data.get("marks")
+    marks, thoughts, spec = data.get("marks"), data.get("thoughts"), data.get("speculation")
     return LastStep(kind=data["kind"], starts=tuple(data["starts"]), ends=tuple(data["ends"]),
                     complete=tuple(data["complete"]), parse=parse, max_tokens=data.get("max_tokens"),
                     finish=tuple(data["finish"]) if data.get("finish") is not None else None,
-                    marks=tuple(tuple((int(a), int(b), str(k)) for a, b, k in row) for row in marks) if marks else None)
+                    marks=tuple(tuple((int(a), int(b), str(k)) for a, b, k in row) for row in marks) if marks else None,
+                    thoughts=tuple((int(a), int(b), int(c), int(d)) for a, b, c, d in thoughts) if thoughts else None,
+                    speculation={str(k): int(v) for k, v in spec.items()} if spec else None)
