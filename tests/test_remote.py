@@ -251,6 +251,34 @@ def test_guidance_speculation_and_reasoning_run_on_the_server_as_locally(remote,
     assert got[1]._last.speculation == want[1]._last.speculation is not None  # (drafted and accepted: the server's count)
 
 
+def test_an_unfinished_constrained_step_is_resumed_as_locally(remote, local):
+    """A regex or JSON step cut by max_tokens (IncompleteGenerationError), then the same generator again: the step
+    resumes where it stopped on the server too (the guide's state rebuilt there from the step's tokens), so the value
+    spans both calls, as locally. An edit in between starts the pattern afresh on both."""
+    from continuum import continuous, generate, samplers
+    from continuum.errors import IncompleteGenerationError
+
+    def run(model):
+        digits = continuous(generate.regex(model, r" [0-9]{6}\.", samplers.greedy()))
+        small = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer",
+                 "minimum": 0, "maximum": 99}}, "required": ["kind", "n"]}
+        card = continuous(generate.json(model, small, samplers.greedy(), whitespace_pattern=""))
+        s = continuous(generate.text(model, samplers.greedy()))("Once upon a time", max_tokens=4)
+        a = digits(s, max_tokens=3)
+        with pytest.raises(IncompleteGenerationError):
+            a.value
+        b = digits(a, max_tokens=12)  # (resumed: the value is the whole pattern)
+        c = card(b + " Pet:", max_tokens=4)
+        d = card(c, max_tokens=30)  # (resumed)
+        e = digits(a + " x", max_tokens=12)  # (edited: afresh)
+        return [a, b, c, d, e]
+
+    got, want = run(remote), run(local)
+    for i, (x, y) in enumerate(zip(got, want)):
+        same(x, y, values=i in (1, 3, 4))  # (0 and 2: unfinished, their value raises on both)
+    assert got[1].value.startswith(" ") and len(got[1].value) == 8 and set(got[3].value) == {"kind", "n"}
+
+
 def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
     from continuum import continuous, generate, models, samplers, speculate
     from continuum.errors import ContextLengthError, GeneratorArgumentError, RemoteError, RemoteStateError

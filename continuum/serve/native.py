@@ -41,7 +41,7 @@ from ..models.seqprefix import common_prefix
 from .chat_completions import STREAM_HEADERS
 from .errors import APIError, from_exception
 from .messages import new_id
-from .native_state import answer_rows, input_state
+from .native_state import answer_rows, input_state, resumed
 from .served import Cancelled
 from .sse import DONE, ThreadStream, sse
 
@@ -86,6 +86,7 @@ class GenerateRequest(BaseModel):
     rng: str | None = None
     call: str | None = None  # the client's id of this call: a repeat (a retry) gets the stored answer
     stream: bool = False  # server-sent events: each step's new text per row, then the answer
+    resume: dict[str, Any] | None = None  # the unfinished constrained step the input ends with (native_state.resumed)
 
 
 class Native:
@@ -184,6 +185,8 @@ class Native:
         gen = self.generator(req.generator)
         state, parent, base = input_state(self.model, self.ctx.store, owner, req.rows, req.batch, req.samples,
                                             self.ctx.config.served_model_name)
+        if req.resume is not None:
+            state = resumed(state, gen, req.resume)
         rng = rng_from(req.rng)
         before = self.model.tokens_computed
         out = self._run(gen, state, req, rng, emit, cancelled)

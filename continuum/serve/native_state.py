@@ -20,7 +20,7 @@ from ..errors import BatchMismatch, GeneratorArgumentError, RemoteStateError
 from ..models.remote.wire import floats, nans
 from ..state import SequenceState
 
-__all__ = ["input_state", "answer_rows"]
+__all__ = ["input_state", "answer_rows", "resumed"]
 
 
 def _unknown(sid: str) -> RemoteStateError:
@@ -132,3 +132,41 @@ def answer_rows(inp: SequenceState, out: SequenceState) -> list[dict]:
         rows.append({"source": source, "common": keep, "ids": row[0][keep:], "logprobs": floats(row[1][keep:]),
                      "cached": cached[i], "weight": weights[i]})
     return rows
+
+
+def resumed(state: SequenceState, gen: Any, resume: dict) -> SequenceState:
+    """``state`` resuming the unfinished constrained step of ``gen`` the client's state ended with (``resume``: that
+    step's ``starts`` and ``complete`` per row): the guide's state of each unfinished row rebuilt by walking the
+    guide over the row's tokens from the step's start, as a local call resumes with the guide states it kept. The
+    guide's state itself does not travel (an engine's matcher is a live object)."""
+    from ..state import LastStep
+
+    starts, complete = list(resume.get("starts") or ()), list(resume.get("complete") or ())
+    guide = gen.guide
+    if guide is None or len(starts) != state.rows or len(complete) != state.rows:
+        raise GeneratorArgumentError(f"resume: expected 'starts' and 'complete' for each of the {state.rows} rows of a "
+                                     f"constrained generator")
+    if gen.token_healing:  # (a healed first token begins before the step: its text is not the step's alone)
+        raise GeneratorArgumentError("a remote model does not resume an unfinished step of a generator with "
+                                     "token_healing yet: slice the state back to before the step and call again")
+    tok = state._model.tokenizer
+    states: list[Any] = []
+    for r, (ids, _) in enumerate(state._real_rows()):
+        if complete[r]:
+            states.append(None)
+            continue
+        done, pending = tok.char_ends(ids)
+        lengths = [d + p for d, p in zip(done, pending)]  # (the length of each prefix's text)
+        k0 = next((k for k, n in enumerate(lengths) if n > starts[r]), len(ids))  # (the step's first token)
+        if (lengths[k0 - 1] if k0 else 0) != starts[r]:
+            raise GeneratorArgumentError(f"resume: row {r}'s step does not start at a token's start (character "
+                                         f"{starts[r]}): slice the state back to before the step and call again")
+        gs = guide.new_state()
+        for t in ids[k0:]:
+            gs = guide.advance(gs, t)
+        states.append(gs)
+    last = LastStep(kind=gen.kind, starts=tuple(starts), ends=tuple(len(t) for t in state.texts),
+                    complete=tuple(bool(c) for c in complete), guide_key=guide.key, guide_states=tuple(states))
+    return SequenceState(model=state._model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
+                         weights=state._weights, kv=state._kv, batch=state.batch, samples=state.samples,
+                         last=last)._memo_from(state)

@@ -147,6 +147,10 @@ class RemoteModel:
                 "rows": _rows_json(state, real), "max_tokens": max_tokens,
                 "stop_at": list(stop_at) if isinstance(stop_at, (list, tuple)) else stop_at, "rng": rng_json(rng),
                 "call": secrets.token_hex(16)}  # (a retry of this request gets the stored answer, not a new call)
+        last = state._last
+        if gen.guide is not None and last is not None and last.guide_key == _resume_key(gen) and \
+                last.guide_states is not None and not all(last.complete):  # (resumed as a local call resumes it)
+            body["resume"] = {"starts": list(last.starts), "complete": list(last.complete)}
         return body, real
 
     def call(self, gen: Any, state: SequenceState, max_tokens: int | None, stop_at: Any,
@@ -158,6 +162,12 @@ class RemoteModel:
     def _finish(self, data: dict, real: list[tuple[list[int], list[float]]], gen: Any,
                 rng: torch.Generator | None) -> SequenceState:
         result = self._result(data, real, gen.parse)
+        last = result._last
+        if gen.guide is not None and last is not None and not all(last.complete):
+            # (an unfinished constrained step: the same generator resumes it, as locally; the guide's states stay on
+            # no side, the server walks the guide over the step's tokens again: native_state.resumed. The key is
+            # not the guide's own, so a local generator never takes these placeholders for its states.)
+            result._last = last._with(guide_key=_resume_key(gen), guide_states=(None,) * len(last.complete))
         if rng is not None and data.get("rng") is not None:  # the caller's generator moves on as a local call moves it
             moved = rng_from(data["rng"])
             assert moved is not None
@@ -178,6 +188,10 @@ class RemoteModel:
         weights = torch.tensor([row["weight"] for row in data["rows"]], dtype=torch.float32)
         return layout(self, rows, cached, weights, data["batch"], data["samples"], last_from(data["last"], parse),
                       data["id"])
+
+
+def _resume_key(gen: Any) -> str:
+    return "remote:" + gen.guide.key
 
 
 def _fingerprint(saved: dict) -> Any:
