@@ -47,17 +47,16 @@ from .sse import DONE, ThreadStream, sse
 
 __all__ = ["register"]
 
-# what each constructor may receive over the wire (the rest of its arguments are refused: guidance, reasoning and
-# speculation are not run remotely yet, and anything else is a client of another version)
-_GUIDANCE = {"guidance_scale", "negative_prompt", "guidance_rescale", "cfg_mode",  # (classifier-free guidance)
-             "reasoning", "thinking_budget"}  # (and a thought first: continuum.generate.reasoning)
+# what each constructor may receive over the wire (anything else is a client of another version: refused by name)
+_EVERY = {"guidance_scale", "negative_prompt", "guidance_rescale", "cfg_mode",  # (classifier-free guidance)
+          "reasoning", "thinking_budget"}  # (a thought first: continuum.generate.reasoning)
 _ARGUMENTS = {
-    "text": {"token_healing", "speculate", *_GUIDANCE},
-    "regex": {"pattern", "backend", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
-    "choice": {"choices", "method", "backend", "fast_forward", "token_healing", *_GUIDANCE},
+    "text": {"token_healing", "speculate", *_EVERY},
+    "regex": {"pattern", "backend", "fast_forward", "token_healing", "speculate", *_EVERY},
+    "choice": {"choices", "method", "backend", "fast_forward", "token_healing", *_EVERY},
     "json": {"schema", "whitespace_pattern", "backend", "max_string_length", "additional_properties", "on_unsupported",
-             "max_items", "bounds", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
-    "cfg": {"grammar", "syntax", "backend", "fast_forward", "token_healing", "speculate", *_GUIDANCE},
+             "max_items", "bounds", "fast_forward", "token_healing", "speculate", *_EVERY},
+    "cfg": {"grammar", "syntax", "backend", "fast_forward", "token_healing", "speculate", *_EVERY},
 }
 _ANSWER = TypeAdapter(Any)  # (what FastAPI's own encoding writes: NaN and infinities as null)
 _GENERATORS_KEPT = 128  # generators built, least recently used out (a schema's compiled guide lives in each)
