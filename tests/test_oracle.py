@@ -84,9 +84,11 @@ LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
 # reference's argmax was a near-tie the oracle compared with too small a margin (test_greedy_margin_regression).
 KNOWN = os.environ.get("CONTINUUM_ORACLE_KNOWN") == "1"
 CI_BUDGET = {"stories": (6, 10), "tiny": (2, 8), "window": (3, 8), "lfm2": (3, 8), "gguf": (10, 12),
-             "gguf-invariant": (10, 12), "gguf-lfm2": (4, 10), "gguf-window": (4, 10)}  # (histories, steps)
+             "gguf-invariant": (10, 12), "gguf-lfm2": (4, 10), "gguf-window": (4, 10),
+             "remote-gguf-window": (3, 8)}  # (histories, steps)
 LONG_BUDGET = {"stories": (100, 40), "tiny": (30, 30), "window": (40, 30), "lfm2": (40, 30), "gguf": (200, 40),
-               "gguf-invariant": (200, 40), "gguf-lfm2": (60, 30), "gguf-window": (60, 30)}  # ~5 minutes
+               "gguf-invariant": (200, 40), "gguf-lfm2": (60, 30), "gguf-window": (60, 30),
+               "remote-gguf-window": (60, 30)}  # ~5 minutes
 
 
 def settings_for(name: str) -> settings:
@@ -242,12 +244,13 @@ def machine_for(name: str):
     return Oracle
 
 
-BACKENDS = ["stories", "tiny", "window", "lfm2", "gguf", "gguf-invariant", "gguf-lfm2", "gguf-window"]
+BACKENDS = ["stories", "tiny", "window", "lfm2", "gguf", "gguf-invariant", "gguf-lfm2", "gguf-window",
+            "remote-gguf-window"]  # (served: models.remote on continuum serve, oracle_support.remote_backend)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_oracle(name):
-    if name.startswith("gguf"):
+    if name.startswith(("gguf", "remote")):
         pytest.importorskip("llama_cpp")
         gguf_path(_kind(name))  # (skips without the fixture)
     else:
@@ -283,7 +286,7 @@ def tour(m) -> None:
 
 @pytest.mark.parametrize("name", BACKENDS)
 def test_oracle_tour(name):
-    if name.startswith("gguf"):
+    if name.startswith(("gguf", "remote")):
         pytest.importorskip("llama_cpp")
     tour(machine_for(name)())
 
