@@ -163,7 +163,10 @@ def resumed(state: SequenceState, gen: Any, resume: dict) -> SequenceState:
                                          f"{starts[r]}): slice the state back to before the step and call again")
         gs = guide.new_state()
         for t in ids[k0:]:
-            gs = guide.advance(gs, t)
+            gs = guide.advance(gs, t) if gs is not None else None
+        if gs is None:  # (a token the constraint refuses: not this generator's step)
+            raise GeneratorArgumentError(f"resume: row {r}'s step does not match this generator's constraint: slice "
+                                         f"the state back to before the step and call again")
         states.append(gs)
     last = LastStep(kind=gen.kind, starts=tuple(starts), ends=tuple(len(t) for t in state.texts),
                     complete=tuple(bool(c) for c in complete), guide_key=guide.key, guide_states=tuple(states))

@@ -163,7 +163,7 @@ class RemoteModel:
                 rng: torch.Generator | None) -> SequenceState:
         result = self._result(data, real, gen.parse)
         last = result._last
-        if gen.guide is not None and last is not None and not all(last.complete):
+        if gen.guide is not None and last is not None and data["last"].get("resumable") and not all(last.complete):
             # (an unfinished constrained step: the same generator resumes it, as locally; the guide's states stay on
             # no side, the server walks the guide over the step's tokens again: native_state.resumed. The key is
             # not the guide's own, so a local generator never takes these placeholders for its states.)

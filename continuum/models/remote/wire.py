@@ -114,7 +114,8 @@ def last_json(last: LastStep | None) -> dict | None:
             "max_tokens": last.max_tokens, "finish": list(last.finish) if last.finish is not None else None,
             "marks": [[list(m) for m in row] for row in last.marks] if last.marks is not None else None,
             "thoughts": [list(t) for t in last.thoughts] if last.thoughts is not None else None,
-            "speculation": last.speculation}
+            "speculation": last.speculation,
+            "resumable": last.guide_states is not None}  # (an unfinished step the same generator resumes)
 
 
 def last_from(data: dict | None, parse: Any) -> LastStep | None:
