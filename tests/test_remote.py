@@ -224,7 +224,19 @@ def test_streams_send_each_step_as_the_server_decodes_and_join_to_the_local_stat
          continuous(generate.text(local, samplers.greedy()))("The cat", max_tokens=3))
 
 
-def test_guidance_speculation_and_reasoning_run_on_the_server_as_locally(remote, local):
+def _idle(server) -> None:
+    """Wait until the server's engine runs no call: the positions a call reports count every call sharing its
+    forwards, and a stream closed early (the test before) stops on the server a step or two later."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        engine = server.health()["engine"]
+        if engine["running_calls"] == 0 and engine["waiting_calls"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server still runs calls after 10 s: {engine}")
+
+
+def test_guidance_speculation_and_reasoning_run_on_the_server_as_locally(server, remote, local):
     """Classifier-free guidance (a scale, a negative prompt), prompt-lookup speculation and reasoning (a thought
     between markers, with a budget) travel with the generator: the server runs them as the local model does (greedy:
     the same ids, log-probs within 1e-4, the same positions computed, the same thought)."""
@@ -242,6 +254,7 @@ def test_guidance_speculation_and_reasoning_run_on_the_server_as_locally(remote,
         c = number(b + " Age:", max_tokens=4)
         return [a, b, c, think(c + " Then:", max_tokens=32)]
 
+    _idle(server)
     before_r, before_l = remote.tokens_computed, local.tokens_computed
     got, want = run(remote), run(local)
     for x, y in zip(got, want):
@@ -254,7 +267,8 @@ def test_guidance_speculation_and_reasoning_run_on_the_server_as_locally(remote,
 def test_an_unfinished_constrained_step_is_resumed_as_locally(remote, local):
     """A regex or JSON step cut by max_tokens (IncompleteGenerationError), then the same generator again: the step
     resumes where it stopped on the server too (the guide's state rebuilt there from the step's tokens), so the value
-    spans both calls, as locally. An edit in between starts the pattern afresh on both."""
+    spans both calls, as locally. An edit in between, or a step cut by a stop string, starts the pattern afresh on
+    both."""
     from continuum import continuous, generate, samplers
     from continuum.errors import IncompleteGenerationError
 
@@ -271,11 +285,12 @@ def test_an_unfinished_constrained_step_is_resumed_as_locally(remote, local):
         c = card(b + " Pet:", max_tokens=4)
         d = card(c, max_tokens=30)  # (resumed)
         e = digits(a + " x", max_tokens=12)  # (edited: afresh)
-        return [a, b, c, d, e]
+        f = digits(s, max_tokens=12, stop_at="0")  # (cut by a stop string: not resumable, locally either)
+        return [a, b, c, d, e, f, digits(f, max_tokens=12)]
 
     got, want = run(remote), run(local)
     for i, (x, y) in enumerate(zip(got, want)):
-        same(x, y, values=i in (1, 3, 4))  # (0 and 2: unfinished, their value raises on both)
+        same(x, y, values=i in (1, 3, 4, 6))  # (0, 2 and 5: unfinished, their value raises on both)
     assert got[1].value.startswith(" ") and len(got[1].value) == 8 and set(got[3].value) == {"kind", "n"}
 
 
