@@ -91,8 +91,8 @@ def _history(name: str, rng: random.Random, log: list) -> None:
 def test_stress():
     name = os.environ.get("CONTINUUM_ORACLE_STRESS_BACKEND", "gguf-window")
     seed = int(os.environ.get("CONTINUUM_ORACLE_STRESS_SEED", random.randrange(1 << 30)))
-    _run(name, seed, range(N) if os.environ.get("CONTINUUM_ORACLE_STRESS_ONLY") is None
-         else [int(os.environ["CONTINUUM_ORACLE_STRESS_ONLY"])])
+    only = os.environ.get("CONTINUUM_ORACLE_STRESS_ONLY")
+    _run(name, seed, range(N) if only is None else [int(only)])
 
 
 def test_served_states_against_llama_cpp():
