@@ -405,6 +405,48 @@ def test_a_part_as_bytes_loads_as_its_file(model, tmp_path):
         load_part(b"garbage bytes", model, None)
 
 
+def test_shared_columns_matches_a_column_by_column_scan(model):
+    """A stored part shares the leading columns whose ids, mask and log-probs are equal (NaN equal to NaN, -0.0 to
+    0.0): checked against a plain scan, for a continued state and for edits at random columns of each kind."""
+    import math
+    import random
+
+    from continuum.state.parts import shared_columns
+
+    def scan(a, b) -> int:
+        n = min(a._ids.shape[1], b._ids.shape[1])
+        for j in range(n):
+            for r in range(a.rows):
+                x, y = float(a._logprobs[r, j]), float(b._logprobs[r, j])
+                if int(a._ids[r, j]) != int(b._ids[r, j]) or bool(a._mask[r, j]) != bool(b._mask[r, j]) or \
+                        not (x == y or (math.isnan(x) and math.isnan(y))):
+                    return j
+        return n
+
+    def edited(s, r, j, lp=None, token=None):
+        ids, lps = s._ids.clone(), s._logprobs.clone()
+        if lp is not None:
+            lps[r, j] = lp
+        if token is not None:
+            ids[r, j] = token
+        return SequenceState(model=s._model, ids=ids, mask=s._mask, logprobs=lps, weights=s._weights, kv=s._kv,
+                             batch=s.batch, samples=s.samples)
+
+    base = greedy_c(model)(PROMPTS[:2], max_tokens=3)
+    s = greedy_c(model)(base, max_tokens=4)
+    assert shared_columns(s, base, kv=False) == scan(s, base) > 0
+    other_nan = float(torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32))  # (a NaN of other bits)
+    rng = random.Random(7)
+    for _ in range(6):
+        j, r = rng.randrange(base._ids.shape[1]), rng.randrange(base.rows)
+        cases = [(edited(s, r, j, lp=-3.5), base),  # (another value)
+                 (edited(s, r, j, token=(int(s._ids[r, j]) + 1) % model.vocab_size), base),  # (another token)
+                 (edited(s, r, j, lp=-0.0), edited(base, r, j, lp=0.0)),  # (equal values, other bits: shared)
+                 (edited(s, r, j, lp=other_nan), edited(base, r, j, lp=float("nan")))]  # (NaN and NaN: shared)
+        for a, b in cases:
+            assert shared_columns(a, b, kv=False) == scan(a, b)
+
+
 def test_load_with_other_tokenizer_fails(gpt2_model, llama_model, tmp_path):
     s = greedy_c(gpt2_model)("x", max_tokens=2)
     s.save(tmp_path / "s.safetensors")

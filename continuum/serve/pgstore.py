@@ -23,7 +23,7 @@ from ..state import SequenceState
 from ..state.parts import load_part, part_bytes, shared_columns
 from .errors import StoreUnavailable
 from .redact import redact
-from .store import Record, Resident, Tally
+from .store import Record, Resident, Tally, part_file
 
 __all__ = ["PgStore", "SCHEMA_VERSION"]
 
@@ -124,9 +124,10 @@ class PgStore:
 
     def _put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
              parent: str | None, base: SequenceState | None) -> None:
-        parent_file = self._part_of(parent) if state is not None and parent is not None else None
+        # (the parent's part is named by its id: whether it has one is asked in the transaction below, not before it)
+        parent_file = part_file(parent) if state is not None and parent is not None else None
         start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
-        state_file = f"{rid}.safetensors" if state is not None else None
+        state_file = part_file(rid) if state is not None else None
         created = float(body.get("created_at", body.get("created", time.time())))
         with self._conn() as conn, conn.transaction():
             if start and conn.execute("SELECT 1 FROM parts WHERE file = %s FOR SHARE", (parent_file,)).fetchone() is None:
@@ -144,11 +145,6 @@ class PgStore:
         if state is not None and state_file is not None:
             self._remember(state_file, state)
         # (no retention here: it runs on its own schedule, serve/retention.py)
-
-    def _part_of(self, rid: str) -> str | None:
-        with self._conn() as conn:
-            row = conn.execute("SELECT state_file FROM responses WHERE id = %s", (rid,)).fetchone()
-        return row[0] if row is not None else None
 
     # ------------------------------------------------------------------ reading
     def get(self, rid: str, owner: str) -> Record | None:
@@ -195,7 +191,7 @@ class PgStore:
 
     def in_memory(self, rid: str) -> bool:
         with self._lock:
-            return f"{rid}.safetensors" in self._memory
+            return part_file(rid) in self._memory
 
     # ------------------------------------------------------------------ deleting
     def delete(self, rid: str, owner: str) -> bool:

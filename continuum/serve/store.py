@@ -39,7 +39,7 @@ from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
 
-__all__ = ["Record", "Resident", "Store", "StoreLockedError", "Tally"]
+__all__ = ["Record", "Resident", "Store", "StoreLockedError", "Tally", "part_file"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -107,6 +107,11 @@ class Resident:
         while self._used > self.budget and self._states:
             _, (_, freed) = self._states.popitem(last=False)
             self._used -= freed
+
+
+def part_file(rid: str) -> str:
+    """The name of response ``rid``'s state part (in the parts table, and the file beside the database)."""
+    return f"{rid}.safetensors"
 
 
 class Tally:
@@ -200,10 +205,11 @@ class Store:
     def _put(self, rid: str, owner: str, body: dict, messages: list, state: SequenceState | None,
              parent: str | None, base: SequenceState | None) -> None:
         state_file, size = None, 0
-        parent_file = self._part_of(parent) if state is not None and parent is not None else None
+        # (the parent's part is named by its id; whether it has one is asked once, in the transaction below)
+        parent_file = part_file(parent) if state is not None and parent is not None else None
         start = shared_columns(state, base, self.kv) if state is not None and parent_file is not None else 0
         if state is not None:
-            state_file = f"{rid}.safetensors"
+            state_file = part_file(rid)
             size = self._write_part(rid, state, start)
         row = (rid, owner, float(body.get("created_at", body.get("created", time.time()))), json.dumps(body),
                json.dumps(messages), state_file, size)
@@ -222,7 +228,7 @@ class Store:
         # (no retention here: it runs on its own schedule, serve/retention.py)
 
     def _write_part(self, rid: str, state: SequenceState, start: int) -> int:
-        final = self.states_dir / f"{rid}.safetensors"
+        final = self.states_dir / part_file(rid)
         save_part(state, final, start, self.kv)  # (atomic: persistence.write moves a whole file onto the path)
         size = final.stat().st_size
         self.bytes_written += size
@@ -239,11 +245,6 @@ class Store:
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
-
-    def _part_of(self, rid: str) -> str | None:
-        with self._lock:
-            row = self._db.execute("SELECT state_file FROM responses WHERE id = ?", (rid,)).fetchone()
-        return row[0] if row is not None else None
 
     # ------------------------------------------------------------------ reading
     def get(self, rid: str, owner: str) -> Record | None:
@@ -289,7 +290,7 @@ class Store:
 
     def in_memory(self, rid: str) -> bool:
         with self._lock:
-            return f"{rid}.safetensors" in self._memory
+            return part_file(rid) in self._memory
 
     # ------------------------------------------------------------------ deleting
     def delete(self, rid: str, owner: str) -> bool:

@@ -34,6 +34,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else torch.equal(a, b)
 
 
+_INTS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs of one pattern equal: prompt tokens' log-probs); False also where only the values are
+    equal (-0.0 against 0.0, another NaN's bits): the caller then compares values."""
+    ints = _INTS.get(a.element_size())
+    if ints is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(ints), b.view(ints))
+
+
 def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = True) -> int:
     """How many leading columns ``state`` takes unchanged from ``base``: the same ids, mask and
     log-probs, and (``kv``) cached in both with the same KV values; 0 when nothing can be shared."""
@@ -45,11 +57,13 @@ def shared_columns(state: SequenceState, base: SequenceState | None, kv: bool = 
         if mine is None or theirs is None or len(mine) != len(theirs):
             return 0
         n = min(n, kvcache.length(state._kv), kvcache.length(base._kv))
-    same = (state._ids[:, :n] == base._ids[:, :n]) & (state._mask[:, :n] == base._mask[:, :n])
     lp_a, lp_b = state._logprobs[:, :n], base._logprobs[:, :n]
-    same &= (lp_a == lp_b) | (lp_a.isnan() & lp_b.isnan())
-    bad = (~same.all(0)).nonzero()
-    n = int(bad[0]) if len(bad) else n
+    if not (torch.equal(state._ids[:, :n], base._ids[:, :n]) and torch.equal(state._mask[:, :n], base._mask[:, :n])
+            and _bits_equal(lp_a, lp_b)):  # (a continued state shares all n: three fused checks, not a column scan)
+        same = (state._ids[:, :n] == base._ids[:, :n]) & (state._mask[:, :n] == base._mask[:, :n])
+        same &= (lp_a == lp_b) | (lp_a.isnan() & lp_b.isnan())
+        bad = (~same.all(0)).nonzero()
+        n = int(bad[0]) if len(bad) else n
     if kv and n and mine is not None and theirs is not None:
         for (k, v), (bk, bv) in zip(mine, theirs):
             if not (_same(k[..., :n, :], bk[..., :n, :]) and _same(v[..., :n, :], bv[..., :n, :])):

@@ -25,7 +25,7 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ...errors import ForeignStateError, StateFileError
@@ -71,7 +71,7 @@ class LlamaCppFingerprint:
     llama_cpp: str
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # (flat values: no deep copy, models/identity.py)
 
 
 def fingerprint_of(model: LlamaCppModel) -> LlamaCppFingerprint:
