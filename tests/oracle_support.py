@@ -42,6 +42,9 @@ JSON_SCHEMAS = {"bool": {"type": "boolean"}, "color": {"enum": ["red", "green", 
                           "required": ["n"]}}
 
 
+MEMO_BYTES = 1 << 30  # the reference log-probs a backend keeps (Backend.logprobs)
+
+
 @dataclass
 class Backend:
     """One model's weights behind several continuum adapters (``variants``: the prefix cache on/off, a small pool),
@@ -54,7 +57,7 @@ class Backend:
     margin: float
     hf: Any = None  # the transformers module (beams: its own generate)
     flash_attn: bool = False
-    gguf: str = "f32"  # llama.cpp: the GGUF the reference evaluates (gguf_path: "f32", "lfm2" or "window")
+    gguf: str = "f32"  # llama.cpp: the GGUF the reference evaluates (gguf_path: "f32", "lfm2", "window", "gemma")
     _memo: dict = field(default_factory=dict)
     _gens: dict = field(default_factory=dict)
 
@@ -72,9 +75,9 @@ class Backend:
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """``(len(ids), V)`` float64: row ``j`` is the reference's log-probs of the token after ``ids[:j + 1]``."""
         key = tuple(ids)
-        if key not in self._memo:
-            if len(self._memo) > 256:
-                self._memo.clear()
+        if key in self._memo:
+            self._memo[key] = self._memo.pop(key)  # (most recently used last: evicted last)
+        else:
             if self.kind == "hf":
                 with torch.no_grad():
                     logits = self.hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
@@ -84,6 +87,10 @@ class Backend:
                 llm.eval(list(ids))
                 logits = torch.tensor(llm.scores[:len(ids)])
             self._memo[key] = logits.double().log_softmax(-1)
+            # bounded by bytes, not entries: a row's matrix is len(ids) x V float64, 73 MB for 60 tokens of Qwen2's
+            # 151,936 (tiny_window), and 257 of them (the bound this had) took a stress run to 14 GB and an OOM kill
+            while sum(m.numel() * 8 for m in self._memo.values()) > MEMO_BYTES and len(self._memo) > 1:
+                del self._memo[next(iter(self._memo))]
         return self._memo[key]
 
     def generator(self, variant: str, kind: str, n: int = 1, arg: Any = None):
@@ -156,14 +163,20 @@ def hf_backend(name: str) -> Backend:
 
 
 def gguf_path(kind: str):
-    """The GGUF of ``kind``: ``f32`` (stories260K, llamacpp_support.gguf), ``lfm2`` (the random LFM2 hybrid) or
-    ``window`` (a random tiny Gemma 3 with a window of 8 tokens, written at test time: tiny_gguf.py)."""
+    """The GGUF of ``kind``: ``f32`` (stories260K, llamacpp_support.gguf), ``lfm2`` (the random LFM2 hybrid),
+    ``window`` (a random tiny Gemma 3 with a window of 8 tokens, written at test time: tiny_gguf.py) or ``gemma`` (the
+    real Gemma 3 270M Q4_K_M from the registry, skipped without it; the stress driver's ``gguf-gemma``, whose
+    tolerance is llamacpp_support.DECODE_TOL's for it)."""
     from tiny_gguf import window_gguf
 
     from llamacpp_support import gguf
 
     if kind == "window":
         return window_gguf()
+    if kind == "gemma":  # (the real Gemma 3 270M Q4_K_M from the registry: the stress driver's gguf-gemma)
+        from llamacpp_support import gemma_path
+
+        return gemma_path()
     return fixture_path("models", "lfm2-tiny-gguf", "lfm2-tiny-f32.gguf") if kind == "lfm2" else gguf(kind)
 
 
@@ -193,7 +206,7 @@ def own_llama(n_ctx: int = 1024, invariant: bool = False, prefix: bool = False, 
     m = models.llamacpp(gguf_path(kind), batch_invariant=invariant, n_threads=1, n_ctx=n_ctx,
                         prefix_cache="8MiB" if prefix and kind != "lfm2" else None,
                         **(dict(n_seq_max=16) if n_ctx < 512 else {}))
-    tol = DECODE_TOL["f32"]
+    tol = DECODE_TOL.get(kind, DECODE_TOL["f32"])
     name = f"gguf{'-' + kind if kind != 'f32' else ''}{'-invariant' if invariant else ''}-{n_ctx}"
     return Backend(name, "llama", {"plain": m}, 2 * tol, 2 * tol, flash_attn=m.llama.flash_attn, gguf=kind)
 

@@ -137,7 +137,7 @@ def call_strategy(variants: list[str], unbounded: bool, speculation: bool = True
 
 def _kind(name: str) -> str:
     """The GGUF a ``gguf...`` backend name runs (oracle_support.gguf_path)."""
-    return "lfm2" if "lfm2" in name else "window" if "window" in name else "f32"
+    return "lfm2" if "lfm2" in name else "window" if "window" in name else "gemma" if "gemma" in name else "f32"
 
 
 def machine_for(name: str):

@@ -1,7 +1,8 @@
 """A stress driver beside the oracle: long random histories of concurrent steps, off unless asked for.
 
 ``CONTINUUM_ORACLE_STRESS=N python -m pytest tests/test_oracle_stress.py`` runs N histories on one backend
-(``CONTINUUM_ORACLE_STRESS_BACKEND``, default ``gguf-window``: the tiny Gemma 3 GGUF with a window of 8) from a seed
+(``CONTINUUM_ORACLE_STRESS_BACKEND``, default ``gguf-window``: the tiny Gemma 3 GGUF with a window of 8; ``gguf-gemma``:
+the real Gemma 3 270M Q4_K_M, ~15 s a history) from a seed
 (``CONTINUUM_ORACLE_STRESS_SEED``, default a new one, printed). Each history holds up to 8 states and draws 12 steps:
 ``run_batch`` of 1-2-call programs, threads, ``asyncio.gather``, single calls of every kind (JSON included) on every
 variant of the model (transformers: its prefix cache and a KV budget; a GGUF: a prefix cache drawn per history) and
