@@ -58,6 +58,7 @@ class Backend:
     hf: Any = None  # the transformers module (beams: its own generate)
     flash_attn: bool = False
     gguf: str = "f32"  # llama.cpp: the GGUF the reference evaluates (gguf_path: "f32", "lfm2", "window", "gemma")
+    server: Any = None  # a served backend's ``continuum serve`` (benchmarks.replicas.Server): restarted by the stress
     _memo: dict = field(default_factory=dict)
     _gens: dict = field(default_factory=dict)
 
@@ -239,10 +240,10 @@ def remote_backend(target: str = "gguf-window", n_ctx: int = 256) -> Backend:
     atexit.register(srv.stop)
     remote = {"plain": models.remote(srv.base, api_key="oracle")}
     if target == "stories":
-        return Backend(f"remote-{target}", "hf", remote, ref.tol, ref.margin, hf=ref.hf)
+        return Backend(f"remote-{target}", "hf", remote, ref.tol, ref.margin, hf=ref.hf, server=srv)
     flash = models.llamacpp(path, n_ctx=n_ctx, n_threads=1).llama.flash_attn  # (the server loads it the same way)
     tol = DECODE_TOL["f32"]
-    return Backend(f"remote-{target}", "llama", remote, 2 * tol, 2 * tol, flash_attn=flash, gguf=kind)
+    return Backend(f"remote-{target}", "llama", remote, 2 * tol, 2 * tol, flash_attn=flash, gguf=kind, server=srv)
 
 
 @cache
