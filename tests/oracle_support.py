@@ -241,7 +241,7 @@ def remote_backend(target: str = "gguf-window", n_ctx: int = 256) -> Backend:
     remote = {"plain": models.remote(srv.base, api_key="oracle")}
     if target == "stories":
         return Backend(f"remote-{target}", "hf", remote, ref.tol, ref.margin, hf=ref.hf, server=srv)
-    flash = models.llamacpp(path, n_ctx=n_ctx, n_threads=1).llama.flash_attn  # (the server loads it the same way)
+    flash = remote["plain"].fingerprint.flash_attn  # (how the server's llama.cpp computes: its KV fingerprint says)
     tol = DECODE_TOL["f32"]
     return Backend(f"remote-{target}", "llama", remote, 2 * tol, 2 * tol, flash_attn=flash, gguf=kind, server=srv)
 
