@@ -131,3 +131,43 @@ def test_damaged_kv_bytes_are_recomputed_and_a_truncated_file_is_refused(model, 
     path.write_bytes(data[:len(data) // 2])
     with pytest.raises(StateFileError, match="not a readable continuum state file"):
         SequenceState.load(path, model)
+
+
+def test_a_stores_resident_states_keep_their_kv_across_a_graceful_restart(model, tmp_path, caplog):
+    """A server's store (serve/store.py) keeps a GGUF state's tokens in its parts; at shutdown the states in its memory
+    are saved whole beside their parts (serve/sidecars.py). A store opened again on the folder loads such a state
+    with its KV (its continuation computes only the new tokens, and equals the unsaved state's), consumes the file,
+    and a sidecar goes with its part when the response is deleted; a sidecar from another GGUF is refused by its
+    fingerprint and the state comes from its parts (recomputed)."""
+    from continuum.serve.store import Store
+
+    s = _greedy(model)("Once upon a time", max_tokens=12)
+    want, _ = _continue(model, s)
+    store = Store(tmp_path, model, memory_bytes=1 << 30, max_age=None, max_bytes=None)
+    body = {"id": "r1", "object": "continuum.state", "created": 1.0}
+    store.put("r1", "me", body, [], s)
+    store.put("r2", "me", {**body, "id": "r2"}, [], _greedy(model)("The cat", max_tokens=3))
+    assert store.save_resident() == 2 and store.save_resident() == 0  # (idempotent)
+    store.close()
+
+    reopened = Store(tmp_path, model, memory_bytes=1 << 30, max_age=None, max_bytes=None)  # (orphans kept: known)
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["r1.safetensors", "r1.safetensors.kv",
+                                                                       "r2.safetensors", "r2.safetensors.kv"]
+    loaded = reopened.state(reopened.get("r1", "me"))
+    got, computed = _continue(model, loaded)
+    assert computed == 10  # only the new tokens: the KV came back
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert torch.equal(got.token_logprobs.nan_to_num(), want.token_logprobs.nan_to_num())
+    assert not (tmp_path / "states" / "r1.safetensors.kv").exists()  # (consumed: the state is in memory again)
+    assert reopened.delete("r2", "me") and not (tmp_path / "states" / "r2.safetensors.kv").exists()
+
+    other = models.llamacpp(gguf("q8_0"), batch_invariant=True, n_threads=1)  # (another GGUF, same vocabulary)
+    reopened.save_resident()
+    reopened.close()
+    third = Store(tmp_path, other, memory_bytes=1 << 30, max_age=None, max_bytes=None)
+    with caplog.at_level(logging.WARNING, logger="continuum"):
+        back = third.state(third.get("r1", "me"))
+    assert back is not None and kv.length(back._kv) == 0 and list(back) == list(s)  # (its parts: tokens, recomputed)
+    assert any("recompute" in r.getMessage() or "drop" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "states" / "r1.safetensors.kv").exists()
+    third.close()

@@ -112,3 +112,24 @@ def test_after_a_restart_a_handle_continues_from_the_stored_tokens(server, remot
     after = text_r(s + " He", max_tokens=5)
     same(after, text_l(text_l("The little dog", max_tokens=8) + " He", max_tokens=5))
     assert remote.tokens_computed - before >= len(s.token_ids[0])  # recomputed: the cells did not survive
+
+
+def test_after_a_graceful_restart_a_handle_continues_with_its_cells(server, remote, local):
+    """At a graceful shutdown (SIGTERM) the server saves the llama.cpp KV of the states in its memory beside their parts
+    (serve/sidecars.py): after the restart the handle's state comes back with its cells, the call computes what the
+    local model computes, and gives what it gives; the saved files are consumed."""
+    from continuum import continuous, generate, samplers
+
+    text_r = continuous(generate.text(remote, samplers.greedy()))
+    text_l = continuous(generate.text(local, samplers.greedy()))
+    s = text_r("The little dog", max_tokens=8)
+    server.stop()
+    assert list((server.store / "states").glob("*.kv"))  # (written at shutdown)
+    server.start()
+    before = remote.tokens_computed
+    after = text_r(s + " He", max_tokens=5)
+    s_l = text_l("The little dog", max_tokens=8)
+    before_l = local.tokens_computed
+    same(after, text_l(s_l + " He", max_tokens=5))
+    assert remote.tokens_computed - before == local.tokens_computed - before_l  # continued, not recomputed
+    assert not (server.store / "states" / f"{s._kv.entries[0][0]}.safetensors.kv").exists()  # (consumed)

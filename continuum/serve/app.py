@@ -75,15 +75,22 @@ class Context:
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
         self.probes = anyio.CapacityLimiter(4)  # /ready's database probes: a hung one holds at most these threads
         self.created = int(time.time())
+        self._saved = False  # (close saves the resident states once)
         retains = config.retention_age is not None or config.retention_bytes is not None
         self.retention = RetentionTimer(self.store.enforce_retention, config.retention_interval) \
             if retains and config.retention_interval else None
 
     def close(self) -> None:
-        """At shutdown: no retention pass starts any more (one under way finishes). The store closes with the
-        process (a reply still finishing on a worker thread may write to it)."""
+        """At shutdown: no retention pass starts any more (one under way finishes), and the states in the store's
+        memory whose KV the backend keeps (llama.cpp) are saved beside their parts, for the next start
+        (serve/sidecars.py; idempotent). The store closes with the process (a reply still finishing on a worker thread
+        may write to it)."""
         if self.retention is not None:
             self.retention.stop()
+        save = getattr(self.store, "save_resident", None)  # (the SQLite store's; not PostgreSQL's)
+        if save is not None and not self._saved:
+            self._saved = True
+            save()
 
     def owner(self, request: Request) -> str:
         """The caller's identity: a hash of its API key ("" without auth); 401 without a configured key."""

@@ -220,7 +220,7 @@ def _serve_while_building(args: argparse.Namespace, native: _Preload, template: 
         native.join()
         return _build(args, template, native)
 
-    app = Starting(build, loaded=native.loaded, failed=failed)
+    app = Starting(build, loaded=native.loaded, failed=failed, stopping=lambda built: built.state.ctx.close())
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     try:

@@ -32,10 +32,13 @@ __all__ = ["Starting"]
 class Starting:
     """ASGI app: ``build()`` (on a thread from the lifespan's start) makes the real app, which then serves
     everything. ``loaded()`` tells whether the model's weights are in memory (``/health`` 200 from then on);
-    ``failed(exc)`` is called on the event loop when ``build()`` raises (it should stop the server)."""
+    ``failed(exc)`` is called on the event loop when ``build()`` raises (it should stop the server); ``stopping(app)``
+    on a thread at the lifespan's shutdown, once the server has stopped serving, when the app was built (uvicorn
+    raises a SIGTERM again once it has shut down, so nothing after ``Server.run`` runs then)."""
 
-    def __init__(self, build: Callable[[], Any], loaded: Callable[[], bool], failed: Callable[[BaseException], None]):
-        self.build, self.loaded, self.failed = build, loaded, failed
+    def __init__(self, build: Callable[[], Any], loaded: Callable[[], bool], failed: Callable[[BaseException], None],
+                 stopping: Callable[[Any], None] | None = None):
+        self.build, self.loaded, self.failed, self.stopping = build, loaded, failed, stopping
         self.app: Any = None
         self.error: BaseException | None = None
         self._ready: asyncio.Event | None = None
@@ -75,6 +78,8 @@ class Starting:
                 threading.Thread(target=self._build, args=(loop,), name="continuum-build", daemon=True).start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self.app is not None and self.stopping is not None:
+                    await asyncio.to_thread(self.stopping, self.app)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -16,7 +16,9 @@ a committed transaction survives the process being killed (only a power loss cou
 States are also kept in memory, least recently used first out, under a byte budget; a state that
 is not in memory is loaded from its chain (root first) with continuum's fingerprinted reader, its
 KV cache included, so continuing it computes only the new tokens; with ``kv=False`` parts hold
-tokens only and the cache is recomputed on load. Retention (:meth:`Store.enforce_retention`, run on a
+tokens only and the cache is recomputed on load. A backend's own KV (llama.cpp's) has no columns to cut: its parts
+hold tokens, and the states in memory are saved whole at a graceful shutdown, beside their parts (sidecars.py).
+Retention (:meth:`Store.enforce_retention`, run on a
 schedule of its own by serve/retention.py, never inside a save): rows older than ``max_age`` seconds, and
 the oldest rows while the parts exceed ``max_bytes``, are deleted; an expired id answers 404 like an
 unknown one from the moment it expires.
@@ -28,16 +30,16 @@ import json
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..models import kv as kvcache
 from ..state import SequenceState
 from ..state.parts import load_part, save_part, shared_columns
+from . import sidecars
+from .resident import Resident
 
 __all__ = ["Record", "Resident", "Store", "StoreLockedError", "Tally", "part_file"]
 
@@ -71,42 +73,6 @@ WITH RECURSIVE needed(file) AS (
     SELECT state_file FROM responses WHERE state_file IS NOT NULL
     UNION SELECT parts.parent FROM parts JOIN needed ON parts.file = needed.file WHERE parts.parent IS NOT NULL)
 """
-
-
-class Resident:
-    """States kept in memory by part file, least recently used out past ``budget`` bytes (a state larger than the
-    budget is not kept). Not locked: its store calls it under its own lock."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self._states: OrderedDict[str, tuple[SequenceState, int]] = OrderedDict()
-        self._used = 0
-
-    def __contains__(self, file: str) -> bool:
-        return file in self._states
-
-    def get(self, file: str) -> SequenceState | None:
-        hit = self._states.get(file)
-        if hit is None:
-            return None
-        self._states.move_to_end(file)
-        return hit[0]
-
-    def drop(self, file: str) -> None:
-        old = self._states.pop(file, None)
-        if old is not None:
-            self._used -= old[1]
-
-    def put(self, file: str, state: SequenceState) -> None:
-        size = _nbytes(state)
-        if size > self.budget:
-            return
-        self.drop(file)
-        self._states[file] = (state, size)
-        self._used += size
-        while self._used > self.budget and self._states:
-            _, (_, freed) = self._states.popitem(last=False)
-            self._used -= freed
 
 
 def part_file(rid: str) -> str:
@@ -161,12 +127,6 @@ class Record:
     body: dict
     messages: list
     state_file: str | None
-
-
-def _nbytes(state: SequenceState) -> int:
-    """Bytes a state holds in memory (its cache and token tensors)."""
-    tensors = [state._ids, state._mask, state._logprobs]
-    return sum(t.numel() * t.element_size() for t in tensors) + kvcache.nbytes(state._kv)
 
 
 class Store:
@@ -277,6 +237,11 @@ class Store:
         if not chain:
             self.tally.resident += 1
             return base
+        whole = sidecars.load(self.states_dir, record.state_file, self.model)  # (saved at the last shutdown)
+        if whole is not None:
+            self.tally.loads += 1
+            self._remember(record.state_file, whole)
+            return whole
         try:
             with self.tally.timed("load"):
                 for file in reversed(chain):
@@ -337,6 +302,15 @@ class Store:
         with self._lock:
             return self._total()
 
+    def save_resident(self) -> int:
+        """At shutdown: the states in memory whose KV the backend keeps, saved beside their parts (serve/sidecars.py);
+        returns how many. Idempotent."""
+        if not self.kv:
+            return 0  # (--store-kv none: tokens only, by choice)
+        with self._lock:
+            resident = [(file, state) for file, (state, _) in self._memory._states.items()]
+        return sidecars.save_all(self.states_dir, resident)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -380,6 +354,7 @@ class Store:
     def _unlink(self, files: list[str]) -> None:
         for file in files:
             (self.states_dir / file).unlink(missing_ok=True)
+            sidecars.path(self.states_dir, file).unlink(missing_ok=True)
 
     def _remove_orphans(self) -> None:
         """Parts no live response needs, files without a part row (a response in flight when the process
@@ -389,5 +364,5 @@ class Store:
             known = {r[0] for r in self._db.execute("SELECT file FROM parts")}
         self._unlink(doomed)
         for path in self.states_dir.iterdir():
-            if path.name not in known:
+            if path.name not in known and sidecars.part_of(path.name) not in known:
                 path.unlink(missing_ok=True)
