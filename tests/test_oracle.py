@@ -240,11 +240,16 @@ def machine_for(name: str):
         def gather(self, hs, cs):
             return keep(*gather(self.b, [(c, *prepare(h, c)) for h, c in zip(hs, cs)]))
 
-        def restart(self):
-            """``kill -9`` of a served backend's server, then a start on its port and store (not a rule: the stress
-            driver's step, ~3 s): the states held continue by their handles, their stored tokens computed again
-            (a GGUF server's store keeps tokens) or their stored KV loaded (transformers), as checked after."""
-            self.b.server.kill9()
+        def restart(self, graceful: bool = False):
+            """``kill -9`` of a served backend's server (or SIGTERM: ``graceful``), then a start on its port and store
+            (not a rule: the stress driver's step, ~3 s): the states held continue by their handles, their stored
+            tokens computed again (a GGUF server's store keeps tokens; after a graceful stop, the KV it saved of the
+            states in its memory is restored: serve/sidecars.py) or their stored KV loaded (transformers), as checked
+            after."""
+            if graceful:
+                self.b.server.stop()
+            else:
+                self.b.server.kill9()
             self.b.server.start()
             return multiple()
 

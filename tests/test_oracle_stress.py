@@ -6,7 +6,7 @@ the real Gemma 3 270M Q4_K_M, ~15 s a history) from a seed
 (``CONTINUUM_ORACLE_STRESS_SEED``, default a new one, printed). Each history holds up to 8 states and draws 12 steps:
 ``run_batch`` of 1-2-call programs, threads, ``asyncio.gather``, single calls of every kind (JSON included) on every
 variant of the model (transformers: its prefix cache and a KV budget; a GGUF: a prefix cache drawn per history) and
-cuts (and, on a served backend, a ``kill -9`` and restart of its server now and then), each result checked by the
+cuts (and, on a served backend, a ``kill -9`` or SIGTERM and restart of its server now and then), each result checked by the
 oracle's rules (``tests/test_oracle.py``: the backend's own evaluation of the same
 ids). A failure prints the seed, the history's index and every step; ``CONTINUUM_ORACLE_STRESS_ONLY=i`` replays
 history ``i`` of that seed alone (thread timing still varies: a history may need a few replays, and tracing each
@@ -84,9 +84,10 @@ def _history(name: str, rng: random.Random, log: list) -> None:
                       "save_load": {"variant": "plain"}}[what]
                 log.append((what, kw))
                 _keep(held, getattr(m, what)(h=h, **kw))
-            elif r < 0.45 and m.b.server is not None:  # (a served backend: its server killed and started again)
-                log.append(("restart", {}))
-                m.restart()
+            elif r < 0.45 and m.b.server is not None:  # (a served backend: its server stopped and started again)
+                kw = {"graceful": r < 0.425}  # (SIGTERM, its states' KV saved, or kill -9)
+                log.append(("restart", kw))
+                m.restart(**kw)
             held = [h for h in held if h is not None and not getattr(h, "final", False)][-8:]
     finally:
         m.teardown()
