@@ -70,6 +70,8 @@ def load(states_dir: Path, file: str, model: Any) -> SequenceState | None:
         return None
     try:
         state = SequenceState.load(target, model)
+    except FileNotFoundError:
+        return None  # (another request for the same response read it first: it is in memory, or its parts are read)
     except (ContinuumError, OSError) as exc:
         logger.warning("continuum serve: the saved KV of stored state %s was not loaded (%s: %s); its tokens are "
                        "read from its parts", file, type(exc).__name__, exc)
