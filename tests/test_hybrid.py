@@ -284,3 +284,25 @@ def test_rows_that_finish_early_keep_their_states(model):
     for r, p in enumerate(PROMPTS):
         assert list(g(p, max_tokens=10, stop_at=stop))[0] == list(s)[r]
     assert_exact(model, s + " z")
+
+
+def test_a_servers_store_keeps_a_hybrid_state_across_a_graceful_restart(model, tmp_path):
+    """A hybrid's KV (recurrent snapshots) has no columns to cut into a stored part: the server's store keeps its
+    tokens, and at shutdown saves the states in memory whole beside their parts (serve/sidecars.py). Opened again, the
+    store gives the state back with its KV: continuing computes only the new tokens and equals the unsaved state's
+    continuation."""
+    from continuum.serve.store import Store
+
+    g = continuous(generate.text(model, greedy()))
+    s = g("Once upon a time", max_tokens=6)
+    store = Store(tmp_path, model, memory_bytes=1 << 30, max_age=None, max_bytes=None)
+    store.put("r1", "me", {"id": "r1", "object": "continuum.state", "created": 1.0}, [], s)
+    assert store.save_resident() == 1
+    store.close()
+    again = Store(tmp_path, model, memory_bytes=1 << 30, max_age=None, max_bytes=None)
+    back = again.state(again.get("r1", "me"))
+    before = model.tokens_computed
+    got = g(back, max_tokens=4)
+    assert model.tokens_computed - before == 4  # (only the new tokens: a state from its parts computes all 4 + 6 + prompt)
+    assert torch.equal(got.token_ids, g(s, max_tokens=4).token_ids)
+    again.close()
