@@ -216,6 +216,8 @@ class Generator:
                 # compute, a hybrid's or a sliding window's short view of a long spilled state, are computed from
                 # their tokens instead; the stress driver: 2-row calls on a 256-cell LFM2 pool)
                 fresh = recompute_costly(state)
+                if fresh is state:  # (none costly: then every row to be brought back, since llama.cpp writes a
+                    fresh = recompute_costly(state, spilled=True)  # state's bytes back only into one run of free cells)
                 if attempt == STALE_RETRIES or fresh is state:
                     raise
             if drawn is not None:

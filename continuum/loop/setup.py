@@ -88,12 +88,15 @@ def recompute_stale(state: SequenceState) -> SequenceState:
     return recompute_rows(state, set(find(state._kv)) if find is not None and state._kv is not None else set())
 
 
-def recompute_costly(state: SequenceState) -> SequenceState:
+def recompute_costly(state: SequenceState, spilled: bool = False) -> SequenceState:
     """``state`` with the cache dropped of the rows whose cache takes more cells to bring back than their tokens to
     compute (llama.cpp: a short view of a long spilled state whose bytes cannot be cut, a hybrid's or a sliding
-    window's, restores all of it): what a call refused for room tries next (``Generator._run_alone``)."""
+    window's, restores all of it): what a call refused for room tries next (``Generator._run_alone``); ``spilled``:
+    of every row whose cache must be brought back (llama.cpp writes it back only into one run of free cells)."""
     find = getattr(state._model, "costly_rows", None)
-    return recompute_rows(state, set(find(state._kv)) if find is not None and state._kv is not None else set())
+    if find is None or state._kv is None:
+        return state
+    return recompute_rows(state, set(find(state._kv, spilled) if spilled else find(state._kv)))
 
 
 def recompute_rows(state: SequenceState, stale: set[int]) -> SequenceState:

@@ -256,10 +256,11 @@ class LlamaCpp:
         with self.pool.model.lock:
             return capacity.rows_cells(kv, rows)
 
-    def costly_rows(self, kv: SeqKV) -> list[int]:
-        """Rows of ``kv`` cheaper to compute from their tokens than to restore (``loop/setup.recompute_costly``)."""
+    def costly_rows(self, kv: SeqKV, spilled: bool = False) -> list[int]:
+        """Rows of ``kv`` cheaper to compute from their tokens than to restore (``loop/setup.recompute_costly``);
+        ``spilled``: every row whose sequence is spilled."""
         with self.pool.model.lock:
-            return capacity.costly_rows(kv)
+            return capacity.costly_rows(kv, spilled)
 
     def hold(self, requests: list[Request]) -> None:
         """Keep the sequences of ``requests`` (their KV, and their new KV once run) resident through the next step:

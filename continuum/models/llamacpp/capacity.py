@@ -93,17 +93,22 @@ def rows_cells(kv, rows: list[int]) -> int:
     return cells.count(resident.values()) + shared + sum(v for k, v in apart.items() if k not in whole)
 
 
-def costly_rows(kv) -> list[int]:
+def costly_rows(kv, spilled: bool = False) -> list[int]:
     """Rows of ``kv`` (a ``SeqKV``) cheaper in cells to compute from their tokens than to bring back, for a call that
     found no room running alone: a view of a spilled sequence whose bytes cannot be cut at it (:func:`~.window.holds`);
     on a hybrid every row with cells, since its fork family members restore apart, each with its own copy of their
     common prefix (``reshare`` cannot share a recurrent sequence's cells), where rows computed together decode their
-    common prefix once (``prefill.py``)."""
+    common prefix once (``prefill.py``). ``spilled``: every row of a spilled sequence (the next try, when none is
+    costly: llama.cpp writes a sequence's bytes back only into as many free cells in one run, and a pool whose free
+    cells are enough in number may hold no run that long, where a computation takes any free cells: the stress
+    driver's 2 x 2 samples of 88- and 96-token prompts on a 256-cell pool, one restored beside the holes its
+    siblings' shared prefixes left)."""
     out = []
     for i, v in enumerate(getattr(kv, "views", None) or ()):
         s = getattr(v, "seq", None)
         if s is None or v.n_tokens == 0:
             continue
-        if s.pool.model.hybrid or (restore_cells(v) or 0) > v.n_tokens:
+        need = restore_cells(v)
+        if s.pool.model.hybrid or (need or 0) > v.n_tokens or (spilled and need is not None):
             out.append(i)
     return out
