@@ -114,10 +114,11 @@ def test_a_spilled_row_restored_into_a_fragmented_pool_regression():
     """(found by the stress driver, gguf-window seed 3001, history 379, replayed here: fixed in generate/generator.py
     and models/llamacpp/capacity.costly_rows) A call continuing 2 x 2 samples of 90- and 98-token states, spilled, on
     the 256-cell pool raised KVCacheFullError "no room to restore a spilled state of 96 tokens" though its rows fit:
-    llama.cpp writes a sequence's bytes back only into one run of free cells, and the pool's free cells, enough in
-    number, held no run of 96. A call refused for room now computes its spilled rows from their tokens instead
-    (computing takes any free cells). The history is concurrent: on another machine's timing it may pass without
-    the fix; here it failed in 8 replays of 10 without it."""
+    it was priced with each family's common prefix once, but the 96-token member's resident sibling had decoded one
+    position further, so its sliding window (8) no longer held the cell the member's next decode reads, the member
+    was restored whole (reshare's window rule: 187 cells in use, 96 more needed). A call refused for room now
+    computes its spilled rows from their tokens instead (their common prefix decoded once). The history is
+    concurrent: on another machine's timing it may pass without the fix; here it failed in 8 replays of 10 without it."""
     pytest.importorskip("llama_cpp")
     oracle.gguf_path("window")
     _run("gguf-window", 3001, [379])

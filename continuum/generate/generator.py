@@ -216,8 +216,8 @@ class Generator:
                 # compute, a hybrid's or a sliding window's short view of a long spilled state, are computed from
                 # their tokens instead; the stress driver: 2-row calls on a 256-cell LFM2 pool)
                 fresh = recompute_costly(state)
-                if fresh is state:  # (none costly: then every row to be brought back, since llama.cpp writes a
-                    fresh = recompute_costly(state, spilled=True)  # state's bytes back only into one run of free cells)
+                if fresh is state:  # (none costly: then every row to be brought back, whose fork family may
+                    fresh = recompute_costly(state, spilled=True)  # restore apart where it was priced as one)
                 if attempt == STALE_RETRIES or fresh is state:
                     raise
             if drawn is not None:

@@ -92,7 +92,8 @@ def recompute_costly(state: SequenceState, spilled: bool = False) -> SequenceSta
     """``state`` with the cache dropped of the rows whose cache takes more cells to bring back than their tokens to
     compute (llama.cpp: a short view of a long spilled state whose bytes cannot be cut, a hybrid's or a sliding
     window's, restores all of it): what a call refused for room tries next (``Generator._run_alone``); ``spilled``:
-    of every row whose cache must be brought back (llama.cpp writes it back only into one run of free cells)."""
+    of every row whose cache must be brought back (a fork family's members may restore apart where they were priced
+    together: ``capacity.costly_rows``)."""
     find = getattr(state._model, "costly_rows", None)
     if find is None or state._kv is None:
         return state

@@ -99,10 +99,11 @@ def costly_rows(kv, spilled: bool = False) -> list[int]:
     on a hybrid every row with cells, since its fork family members restore apart, each with its own copy of their
     common prefix (``reshare`` cannot share a recurrent sequence's cells), where rows computed together decode their
     common prefix once (``prefill.py``). ``spilled``: every row of a spilled sequence (the next try, when none is
-    costly: llama.cpp writes a sequence's bytes back only into as many free cells in one run, and a pool whose free
-    cells are enough in number may hold no run that long, where a computation takes any free cells: the stress
-    driver's 2 x 2 samples of 88- and 96-token prompts on a 256-cell pool, one restored beside the holes its
-    siblings' shared prefixes left)."""
+    costly): a call is priced with a fork family's common prefix once (:func:`rows_cells`), but on a sliding-window
+    model a member whose resident relative no longer holds the window cells its next decode reads is restored whole
+    (``reshare``'s window rule), and the call outgrows the pool; computed from their tokens, the rows decode their
+    common prefix once (the stress driver: 2 x 2 samples of 90- and 98-token states on a 256-cell pool, 187 cells in
+    use when the 96-token member's whole bytes were refused; its sibling's window had moved one position on)."""
     out = []
     for i, v in enumerate(getattr(kv, "views", None) or ()):
         s = getattr(v, "seq", None)
