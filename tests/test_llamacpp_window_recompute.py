@@ -226,3 +226,43 @@ def test_a_choice_row_probed_before_another_row_s_restore_is_probed_again():
     assert int(lib().llama_memory_seq_pos_min(m.llama.memory, seq.id)) > n - m.llama.n_swa  # (the restore took them)
     check_state(b, out, [0.0, 0.0])
     check_choice(b, both, out, options)
+
+
+def test_a_member_restored_beside_a_sibling_whose_window_moved_on_shares_the_prefix_below_it():
+    """Two samples of one 40-token state; one continued 60 tokens (its window moved on: its window cache no longer
+    holds the positions its sibling's next decode reads), the other spilled. Restored, the sibling shares the prefix
+    below its window with the continued one (``reshare._below_window``), its own cells only the window (8): it was
+    restored whole before (42 cells; the stress driver's refusal on a 256-cell pool). Failed before (42 > 10). Its
+    continuation is what llama.cpp gives, and so is the continued sample's afterwards."""
+    import gc
+
+    import torch
+    from oracle_support import check_state, own_llama
+
+    from continuum import SequenceState, continuous, generate, samplers
+    from continuum.models.llamacpp import cells
+    from continuum.models.llamacpp._lib import lib
+
+    b = own_llama(256, kind="window")  # (a fresh pool: where find_slot puts cells is known)
+    m = b.model
+    n_swa = m.llama.n_swa
+    x = b.generator("plain", "greedy")(SequenceState.from_prompts(m, "The"), max_tokens=1)  # (cells 0..1)
+    p = SequenceState.from_prompts(m, "Once upon a time there was a little girl named Lily")
+    base = b.generator("plain", "greedy")(p, max_tokens=40 - p.token_ids.shape[1])
+    pair = continuous(generate.text(m, samplers.multinomial(2)))(base, max_tokens=2, rng=torch.Generator().manual_seed(3))
+    a, c = pair[:, 0, :], pair[:, 1, :]
+    seq_c = c._kv.views[0].seq
+    with m.pool.model.lock:
+        m.pool.spill(seq_c)  # (then a's cells are its own: llama.cpp may give the masked ones of its window away)
+    assert seq_c.id is None
+    del x
+    gc.collect()  # (its cells freed: llama.cpp's search for free cells starts at 0 again, then a's masked ones)
+    a2 = b.generator("plain", "greedy")(a, max_tokens=60)  # (a's row decodes on: its window moves past c's)
+    need = seq_c.extent - n_swa + 1  # (the first position c's next decode reads through its window)
+    assert int(lib().llama_memory_seq_pos_min(m.llama.memory, a2._kv.views[0].seq.id)) > need  # (a's moved past it)
+    used = cells.used(m.pool)
+    out = b.generator("plain", "greedy")(c, max_tokens=1)
+    grown = cells.used(m.pool) - used
+    assert grown <= n_swa + 2, grown  # (its window and the new token, not its 41 positions again)
+    check_state(b, out, [None])
+    check_state(b, b.generator("plain", "greedy")(a2, max_tokens=3), [None])

@@ -22,7 +22,8 @@ member held by a running call beside another call, was refused its restore with 
 * Sliding windows (Gemma 3): ``seq_rm``/``seq_cp`` act on both of llama.cpp's caches; the base cache holds every
   position, the window cache only the window behind each restored end. The relative's window cells replace the
   sequence's own below the cut, so the relative must hold the window the sequence's next decode reads
-  (``pos_min`` at most ``extent - n_swa + 1`` where the cut reaches into that window): otherwise it is not reshared.
+  (``pos_min`` at most ``extent - n_swa + 1`` where the cut reaches into that window): otherwise only the positions
+  below that window are shared (the sequence's own cells from there on hold its window).
 * Hybrids (recurrent state): not reshared (``seq_cp`` copies the latest recurrent summary, which would replace the
   restored sequence's own).
 """
@@ -103,9 +104,21 @@ def _relative(pool: Any, held: Sequence, extent: int, seq: Any = None) -> tuple[
         if other is seq:
             continue
         m = cells.common_prefix(held, cells.content(other))
-        if m > n and _window_kept(pool, other, extent, m):
+        if m > n and not _window_kept(pool, other, extent, m):
+            m = min(m, _below_window(pool, extent))  # (what lies below the window: its own cells are written above)
+        if m > n:
             best, n = other, m
     return (best, n) if best is not None and n >= MIN_CELLS else (None, 0)
+
+
+def _below_window(pool: Any, extent: int) -> int:
+    """Positions of a sequence of ``extent`` that its next decodes never read through a sliding window: below
+    them only the full-attention layers read, whose cells a relative holds for every position (llama.cpp's base
+    cache); a relative whose window moved on (it decoded further) shares those, and the sequence's own cells from
+    there on carry its window (the stress driver: a member restored whole beside a sibling one token ahead, 96 cells
+    where 8 would do, and the call outgrew a 256-cell pool)."""
+    n_swa = pool.model.n_swa
+    return max(0, extent - n_swa + 1) if n_swa > 0 else extent
 
 
 def _window_kept(pool: Any, relative: Any, extent: int, n: int) -> bool:
