@@ -97,7 +97,7 @@ def recompute_costly(state: SequenceState, spilled: bool = False) -> SequenceSta
     find = getattr(state._model, "costly_rows", None)
     if find is None or state._kv is None:
         return state
-    return recompute_rows(state, set(find(state._kv, spilled) if spilled else find(state._kv)))
+    return recompute_rows(state, set(find(state._kv, spilled)))
 
 
 def recompute_rows(state: SequenceState, stale: set[int]) -> SequenceState:

@@ -75,7 +75,6 @@ class Context:
         self.limiter = anyio.CapacityLimiter(config.worker_threads)
         self.probes = anyio.CapacityLimiter(4)  # /ready's database probes: a hung one holds at most these threads
         self.created = int(time.time())
-        self._saved = False  # (close saves the resident states once)
         retains = config.retention_age is not None or config.retention_bytes is not None
         self.retention = RetentionTimer(self.store.enforce_retention, config.retention_interval) \
             if retains and config.retention_interval else None
@@ -88,9 +87,8 @@ class Context:
         if self.retention is not None:
             self.retention.stop()
         save = getattr(self.store, "save_resident", None)  # (the SQLite store's; not PostgreSQL's)
-        if save is not None and not self._saved:
-            self._saved = True
-            save()
+        if save is not None:
+            save()  # (a second close writes nothing: a state already saved keeps its file)
 
     def owner(self, request: Request) -> str:
         """The caller's identity: a hash of its API key ("" without auth); 401 without a configured key."""

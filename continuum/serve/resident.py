@@ -35,6 +35,10 @@ class Resident:
         self._states.move_to_end(file)
         return hit[0]
 
+    def items(self) -> list[tuple[str, SequenceState]]:
+        """Each kept ``(file, state)``, least recently used first."""
+        return [(file, state) for file, (state, _) in self._states.items()]
+
     def drop(self, file: str) -> None:
         old = self._states.pop(file, None)
         if old is not None:

@@ -308,7 +308,7 @@ class Store:
         if not self.kv:
             return 0  # (--store-kv none: tokens only, by choice)
         with self._lock:
-            resident = [(file, state) for file, (state, _) in self._memory._states.items()]
+            resident = self._memory.items()
         return sidecars.save_all(self.states_dir, resident)
 
     def close(self) -> None:
