@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from .serving import LoopbackProcess, free_port
+from .serving import LoopbackProcess, free_ports
 
 __all__ = ["Gateway", "smg_binary"]
 
@@ -38,11 +38,11 @@ class Gateway(LoopbackProcess):
         binary = smg_binary()
         if binary is None:
             raise RuntimeError('the smg gateway is not installed: pip install "continuum[cluster-test]" (or smg)')
-        self.port, self.workers = free_port(), workers
+        (self.port, metrics_port), self.workers = free_ports(2), workers
         # its own Prometheus port (the default, 29000, is one per machine: two gateways would collide); its health
         # checks read readiness (/ready: the replica's store answers), not liveness (/health: the process serves)
         cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--worker-urls", *workers, "--policy", policy,
+               "--prometheus-port", str(metrics_port), "--worker-urls", *workers, "--policy", policy,
                "--health-check-endpoint", "/ready", "--log-level", "warn", "--disable-retries",
                "--shutdown-grace-period-secs", "1"]
         self._log = open(log or os.devnull, "ab")  # noqa: SIM115 - the gateway's output, open while it runs

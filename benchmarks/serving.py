@@ -12,11 +12,21 @@ from .results import log
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a server a scenario starts)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now: all bound at once before any is released, since the
+    kernel may hand the same ephemeral port to two binds in a row (two ``free_port()`` calls gave one gateway
+    the same port for HTTP and Prometheus)."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def in_threads(n: int, fn: Callable[[int], Any], timeout: float | None = None,

@@ -172,10 +172,11 @@ def test_the_password_appears_nowhere(replicas):
 
 
 def test_a_store_where_nothing_listens_fails_without_showing_its_password(model_dir):  # noqa: F811
-    from benchmarks.serving import free_port
+    from benchmarks.serving import free_ports
 
-    url = f"postgresql://postgres:{SECRET}@127.0.0.1:{free_port()}/postgres"
-    cmd = [sys.executable, "-m", "continuum", "serve", model_dir, "--store", url, "--port", str(free_port())]
+    pg_port, port = free_ports(2)
+    url = f"postgresql://postgres:{SECRET}@127.0.0.1:{pg_port}/postgres"
+    cmd = [sys.executable, "-m", "continuum", "serve", model_dir, "--store", url, "--port", str(port)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert out.returncode == 2 and "Traceback" not in out.stderr

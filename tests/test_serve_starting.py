@@ -130,7 +130,7 @@ def test_a_failed_build_is_reported_once_and_waiting_requests_learn_it():
 # --------------------------------------------------------------------------- a real server on a real GGUF
 pytest.importorskip("llama_cpp")
 
-from benchmarks.serving import free_port, wait_healthy  # noqa: E402
+from benchmarks.serving import free_port, free_ports, wait_healthy  # noqa: E402
 
 from llamacpp_support import gguf  # noqa: E402
 from serve_support import ROOT  # noqa: E402
@@ -167,9 +167,10 @@ def test_a_request_at_the_first_200_is_answered_as_later(tmp_path):
 def test_a_build_that_fails_stops_the_server_with_one_line(tmp_path):
     pytest.importorskip("psycopg")
     # a PostgreSQL URL where nothing listens: the store cannot open once the model is loaded, after listening
-    url = f"postgresql://continuum@127.0.0.1:{free_port()}/continuum"
+    pg_port, port = free_ports(2)
+    url = f"postgresql://continuum@127.0.0.1:{pg_port}/continuum"
     start = time.monotonic()
-    out = subprocess.run(serve(str(gguf("f32")), free_port(), url), cwd=ROOT, env=ENV, capture_output=True,
+    out = subprocess.run(serve(str(gguf("f32")), port, url), cwd=ROOT, env=ENV, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     last = out.stderr.strip().splitlines()[-1]  # (after psycopg's own warnings of each refused connection)
