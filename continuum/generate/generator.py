@@ -17,7 +17,7 @@ from ..loop import coalesce
 from ..loop.arrivals import gated
 from ..loop.cfg import Guidance
 from ..loop.decoding import Step, check_max_tokens, check_rng, decode, recompute_stale
-from ..loop.setup import recompute_costly
+from ..loop.setup import recompute_all, recompute_costly
 from ..programs import lockstep
 from ..programs.aio import AsyncStream, to_thread
 from ..samplers import Sampler, multinomial
@@ -205,10 +205,11 @@ class Generator:
             except StaleWindowError:
                 # (llama.cpp: another call's decode took window cells of this state's rows after this call's setup
                 # found them there; those rows are computed again from their tokens, the draws from the same seed.
-                # A recomputed row is safe from then on (its view ends its own sequence), so each retry that
-                # recomputes a row makes progress; another concurrent call may take the cells of a row behind
-                # its end that was whole at the last retry: the stress driver saw a run_batch program fail twice.)
-                fresh = recompute_stale(state)
+                # A recomputed row is safe from then on (its view ends its own sequence). Found stale a second time,
+                # every row is computed again: any cached row whose view ends behind its sequence's end may lose
+                # its cells to a concurrent call at the next step, whole at each retry's setup (the long oracle,
+                # window-8 GGUF: three concurrent calls refused after their retries, about one run in ten).)
+                fresh = recompute_stale(state) if attempt == 0 else recompute_all(state)
                 if attempt == STALE_RETRIES or (attempt and fresh is state):
                     raise
             except KVCacheFullError:

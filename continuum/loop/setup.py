@@ -23,7 +23,7 @@ from .healing import heal
 from .parallel import check_seeded
 from .rows import Rows
 
-__all__ = ["Setup", "setup", "prefill", "recompute_stale", "recompute_costly", "recompute_rows"]
+__all__ = ["Setup", "setup", "prefill", "recompute_stale", "recompute_costly", "recompute_rows", "recompute_all"]
 
 
 @dataclass
@@ -98,6 +98,16 @@ def recompute_costly(state: SequenceState, spilled: bool = False) -> SequenceSta
     if find is None or state._kv is None:
         return state
     return recompute_rows(state, set(find(state._kv, spilled)))
+
+
+def recompute_all(state: SequenceState) -> SequenceState:
+    """``state`` with every row's cache dropped (``state`` itself when none is cached): what a call found stale
+    again after its stale rows were recomputed tries last. A row computed from its tokens in the call is on a
+    sequence of the call's own, which no other call extends, so none of its window cells can be given away behind
+    its end meanwhile; a cached row whose view ends behind its sequence's end (another call extended that sequence
+    in place, or a state held longer) may lose them to any concurrent call's decode at any step."""
+    cached = state._cached_real()
+    return recompute_rows(state, {r for r, c in enumerate(cached) if c}) if state._kv is not None else state
 
 
 def recompute_rows(state: SequenceState, stale: set[int]) -> SequenceState:
