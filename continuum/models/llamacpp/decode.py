@@ -280,15 +280,7 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
                 recurrent.undo(pool, seq, n)
         if rc != 1:
             raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); states unchanged")
-        # (an earlier chunk's new tokens moved a row's end on, so its window cells behind its old end were masked and
-        # free to a later chunk's tokens; cut back, the row lacks them (check_cut marks it broken): decoded again, its
-        # logits were silently wrong (the long oracle, window-8 GGUF: an option's log-prob 4 nats off). Such rows are
-        # recomputed by their callers, and no retry decodes over the gaps.)
-        lost = [index[k] for k, (seq, n, _, _) in enumerate(live) if not window.fits(pool, seq.id, n)]  # type: ignore[arg-type]
-        if lost:
-            raise StaleWindowError(f"rows {lost}: their sliding-window cells went to other tokens of a decode that "
-                                   "failed for room (no free KV cell): recompute these states from their tokens",
-                                   rows=lost)
+        window.check_lost(pool, [(index[k], seq, n) for k, (seq, n, _, _) in enumerate(live)])  # (never over gaps)
         if attempt == 0 and not cells.spill_every_idle(pool, pinned):
             break
     raise KVCacheFullError(f"llama.cpp has no free KV cell for {len(token)} new tokens (n_ctx={model.n_ctx} cells shared "

@@ -280,14 +280,8 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
         if rc != 1:
             raise BackendError(f"llama_decode failed on a token tree (code {rc}: {'aborted' if rc == 2 else 'error'}); "
                                "the states are unchanged")
-        # (an earlier chunk's nodes moved a leaf's end on: its context's window cells it alone held (its row's own
-        # sequence spilled for room) were free to a later chunk's tokens; never decoded over: decode.py's _run)
-        lost = [k for k, (row, seqs) in enumerate(zip(rows, leaf_seqs))
-                if not all(window.fits(pool, s.id, row.view.n_tokens) for s in seqs)]  # type: ignore[arg-type]
-        if lost:
-            raise StaleWindowError(f"rows {lost}: their sliding-window cells went to other tokens of a decode that "
-                                   "failed for room (no free KV cell): recompute these states from their tokens",
-                                   rows=lost)
+        # (a leaf alone held its context's window cells once its row's sequence was spilled for room: window.py)
+        window.check_lost(pool, [(k, s, row.view.n_tokens) for k, (row, seqs) in enumerate(zip(rows, leaf_seqs)) for s in seqs])
         if attempt or not cells.spill_every_idle(pool, keep):
             break
     raise KVCacheFullError(f"llama.cpp has no free KV cell for a token tree of {len(items)} nodes (n_ctx={model.n_ctx} "

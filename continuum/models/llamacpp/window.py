@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BackendError, KVCacheFullError
+from ...errors import BackendError, KVCacheFullError, StaleWindowError
 from . import cells, gaps, recurrent, reshare, seqbytes
 from ._lib import lib
 
-__all__ = ["fits", "check_cut", "cut_tail", "holds", "cut_spilled", "trim", "stale"]
+__all__ = ["fits", "check_cut", "check_lost", "cut_tail", "holds", "cut_spilled", "trim", "stale"]
 
 
 def fits(pool: Any, seq_id: int, n: int) -> bool:
@@ -63,6 +63,19 @@ def check_cut(pool: Any, seq: Any, n: int, end: int) -> None:
     mark the sequence ``broken``, and every view of it is then recomputed, never extended over the gaps."""
     if pool.probe is not None and n < end and not gaps.intact(pool, seq.id, max(0, n - pool.model.n_swa + 1), n, end):
         seq.broken = True
+
+
+def check_lost(pool: Any, rows: Iterable[tuple[int, Any, int]]) -> None:
+    """After a decode that failed for room was cut back (:func:`check_cut` first): :class:`StaleWindowError` naming the
+    rows ``(row, seq, n)`` whose sequence lacks window cells its next decode at ``n`` reads. A decode runs in chunks;
+    an earlier chunk extending a sequence moves its end on, so the window cells behind its old end are masked for it
+    and llama.cpp may give them to a later chunk's tokens. Decoded again over the gaps after the spill that made room,
+    its logits were silently wrong (the long oracle, window-8 GGUF: an option's log-prob 4 nats off); such rows are
+    recomputed by their callers instead."""
+    lost = sorted({i for i, seq, n in rows if not fits(pool, seq.id, n)})
+    if lost:
+        raise StaleWindowError(f"rows {lost}: their sliding-window cells went to other tokens of a decode that failed "
+                               "for room (no free KV cell): recompute these states from their tokens", rows=lost)
 
 
 def trim(pool: Any, seqs: Iterable[Any]) -> None:
