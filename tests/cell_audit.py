@@ -5,7 +5,7 @@ probe id and reads its cells' positions from llama.cpp's own bytes (``seqbytes.p
 sequence's first new position and each window cell inside its window must be there, else the decode would run over
 gaps and return wrong logits silently. A missing cell raises ``AssertionError("CELL AUDIT ...")`` at once, with the
 decode's plan (each row's target, whether it is a fork, its source before planning); rows whose cells are missing
-right after planning or after making room are logged as ``AFTER_PLAN`` / ``AFTER_ROOM``. This is how the window-8
+right after planning are logged as ``AFTER_PLAN``, failed decodes and ``make_room``'s answers too. This is how the window-8
 GGUF's rare wrong log-prob was found (docs/benchmarks.md, twenty-first session). Use, from a copy of the repository:
 
     PYTHONPATH=tests CONTINUUM_CELL_AUDIT_LOG=/tmp/audit.log CONTINUUM_ORACLE=long \\
@@ -105,18 +105,12 @@ def _audited_plan(pool, rows):
     plan = [(i, _desc(t), r.view.n_tokens, any(t is f for f in forks), sources[i])
             for i, (r, t) in enumerate(zip(rows, targets)) if t is not None]
     _plan_of_decode[:] = [plan]
-    _after("AFTER_PLAN", pool, rows, targets)
-    return targets, forks
-
-
-def _after(label: str, pool, rows, targets) -> None:
-    if pool.probe is None:
-        return
     for i, (r, t) in enumerate(zip(rows, targets)):
-        if t is not None and t.id is not None:
+        if pool.probe is not None and t is not None and t.id is not None:
             base, swa = missing(pool, t.id, r.view.n_tokens)
             if base or swa:
-                _log(f"{label}: row {i} target {_desc(t)} view of {r.view.n_tokens} misses {base} {swa}")
+                _log(f"AFTER_PLAN: row {i} target {_desc(t)} view of {r.view.n_tokens} misses {base} {swa}")
+    return targets, forks
 
 
 _make_room = D.cells.make_room

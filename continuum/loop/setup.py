@@ -106,8 +106,7 @@ def recompute_all(state: SequenceState) -> SequenceState:
     sequence of the call's own, which no other call extends, so none of its window cells can be given away behind
     its end meanwhile; a cached row whose view ends behind its sequence's end (another call extended that sequence
     in place, or a state held longer) may lose them to any concurrent call's decode at any step."""
-    cached = state._cached_real()
-    return recompute_rows(state, {r for r, c in enumerate(cached) if c}) if state._kv is not None else state
+    return recompute_rows(state, {r for r, c in enumerate(state._cached_real()) if c})
 
 
 def recompute_rows(state: SequenceState, stale: set[int]) -> SequenceState:

@@ -255,7 +255,6 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
     sequences when llama.cpp found no free cell)."""
     L, model = lib(), pool.model
     live = [(seq, row.view.n_tokens, t, f) for row, seq, t, f in zip(rows, targets, toks, flags) if seq is not None]
-    index = [i for i, seq in enumerate(targets) if seq is not None]  # (live's rows in ``rows``: a StaleWindowError's)
     if not live:
         return np.zeros((0, model.n_vocab), np.float32)
     token = np.concatenate([t for _, _, t, _ in live])
@@ -280,7 +279,8 @@ def _run(pool: SequencePool, rows: Sequence[DecodeRow], targets: list[Seq | None
                 recurrent.undo(pool, seq, n)
         if rc != 1:
             raise BackendError(f"llama_decode failed (code {rc}: {'aborted' if rc == 2 else 'error'}); states unchanged")
-        window.check_lost(pool, [(index[k], seq, n) for k, (seq, n, _, _) in enumerate(live)])  # (never over gaps)
+        window.check_lost(pool, [(i, seq, row.view.n_tokens) for i, (row, seq) in enumerate(zip(rows, targets))
+                                 if seq is not None])  # (never decoded again over gaps)
         if attempt == 0 and not cells.spill_every_idle(pool, pinned):
             break
     raise KVCacheFullError(f"llama.cpp has no free KV cell for {len(token)} new tokens (n_ctx={model.n_ctx} cells shared "
