@@ -357,3 +357,69 @@ def test_a_call_whose_rows_keep_losing_their_windows_to_other_calls_is_computed_
     assert len(taken) >= 2  # (found stale twice at least: the case this test makes)
     check_state(window, out, [0.0] * 4)
     check_choice(window, cut, out, options)
+
+
+def test_a_member_restored_beside_a_relative_cut_back_over_gaps_does_not_share_its_window():
+    """A spilled sample is restored beside its resident sibling, sharing their common prefix (``reshare.restore``).
+    Where that prefix reaches into the window the sample's next decode reads, the sibling must hold those cells; a
+    probe compares the range with as many cells behind the sibling's end, which llama.cpp never gives away. A sibling
+    cut back over gaps (``window.check_cut`` marks it broken) has holes behind its end too, which the probe cannot
+    see: here one inside the shared window and one behind the sibling's end. It was shared anyway, and the sample's
+    continuation read over the hole silently (the long oracle under the cell audit, window-8 GGUF: "seq 5 at pos 15
+    misses window [10]"). Now a broken relative shares only the prefix below the window. Failed before (the
+    continuation's log-probs off llama.cpp's evaluation)."""
+    import gc
+
+    import torch
+    from oracle_support import check_state, own_llama
+
+    from continuum import SequenceState, continuous, generate, samplers
+
+    b = own_llama(256, kind="window")
+    m = b.model
+    n_swa = m.llama.n_swa
+    gen = b.generator("plain", "greedy")
+    p = SequenceState.from_prompts(m, "Once upon a time there was a little girl")
+    pair = continuous(generate.text(m, samplers.multinomial(2)))(p, max_tokens=4, rng=torch.Generator().manual_seed(3))
+    a, c = pair[:, 0, :], pair[:, 1, :]
+    sa, sc = a._kv.views[0].seq, c._kv.views[0].seq
+    assert sa is not sc
+    shared = len(p._real_rows()[0][0]) - 1  # (the prompt's cached tokens: the family's common prefix)
+    end_c = c._kv.views[0].n_tokens
+    need = end_c - n_swa + 1  # (the first position c's next decode reads through its window)
+    assert need < shared
+    a2 = gen(a, max_tokens=30)  # (a's sequence decodes on in place: a's view stays behind its end)
+    assert a2._kv.views[0].seq is sa and sa.extent > a._kv.views[0].n_tokens + n_swa
+    with m.llama.lock:
+        m.pool.spill(sc)
+        end_a = a._kv.views[0].n_tokens
+        for g in (shared - 1, end_a - 2):  # (a hole in the shared window, one in as many cells behind a's end)
+            m.pool.drop(sa.id, g, g + 1)
+    del a2
+    gc.collect()  # (a's sequence is cut back to a's view at the pool's next step: the holes are behind its end now,
+    # and it is marked broken)
+    assert m.pool.n_free and sa.broken and sa.extent == end_a
+    check_state(b, gen(c, max_tokens=3), [None])
+
+
+def test_a_member_restored_beside_a_relative_shorter_than_their_common_prefix_does_not_share_past_its_end():
+    """The probe's other edge: a relative whose cells end before the common prefix (its window cache no longer
+    reaches it) holds nothing there to share; the probe was skipped as if the range were the window behind its end.
+    Now a range past a sequence's end is never intact (``gaps.intact``). Failed before (log-probs off)."""
+    import torch
+    from oracle_support import check_state, own_llama
+
+    from continuum import SequenceState, continuous, generate, samplers
+
+    b = own_llama(256, kind="window")
+    m = b.model
+    p = SequenceState.from_prompts(m, "Once upon a time there was a little girl")
+    pair = continuous(generate.text(m, samplers.multinomial(2)))(p, max_tokens=4, rng=torch.Generator().manual_seed(3))
+    a, c = pair[:, 0, :], pair[:, 1, :]
+    sa, sc = a._kv.views[0].seq, c._kv.views[0].seq
+    shared = len(p._real_rows()[0][0]) - 1
+    assert c._kv.views[0].n_tokens - m.llama.n_swa + 1 < shared - 1
+    with m.llama.lock:
+        m.pool.spill(sc)
+        m.pool.drop(sa.id, shared - 1, -1)  # (a's cells end inside the common prefix, behind the pool's back)
+    check_state(b, continuous(generate.text(m, samplers.greedy()))(c, max_tokens=3), [None])

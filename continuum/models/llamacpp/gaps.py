@@ -23,12 +23,17 @@ __all__ = ["intact"]
 
 def intact(pool: Any, seq_id: int, lo: int, hi: int, end: int) -> bool:
     """Whether sequence ``seq_id`` (``end`` positions) still holds its cells at positions ``[lo, hi)`` (at most
-    ``n_swa - 1`` of them, behind its end). Probe: those cells, then as many behind the end (never given away: inside
-    the window), copied into the pool's probe id in turn; their bytes (``llama_state_seq_get_size``: every cell of
-    both caches) are as long only if none is missing. True without a probe id (no sliding window). Under the
-    model's lock."""
+    ``n_swa - 1`` of them, behind its end; False for a range past its end). Probe: those cells, then as many behind
+    the end (never given away: inside the window), copied into the pool's probe id in turn; their bytes
+    (``llama_state_seq_get_size``: every cell of both caches) are as long only if none is missing. True without a
+    probe id (no sliding window). A sequence cut back over gaps has holes behind its end too, which this cannot see:
+    callers check ``Seq.broken`` first (``window.check_cut``). Under the model's lock."""
     m = hi - lo
-    if m <= 0 or pool.probe is None or hi >= end:
+    if m <= 0 or pool.probe is None:
+        return True
+    if hi > end:  # (it does not reach hi: a relative shorter than the prefix a restored member would share)
+        return False
+    if hi == end:  # (the window behind its own end: find_slot never gives those cells away)
         return True
     L, mem, ctx, probe = lib(), pool.model.memory, pool.model.ctx, pool.probe
     sizes = []
