@@ -12,6 +12,14 @@ GGUF's rare wrong log-prob was found (docs/benchmarks.md, twenty-first session).
         python -m pytest -p cell_audit -x "tests/test_oracle.py::test_oracle[gguf-window]"
 
 It costs two ``seq_cp`` and a state read per sequence and decode (several times slower).
+
+``CONTINUUM_CELL_AUDIT_EVERY=1`` goes further (tens of times slower): after every cell operation (``seq_cp``,
+``seq_rm``, a restore's ``set_data``, a decode) outside the probe id, every resident sequence not marked broken must
+hold the window behind its own end, which no probe checks; a hole ``window.fits`` would miss (its lowest cell at or
+below the window's start) is logged as ``SILENT`` with the operation after which it appeared and its stack, every
+operation as ``OP`` with its callers, and each ``gaps.intact`` answer as ``INTACT``. This found the restore that
+shared a broken relative's holes (docs/benchmarks.md, twenty-third session): the trip showed the hole, the log the
+``seq_cp`` that brought it, and ``INTACT`` the probe that passed it.
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ import weakref
 import llama_cpp.llama_cpp as low
 import numpy as np
 
-from continuum.models.llamacpp import seqbytes, sequences
+from continuum.models.llamacpp import gaps, seqbytes, sequences
 
 D = importlib.import_module("continuum.models.llamacpp.decode")  # (the package exports decode(), the function)
 LOG = open(os.environ.get("CONTINUUM_CELL_AUDIT_LOG", os.devnull), "a")  # noqa: SIM115 - open while tests run
-POOLS: dict[int | None, weakref.ref] = {}
+POOLS: dict[int | None, weakref.ref] = {}  # by context, and by memory (the memory ops' first argument)
+EVERY = os.environ.get("CONTINUUM_CELL_AUDIT_EVERY") == "1"
+ORIG = {name: getattr(low, name) for name in ("llama_memory_seq_cp", "llama_memory_seq_rm", "llama_state_seq_set_data")}
+SEEN: dict[int, dict] = {}
 
 
 def _log(text: str) -> None:
@@ -42,10 +53,10 @@ def missing(pool, seq_id: int, p: int) -> tuple[list[int], list[int]]:
     if p == 0:
         return [], []
     mem, model = pool.model.memory, pool.model
-    low.llama_memory_seq_rm(mem, pool.probe, -1, -1)
-    low.llama_memory_seq_cp(mem, seq_id, pool.probe, 0, p)
+    ORIG["llama_memory_seq_rm"](mem, pool.probe, -1, -1)  # (the originals: the audited ones would audit this)
+    ORIG["llama_memory_seq_cp"](mem, seq_id, pool.probe, 0, p)
     blob = seqbytes.get(model, pool.probe)
-    low.llama_memory_seq_rm(mem, pool.probe, -1, -1)
+    ORIG["llama_memory_seq_rm"](mem, pool.probe, -1, -1)
     held = seqbytes.positions(blob)
     if held is None:
         return [], []
@@ -67,6 +78,7 @@ _init = sequences.SequencePool.__init__
 def _pool_init(self, *args, **kwargs):
     _init(self, *args, **kwargs)
     POOLS[ctypes.cast(self.model.ctx, ctypes.c_void_p).value] = weakref.ref(self)
+    POOLS[ctypes.cast(self.model.memory, ctypes.c_void_p).value] = weakref.ref(self)
 
 
 _decode = low.llama_decode
@@ -93,7 +105,57 @@ def _audited_decode(ctx, batch):
     rc = _decode(ctx, batch)
     if rc != 0:
         _log(f"DECODE rc {rc} of {batch.n_tokens} tokens")
+    if EVERY and pool is not None and pool.probe is not None:
+        _every(pool, f"llama_decode of {batch.n_tokens} tokens -> {rc}")
     return rc
+
+
+def _silent(pool) -> dict:
+    """Resident sequences not marked broken whose window behind their own end has holes ``window.fits`` misses."""
+    mem, out = pool.model.memory, {}
+    for sid, seq in list(pool.resident.items()):
+        hi = int(low.llama_memory_seq_pos_max(mem, sid)) if sid is not None and not seq.broken else -1
+        if hi < 0:
+            continue
+        holes = missing(pool, sid, hi + 1)[1]
+        if holes and int(low.llama_memory_seq_pos_min(mem, sid)) <= max(0, hi + 1 - pool.model.n_swa + 1):
+            out[sid] = (hi + 1, tuple(holes))
+    return out
+
+
+def _every(pool, after: str) -> None:
+    now, before = _silent(pool), SEEN.get(id(pool), {})
+    SEEN[id(pool)] = now
+    new = {k: v for k, v in now.items() if before.get(k) != v}
+    if new:
+        _log(f"SILENT after {after}: " + "; ".join(
+            f"seq {k} at its end {e} misses window {list(h)} [{_desc(pool.resident.get(k))}]" for k, (e, h) in new.items())
+             + "\n" + "".join(traceback.format_stack()[-16:-2]))
+
+
+def _audited_op(name: str):
+    orig = ORIG[name]
+
+    def op(*args):
+        rc = orig(*args)
+        ref = POOLS.get(ctypes.cast(args[0], ctypes.c_void_p).value)
+        pool = ref() if ref is not None else None
+        if pool is not None and pool.probe is not None and pool.probe not in args[1:3]:  # (not the probes' own)
+            callers = traceback.extract_stack(limit=4)[:-1]
+            _log(f"OP {name[6:]}{tuple(a for a in args[1:] if isinstance(a, int))} -> {rc} @ "
+                 + " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}:{f.name}" for f in reversed(callers)))
+            _every(pool, f"{name}{tuple(a for a in args[1:] if isinstance(a, int))}")
+        return rc
+    return op
+
+
+def _audited_intact(pool, seq_id, lo, hi, end):
+    ok = _intact(pool, seq_id, lo, hi, end)
+    _log(f"INTACT seq {seq_id} [{lo}, {hi}) end {end} -> {ok}; holes below {hi}: {missing(pool, seq_id, hi)[1]}")
+    return ok
+
+
+_intact = gaps.intact
 
 
 _plan = D._plan
@@ -127,3 +189,7 @@ def pytest_configure(config):  # (patched when the plugin is loaded: -p cell_aud
     low.llama_decode = _audited_decode
     D._plan = _audited_plan
     D.cells.make_room = _audited_room
+    if EVERY:
+        for name in ORIG:
+            setattr(low, name, _audited_op(name))
+        gaps.intact = _audited_intact
