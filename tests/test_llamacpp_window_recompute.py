@@ -360,8 +360,9 @@ def test_a_call_whose_rows_keep_losing_their_windows_to_other_calls_is_computed_
 
 
 def _family(b):
-    """A prompt's view and two continuations of it: ``a`` on the prompt's own sequence (extended in place), ``c`` on a
-    fork sharing the prompt's cells; with the ids and ``decode``, a decode-level helper that logs nothing."""
+    """Two continuations of one 12-token prompt, as decode makes them: ``a`` on the prompt's own sequence (extended in
+    place), ``c`` on a fork sharing the prompt's cells. Returns ``a``, ``c``, ``c``'s ids, a draw of fresh ids, and
+    ``run(view, ids)``: those ids decoded after the view, every logit kept."""
     import numpy as np
 
     from continuum.models.llamacpp.decode import DecodeRow, decode
