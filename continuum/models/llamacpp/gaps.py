@@ -5,10 +5,12 @@ sequence's END (masked for that sequence), and hands it to new tokens; a view be
 fork's parent, a prefix-cache donor, a relative a restored sequence shares) still reads it, and nothing says so:
 ``seq_pos_min`` sees the lowest cell only. The oracle found it on a tiny Gemma 3 with a window of 8 (log-probs off by
 up to 26 nats, continued over the gaps). :mod:`.window` probes before such a view is extended or forked and before a
-sequence is cut back to a view; :mod:`.reshare` before a relative's cells are shared.
+sequence is cut back to a view; :mod:`.reshare` before a relative's cells are shared. Both ask :func:`held`.
 
 Example:
     >>> intact(pool, seq_id, 13, 20, 44)   # positions 13..19 still in sequence seq_id's cells?   # doctest: +SKIP
+    True
+    >>> held(pool, seq_id, 13, 20)   # ... and a decode at 20 may read them (not broken, none missing)  # doctest: +SKIP
     True
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 from ._lib import lib
 
-__all__ = ["intact"]
+__all__ = ["held", "intact"]
 
 
 def intact(pool: Any, seq_id: int, lo: int, hi: int, end: int) -> bool:
@@ -29,11 +31,11 @@ def intact(pool: Any, seq_id: int, lo: int, hi: int, end: int) -> bool:
     probe id (no sliding window). A sequence cut back over gaps has holes behind its end too, which this cannot see:
     callers check ``Seq.broken`` first (``window.check_cut``). Under the model's lock."""
     m = hi - lo
-    if m <= 0 or pool.probe is None:
+    if m <= 0:
         return True
     if hi > end:  # (it does not reach hi: a relative shorter than the prefix a restored member would share)
         return False
-    if hi == end:  # (the window behind its own end: find_slot never gives those cells away)
+    if hi == end or pool.probe is None:  # (the window behind its own end: find_slot never gives those cells away)
         return True
     L, mem, ctx, probe = lib(), pool.model.memory, pool.model.ctx, pool.probe
     sizes = []
@@ -42,3 +44,18 @@ def intact(pool: Any, seq_id: int, lo: int, hi: int, end: int) -> bool:
         sizes.append(int(L.llama_state_seq_get_size(ctx, probe)))
         L.llama_memory_seq_rm(mem, probe, -1, -1)
     return sizes[0] == sizes[1]
+
+
+def held(pool: Any, seq_id: int, lo: int, hi: int) -> bool:
+    """Whether resident sequence ``seq_id`` holds every cell at positions ``[lo, hi)`` for a decode to read: not cut
+    back over gaps (``Seq.broken``: holes no probe sees, ``window.check_cut``), its lowest cell at or below ``lo``,
+    reaching ``hi``, and none given away behind its end (:func:`intact`). The one question ``window.fits`` (a decode
+    at ``hi``) and ``reshare`` (a relative's window shared with a restored member) ask; a twin of it let a broken
+    relative's window through once. Under the model's lock."""
+    if hi <= lo:
+        return True
+    if getattr(pool.resident.get(seq_id), "broken", False):
+        return False
+    L, mem = lib(), pool.model.memory
+    first, last = int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
+    return 0 <= first <= lo and intact(pool, seq_id, lo, hi, last + 1)

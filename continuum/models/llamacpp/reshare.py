@@ -130,8 +130,4 @@ def _window_kept(pool: Any, relative: Any, extent: int, n: int) -> bool:
     need = max(0, extent - n_swa + 1)  # the first position the next decode after the end attends to
     if n <= need:
         return True
-    if relative.broken:  # (cut back over gaps: its window behind its end has holes no probe sees, window.check_cut)
-        return False
-    L, mem = lib(), pool.model.memory
-    end = int(L.llama_memory_seq_pos_max(mem, relative.id)) + 1  # (and none of those cells given away: gaps.py)
-    return int(L.llama_memory_seq_pos_min(mem, relative.id)) <= need and gaps.intact(pool, relative.id, need, n, end)
+    return gaps.held(pool, relative.id, need, n)  # (not broken, from need on, none given away: gaps.py)

@@ -32,16 +32,10 @@ __all__ = ["fits", "check_cut", "check_lost", "cut_tail", "holds", "cut_spilled"
 
 def fits(pool: Any, seq_id: int, n: int) -> bool:
     """True if a decode at position ``n`` of sequence ``seq_id`` finds every cell it must attend to."""
-    if n == 0:
-        return True
-    L, mem = lib(), pool.model.memory
-    lo, hi = int(L.llama_memory_seq_pos_min(mem, seq_id)), int(L.llama_memory_seq_pos_max(mem, seq_id))
     if pool.model.hybrid:  # (its pos_min is the recurrent summary's position; no window: recurrent.py)
-        return hi >= n - 1
+        return int(lib().llama_memory_seq_pos_max(pool.model.memory, seq_id)) >= n - 1
     need = max(0, n - pool.model.n_swa + 1) if pool.model.n_swa > 0 else 0
-    if not (0 <= lo <= need and hi >= n - 1) or getattr(pool.resident.get(seq_id), "broken", False):
-        return False
-    return gaps.intact(pool, seq_id, need, n, hi + 1)  # (behind the end: cells given away, gaps.py)
+    return gaps.held(pool, seq_id, need, n)  # (behind the end: cells given away, gaps.py)
 
 
 def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its Seq: sequences.py imports this module)
