@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError, StaleWindowError
+from ...errors import BackendError, ContextLengthError, GeneratorArgumentError, KVCacheFullError
 from . import cells, prefill, recurrent, window
 from ._lib import lib, mark_decoded
 from .outputs import Outputs
@@ -232,9 +232,7 @@ def _plan(pool: SequencePool, rows: Sequence[DecodeRow]) -> tuple[list[Seq | Non
     if stale:
         for seq in forks:
             discard(pool, seq)
-        raise StaleWindowError(
-            f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
-            f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=stale)
+        raise window.gone(pool, stale)
     return targets, forks
 
 

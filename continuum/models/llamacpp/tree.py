@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError, StaleWindowError
+from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError
 from . import cells, window
 from ._lib import lib, mark_decoded
 from .decode import discard
@@ -212,10 +212,7 @@ def _fork_leaves(pool: SequencePool, rows: list[_Row]) -> list[list[Seq]]:
     seqs: list[Seq] = []
     try:
         if stale:
-            raise StaleWindowError(
-                f"rows {stale}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
-                f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens",
-                rows=stale)
+            raise window.gone(pool, stale)
         for row, src in zip(rows, srcs):
             seqs = []
             for _ in row.leaves:

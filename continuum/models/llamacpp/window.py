@@ -27,7 +27,7 @@ from ...errors import BackendError, KVCacheFullError, StaleWindowError
 from . import cells, gaps, recurrent, reshare, seqbytes
 from ._lib import lib
 
-__all__ = ["fits", "check_cut", "check_lost", "cut_tail", "holds", "cut_spilled", "trim", "stale"]
+__all__ = ["fits", "gone", "check_cut", "check_lost", "cut_tail", "holds", "cut_spilled", "trim", "stale"]
 
 
 def fits(pool: Any, seq_id: int, n: int) -> bool:
@@ -36,6 +36,14 @@ def fits(pool: Any, seq_id: int, n: int) -> bool:
         return int(lib().llama_memory_seq_pos_max(pool.model.memory, seq_id)) >= n - 1
     need = max(0, n - pool.model.n_swa + 1) if pool.model.n_swa > 0 else 0
     return gaps.held(pool, seq_id, need, n)  # (behind the end: cells given away, gaps.py)
+
+
+def gone(pool: Any, rows: list[int]) -> StaleWindowError:
+    """The error for ``rows`` of a decode or a token tree found at planning to lack window cells (:func:`fits`),
+    raised once their forks are undone: their callers recompute them from their tokens."""
+    return StaleWindowError(
+        f"rows {rows}: the sliding-window cells behind their end are gone (a fork, slice or rewind behind the "
+        f"{pool.model.n_swa}-token window, or a window-only blob): recompute these states from their tokens", rows=rows)
 
 
 def cut_tail(pool: Any, seq: Any, n: int) -> None:  # (a SequencePool and its Seq: sequences.py imports this module)
