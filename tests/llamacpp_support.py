@@ -175,3 +175,47 @@ def assert_agree_up_to_a_tie(ours: list[int], ref: list[int], hf_model, tol: flo
     assert gap <= tol, (f"the rows differ at token {k} ({a} vs the reference's {b}) where the reference's log-probs are "
                         f"{gap:.3g} apart, beyond the stated tolerance {tol}: not a near-tie")
     return k
+
+
+def bytes_hold(pool, seq_id: int, lo: int, hi: int) -> bool:
+    """The reference for ``gaps.held`` (which compares byte counts): whether sequence ``seq_id`` holds a cell at every
+    position of ``[lo, hi)`` (at most ``n_swa - 1`` of them) in each of llama.cpp's caches, read from llama.cpp's own
+    bytes of its first ``hi`` positions copied into the pool's probe id (the probe's end is ``hi - 1``, so every
+    window cell behind it is unmasked and written). Under the model's lock."""
+    from continuum.models.llamacpp import seqbytes
+    from continuum.models.llamacpp._lib import lib
+
+    L, mem = lib(), pool.model.memory
+    L.llama_memory_seq_rm(mem, pool.probe, -1, -1)
+    L.llama_memory_seq_cp(mem, seq_id, pool.probe, 0, hi)
+    blob = seqbytes.get(pool.model, pool.probe)
+    L.llama_memory_seq_rm(mem, pool.probe, -1, -1)
+    held = seqbytes.positions(blob)
+    assert held, "seqbytes.positions could not read llama.cpp's bytes"
+    return all(np.isin(np.arange(lo, hi), h).all() for h in held)
+
+
+def check_window_probes(pool) -> int:
+    """``gaps.held`` against :func:`bytes_hold` for the window behind each live view of every resident sequence of a
+    sliding-window pool (and behind each sequence's end): equal for every sequence not marked broken (one cut back
+    over gaps, whose probe cannot see its holes: held answers False). The probe every decode, fork, cut and restore
+    asks, checked after every step of a history, not only where a decode happens to read the cells. Returns how many
+    ranges were compared."""
+    from continuum.models.llamacpp import gaps
+    from continuum.models.llamacpp._lib import lib
+
+    m, count = pool.model, 0
+    with m.lock:
+        for seq in list(pool.resident.values()):
+            if seq.id is None or seq.broken:
+                continue
+            end = int(lib().llama_memory_seq_pos_max(m.memory, seq.id)) + 1
+            for n in sorted({*seq.holders, end}):
+                if not 0 < n <= end:
+                    continue
+                lo = max(0, n - m.n_swa + 1)
+                got, want = gaps.held(pool, seq.id, lo, n), bytes_hold(pool, seq.id, lo, n)
+                assert got == want, (f"gaps.held(seq {seq.id}, {lo}, {n}) = {got}, llama.cpp's bytes say {want} "
+                                     f"(end {end}, views {dict(seq.holders)})")
+                count += 1
+    return count

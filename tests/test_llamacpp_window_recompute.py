@@ -127,6 +127,34 @@ def test_a_view_whose_window_has_gaps_is_recomputed_not_extended_over_them(windo
     check_state(window, out, [0.0])
 
 
+def test_the_window_probe_reads_as_llama_cpps_bytes_before_and_after_a_gap(window):
+    """``gaps.held`` (byte counts compared) against the positions llama.cpp's own bytes hold (``bytes_hold``), for a
+    view behind its sequence's end, before and after two of its window cells go: both True, then both False. The
+    oracle checks the same after every step of every history (``check_window_probes``)."""
+    from oracle_support import chars_key
+
+    from continuum import SequenceState
+    from continuum.models.llamacpp import gaps
+
+    from llamacpp_support import bytes_hold, check_window_probes
+
+    gen = window.generator("plain", "greedy")
+    s = gen(SequenceState.from_prompts(window.model, "Tom and Sue went to the"), max_tokens=40)
+    cut = s[chars_key(s, slice(None, 40))]
+    n, seq = cut._kv.views[0].n_tokens, s._kv.views[0].seq
+    pool, lo = window.model.pool, max(0, n - window.model.llama.n_swa + 1)
+    assert 12 < n < seq.extent - 8 and n in seq.holders
+    with window.model.llama.lock:
+        assert gaps.held(pool, seq.id, lo, n) and bytes_hold(pool, seq.id, lo, n)
+    assert check_window_probes(pool) >= 2  # (the view's window, and the one behind the end)
+    _gap(window, s, n - 5, n - 3)
+    with window.model.llama.lock:
+        assert not bytes_hold(pool, seq.id, lo, n), "the reference sees the gap"
+        assert not gaps.held(pool, seq.id, lo, n)
+        assert gaps.held(pool, seq.id, n - 3, n) and bytes_hold(pool, seq.id, n - 3, n)  # (above the gap: whole)
+    check_window_probes(pool)
+
+
 def test_a_sequence_cut_back_over_gaps_is_recomputed(window):
     """A view behind the end stays while the longer one goes: the sequence is cut back to the view (``window.trim``),
     whose window is then the one behind the end, which a later decode no longer probes."""

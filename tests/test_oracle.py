@@ -37,7 +37,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, multiple, rule, run_state_machine_as_test
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule, run_state_machine_as_test
 from oracle_support import (
     JSON_SCHEMAS,
     MAX_TOKENS,
@@ -167,6 +167,14 @@ def machine_for(name: str):
             s = SequenceState.from_prompts(self.b.model, prompts)
             check_state(self.b, s, [0.0] * s.rows)
             return Held(s, [0.0] * s.rows)
+
+        @invariant()
+        def window_probes_read_as_the_bytes(self):
+            """The sliding-window probe (``gaps.held``) against llama.cpp's own bytes, whatever ran before."""
+            if name.startswith("gguf") and "window" in name and self.b is not None:
+                from llamacpp_support import check_window_probes
+
+                check_window_probes(self.b.model.pool)
 
         @rule(target=states, prompt=st.sampled_from(PROMPTS))
         def prompt(self, prompt):

@@ -89,6 +89,7 @@ def _history(name: str, rng: random.Random, log: list) -> None:
                 log.append(("restart", kw))
                 m.restart(**kw)
             held = [h for h in held if h is not None and not getattr(h, "final", False)][-8:]
+            m.window_probes_read_as_the_bytes()  # (the oracle's invariant: hypothesis runs it after each rule)
     finally:
         m.teardown()
 
