@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from continuum import continuous, generate, models, run_batch, samplers
-from continuum.errors import SequencesExhaustedError
 
 from llamacpp_support import DECODE_TOL, gemma_path, gguf, reference_logits
 
@@ -125,17 +124,71 @@ def test_token_healing_rescores_the_removed_text_with_each_option(model):
     assert abs(float(healed.weights[0, 0]) - ref[healed.value]) < EXACT
 
 
-def test_a_small_pool_refuses_too_many_option_paths_and_chunks_a_tree_longer_than_n_batch():
-    small = models.llamacpp(gguf("f32"), n_seq_max=8, n_ubatch=8, n_threads=2)  # 7 ids, 8 tokens per decode
+def test_more_option_paths_than_sequence_ids_are_scored_in_parts_and_a_tree_longer_than_n_batch_in_chunks():
+    """7 sequence ids, 10 options (one leaf each): the rows are scored in parts of the options (loop/scoring.py),
+    each part's tree within the ids, its KV dropped; a chosen pair's state caches its context, and continuing it
+    computes its last token, its option and the new tokens only. Every score and every continuation equals
+    llama-cpp-python's evaluation."""
+    small = models.llamacpp(gguf("f32"), n_seq_max=8, n_ubatch=8, n_threads=2, batch_invariant=True)  # 6 ids (one: scratch)
     options = [f" {w}" for w in ("cat", "dog", "bird", "fish", "cow", "pig", "hen", "fox", "owl", "bee")]
-    with pytest.raises(SequencesExhaustedError, match="method='greedy'"):
-        generate.choice(small, options, samplers.greedy())(PROMPT)
+    tok = small.tokenizer
+    ref = reference_scores(small, tok.encode_prompts([PROMPT])[0], options)
+    best = sorted(ref, key=lambda o: -ref[o])
+    assert generate.choice(small, options, samplers.greedy())(PROMPT) == best[0]
+    beams = continuous(generate.choice(small, options, samplers.beam_search(len(options))))(PROMPT)
+    assert beams.value == best
+    assert max(abs(w - ref[o]) for o, w in zip(beams.value, beams.weights[0].tolist())) < EXACT
+    text = continuous(generate.text(small, samplers.greedy()))
+    prompt_len = len(tok.encode_prompts([PROMPT])[0])
+    for i in (0, 4, 9):  # each chosen pair continued like a fresh evaluation of its text, its context not computed
+        before = small.tokens_computed
+        more = text(beams[0, i, :] + " and", max_tokens=4)
+        assert small.tokens_computed - before <= len(_ids(more)) - prompt_len + 1
+        assert str(more) == str(text(str(beams[0, i, :]) + " and", max_tokens=4))
+    # rows of two prompts with two samples each (an input state of 4 rows: 44 paths), drawn with replacement
+    two = continuous(generate.text(small, samplers.multinomial(2)))(["Lily saw a", "The dog"], max_tokens=3,
+                                                                    rng=torch.Generator().manual_seed(3))
+    picked = continuous(generate.choice(small, options, samplers.multinomial(2)))(two, rng=torch.Generator().manual_seed(5))
+    for b in range(2):
+        for i in range(2):  # (a draw's row may come from either sample of its prompt: its ancestor by its text)
+            j = next(j for j in range(2) if str(picked[b, i, :]) == str(two[b, j, :]) + picked.value[b][i])
+            ref_row = reference_scores(small, _ids(two[b, j, :]), options)
+            gained = float(picked.weights[b, i]) - float(two.weights[b, j])
+            assert abs(gained - ref_row[picked.value[b][i]]) < EXACT
+            assert str(text(picked[b, i, :], max_tokens=3)) == str(text(str(picked[b, i, :]), max_tokens=3))
     long = [" big red dog", " big blue cat", " little bird that sang", " dragon"]  # 13+ nodes: two decodes
-    assert 1 + sum(len(small.tokenizer.encode_continuation(o)) for o in long) > small.llama.n_batch
-    ref = reference_scores(small, small.tokenizer.encode_prompts([PROMPT])[0], long)
-    out = continuous(generate.choice(small, long, samplers.beam_search(4)))(PROMPT)  # the refused call left it usable
+    assert 1 + sum(len(tok.encode_continuation(o)) for o in long) > small.llama.n_batch
+    ref = reference_scores(small, tok.encode_prompts([PROMPT])[0], long)
+    out = continuous(generate.choice(small, long, samplers.beam_search(4)))(PROMPT)
     assert out.value == sorted(ref, key=lambda o: -ref[o])
     assert max(abs(w - ref[o]) for o, w in zip(out.value, out.weights[0].tolist())) < EXACT
+
+
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_a_tree_of_64_or_more_nodes_scores_as_a_prefill_of_prompt_and_option(mode):
+    """100 options (~120 nodes, one tree): decoded in chunks under flash attention's tiled kernel, whose sums follow
+    which rows share a tile. Before, one 120-row decode took it and scored options 3e-3 off llama-cpp-python's
+    evaluation of prompt + option, in both modes (the f32 fixture)."""
+    llm = models.llamacpp(gguf("f32"), n_threads=2, batch_invariant=mode == "batch_invariant")
+    assert llm.llama.flash_attn
+    options = [f" {i}" for i in range(100)]
+    ref = reference_scores(llm, llm.tokenizer.encode_prompts([PROMPT])[0], options)
+    out = continuous(generate.choice(llm, options, samplers.beam_search(len(options))))(PROMPT)
+    got = dict(zip(out.value, out.weights[0].tolist()))
+    assert max(abs(got[o] - ref[o]) for o in options) < EXACT
+
+
+def test_a_choice_among_more_options_than_the_pools_sequence_ids(model):
+    """300 options on the default pool (255 ids): scored in parts, each option's score llama-cpp-python's; run_batch
+    of such calls equals each alone."""
+    options = [f" {i}" for i in range(300)]
+    ref = reference_scores(model, model.tokenizer.encode_prompts([PROMPT])[0], options)
+    top = continuous(generate.choice(model, options, samplers.beam_search(3)))(PROMPT)
+    assert top.value == sorted(ref, key=lambda o: -ref[o])[:3]
+    assert max(abs(w - ref[o]) for o, w in zip(top.value, top.weights[0].tolist())) < EXACT
+    gen = generate.choice(model, options, samplers.greedy())
+    prompts = [PROMPT, "Lily had"]
+    assert run_batch(gen, prompts) == [gen(p) for p in prompts]
 
 
 def test_unchosen_option_sequences_are_released_and_continued_rows_score_exactly(model):

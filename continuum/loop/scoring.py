@@ -18,6 +18,13 @@ a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keep
 context columns and its option's tree columns (:func:`~continuum.models.kv.gather_paths`: new storage on
 transformers, views of the option's own sequence on llama.cpp); nothing another state can see is written.
 
+A backend whose trees have a bound (llama.cpp: a leaf takes one of its 255 sequence ids) may not hold every option
+path of every row at once (a choice among 1,000 numbers, or 40 options under beam_search(8)). Then the rows are
+prefilled to their last token and scored in parts, as many rows and options as fit in each part's tree, each part's
+KV dropped as it is read. The chosen pairs' states hold their rows' cached context; their last token and option
+tokens are left uncached, for the call that continues them to compute (once, in its one forward). Each part
+computes its rows' last tokens again (one a row); nothing is refused that fits in memory.
+
 With classifier-free guidance, each option token's score is the guided log-prob
 (:func:`~continuum.loop.cfg.guided_logprobs` of the conditional log-prob and the log-prob after the
 row's unconditional prompt, one more forward over every distinct (unconditional prompt, option)
@@ -104,9 +111,11 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
                                  f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
     state = recompute_stale(state)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
+    budget = getattr(model, "max_call_rows", None)
+    apart = budget is not None and budget < R * (1 + K)  # more option paths than sequence ids: scored in parts
     # (a hybrid's tree runs level by level on transformers: a trunk there would be a forward per token)
     if guidance is not None or getattr(model, "prefix_cache", None) is not None or getattr(model, "hybrid", None) \
-            or W - C > TRUNK:
+            or W - C > TRUNK or apart:
         # the shared suffix first, leaving room for the tree so its forward appends in place
         state = prefill(state, reserve=1 + max(sum(map(len, opts)) for opts in encoded.values()))
         C = kvcache.length(state._kv)  # every column but the last (each row's root) is cached
@@ -114,12 +123,10 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
     # the uncached suffix and every option of a row in ONE row after its context: a token tree on its cache
     new = state._mask[:, C:].bool()
     suffix = [state._ids[r, C:][new[r]].tolist() for r in range(R)]  # root, then trunk
-    tree = token_tree.build([s[0] for s in suffix], state._mask[:, :C].sum(1).tolist(), row_options,
-                            state._mask[:, :C], tok.pad_token_id, trunks=[s[1:] for s in suffix])
-    logits, kv = model.forward(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions, state._kv,
-                               logits="outputs", allowed=tree.allowed, outputs=tree.outputs)
-    pair_lps = tree.option_logprobs(logits)  # per (row, option) pair, row-major
-    del logits
+    if apart:
+        pair_lps = _scores_in_parts(state, C, suffix, row_options, budget)  # type: ignore[arg-type]
+    else:
+        tree, kv, pair_lps = _tree_forward(state, C, suffix, row_options)  # per (row, option) pair, row-major
     lengths = torch.tensor([len(ids) for ids in option_ids])
     gain = torch.stack([lp.sum() for lp in pair_lps]).cpu() if pair_lps else torch.zeros(0)  # raw log-prob of each option
     if guidance is not None:  # rank by guided scores; the weights (gain) stay raw
@@ -141,13 +148,82 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
         order = [b * n + i for b in range(state.batch) for i in sorted(range(n), key=lambda i: -float(ranked[b * n + i]))]
     pick = torch.tensor(order)
     weights, ancestors, ids = weights.index_select(0, pick), ancestors.index_select(0, pick), ids.index_select(0, pick)
-    out = _chosen_state(state, tree, kv, ancestors.tolist(), ids.tolist(), pair_lps, K)
+    if apart:
+        out = _chosen_apart(state, C, suffix, row_options, ancestors.tolist(), ids.tolist(), pair_lps, K)
+    else:
+        out = _chosen_state(state, tree, kv, ancestors.tolist(), ids.tolist(), pair_lps, K)
     texts = out.texts
     last = LastStep(kind="choice", starts=tuple(starts[a] for a in ancestors.tolist()), ends=tuple(len(t) for t in texts),
                     complete=(True,) * out.rows, finish=("pattern",) * out.rows)
     result = SequenceState(model=model, ids=out._ids, mask=out._mask, logprobs=out._logprobs, weights=weights,
                            kv=out._kv, batch=state.batch, samples=sampler.samples, last=last)
     return result, Step([t[s:] for t, s in zip(texts, last.starts)], True)
+
+
+def _tree_forward(state: SequenceState, C: int, suffix: list[list[int]], row_options: list[list[list[int]]]
+                  ) -> tuple[token_tree.TokenTree, kvcache.KV, list[torch.Tensor]]:
+    """ONE forward of every row's tree (its root and trunk, then the trie of its options) on the row's cached
+    context: the tree, its KV and each (row, option) pair's log-probs, row-major."""
+    tree = token_tree.build([s[0] for s in suffix], state._mask[:, :C].sum(1).tolist(), row_options,
+                            state._mask[:, :C], state._model.tokenizer.pad_token_id, trunks=[s[1:] for s in suffix])
+    logits, kv = state._model.forward(tree.ids, torch.cat([state._mask[:, :C], tree.real], 1), tree.positions,
+                                      state._kv, logits="outputs", allowed=tree.allowed, outputs=tree.outputs)
+    return tree, kv, tree.option_logprobs(logits)
+
+
+def _rows(state: SequenceState, rows: list[int]) -> SequenceState:
+    """Rows ``rows`` of ``state`` as a state of one sample each (their cache: views, nothing copied)."""
+    idx = torch.tensor(rows, dtype=torch.long, device=state._ids.device)
+    return SequenceState(model=state._model, ids=state._ids.index_select(0, idx), mask=state._mask.index_select(0, idx),
+                         logprobs=state._logprobs.index_select(0, idx), weights=torch.zeros(len(rows)),
+                         kv=kvcache.select_rows(state._kv, idx), batch=len(rows), samples=1)
+
+
+def _scores_in_parts(state: SequenceState, C: int, suffix: list[list[int]], row_options: list[list[list[int]]],
+                     budget: int) -> list[torch.Tensor]:
+    """Each (row, option) pair's log-probs, row-major, when the rows' option paths outnumber the backend's sequence
+    ids (llama.cpp: a leaf of a tree takes one, ``budget`` in all with the rows' own): trees of as many rows and
+    options as fit, one forward each, their KV dropped at once (:func:`_chosen_apart`). Every row is prefilled to its
+    last token first, so a part computes only its roots (one token a row) and its options' nodes."""
+    R, K = len(row_options), len(row_options[0])
+    # (a row takes its own sequence, one per leaf, and one more where its view is a short one of a long spilled
+    # state: tree._fork_leaves restores only its positions into a sequence of its own)
+    rows_at_once = max(1, min(R, budget // 3))
+    per = max(1, budget // rows_at_once - 2)  # options a row scores in one part
+    out: list[torch.Tensor] = [torch.empty(0)] * (R * K)
+    for r0 in range(0, R, rows_at_once):
+        rows = list(range(r0, min(R, r0 + rows_at_once)))
+        part = _rows(state, rows)
+        for k0 in range(0, K, per):
+            ks = range(k0, min(K, k0 + per))
+            _, kv, lps = _tree_forward(part, C, [suffix[r] for r in rows], [[row_options[r][k] for k in ks] for r in rows])
+            del kv  # (its leaves released: the next part takes their ids)
+            for (r, k), lp in zip(((r, k) for r in rows for k in ks), lps):
+                out[r * K + k] = lp
+    return out
+
+
+def _chosen_apart(state: SequenceState, C: int, suffix: list[list[int]], row_options: list[list[list[int]]],
+                  rows: list[int], picks: list[int], pair_lps: list[torch.Tensor], K: int) -> SequenceState:
+    """The chosen pairs after :func:`_scores_in_parts`, one row each: the row's cached context (views of its cache,
+    nothing copied), then its root, trunk and option's tokens, uncached (the parts' KV is gone: the call that continues
+    the state computes them, in its one forward); shorter tails get holes before them."""
+    dev = state._ids.device
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    tails = [suffix[r] + row_options[r][k] for r, k in zip(rows, picks)]
+    M = max(map(len, tails))
+    pad = state._model.tokenizer.pad_token_id
+    tail = torch.tensor([[pad] * (M - len(t)) + t for t in tails], dtype=torch.long, device=dev)
+    real = torch.tensor([[0] * (M - len(t)) + [1] * len(t) for t in tails], dtype=state._mask.dtype, device=dev)
+    lp = torch.full((len(rows), M), float("nan"), dtype=state._logprobs.dtype, device=dev)
+    for j, (r, k) in enumerate(zip(rows, picks)):
+        own = state._logprobs[r, C:][state._mask[r, C:].bool()]  # the root and trunk keep their own log-probs
+        lp[j, M - len(tails[j]):] = torch.cat([own, pair_lps[r * K + k].to(lp)])
+    return SequenceState(model=state._model, ids=torch.cat([state._ids[:, :C].index_select(0, idx), tail], 1),
+                         mask=torch.cat([state._mask[:, :C].index_select(0, idx), real], 1),
+                         logprobs=torch.cat([state._logprobs[:, :C].index_select(0, idx), lp], 1),
+                         weights=torch.zeros(len(rows)), kv=kvcache.select_rows(state._kv, idx), batch=len(rows),
+                         samples=1)
 
 
 def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.KV, rows: list[int], picks: list[int],

@@ -18,9 +18,9 @@ covering the context, the root and the option's tokens but the last. Leaves nobo
 Limits: the leaves of one tree request and the rows' own sequences must fit in the pool's sequence ids (at most
 255): more is refused with :class:`~continuum.errors.SequencesExhaustedError` saying what to do (nothing is
 decoded); several requests of one step share a decode while their leaves fit, else run one after another. Nodes
-are decoded by depth, so a tree longer than ``n_batch`` tokens is decoded in chunks (sequences coupled by a node
-then hold the same positions, as llama.cpp requires). Sliding-window rows get the checks of any decode
-(:class:`~continuum.errors.StaleWindowError`).
+are decoded by depth, so a tree longer than a decode (``n_batch`` tokens; 63 with flash attention, under its tiled
+kernel) is decoded in chunks (sequences coupled by a node then hold the same positions, as llama.cpp requires).
+Sliding-window rows get the checks of any decode (:class:`~continuum.errors.StaleWindowError`).
 
 Example:
     >>> logits, kv = model.forward(tree.ids, mask, tree.positions, state_kv, logits="all", allowed=tree.allowed)  # doctest: +SKIP
@@ -39,7 +39,7 @@ import torch
 from ...errors import BackendError, ContinuumError, KVCacheFullError, SequencesExhaustedError
 from . import cells, window
 from ._lib import lib, mark_decoded
-from .decode import discard
+from .decode import FA_TILE_ROWS, discard
 from .seq import Seq
 from .sequences import KVView, SequencePool
 
@@ -253,6 +253,11 @@ def _decode(pool: SequencePool, rows: list[_Row], leaf_seqs: list[list[Seq]]) ->
     dest = np.array([order[(k, node)] for _, k, node in items if (k, node) in order], np.intp)
     logits = np.empty((len(order), model.n_vocab), np.float32)
     step = model.n_batch - (pool.scratch is not None)
+    if model.flash_attn:  # chunks under flash attention's tiled kernel (decode.FA_TILE_ROWS), as decodes of rows are:
+        # its sums follow which rows share a tile, so a tree of 64+ nodes scored its options 3e-3 off a prefill of
+        # prompt + option on the f32 fixture in either mode (60 or 100 options), and its tiles of several rows'
+        # nodes compute attention over every row's cells
+        step = min(step, FA_TILE_ROWS - 1)
     keep = [s for seqs in leaf_seqs for s in seqs]
     # (the rows' own sequences only lend the leaves their context: spillable, last, if the pool is full of them)
     spare = [row.view.seq for row in rows if row.view.seq is not None]
