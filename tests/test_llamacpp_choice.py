@@ -11,6 +11,7 @@ on f32 and q8_0), not DECODE_TOL (which is for tokens decoded one at a time).
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 import torch
@@ -162,6 +163,21 @@ def test_more_option_paths_than_sequence_ids_are_scored_in_parts_and_a_tree_long
     out = continuous(generate.choice(small, long, samplers.beam_search(4)))(PROMPT)
     assert out.value == sorted(ref, key=lambda o: -ref[o])
     assert max(abs(w - ref[o]) for o, w in zip(out.value, out.weights[0].tolist())) < EXACT
+
+
+def test_a_tree_with_more_nodes_than_the_pools_cells_is_scored_in_parts():
+    """60 options of ~7 tokens (~280 tree nodes) on a 256-cell pool: refused before (``KVCacheFullError``: no free
+    cell for the tree), now scored in parts that fit, each score llama-cpp-python's."""
+    small = models.llamacpp(gguf("f32"), n_ctx=256, n_threads=2, batch_invariant=True)
+    rnd = random.Random(0)  # (rare letters: several tokens each on the 512-token vocabulary)
+    options = list(dict.fromkeys(" " + "".join(rnd.choice("qzxjkvw") for _ in range(6)) for _ in range(80)))[:60]
+    assert len(options) == 60 and sum(len(small.tokenizer.encode_continuation(o)) for o in options) > 256
+    ref = reference_scores(small, small.tokenizer.encode_prompts([PROMPT])[0], options)
+    top = continuous(generate.choice(small, options, samplers.beam_search(2)))(PROMPT)
+    assert top.value == sorted(ref, key=lambda o: -ref[o])[:2]
+    assert max(abs(w - ref[o]) for o, w in zip(top.value, top.weights[0].tolist())) < EXACT
+    text = continuous(generate.text(small, samplers.greedy()))
+    assert str(text(top[0, 0, :], max_tokens=4)) == str(text(str(top[0, 0, :]), max_tokens=4))
 
 
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])

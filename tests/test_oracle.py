@@ -3,7 +3,8 @@
 A hypothesis ``RuleBasedStateMachine`` draws histories, because a wrong result can depend on what ran before (a memo
 keyed by less than the whole context, a reused buffer). From fresh prompts it draws: greedy text; seeded multinomial
 samples; forks (``multinomial(n)``) and ``beam_search(n)``; greedy choices over 1..3-token options with shared
-prefixes, and over 70 (more paths than a small llama.cpp pool's sequence ids, trees of 64+ nodes); regex and JSON calls; ``state[..., :k]`` cuts; ``state + "text"`` and ``state + state``; save/load;
+prefixes, and over 70 (more paths than a small llama.cpp pool's sequence ids, trees of 64+ nodes); regex and JSON
+calls; ``state[..., :k]`` cuts; ``state + "text"`` and ``state + state``; save/load;
 ``continuum.run_batch`` of a few one- or two-call programs, calls on threads, and ``acall`` merged by
 ``asyncio.gather`` (the same state may be drawn twice). Calls run on the prefix cache on or off and, on
 transformers, under a ``kv_budget`` that makes calls wait; on llama.cpp the pool is roomy or 256 cells (calls park,

@@ -18,8 +18,9 @@ a vocabulary: greedy takes the best, multinomial(n) draws n, beam_search(n) keep
 context columns and its option's tree columns (:func:`~continuum.models.kv.gather_paths`: new storage on
 transformers, views of the option's own sequence on llama.cpp); nothing another state can see is written.
 
-A backend whose trees have a bound (llama.cpp: a leaf takes one of its 255 sequence ids) may not hold every option
-path of every row at once (a choice among 1,000 numbers, or 40 options under beam_search(8)). Then the rows are
+A backend whose trees have bounds (llama.cpp: a leaf takes one of its 255 sequence ids, a node one of its cells) may
+not hold every option path of every row at once (a choice among 1,000 numbers, 40 options under beam_search(8), 60
+options of 6 tokens on a 256-cell pool). Then the rows are
 prefilled to their last token and scored in parts, as many rows and options as fit in each part's tree, each part's
 KV dropped as it is read. The chosen pairs' states hold their rows' cached context; their last token and option
 tokens are left uncached, for the call that continues them to compute (once, in its one forward). Each part
@@ -111,8 +112,8 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
                                  f"shorten the input, e.g. state[..., -N:] keeps its last N characters")
     state = recompute_stale(state)
     C, W = kvcache.length(state._kv), state._ids.shape[1]
-    budget = getattr(model, "max_call_rows", None)
-    apart = budget is not None and budget < R * (1 + K)  # more option paths than sequence ids: scored in parts
+    bounds = _tree_bounds(model)
+    apart = _too_wide(state, bounds, row_options)  # more option paths than sequence ids, or nodes than cells
     # (a hybrid's tree runs level by level on transformers: a trunk there would be a forward per token)
     if guidance is not None or getattr(model, "prefix_cache", None) is not None or getattr(model, "hybrid", None) \
             or W - C > TRUNK or apart:
@@ -124,7 +125,7 @@ def _choose(state: SequenceState, options: Sequence[str], sampler: Sampler, meth
     new = state._mask[:, C:].bool()
     suffix = [state._ids[r, C:][new[r]].tolist() for r in range(R)]  # root, then trunk
     if apart:
-        pair_lps = _scores_in_parts(state, C, suffix, row_options, budget)  # type: ignore[arg-type]
+        pair_lps = _scores_in_parts(state, C, suffix, row_options, bounds, longest)
     else:
         tree, kv, pair_lps = _tree_forward(state, C, suffix, row_options)  # per (row, option) pair, row-major
     lengths = torch.tensor([len(ids) for ids in option_ids])
@@ -179,25 +180,66 @@ def _rows(state: SequenceState, rows: list[int]) -> SequenceState:
                          kv=kvcache.select_rows(state._kv, idx), batch=len(rows), samples=1)
 
 
-def _scores_in_parts(state: SequenceState, C: int, suffix: list[list[int]], row_options: list[list[list[int]]],
-                     budget: int) -> list[torch.Tensor]:
-    """Each (row, option) pair's log-probs, row-major, when the rows' option paths outnumber the backend's sequence
-    ids (llama.cpp: a leaf of a tree takes one, ``budget`` in all with the rows' own): trees of as many rows and
-    options as fit, one forward each, their KV dropped at once (:func:`_chosen_apart`). Every row is prefilled to its
-    last token first, so a part computes only its roots (one token a row) and its options' nodes."""
+def _tree_bounds(model) -> tuple[int | None, int | None]:
+    """What one token-tree forward may hold: sequence ids (llama.cpp: the rows' own and one per leaf) and cells (the
+    rows' contexts and every node); None where the backend has no such bound (transformers)."""
+    measure = getattr(model, "capacity", None)
+    cap = measure([]) if measure is not None else None
+    return getattr(model, "max_call_rows", None), (cap.total if cap is not None else None)
+
+
+def _nodes(options: list[list[int]]) -> int:
+    """A trie's nodes: the options' distinct token prefixes."""
+    return len({tuple(o[:i + 1]) for o in options for i in range(len(o))})
+
+
+def _too_wide(state: SequenceState, bounds: tuple[int | None, int | None], row_options: list[list[list[int]]]) -> bool:
+    """Whether one tree of every row's options exceeds :func:`_tree_bounds`: its rows' own sequences and one per
+    leaf, or its rows' cells (what their cache holds together, a fork's shared prefix once, and every uncached
+    token) and its nodes."""
+    ids, cells = bounds
     R, K = len(row_options), len(row_options[0])
+    if ids is not None and ids < R * (1 + K):
+        return True
+    if cells is None:
+        return False
+    seen: dict[int, int] = {}  # (rows of one tokenization share the list: its trie counted once)
+    nodes = sum(seen.setdefault(id(opts), _nodes(opts)) for opts in row_options)
+    together, C = getattr(state._model, "rows_cells", None), kvcache.length(state._kv)
+    held = together(state._kv, list(range(R))) if together is not None and state._kv is not None else 0
+    return cells < held + int(state._mask[:, C:].sum()) + nodes
+
+
+def _scores_in_parts(state: SequenceState, C: int, suffix: list[list[int]], row_options: list[list[list[int]]],
+                     bounds: tuple[int | None, int | None], longest: int) -> list[torch.Tensor]:
+    """Each (row, option) pair's log-probs, row-major, when one tree of all would not fit the backend's bounds
+    (:func:`_tree_bounds`): trees of as many rows and options as fit, one forward each, their KV dropped at once
+    (:func:`_chosen_apart`). Every row is prefilled to its last token first, so a part computes only its roots (one
+    token a row) and its options' nodes."""
+    R, K = len(row_options), len(row_options[0])
+    ids, cells = bounds
+    lengths = [max(len(opts[k]) for opts in row_options) for k in range(K)]  # (an option's tokens, at most, a row)
     # (a row takes its own sequence, one per leaf, and one more where its view is a short one of a long spilled
     # state: tree._fork_leaves restores only its positions into a sequence of its own)
-    rows_at_once = max(1, min(R, budget // 3))
-    per = max(1, budget // rows_at_once - 2)  # options a row scores in one part
+    rows_at_once = max(1, min(R, ids // 3 if ids is not None else R,
+                              cells // (2 * (longest + 1 + max(lengths))) if cells is not None else R))
+    per = max(1, ids // rows_at_once - 2) if ids is not None else K  # options a row scores in one part
+    room = cells - rows_at_once * (longest + 1) if cells is not None else None  # cells for a part's nodes
+    groups: list[list[int]] = [[]]
+    used = 0
+    for k, n in enumerate(lengths):
+        if groups[-1] and (len(groups[-1]) == per or (room is not None and used + rows_at_once * n > room)):
+            groups.append([])
+            used = 0
+        groups[-1].append(k)
+        used += rows_at_once * n
     out: list[torch.Tensor] = [torch.empty(0)] * (R * K)
     for r0 in range(0, R, rows_at_once):
         rows = list(range(r0, min(R, r0 + rows_at_once)))
         part = _rows(state, rows)
-        for k0 in range(0, K, per):
-            ks = range(k0, min(K, k0 + per))
+        for ks in groups:
             _, kv, lps = _tree_forward(part, C, [suffix[r] for r in rows], [[row_options[r][k] for k in ks] for r in rows])
-            del kv  # (its leaves released: the next part takes their ids)
+            del kv  # (its leaves released: the next part takes their ids, its nodes their cells)
             for (r, k), lp in zip(((r, k) for r in rows for k in ks), lps):
                 out[r * K + k] = lp
     return out
