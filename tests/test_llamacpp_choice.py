@@ -180,6 +180,23 @@ def test_a_tree_with_more_nodes_than_the_pools_cells_is_scored_in_parts():
     assert str(text(top[0, 0, :], max_tokens=4)) == str(text(str(top[0, 0, :]), max_tokens=4))
 
 
+def test_a_guided_choice_among_more_options_than_sequence_ids(model):
+    """300 options with a negative prompt: the unconditional branch's 300 rows (negative prompt + option) ran as ONE
+    forward and were refused (``SequencesExhaustedError``: 256 ids); now in forwards that fit. The pick is the best
+    guided score of llama-cpp-python's evaluations, its weight the raw log-prob."""
+    from continuum.loop.cfg import guided_logprobs
+
+    options = [f" {i}" for i in range(300)]
+    tok = model.tokenizer
+    cond = reference_scores(model, tok.encode_prompts([PROMPT])[0], options)
+    uncond = reference_scores(model, tok.encode_prompts(["Bad"])[0], options)
+    guided = {o: float(guided_logprobs(torch.tensor(cond[o]), torch.tensor(uncond[o]), 1.5)) for o in options}
+    out = continuous(generate.choice(model, options, samplers.greedy(), guidance_scale=1.5, negative_prompt="Bad"))(PROMPT)
+    first, second = sorted(guided.values(), reverse=True)[:2]
+    assert first - second > 1e-3 and out.value == max(guided, key=guided.get)
+    assert abs(float(out.weights[0, 0]) - cond[out.value]) < EXACT
+
+
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])
 def test_a_tree_of_64_or_more_nodes_scores_as_a_prefill_of_prompt_and_option(mode):
     """100 options (~120 nodes, one tree): decoded in chunks under flash attention's tiled kernel, whose sums follow

@@ -301,18 +301,25 @@ def _chosen_state(state: SequenceState, tree: token_tree.TokenTree, kv: kvcache.
 
 def _uncond_option_logprobs(model, prefixes: list[list[int]], option_ids: list[list[int]]) -> list[torch.Tensor]:
     """Log-probs of each pair's option tokens after its unconditional prompt (``prefixes[i]`` then
-    ``option_ids[i]``), every distinct sequence once, in ONE forward."""
+    ``option_ids[i]``), every distinct sequence once, in ONE forward (in as many as the backend's bounds ask:
+    :func:`_tree_bounds`, a row a sequence id and its tokens' cells; 300 options on llama.cpp are 300 rows)."""
     seqs = list(dict.fromkeys(tuple(p) + tuple(o) for p, o in zip(prefixes, option_ids)))
     width = max(len(s) for s in seqs)
+    ids_bound, cells = _tree_bounds(model)
+    at_once = min(len(seqs), ids_bound - 1 if ids_bound is not None else len(seqs),
+                  cells // width if cells is not None else len(seqs))
     pad = model.tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs], device=model.device)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=model.device)
-    logits, _ = model.forward(ids, mask, positions(mask), None, logits="all")
-    logprobs = torch.log_softmax(logits, -1)
-    row = {s: i for i, s in enumerate(seqs)}
+    found: dict[tuple, torch.Tensor] = {}
+    for s0 in range(0, len(seqs), max(1, at_once)):
+        part = seqs[s0:s0 + max(1, at_once)]
+        ids = torch.tensor([[pad] * (width - len(s)) + list(s) for s in part], device=model.device)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in part], device=model.device)
+        logits, _ = model.forward(ids, mask, positions(mask), None, logits="all")
+        logprobs = torch.log_softmax(logits, -1)
+        found.update(zip(part, logprobs))
     out = []
     for p, o in zip(prefixes, option_ids):
-        i, n = row[tuple(p) + tuple(o)], len(o)
-        cols = torch.arange(width - n, width, device=ids.device)
-        out.append(logprobs[i, cols - 1, ids[i, cols]])
+        seq, n = tuple(p) + tuple(o), len(o)
+        cols = torch.arange(width - n, width, device=model.device)
+        out.append(found[seq][cols - 1, torch.tensor(seq[len(seq) - n:], dtype=torch.long, device=model.device)])
     return out
