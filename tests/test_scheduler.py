@@ -319,6 +319,41 @@ def test_a_kv_budget_on_transformers_bounds_the_running_calls_and_refuses_only_w
 
 
 
+def test_a_list_call_beyond_the_kv_budget_runs_in_parts_and_only_beams_that_never_fit_are_refused(gpt2_model):
+    """Nothing refused that fits: six prompts on a budget of 2.5 rows were refused as one list call
+    (``KVCacheFullError``) while run_batch of the same programs ran. Now the prompts run in parts (each equal to the
+    prompt alone, the running KV within the budget), a fresh ``multinomial(6)`` draws its samples in groups (each
+    sample's weight the log-prob a fresh forward gives its tokens), and only a prompt's beams, which advance together,
+    are refused."""
+    from continuum import models
+    from continuum.models.memory import kv_bytes
+
+    tok = gpt2_model.tokenizer
+    one = kv_bytes(gpt2_model, max(len(ids) for ids in tok.encode_prompts(PROMPTS)) + 8)
+    model = models.Transformers(gpt2_model.model, tok, kv_budget=int(2.5 * one))
+    text = continuous(generate.text(model, samplers.greedy()))
+    alone = [text(p, max_tokens=8) for p in PROMPTS]
+    model.engine.reset_stats()
+    together = text(PROMPTS, max_tokens=8)
+    assert list(together) == [str(a) for a in alone]
+    for b, a in enumerate(alone):
+        assert abs(float(together.weights[b, 0]) - float(a.weights[0, 0])) < 1e-4
+    assert 0 < model.engine.stats()["peak_running_kv_bytes"] <= model.kv_budget
+    draws = continuous(generate.text(model, samplers.multinomial(6)))(PROMPTS[0], max_tokens=8,
+                                                                     rng=torch.Generator().manual_seed(0))
+    assert draws.samples == 6
+    n = len(tok.encode_prompts([PROMPTS[0]])[0])
+    for i in range(6):
+        ids = draws.token_ids[i][draws.attention_masks[i].bool()]
+        with torch.no_grad():
+            lp = torch.log_softmax(gpt2_model.model(ids[None]).logits[0].float(), -1)
+        ref = sum(float(lp[j - 1, ids[j]]) for j in range(n, len(ids)))
+        assert abs(float(draws.weights[0, i]) - ref) < 1e-4
+    with pytest.raises(KVCacheFullError, match="beams"):
+        generate.text(model, samplers.beam_search(4))(PROMPTS[0], max_tokens=8)
+    assert text(PROMPTS[0], max_tokens=8).value == alone[0].value
+
+
 def test_a_kv_budget_counts_the_step_as_it_is_laid_out(gpt2_model):
     """One long document decoding, then ten short calls: each short call at its own length fits the budget beside it,
     but the decode step holds every row as long as the longest (one slab). Before, all ten joined the long call (11

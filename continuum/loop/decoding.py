@@ -97,9 +97,11 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
         if model.kv_budget is not None and need > model.kv_budget:  # (it could never run within the budget)
             engine.arrivals.arrived()
             loop.close()
+            what = ("the beams (a prompt's beams advance together: they cannot run in parts)" if sampler.is_beam_search
+                    else "the rows")
             raise KVCacheFullError(f"this call's {rows} rows may reach {need} bytes of KV cache (input plus max_tokens), "
                                    f"more than the model's kv_budget of {model.kv_budget} bytes: lower max_tokens or "
-                                   "the rows, or raise kv_budget")
+                                   f"{what}, or raise kv_budget")
         new = options.get("max_tokens")
         spec = options.get("speculate")  # (a step's drafts take cells too, until the rejected ones are cut)
         grow = rows * (new + (spec.max_draft if spec is not None else 0)) if new is not None else None

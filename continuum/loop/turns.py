@@ -63,6 +63,10 @@ def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | No
     measure = getattr(model, "capacity", None)
     cap = measure([]) if measure is not None else None
     new = options.get("max_tokens")
+    budget = getattr(model, "kv_budget", None)
+    if cap is None and budget is not None and new:  # transformers under a kv_budget (bytes)
+        fit = _budget_rows(state, budget, new)
+        return fit if limit is None else limit if fit is None else min(limit, fit)
     if limit is None or cap is None or not new:
         return limit
     width, per = _prompt_cells(state), _per_prompt(state, sampler, options)
@@ -73,6 +77,19 @@ def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | No
     else:
         by_cells = max(1, prompts) * per  # (a prompt that cannot fit alone is the backend's clear error)
     return max(1, min(limit, by_cells))
+
+
+def _budget_rows(state: SequenceState, budget: int, new: int) -> int | None:
+    """The rows of a call that fit a transformers model's ``kv_budget`` together, each priced as the engine prices a
+    call's rows up front (``decoding.decode``: as long as the input plus ``max_tokens``, within the context); None
+    when all of them fit. Without it a list call whose prompts each fit was refused (``KVCacheFullError``) where
+    ``run_batch`` of the same programs ran."""
+    from ..models.memory import kv_bytes
+
+    ctx = state._model.context_length
+    longest = state._ids.shape[1] + new
+    each = kv_bytes(state._model, min(longest, ctx) if ctx else longest)
+    return max(1, budget // each) if each > 0 else None
 
 
 def _prompt_cells(state: SequenceState) -> int:
