@@ -439,18 +439,17 @@ def test_a_copy_of_a_call_sent_while_it_runs_gets_the_same_answer(remote):
     assert more["rows"][0]["ids"]
 
 
-# the state-algebra property tests' programs (tests/test_properties.py: its text strategy, its character slices)
+# the state-algebra property tests' programs (tests/test_properties_programs.py: the text strategy, the character slices)
 # drawn once and run on both models in lockstep: every step's remote state equals the local one, and every
 # continuation computes as many positions on the server as locally. CONTINUUM_REMOTE_EXAMPLES sets the profile.
 @settings(max_examples=int(os.environ.get("CONTINUUM_REMOTE_EXAMPLES", "12")), deadline=None, derandomize=True,
           database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_state_programs_on_remote_equal_local(remote, local, data):
-    from test_properties import texts
-
     from continuum import SequenceState, continuous, generate, samplers
 
     from conftest import chars_key
+    from properties_support import texts
 
     prompts = data.draw(st.lists(texts, min_size=1, max_size=2), "prompts")
     pair = [SequenceState.from_prompts(m, prompts) for m in (remote, local)]
