@@ -291,6 +291,8 @@ def tour(m) -> None:
     f = m.call(h=e, call=Call("sample", k=3, seed=2, variant="budget" if "budget" in m.b.variants else "plain"))
     m.call(h=b, call=Call("beam", n=3, k=4))
     m.call(h=a, call=Call("regex", arg=PATTERNS[1], k=10))
+    many = m.call(h=a, call=Call("choice", arg=OPTIONS[-1], suffix=" ok?"))  # (llama.cpp's small pool: in parts)
+    m.call(h=many, call=Call("greedy", k=3))  # (its option tokens left uncached: computed by this call)
     m.call(h=c, call=Call("json", arg="color", k=12))
     if "lfm2" not in m.b.name:  # (a hybrid refuses speculation)
         m.call(h=m.add_text(h=c, text=" and the"), call=Call("lookup", k=10))
