@@ -1,10 +1,15 @@
-"""``models.remote`` (issue 58) against a real ``continuum serve`` on loopback, real httpx, no mocks.
+"""``models.remote`` (issue 58) against a real ``continuum serve`` on loopback, real httpx, no mocks: programs.
 
 The same programs run on ``models.remote(url)`` and on the local model (the same checkpoint, transformers in this
 process) and must give the same ids and weights (1e-4: the server's engine may merge a call with others), the same
 texts and values, and the same count of positions computed (reuse is real: a continuation sends only the ids past
 its handle, and the server computes only those). The server keeps no state in memory (``--state-memory 0``), so every
 continuation loads its handle's state from the store, as after a restart.
+
+Here: a text -> choice -> JSON chain, the state algebra (local: nothing sent), seeded samples and beams across turns,
+run_batch of 32, streams (sync and async), guidance, speculation and reasoning, unfinished constrained steps resumed,
+grammars, a prefill and a saved remote state, and the property tests' random state programs. Errors, restarts,
+connections and repeated calls: ``test_remote_faults.py``; the server and the comparison: ``remote_support.py``.
 """
 
 from __future__ import annotations
@@ -20,55 +25,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+import remote_support
 from conftest import FIXTURES
+from remote_support import same
 
 pytestmark = pytest.mark.skipif(not (FIXTURES / "models" / "stories260K").exists(), reason="fixtures absent")
-
-MODEL = str(FIXTURES / "models" / "stories260K")
-KEYS = ("remote-key-a", "remote-key-b")
+server, remote, local = remote_support.server, remote_support.remote, remote_support.local  # the fixtures, by name
 
 
 class Pet(BaseModel):
     kind: Literal["cat", "dog", "bird"]
     name: str
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from benchmarks import replicas
-
-    os.environ["CONTINUUM_REMOTE_CACHE"] = str(tmp_path_factory.mktemp("remote-tokenizers"))
-    srv = replicas.Server(MODEL, tmp_path_factory.mktemp("remote") / "store", "--api-key", KEYS[0], "--api-key",
-                          KEYS[1], "--state-memory", "0", name="stories260K", key=KEYS[0])
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def remote(server):
-    from continuum import models
-
-    return models.remote(server.base, api_key=KEYS[0])
-
-
-@pytest.fixture(scope="module")
-def local():
-    from continuum import models
-
-    return models.transformers(MODEL)
-
-
-def same(a, b, values: bool = True) -> None:
-    """Two states (remote, local) equal: ids, masks, texts, cached counts, weights and log-probs within 1e-4."""
-    assert torch.equal(a.token_ids, b.token_ids)
-    assert torch.equal(a.attention_masks, b.attention_masks)
-    assert list(a) == list(b)
-    assert torch.equal(a.cached_tokens, b.cached_tokens)
-    assert torch.allclose(a.weights, b.weights, atol=1e-4)
-    assert torch.allclose(a.token_logprobs, b.token_logprobs, atol=1e-4, equal_nan=True)
-    if values:
-        assert a.value == b.value
-        assert a.finish_reasons == b.finish_reasons
 
 
 def chain(model):
@@ -294,83 +261,6 @@ def test_an_unfinished_constrained_step_is_resumed_as_locally(remote, local):
     assert got[1].value.startswith(" ") and len(got[1].value) == 8 and set(got[3].value) == {"kind", "n"}
 
 
-def test_errors_travel_by_name_and_handles_stay_with_their_key(server, remote):
-    from continuum import continuous, generate, models, samplers, speculate
-    from continuum.errors import ContextLengthError, GeneratorArgumentError, RemoteError, RemoteStateError
-    from continuum.models.remote.handle import RemoteKV
-
-    text = continuous(generate.text(remote, samplers.greedy()))
-    s = text("Once upon a time", max_tokens=4)
-    with pytest.raises(ContextLengthError):  # raised by the server, re-raised here as the library's own class
-        text("a b " * 400, max_tokens=4)
-    with pytest.raises(GeneratorArgumentError, match="speculate.lookup"):  # (a draft model stays local)
-        draft = speculate.draft(models.transformers(MODEL))
-        continuous(generate.text(remote, samplers.greedy(), speculate=draft))("x", max_tokens=2)
-
-    other = models.remote(server.url, api_key=KEYS[1])  # (the /v1 URL works too)
-    with pytest.raises(RemoteStateError, match="for your API key"):
-        continuous(generate.text(other, samplers.greedy()))(s, max_tokens=2)  # (same server: the handle is kept)
-    bogus = _with_kv(s, RemoteKV((("cs_" + "0" * 48, 0),), s._kv.width))
-    with pytest.raises(RemoteStateError, match="no stored state"):
-        text(bogus, max_tokens=2)
-    # the state stays usable: without its handle it is sent whole, and continues as the original does
-    same(text(remote.detach(bogus), max_tokens=3), text(s, max_tokens=3))
-
-    with pytest.raises(RemoteError, match="cannot reach"):
-        models.remote("http://127.0.0.1:9", timeout=5)
-
-
-def _with_kv(state, kv):
-    from continuum import SequenceState
-
-    return SequenceState(model=state.model, ids=state._ids, mask=state._mask, logprobs=state._logprobs,
-                         weights=state._weights, kv=kv, batch=state.batch, samples=state.samples, last=state._last)
-
-
-def test_kill_9_between_two_calls_then_restart_continues_the_state(server, remote, local):
-    from continuum import continuous, generate, samplers
-    from continuum.errors import RemoteError
-
-    text_r = continuous(generate.text(remote, samplers.greedy()))
-    text_l = continuous(generate.text(local, samplers.greedy()))
-    s = text_r("The little dog", max_tokens=8)
-    server.kill9()
-    with pytest.raises(RemoteError, match="unchanged"):
-        text_r(s + " He", max_tokens=5)
-    server.start()
-    before = remote.tokens_computed
-    after = text_r(s + " He", max_tokens=5)  # the handle returned before the kill is in the store
-    s_l = text_l("The little dog", max_tokens=8)
-    before_l = local.tokens_computed
-    same(after, text_l(s_l + " He", max_tokens=5))
-    assert remote.tokens_computed - before == local.tokens_computed - before_l  # continued, not recomputed
-
-
-def test_a_kept_alive_connection_the_server_closed_is_replaced(remote, local, monkeypatch):
-    """Plain calls go out on one kept-alive connection per thread (continuum/models/remote/conn.py), which the server
-    closes once idle (uvicorn: after 5 s). A call written into a connection the server closed is sent again on a new
-    one (its call id makes the repeat safe), and answers what the local model answers."""
-    import select
-    import socket
-
-    from continuum import continuous, generate, samplers
-    from continuum.models.remote import conn
-
-    monkeypatch.setattr(conn, "IDLE_S", 1e9)  # (reused however long it sat idle: the broken-connection path)
-    text_r = continuous(generate.text(remote, samplers.greedy()))
-    text_l = continuous(generate.text(local, samplers.greedy()))
-    s = text_r("The little dog", max_tokens=4)
-    sock, deadline = remote.client.conns._local.sock, time.monotonic() + 20
-    while time.monotonic() < deadline:  # (until the server has closed it)
-        if select.select([sock], [], [], 0.5)[0] and sock.recv(1, socket.MSG_PEEK) == b"":
-            break
-    else:
-        pytest.fail("the server kept an idle connection open for 20 s")
-    got = text_r(s + " He", max_tokens=3)
-    assert remote.client.conns._local.sock is not sock
-    same(got, text_l(text_l("The little dog", max_tokens=4) + " He", max_tokens=3))
-
-
 def test_regex_grammar_prefill_and_a_saved_remote_state(remote, local, tmp_path):
     from continuum import SequenceState, continuous, generate, samplers
 
@@ -389,54 +279,6 @@ def test_regex_grammar_prefill_and_a_saved_remote_state(remote, local, tmp_path)
     for a, b in zip(got, want):
         same(a, b)
     assert remote.tokens_computed - before_r == local.tokens_computed - before_l  # the loaded handle was reused
-
-
-def test_a_repeated_call_gets_the_stored_answer_not_a_second_generation(remote):
-    from continuum.models.remote.wire import GENERATE
-
-    ids = remote.tokenizer.encode_prompts(["Once upon a time"])[0]
-    body = {"generator": {"kind": "text", "arguments": {}, "sampler": {"type": "multinomial", "samples": 4}},
-            "rows": [{"ids": ids, "logprobs": [None] * len(ids)}], "batch": 1, "samples": 1, "max_tokens": 8,
-            "call": "retry-1"}
-    first = remote.client.post(GENERATE, body)
-    assert remote.client.post(GENERATE, body) == first  # (unseeded samples: a second generation would differ)
-    other = remote.client.post(GENERATE, {**body, "call": "retry-2"})
-    assert other["id"] != first["id"]
-
-
-def test_a_copy_of_a_call_sent_while_it_runs_gets_the_same_answer(remote):
-    """The client resends a call when its connection breaks, possibly while the server still runs the first copy:
-    the copy waits for that one and gets its answer (unseeded samples: a second generation would differ), and the
-    stored state is the one answered (continuing it with the answer's last token as the check is accepted)."""
-    import threading
-
-    from continuum.models.remote.wire import GENERATE
-
-    ids = remote.tokenizer.encode_prompts(["Once upon a time"])[0]
-    for attempt in range(3):
-        body = {"generator": {"kind": "text", "arguments": {}, "sampler": {"type": "multinomial", "samples": 2}},
-                "rows": [{"ids": ids, "logprobs": [None] * len(ids)}], "batch": 1, "samples": 1, "max_tokens": 24,
-                "call": f"in-flight-{attempt}"}
-        answers: list = [None, None]
-        go = threading.Barrier(2)
-
-        def send(i: int, go=go, answers=answers, body=body) -> None:
-            go.wait()
-            answers[i] = remote.client.post(GENERATE, body)
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert answers[0] == answers[1] and answers[0] is not None
-    row = answers[0]["rows"][0]
-    full = ids + row["ids"]
-    more = remote.client.post(GENERATE, {
-        "generator": {"kind": "text", "arguments": {}, "sampler": {"type": "greedy"}},
-        "rows": [{"ids": full[len(full) - 1:], "logprobs": [None], "state": answers[0]["id"], "row": 0,
-                  "cached": len(full) - 1, "check": full[-2]}], "batch": 1, "samples": 1, "max_tokens": 2})
-    assert more["rows"][0]["ids"]
 
 
 # the state-algebra property tests' programs (tests/test_properties_programs.py: the text strategy, the character slices)
@@ -498,26 +340,3 @@ def test_random_state_programs_on_remote_equal_local(remote, local, data):
             continue
         same(new[0], new[1], values=False)
         pair = new
-
-
-def test_a_proxy_from_the_environment_is_honoured(remote, local, monkeypatch):
-    """Plain calls go out on http.client connections (conn.py), which know nothing of proxies; where HTTP_PROXY
-    applies to the server's URL they go through httpx, which honours it (a proxy that does not answer: the call says
-    the server cannot be reached, the state stays usable), and NO_PROXY naming the host keeps the direct way."""
-    from continuum import continuous, generate, samplers
-    from continuum.errors import RemoteError
-    from continuum.models.remote.client import Client
-
-    base = remote.client.base
-    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # (nothing listens on the discard port)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
-    proxied = Client(base, "k")
-    assert proxied.conns is None
-    with pytest.raises(RemoteError, match="cannot reach"):
-        proxied.get("/health")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    assert Client(base, "k").conns is not None
-    text_r = continuous(generate.text(remote, samplers.greedy()))
-    s = text_r("The little dog", max_tokens=3)  # (the fixture's client, made before: still direct)
-    same(s, continuous(generate.text(local, samplers.greedy()))("The little dog", max_tokens=3))
