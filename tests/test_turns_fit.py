@@ -196,3 +196,26 @@ def test_a_choice_on_samples_of_several_prompts_scores_in_parts():
         assert abs(gain - scores[labels.index(picked)]) <= 4 * DECODE_TOL["f32"]
         checked += 1
     assert checked == 6
+
+
+def test_beam_calls_on_several_prompts_run_in_parts_of_whole_prompts():
+    """6 prompts x beam_search(4) on a 15-id pool: refused before (``SequencesExhaustedError``: beam calls were never
+    split), now in parts of whole prompts (a prompt's beams advance together). In the batch-invariant mode each
+    prompt's beams equal its beams alone, and each beam's weight is the log-prob llama-cpp-python gives its tokens."""
+    model = _model(n_ctx=1024, n_seq_max=16, batch_invariant=True)
+    prompts = [f"Story {i}: once upon a time" for i in range(6)]
+    beams = continuous(generate.text(model, samplers.beam_search(4)))
+    together = beams(prompts, max_tokens=6)
+    assert together.batch == 6 and together.samples == 4
+    for b, prompt in enumerate(prompts):
+        alone = beams(prompt, max_tokens=6)
+        n = len(model.tokenizer.encode_prompts([prompt])[0])
+        for i in range(4):
+            row = b * 4 + i
+            assert _ids(together, row) == _ids(alone, i)
+            assert float(together.weights[b, i]) == float(alone.weights[0, i])
+            ids = _ids(alone, i)
+            logits = reference_logits("f32", ids)
+            lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            ref = sum(float(lp[c - 1, ids[c]]) for c in range(n, len(ids)))
+            assert abs(float(alone.weights[0, i]) - ref) < DECODE_TOL["f32"]

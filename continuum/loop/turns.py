@@ -6,8 +6,9 @@ that need not advance together are split: the prompts of a list call, and the in
 ``multinomial(n)`` draw (in groups, each with a generator seeded from the caller's ``rng``, so a seeded call is
 reproducible; it is not the draw one call of n rows would make). Each part is a call of its own, submitted at once
 from worker threads: the engine merges their steps and parks what does not fit (``room.py``); their states are put
-back in order. Rows that must advance together (one prompt's beams) are not split: a group larger than the bound
-is refused by the backend (``SequencesExhaustedError``).
+back in order. Rows that must advance together (one prompt's beams) are not split: a beam call's prompts run in
+parts, each with all its beams, and one prompt's beams that outnumber the bound are refused by the backend
+(``SequencesExhaustedError``).
 
 Example:
     >>> generate.text(gguf_model)([f"Story {i}:" for i in range(300)], max_tokens=8)   # doctest: +SKIP
@@ -118,9 +119,10 @@ def _prompt_cells(state: SequenceState) -> int:
 
 def needs_turns(state: SequenceState, sampler: Sampler, options: dict) -> bool:
     """Whether the call must run in turns: more rows than the backend decodes at once (:func:`row_limit`), and
-    rows that can be split (several prompts, or a prompt's independent samples; no beams, not a stream: a stream's
-    chunks come from one loop)."""
-    if sampler.is_beam_search or options.get("track_text"):
+    rows that can be split (several prompts, each with all its beams, or a prompt's independent samples; not a
+    stream: a stream's chunks come from one loop). Before, a beam call was never split: 6 prompts x beam_search(4) on
+    a 16-id pool were refused (``SequencesExhaustedError``) though 3 prompts' beams fit at a time."""
+    if options.get("track_text"):
         return False
     per = _per_prompt(state, sampler, options)
     if state.batch * per == 1:  # (one row: every limit is at least one row; a lone call, its checks not walked)
