@@ -219,3 +219,52 @@ def test_beam_calls_on_several_prompts_run_in_parts_of_whole_prompts():
             lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
             ref = sum(float(lp[c - 1, ids[c]]) for c in range(n, len(ids)))
             assert abs(float(alone.weights[0, i]) - ref) < DECODE_TOL["f32"]
+
+
+def test_choice_trees_that_hold_every_sequence_id_together_run_one_at_a_time():
+    """8 choices at once, each on a 2-row state, on a pool of 16 sequence ids: the 16 rows hold every id, so no tree
+    could fork its leaves beside the others, and every step failed them all and put them back: a hang (seen on the
+    LFM2 GGUF, ~1 run in 8, when a split choice's parts met in one step). Now one-offs that find no room together
+    run one at a time (``loop/room.py``), each pick llama.cpp's best option."""
+    model = _model(n_ctx=1024, n_seq_max=16)
+    text = continuous(generate.text(model, samplers.greedy()))
+    states = [text([f"Story {i}: once upon a time", f"Tale {i}: the dog"], max_tokens=4) for i in range(8)]
+    options = [" a", " b", " c", " d", " e"]
+    pick = continuous(generate.choice(model, options))
+    barrier, results, errors = threading.Barrier(8), [None] * 8, []
+    forward, meet = model.engine.forward, threading.Barrier(8)
+
+    def together(ids, mask, pos, kv, logits, reserve, allowed=None, outputs=None):
+        if allowed is not None:  # (the eight trees reach the engine's inbox at once: one step, as the race had it)
+            meet.wait(timeout=30)
+        return forward(ids, mask, pos, kv, logits, reserve, allowed, outputs)
+
+    model.engine.forward = together
+
+    def run(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            results[i] = pick(states[i])
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    for t in threads:
+        t.join(timeout=max(0.1, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "the choices hung"
+    assert not errors, errors
+    for state, out in zip(states, results):
+        for r in range(2):
+            base = _ids(state, r)
+            scores = []
+            for o in options:
+                full = _ids(state + o, r)
+                logits = reference_logits("f32", full)
+                lp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+                scores.append(sum(float(lp[c - 1, full[c]]) for c in range(len(base), len(full))))
+            ranked = sorted(scores, reverse=True)
+            if ranked[0] - ranked[1] > 10 * CROSS_TOL:
+                assert out.value[r] == options[int(np.argmax(scores))]

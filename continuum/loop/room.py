@@ -5,8 +5,9 @@ needs more cells than priced, another model's work in the same pool). Then, inst
 
 1. what failed beside other requests runs once more (the others' results are idle now: their cells spillable);
 2. still failing, the newest running call is parked (:meth:`Scheduler.victim`) and the rest runs again;
-3. a one-off request (a setup's prefill, a choice's tree) that found no room beside others waits for the next
-   step, at the head of the inbox. Only a request that ran with nothing else gets its error: it cannot fit at all.
+3. one-off requests (a setup's prefill, a choice's tree) that found no room together run one at a time, each beside
+   the running calls only; one that still finds no room waits for the next step, at the head of the inbox. Only a
+   request that ran with nothing else gets its error: it cannot fit at all.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def execute(model: Any, scheduler: Scheduler, stats: dict, live: list[Call],
             todo = failed
             continue
         if victim is None:  # (room for all, or a call alone that cannot fit: its error is its own)
-            return live, _retry_later(failed, live, oneoff)
+            return live, _retry_later(_one_at_a_time(model, stats, live, oneoff, failed), live, oneoff)
         victim.parked = True
         stats["parked"] += 1
         if victim.pending in failed:
@@ -57,6 +58,29 @@ def execute(model: Any, scheduler: Scheduler, stats: dict, live: list[Call],
         todo = [r for r in failed if r is not victim.pending]
         if not todo:
             return live, []
+
+
+def _one_at_a_time(model: Any, stats: dict, live: list[Call], oneoff: list[Request],
+                   failed: list[Request]) -> list[Request]:
+    """One-offs that found no room together run one at a time, each held beside the running calls only: together each
+    held the others' inputs, which no room could then be made from. (8 parts of a choice, 2 rows each, on a pool of
+    16 sequence ids: their 16 rows held every id, no tree could fork its leaves, and the same step came back forever:
+    a hang on the LFM2 GGUF, 1 run in ~8.) Returns what still failed."""
+    alone = [r for r in failed if r in oneoff]
+    if len(alone) < 2:
+        return failed
+    still = [r for r in failed if r not in oneoff]
+    running = [c.pending for c in live if not c.parked]
+    for r in alone:
+        r.error = None
+        model.hold(running + [r])
+        try:
+            model.run_step([r], stats)
+        finally:
+            model.hold([])
+        if no_room(r.error):
+            still.append(r)
+    return still
 
 
 def _retry_later(failed: list[Request], live: list[Call], oneoff: list[Request]) -> list[Request]:
