@@ -41,7 +41,7 @@ from .finish import finish
 from .rows import Rows
 from .setup import prefill, recompute_stale, setup
 from .steps import CallLoop
-from .turns import apart, in_turns, needs_turns
+from .turns import apart, in_turns, longest, needs_turns
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
             engine.arrivals.arrived()
             raise
         rows = state.rows * max(1, sampler.samples // max(state.samples, 1)) * (2 if options.get("guidance") else 1)
-        need = rows * kv_bytes(model, _longest(state, options))
+        need = rows * kv_bytes(model, longest(state, options))
         if model.kv_budget is not None and need > model.kv_budget:  # (it could never run within the budget)
             engine.arrivals.arrived()
             loop.close()
@@ -122,13 +122,6 @@ def decode(state: SequenceState, sampler: Sampler, **options) -> Generator[Step,
     finally:
         if getattr(model, "prefix_cache", None) is not None:
             model.prefix_cache.settle()  # prefixes registered as being computed and not inserted (an error)
-
-
-def _longest(state: SequenceState, options: dict) -> int:
-    """The most columns a call on ``state`` may reach: its input plus ``max_tokens``, within the context."""
-    ctx, new = state._model.context_length, options.get("max_tokens")
-    longest = state._ids.shape[1] + (new if new is not None else (ctx or 0))
-    return min(longest, ctx) if ctx else longest
 
 
 def _decode(

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..models.memory import kv_bytes
 from ..samplers import MultinomialSampler, Sampler
 from ..state import SequenceState
 from ..state.combine import concat_samples
@@ -66,7 +67,7 @@ def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | No
     new = options.get("max_tokens")
     budget = getattr(model, "kv_budget", None)
     if cap is None and budget is not None and new:  # transformers under a kv_budget (bytes)
-        fit = _budget_rows(state, budget, new)
+        fit = _budget_rows(state, budget, options)
         return fit if limit is None else limit if fit is None else min(limit, fit)
     if limit is None or cap is None or not new:
         return limit
@@ -80,16 +81,19 @@ def row_limit(state: SequenceState, sampler: Sampler, options: dict) -> int | No
     return max(1, min(limit, by_cells))
 
 
-def _budget_rows(state: SequenceState, budget: int, new: int) -> int | None:
-    """The rows of a call that fit a transformers model's ``kv_budget`` together, each priced as the engine prices a
-    call's rows up front (``decoding.decode``: as long as the input plus ``max_tokens``, within the context); None
-    when all of them fit. Without it a list call whose prompts each fit was refused (``KVCacheFullError``) where
-    ``run_batch`` of the same programs ran."""
-    from ..models.memory import kv_bytes
+def longest(state: SequenceState, options: dict) -> int:
+    """The most columns a call on ``state`` may reach: its input plus ``max_tokens``, within the context."""
+    ctx, new = state._model.context_length, options.get("max_tokens")
+    most = state._ids.shape[1] + (new if new is not None else (ctx or 0))
+    return min(most, ctx) if ctx else most
 
-    ctx = state._model.context_length
-    longest = state._ids.shape[1] + new
-    each = kv_bytes(state._model, min(longest, ctx) if ctx else longest)
+
+def _budget_rows(state: SequenceState, budget: int, options: dict) -> int | None:
+    """The rows of a call that fit a transformers model's ``kv_budget`` together, each priced as the engine prices a
+    call's rows up front (``decoding.decode``: :func:`longest` columns each); None when none of them has KV bytes.
+    Without it a list call whose prompts each fit was refused (``KVCacheFullError``) where ``run_batch`` of the same
+    programs ran."""
+    each = kv_bytes(state._model, longest(state, options))
     return max(1, budget // each) if each > 0 else None
 
 
