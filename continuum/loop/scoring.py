@@ -306,12 +306,12 @@ def _uncond_option_logprobs(model, prefixes: list[list[int]], option_ids: list[l
     seqs = list(dict.fromkeys(tuple(p) + tuple(o) for p, o in zip(prefixes, option_ids)))
     width = max(len(s) for s in seqs)
     ids_bound, cells = _tree_bounds(model)
-    at_once = min(len(seqs), ids_bound - 1 if ids_bound is not None else len(seqs),
-                  cells // width if cells is not None else len(seqs))
+    at_once = max(1, min(len(seqs), ids_bound - 1 if ids_bound is not None else len(seqs),
+                         cells // width if cells is not None else len(seqs)))
     pad = model.tokenizer.pad_token_id
     found: dict[tuple, torch.Tensor] = {}
-    for s0 in range(0, len(seqs), max(1, at_once)):
-        part = seqs[s0:s0 + max(1, at_once)]
+    for s0 in range(0, len(seqs), at_once):
+        part = seqs[s0:s0 + at_once]
         ids = torch.tensor([[pad] * (width - len(s)) + list(s) for s in part], device=model.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in part], device=model.device)
         logits, _ = model.forward(ids, mask, positions(mask), None, logits="all")
