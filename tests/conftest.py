@@ -382,6 +382,16 @@ def _sigint_handler_restored(request):
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own SIGINT handler during the test: ``_thread.interrupt_main`` calls whatever is installed (a
+    library's may swallow it), and does nothing where SIGINT is ignored, as in a process started in the background
+    of a shell without job control (POSIX: such a job ignores SIGINT): a test of Ctrl-C would then wait forever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def pytest_terminal_summary(terminalreporter):
     if SIGINT_CHANGED:
         terminalreporter.write_line(f"SIGINT handler changed (and restored) by: {', '.join(SIGINT_CHANGED)}")

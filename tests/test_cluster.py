@@ -11,7 +11,6 @@ from __future__ import annotations
 import _thread
 import functools
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -173,7 +172,7 @@ def test_bad_arguments_raise_continuum_errors_before_any_actor(kwargs, error, ma
         cluster.run_batch(args.pop("make_program"), args.pop("inputs"), **args)
 
 
-def test_ctrl_c_cancels_and_kills_the_actors():
+def test_ctrl_c_cancels_and_kills_the_actors(python_ctrl_c):
     deadline = time.monotonic() + 30
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)  # the earlier tests' actors are gone (else "all CPUs taken" below could be theirs)
@@ -188,14 +187,9 @@ def test_ctrl_c_cancels_and_kills_the_actors():
             time.sleep(0.1)
         _thread.interrupt_main()
 
-    # (Python's own handler: interrupt_main calls whatever is installed, and a library's may swallow it)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        threading.Thread(target=interrupt, daemon=True).start()
-        with pytest.raises(KeyboardInterrupt):
-            cluster.run_batch(make_slow_program, range(8), actors=2, concurrency=2)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run_batch(make_slow_program, range(8), actors=2, concurrency=2)
     deadline = time.monotonic() + 20
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -49,9 +49,10 @@ from continuum import SequenceState
 from conftest import chars_key
 
 LONG = os.environ.get("CONTINUUM_ORACLE") == "long"
-# Histories that hit a known bug (an xfail regression in test_oracle_regressions.py) at once are drawn only with CONTINUUM_ORACLE_KNOWN=1, so
-# that the long profile finds new ones. None now: greedy calls without max_tokens on llama.cpp (several rows to the
-# context outgrowing a pool together: test_a_call_of_two_rows_to_the_context_of_a_small_pool_regression) are drawn too.
+# Histories that hit a known bug (an xfail regression in test_oracle_regressions.py) at once are drawn only with
+# CONTINUUM_ORACLE_KNOWN=1, so that the long profile finds new ones. None now: greedy calls without max_tokens on
+# llama.cpp (several rows to the context outgrowing a pool together:
+# test_a_call_of_two_rows_to_the_context_of_a_small_pool_regression) are drawn too.
 # The spilled fork family that the long profile found in both modes (each member's bytes holding its own copy of the
 # shared prefix, refused with "no room to restore a spilled state" though it fitted resident) shares the prefix again
 # on restore (models/llamacpp/reshare.py; test_llamacpp_spill.py::test_a_spilled_fork_family_*, and a member spilled

@@ -227,7 +227,7 @@ def _workers() -> list[threading.Thread]:
 
 @pytest.mark.parametrize("threads", [False, True])
 @pytest.mark.parametrize("swallow", [False, True])
-def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swallow, threads):
+def test_ctrl_c_stops_every_instance_and_leaves_the_model_usable(gpt2_model, swallow, threads, python_ctrl_c):
     gen = generate.text(gpt2_model, samplers.greedy())
     before = gen(PROMPTS, max_tokens=6)
     started = threading.Event()
