@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# under pytest-xdist (-n N) each worker takes its share of the cores: N processes of 2 threads each on 2 cores would
+# fight for them at every barrier of torch's OpenMP team
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # llama.cpp reads GGML_CPU_TILED_MM once per process, at its first matmul; the batch-invariant mode sets it to 0 when
 # its model is made before anything computes. Tests run in any order, so the test process sets it first
 # (test_llamacpp_invariant checks in fresh processes that the mode does it itself).
@@ -380,6 +383,11 @@ def _sigint_handler_restored(request):
     if signal.getsignal(signal.SIGINT) is not before:
         SIGINT_CHANGED.append(request.node.nodeid)
         signal.signal(signal.SIGINT, before)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core, at most 4 (each loads its own models, and starts its modules' servers)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 @pytest.fixture
