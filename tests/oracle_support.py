@@ -9,6 +9,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import event, note
 from hypothesis.errors import InvalidArgument
@@ -19,6 +20,17 @@ from oracle_checks import check_beams, check_cfg, check_choice, check_greedy, ch
 from continuum import SequenceState
 
 from conftest import chars_key
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads on a shared 2-core machine (see test_properties): imported by the
+    oracle's test modules (autouse there: one intra-op thread for the module)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # the choices' options the histories draw from (test_oracle) and the regressions reuse
 OPTIONS = [(" yes", " no"), (" the", " there", " then"), (" a", " an", " and"), (" cat", " cats", " dog"),

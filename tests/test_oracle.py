@@ -35,13 +35,25 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule, run_state_machine_as_test
 from oracle_backends import JSON_SCHEMAS, MAX_TOKENS, Backend, gguf_path, hf_backend, llama_backend, remote_backend
 from oracle_checks import check_state, real_rows
-from oracle_support import OPTIONS, Call, Held, cut_carried, execute, gather, keep, longest, prepare, run_program, verify
+from oracle_support import (
+    OPTIONS,
+    Call,
+    Held,
+    _one_thread,  # noqa: F401  (autouse: one intra-op thread for this module)
+    cut_carried,
+    execute,
+    gather,
+    keep,
+    longest,
+    prepare,
+    run_program,
+    verify,
+)
 
 import continuum
 from continuum import SequenceState
@@ -83,15 +95,6 @@ PROMPTS = ["Once upon a time", "item 3: once upon a time", "Lily saw a big dog."
 SUFFIXES = ["", "", " ok?", " She was", ".", " and"]
 TEXTS = [" ok?", " She was", " and the", " 東京", "🤗", "e\u0301", "\n"]
 PATTERNS = [r" [0-9]{1,3}", r" (yes|no|maybe)", r"[a-z]{2,5}\."]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads on a shared 2-core machine (see test_properties)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def call_strategy(variants: list[str], unbounded: bool, speculation: bool = True):

@@ -7,20 +7,22 @@ import pytest
 import torch
 from oracle_backends import gguf_path, hf_backend, llama_backend, own_llama
 from oracle_checks import check_choice, check_greedy, check_state, option_scores, real_rows
-from oracle_support import OPTIONS, Call, Held, cut_carried, execute, gather, longest, prepare, verify
+from oracle_support import (
+    OPTIONS,
+    Call,
+    Held,
+    _one_thread,  # noqa: F401  (autouse: one intra-op thread for this module)
+    cut_carried,
+    execute,
+    gather,
+    longest,
+    prepare,
+    verify,
+)
 
 from continuum import SequenceState, continuous, generate, samplers
 
 from conftest import chars_key
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads on a shared 2-core machine (see test_properties)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("backend", ["stories", "stories-prefix", "gguf", "gguf-invariant"])
