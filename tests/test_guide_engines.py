@@ -13,10 +13,7 @@ import torch
 from continuum import continuous, generate, samplers
 from continuum.errors import IncompleteGenerationError, InvalidRegexError, UnsupportedSchemaError
 
-SEEDS = range(12)
 
-
-# -- engines: llguidance next to outlines-core ------------------------------------------------------
 def test_regex_on_both_engines(model):
     """Both engines allow the same tokens at every step of a walk, so greedy outputs agree."""
     pattern = r"[0-9]{2,4}-(ab|c)[a-z]{1,3}"

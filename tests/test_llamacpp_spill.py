@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_llamacpp_pool import THREADS, WORDS  # (one llama.cpp thread: why, there)
 
 from continuum import continuous, generate, models, samplers
 
 from llamacpp_support import DECODE_TOL, check_greedy_path, gemma_path, gguf, reference_logits, row_ids
-
-WORDS = ["cat", "dog", "bird", "king", "girl", "boy", "tree", "ship", "sun", "moon", "fish", "frog"]
-# One llama.cpp thread: stories260K gains nothing from two, and two OpenMP threads meet at a barrier after every
-# graph node, which on a loaded 2-core machine stalls (a 60-token call: 0.1 s with one thread, 0.5-8 s with two,
-# measured). Results do not depend on the thread count (each thread computes whole rows).
-THREADS = 1
 
 
 def _resident(state) -> bool:
