@@ -13,11 +13,19 @@ import string
 from pathlib import Path
 
 import pytest
-import torch
 
 # under pytest-xdist (-n N) each worker takes its share of the cores: N processes of 2 threads each on 2 cores would
 # fight for them at every barrier of torch's OpenMP team
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    # ... and of llama.cpp's (the tests' n_threads=2, a server's default): OpenMP's idle threads spin at a barrier
+    # for a while before they sleep, on a core another worker needs (two llama.cpp test modules side by side: 113 s
+    # spinning, 76 s sleeping). Set before torch loads libgomp (it reads the policy once); the servers and
+    # notebooks the tests start inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402 - after the wait policy
+
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # llama.cpp reads GGML_CPU_TILED_MM once per process, at its first matmul; the batch-invariant mode sets it to 0 when
 # its model is made before anything computes. Tests run in any order, so the test process sets it first
