@@ -135,3 +135,25 @@ def test_faults_leave_other_clients_alone(server):
         assert r["latency"] <= 4 * quiet + 0.1
     assert server.health()["generating"] == 0
     assert rss2 - rss1 < 50  # the second round of the same faults leaves memory where the first did
+
+
+def test_an_idle_connection_outlasts_the_clients_pools(server):
+    """A connection idle for longer than httpx's pool keeps one (5 s, OpenAI's clients) is still open: with uvicorn's
+    own 5 s the server closed it as the pool's clock ran out too, and a client sending its next request at that
+    instant got "Server disconnected without sending a response" (14 of 64 conversations of test_serve_load, once)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("GET", "/health", headers=AUTH)
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        assert first.status == 200 and sock is not None  # (kept open for the next request)
+        time.sleep(6.5)
+        conn.request("GET", "/health", headers=AUTH)  # on the same socket: a closed one raises RemoteDisconnected
+        second = conn.getresponse()
+        second.read()
+        assert second.status == 200 and conn.sock is sock
+    finally:
+        conn.close()

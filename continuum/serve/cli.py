@@ -37,6 +37,18 @@ def parse_age(spec: str) -> float | None:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
+# uvicorn's own default (5 s) is what httpx's pool (OpenAI's clients) keeps an idle connection for: a client could send
+# its next request on a connection the server closed at the same instant ("Server disconnected without sending a
+# response"; seen in test_serve_load under a profiler). The server outlasts the clients' pools instead (SMG's is 3 s).
+KEEP_ALIVE_S = 30
+
+
+def _seconds(spec: str) -> int:
+    if not spec.isdigit() or int(spec) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of seconds, at least 1, got {spec!r}")
+    return int(spec)
+
+
 def _size(spec: str) -> int | None:
     from ..models.budget import parse_budget
 
@@ -102,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
                    help="speculative decoding of text and JSON replies: 'lookup' drafts from each conversation's own "
                         "tokens and verifies the drafts in the step's one forward (same tokens when greedy; "
                         "docs/speculation.md). Default none")
+    p.add_argument("--timeout-keep-alive", type=_seconds, default=KEEP_ALIVE_S, metavar="SECONDS",
+                   help=f"how long an idle client connection stays open (default {KEEP_ALIVE_S}: longer than the "
+                        "clients' own pools keep one, httpx's and OpenAI's 5 s, so a client never sends on a "
+                        "connection the server has just closed)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -141,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    timeout_keep_alive=args.timeout_keep_alive)
     finally:
         app.state.ctx.close()  # (the retention thread stops; idempotent after the app's own lifespan did it)
     return 0
@@ -222,7 +239,7 @@ def _serve_while_building(args: argparse.Namespace, native: _Preload, template: 
 
     app = Starting(build, loaded=native.loaded, failed=failed, stopping=lambda built: built.state.ctx.close())
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive))
     try:
         server.run()
     finally:
