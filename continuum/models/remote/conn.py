@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 
 __all__ = ["Answer", "Broken", "Connections", "Unreachable"]
 
-IDLE_S = 4.0  # reuse a kept-alive connection only if it was used this recently (uvicorn closes them after 5 s)
+IDLE_S = 4.0  # reuse a kept-alive connection only if it was used this recently (uvicorn closes them after 5 s by
+# default, `continuum serve` after 30: this client also talks to other servers, and to older continuum ones)
 
 
 class Answer(NamedTuple):
