@@ -26,6 +26,10 @@ if _WORKERS > 1:
 
 import torch  # noqa: E402 - after the wait policy
 
+# the servers the tests start on a transformers model are forked from one process per worker that imported torch,
+# transformers and the server once (benchmarks/forked.py): those imports were ~430 s of the suite's CPU
+os.environ.setdefault("CONTINUUM_FORKED_SERVERS", "1")
+
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # llama.cpp reads GGML_CPU_TILED_MM once per process, at its first matmul; the batch-invariant mode sets it to 0 when
 # its model is made before anything computes. Tests run in any order, so the test process sets it first

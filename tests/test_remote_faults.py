@@ -74,29 +74,36 @@ def test_kill_9_between_two_calls_then_restart_continues_the_state(server, remot
     assert remote.tokens_computed - before == local.tokens_computed - before_l  # continued, not recomputed
 
 
-def test_a_kept_alive_connection_the_server_closed_is_replaced(remote, local, monkeypatch):
+def test_a_kept_alive_connection_the_server_closed_is_replaced(local, monkeypatch, tmp_path):
     """Plain calls go out on one kept-alive connection per thread (continuum/models/remote/conn.py), which the server
-    closes once idle (uvicorn: after 5 s). A call written into a connection the server closed is sent again on a new
-    one (its call id makes the repeat safe), and answers what the local model answers."""
+    closes once idle (here after 1 s: ``--timeout-keep-alive``). A call written into a connection the server closed is
+    sent again on a new one (its call id makes the repeat safe), and answers what the local model answers."""
     import select
     import socket
 
-    from continuum import continuous, generate, samplers
+    from benchmarks import replicas
+    from continuum import continuous, generate, models, samplers
     from continuum.models.remote import conn
 
     monkeypatch.setattr(conn, "IDLE_S", 1e9)  # (reused however long it sat idle: the broken-connection path)
-    text_r = continuous(generate.text(remote, samplers.greedy()))
-    text_l = continuous(generate.text(local, samplers.greedy()))
-    s = text_r("The little dog", max_tokens=4)
-    sock, deadline = remote.client.conns._local.sock, time.monotonic() + 20
-    while time.monotonic() < deadline:  # (until the server has closed it)
-        if select.select([sock], [], [], 0.5)[0] and sock.recv(1, socket.MSG_PEEK) == b"":
-            break
-    else:
-        pytest.fail("the server kept an idle connection open for 20 s")
-    got = text_r(s + " He", max_tokens=3)
-    assert remote.client.conns._local.sock is not sock
-    same(got, text_l(text_l("The little dog", max_tokens=4) + " He", max_tokens=3))
+    srv = replicas.Server(MODEL, tmp_path / "store", "--api-key", KEYS[0], "--timeout-keep-alive", "1",
+                          name="stories260K", key=KEYS[0])
+    try:
+        remote = models.remote(srv.base, api_key=KEYS[0])
+        text_r = continuous(generate.text(remote, samplers.greedy()))
+        text_l = continuous(generate.text(local, samplers.greedy()))
+        s = text_r("The little dog", max_tokens=4)
+        sock, deadline = remote.client.conns._local.sock, time.monotonic() + 20
+        while time.monotonic() < deadline:  # (until the server has closed it)
+            if select.select([sock], [], [], 0.5)[0] and sock.recv(1, socket.MSG_PEEK) == b"":
+                break
+        else:
+            pytest.fail("the server kept an idle connection open for 20 s")
+        got = text_r(s + " He", max_tokens=3)
+        assert remote.client.conns._local.sock is not sock
+        same(got, text_l(text_l("The little dog", max_tokens=4) + " He", max_tokens=3))
+    finally:
+        srv.stop()
 
 
 def test_a_repeated_call_gets_the_stored_answer_not_a_second_generation(remote):
