@@ -17,6 +17,7 @@ import pytest
 import remote_support
 from conftest import FIXTURES
 from remote_support import KEYS, MODEL, same
+from serve_support import running
 
 pytestmark = pytest.mark.skipif(not (FIXTURES / "models" / "stories260K").exists(), reason="fixtures absent")
 server, remote, local = remote_support.server, remote_support.remote, remote_support.local  # the fixtures, by name
@@ -86,9 +87,8 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(local, monkeypatc
     from continuum.models.remote import conn
 
     monkeypatch.setattr(conn, "IDLE_S", 1e9)  # (reused however long it sat idle: the broken-connection path)
-    srv = replicas.Server(MODEL, tmp_path / "store", "--api-key", KEYS[0], "--timeout-keep-alive", "1",
-                          name="stories260K", key=KEYS[0])
-    try:
+    with running(lambda: replicas.Server(MODEL, tmp_path / "store", "--api-key", KEYS[0], "--timeout-keep-alive", "1",
+                                         name="stories260K", key=KEYS[0])) as [srv]:
         remote = models.remote(srv.base, api_key=KEYS[0])
         text_r = continuous(generate.text(remote, samplers.greedy()))
         text_l = continuous(generate.text(local, samplers.greedy()))
@@ -102,8 +102,6 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(local, monkeypatc
         got = text_r(s + " He", max_tokens=3)
         assert remote.client.conns._local.sock is not sock
         same(got, text_l(text_l("The little dog", max_tokens=4) + " He", max_tokens=3))
-    finally:
-        srv.stop()
 
 
 def test_a_repeated_call_gets_the_stored_answer_not_a_second_generation(remote):
