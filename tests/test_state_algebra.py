@@ -181,7 +181,8 @@ def test_a_joint_calls_rows_stack_back_as_they_were(model):
     mixed = [parts[0], parts[1] + " and then", parts[2], parts[3][:4], other[1], parts[4] + "!", other[0],
              SequenceState.from_prompts(model, ["hello there"]), parts[2][1, :]]
     _assert_stacked_as_they_were(mixed)
-    _assert_stacked_as_they_were(parts)  # (every caller in order: the whole joint cache, gathered at once)
+    _assert_stacked_as_they_were(parts[1:])  # (callers in order, one missing: gathered from the joint cache)
+    assert SequenceState.stack(parts) is joint  # (every caller in order: the joint result, as it was)
     joint_storage = kv_layers(joint)[0][0].untyped_storage().data_ptr()
     C = kv_layers(joint)[0][0].shape[2]
     for p in parts:
@@ -189,6 +190,43 @@ def test_a_joint_calls_rows_stack_back_as_they_were(model):
         short = 2 * k.shape[2] < C
         assert (k.untyped_storage().data_ptr() == joint_storage) is not short, (k.shape, C)
         assert_reuse_exact(p)
+
+
+def test_text_added_to_every_caller_stacks_as_one_sum_on_the_joint_result(model):
+    """``part + text`` on a joint call's caller is built when first read (``state/deferred.py``); stacked with every
+    other caller's, in order, it is ONE sum on the joint result (run_batch's next joint call). Either way each row
+    holds its text and tokens as the joint result plus the text does, its cache reused exactly (a fresh forward over
+    its tokens), and the parts, the joint result and the sums are unchanged by being read or stacked."""
+    from continuum.loop.coalesce import _split
+    from continuum.state.deferred import Deferred
+
+    g = greedy_c(model)
+    prompts = ["Once upon a time there was a very long story about", "The dog", "Le café 東京 🤗", "Hi"]
+    joint = g(prompts, max_tokens=3)
+    parts = _split(joint, [SequenceState.from_prompts(model, [p]) for p in prompts])
+    before = [(p._ids.clone(), p._mask.clone(), [t.clone() for t in kv_layers(p)[0]]) for p in parts]
+    tails = [" and then", "!", " 東京", "\nMood:"]
+    lone = joint + tails  # (the lockstep list call's sum, on all rows at once)
+    sums = [p + t for p, t in zip(parts, tails)]
+    assert all(type(s) is Deferred for s in sums)
+    assert [list(s) for s in sums] == [[t] for t in lone]  # (known without building anything)
+    stacked = SequenceState.stack(sums)
+    assert list(stacked) == list(lone) and _rows_of(stacked) == _rows_of(lone)
+    assert stacked.cached_tokens.tolist() == lone.cached_tokens.tolist()
+    assert_reuse_exact(stacked)
+    for s, r in zip(sums, lone._real_rows()):  # each sum built alone, read against its own tensors
+        assert s._ids[s._mask.bool()].tolist() == r[0]
+        assert_reuse_exact(s)
+    assert SequenceState.stack([sums[0], parts[1]] + sums[2:]).batch == 4  # (mixed: each built, then stacked)
+    for p, (ids, mask, (k, v)) in zip(parts, before):  # invariant 2
+        assert torch.equal(p._ids, ids) and torch.equal(p._mask, mask)
+        assert torch.equal(kv_layers(p)[0][0], k) and torch.equal(kv_layers(p)[0][1], v)
+    assert list(joint) == [t[:len(t) - len(x)] for t, x in zip(lone, tails)]
+
+
+def _rows_of(state) -> list:
+    """Each row's real tokens and log-probs, NaN written as None (NaN != NaN)."""
+    return [(ids, [None if x != x else x for x in lps]) for ids, lps in state._real_rows()]
 
 
 def _assert_stacked_as_they_were(parts: list) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from ..models import kv as kvcache
 from ..samplers import GreedySampler
-from ..state import SequenceState
+from ..state import SequenceState, deferred
 from .arrivals import ARRIVALS, GATE, GATHER_CAP_S
 from .cancel import Cancelled, current
 
@@ -176,6 +176,7 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
             out.append(joint._select(range(row, row + s.batch * samples), s.batch, samples))
             row += s.batch * samples
         return out
+    joint._cached_real()  # (each caller's cached counts are its rows' of these: one read, not one per caller)
     spans, row = [], 0
     for s in states:
         n = s.batch * samples
@@ -183,10 +184,10 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
         row += n
     cached = [lead < C for _, _, lead in spans]
     kvs: list = [None] * len(states)
+    own = [2 * (C - lead) < C for _, _, lead in spans]
     if joint._kv is not None and any(cached):
         at = [i for i, c in enumerate(cached) if c]
-        for i, kv in zip(at, kvcache.split_rows(joint._kv, [spans[i] for i in at],
-                                                [2 * (C - spans[i][2]) < C for i in at])):
+        for i, kv in zip(at, kvcache.split_rows(joint._kv, [spans[i] for i in at], [own[i] for i in at])):
             kvs[i] = kv
     out = []
     for s, (row, n, lead), kv in zip(states, spans, kvs):
@@ -195,6 +196,7 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
                              logprobs=joint._logprobs[row:row + n, lead:], weights=joint._weights[row:row + n], kv=kv,
                              batch=s.batch, samples=samples, last=last)
         out.append(part._memo_from(joint, slice(row, row + n)))  # (the columns dropped hold no real token in its rows)
+    deferred.mark(out, joint, [(row, n) for row, n, _ in spans], own)
     return out
 
 

@@ -11,7 +11,7 @@ from ..errors import BatchMismatch, ContinuumTypeError, SampleMismatch
 from ..loop.arrivals import gated
 from ..models import kv as kvcache
 from ..models.tokenizer import check_encodable
-from . import convert, stacking
+from . import convert, deferred, stacking
 from .convert import check_same_model
 from .core import _NAN, VIEWS, SequenceState
 
@@ -65,7 +65,12 @@ def add(state: SequenceState, other) -> SequenceState:
         if own is not None and extra != own[r]:
             extra = faithful(tok, ids, extra, own[r], appended[r])
         tails.append((ids[cached[r]:] + extra, lps[cached[r]:] + [_NAN] * len(extra)))
-    return state._rebuild(cached, tails, weights, state._last.edited() if state._last else None)
+    last = state._last.edited() if state._last else None
+    if own is None:  # (text on a joint call's caller: built when read, or with its cohort's by the next joint call)
+        later = deferred.added(state, cached, tails, last)
+        if later is not None:
+            return later
+    return state._rebuild(cached, tails, weights, last)
 
 def no_text(tok, ids: list[int]) -> bool:
     """Whether a row's tokens hold no text yet (only special tokens, e.g. ``<s>``)."""
@@ -174,6 +179,9 @@ def stack(states: Sequence[SequenceState]) -> SequenceState:
     first = states[0]
     if len(states) == 1:
         return first
+    rejoined = deferred.rejoin(states)  # (every caller of one joint call, in its order: that call's rows, once)
+    if rejoined is not None:
+        return rejoined
     for s in states[1:]:
         if s.samples != first.samples:
             raise SampleMismatch(f"cannot stack states with samples={first.samples} and samples={s.samples}: "

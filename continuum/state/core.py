@@ -61,7 +61,8 @@ class SequenceState:
         >>> s3 = text_c(s2[:20])                                                     # doctest: +SKIP
     """
 
-    __slots__ = ("_model", "_ids", "_mask", "_logprobs", "_weights", "_kv", "batch", "samples", "_last", "_cache")
+    __slots__ = ("_model", "_ids", "_mask", "_logprobs", "_weights", "_kv", "batch", "samples", "_last", "_cache",
+                 "__weakref__")  # (a joint call's short callers know their joint result weakly: state/deferred.py)
 
     def __init__(self, *, model, ids: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor, weights: torch.Tensor,
                  kv: kvcache.KV | None, batch: int, samples: int, last: LastStep | None = None):
