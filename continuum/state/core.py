@@ -96,6 +96,10 @@ class SequenceState:
         return cls(model=model, ids=ids, mask=mask, logprobs=lp, weights=weights, kv=None, batch=batch,
                    samples=samples, last=last)
 
+    def _new(self, **fields) -> SequenceState:
+        """A plain state of ``fields`` (a lazily built state's sum is not lazy: ``state/deferred.py``)."""
+        return SequenceState(**fields)
+
     def _rebuild(self, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], list[float]]], weights: torch.Tensor,
                  last: LastStep | None) -> SequenceState:
         """A state keeping, per row, its first ``keep_cached[r]`` cached tokens, followed by ``tails[r]``

@@ -73,11 +73,9 @@ def rebuild(state, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], 
         lp = torch.cat([state._logprobs[:, :C2], tail_lp], 1)
     else:
         ids, mask, lp = tail_ids, tail_mask, tail_lp
-    from .core import SequenceState  # (not type(state): a Deferred's sum is a plain state; core imports this module)
-
     # (compact only what a cut made smaller: appending keeps what this state viewed, e.g. a joint call's rows)
-    out = SequenceState(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
-                        kv=kvcache.compact(kv) if C2 < C else kv, batch=state.batch, samples=state.samples, last=last)
+    out = state._new(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
+                     kv=kvcache.compact(kv) if C2 < C else kv, batch=state.batch, samples=state.samples, last=last)
     # (its real rows are the kept prefixes and the tails, by construction, not read back from the tensors, the tails'
     # log-probs rounded as the float32 tensor holds them: a client may send any float; and where every cached column
     # stayed, the cache covers what it covered before)
