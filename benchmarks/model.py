@@ -131,7 +131,8 @@ def load_bench(model_path: str | None = None, seed: int = 0, tiny: bool = False)
 def make_text(tok, n_tokens: int, offset: int = 0) -> str:
     """Text that the tokenizer encodes (with its default special tokens) to about ``n_tokens`` tokens."""
     special = len(tok("", add_special_tokens=True)["input_ids"])
-    body = CORPUS * (2 + (n_tokens * 6) // len(CORPUS))
+    offset %= len(CORPUS)  # (an offset past the text repeated below left an empty prompt: B22's 72 of 128 were)
+    body = CORPUS * (3 + (n_tokens * 6) // len(CORPUS))
     ids = tok(body[offset:], add_special_tokens=False)["input_ids"]
     want = max(1, n_tokens - special)
     best = None

@@ -169,6 +169,39 @@ def test_failed_instances_do_not_disturb_the_others(gpt2_model):
     assert mixed[0] == err.results[0] and str(mixed[4]) == "bad input 4"
 
 
+def test_prompts_tokenized_together_give_what_each_gives_alone(gpt2_model):
+    """A program's prompt is tokenized with every other instance's by their first joint call (``state/deferred``):
+    each instance still gets what it gets alone; an empty prompt (gpt2 adds no BOS: a row of no token) and a prompt
+    UTF-8 cannot encode are refused in their own instances only."""
+    from continuum.errors import UnencodableTextError
+    from continuum.loop import coalesce
+
+    gen = generate.text(gpt2_model, samplers.greedy())
+    text_c = continuous(generate.text(gpt2_model, samplers.greedy()))
+
+    def program(p: str):
+        return gen(p, max_tokens=3), text_c(p, max_tokens=2) + "!"
+
+    def alone(p: str):
+        try:
+            return program(p)
+        except (UnencodableTextError, GeneratorArgumentError) as e:
+            return e
+
+    good = PROMPTS + [" ".join(PROMPTS)]
+    coalesce.reset_stats()
+    assert all(same(alone(p), b) for p, b in zip(good, continuum.run_batch(program, good, concurrency=len(good))))
+    assert coalesce.stats()["calls_joined"] == 2 * len(good) and not coalesce.stats()["joint_failures"]
+    bad = PROMPTS[:3] + ["", "a \ud800 lone surrogate"] + PROMPTS[3:]
+    solo = [alone(p) for p in bad]
+    batched = continuum.run_batch(program, bad, concurrency=len(bad), return_exceptions=True)
+    assert [type(x) for x in batched] == [type(x) for x in solo]
+    assert isinstance(solo[3], GeneratorArgumentError) and isinstance(solo[4], UnencodableTextError)
+    assert [str(b) for a, b in zip(solo, batched) if isinstance(a, Exception)] == [str(a) for a in solo
+                                                                                   if isinstance(a, Exception)]
+    assert all(same(a, b) for a, b in zip(solo, batched) if not isinstance(a, Exception))
+
+
 def test_a_failing_input_iterator_is_raised_after_the_running_instances():
     def inputs():
         yield 1

@@ -224,6 +224,26 @@ def test_text_added_to_every_caller_stacks_as_one_sum_on_the_joint_result(model)
     assert list(joint) == [t[:len(t) - len(x)] for t, x in zip(lone, tails)]
 
 
+def test_prompts_made_lazily_stack_as_the_tokenizer_encodes_them(model):
+    """A run_batch program's prompt (``state/deferred.prompt``) tokenized when read, alone or with others stacked:
+    each row is the tokenizer's own encoding of its prompt; an unencodable prompt is refused at once."""
+    from continuum.errors import UnencodableTextError
+    from continuum.state import deferred
+
+    prompts = ["Once upon a time there was", "The dog", "Le café 東京 🤗", "A"]
+    want = [model.tokenizer.hf(p)["input_ids"] for p in prompts]
+    lazy = [deferred.prompt(model, p) for p in prompts]
+    stacked = SequenceState.stack(lazy)
+    assert [ids for ids, _ in stacked._real_rows()] == want and stacked.cached_tokens.tolist() == [[0]] * 4
+    assert list(stacked) == list(SequenceState.from_prompts(model, prompts))
+    alone = deferred.prompt(model, prompts[2])
+    assert alone._ids[alone._mask.bool()].tolist() == want[2] and list(alone) == [prompts[2]]
+    mixed = SequenceState.stack([lazy[0], SequenceState.from_prompts(model, prompts[1]), lazy[2]])
+    assert [ids for ids, _ in mixed._real_rows()] == [want[0], want[1], want[2]]
+    with pytest.raises(UnencodableTextError):
+        deferred.prompt(model, "a \ud800 b")
+
+
 def _rows_of(state) -> list:
     """Each row's real tokens and log-probs, NaN written as None (NaN != NaN)."""
     return [(ids, [None if x != x else x for x in lps]) for ids, lps in state._real_rows()]

@@ -12,7 +12,7 @@ from ..loop.arrivals import gated
 from ..loop.decoding import check_max_tokens
 from ..programs.aio import AsyncStream, to_thread
 from ..state import SequenceState
-from .generator import Generator, Stream
+from .generator import Generator, Stream, prompt_state
 
 __all__ = ["continuous", "ContinuousGenerator"]
 
@@ -49,7 +49,7 @@ class ContinuousGenerator:
         elif isinstance(inputs, (list, tuple)) and any(isinstance(s, SequenceState) for s in inputs):
             state = SequenceState.stack(inputs)  # names a non-state item
         else:  # no state in it, so text or not a prompt at all: from_prompts names what is wrong with a non-text prompt
-            state = SequenceState.from_prompts(self.generator.model, cast("str | Sequence[str]", inputs))
+            state = prompt_state(self.generator.model, cast("str | Sequence[str]", inputs))
         # The generator's model is the one that runs: a state of another model (same tokenizer) drops
         # that model's cache and is recomputed in one pass; another tokenizer raises TokenizerMismatch.
         return state.to_model(self.generator.model)

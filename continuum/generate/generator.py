@@ -22,10 +22,10 @@ from ..programs import lockstep
 from ..programs.aio import AsyncStream, to_thread
 from ..samplers import Sampler, multinomial
 from ..speculate import check_speculator
-from ..state import SequenceState
+from ..state import SequenceState, deferred
 from .reasoning import Steps, annotate, check_reasoning, reasoning_guide, resolve_markers, step_texts, think_then
 
-__all__ = ["Generator", "ChoiceGenerator", "Stream"]
+__all__ = ["Generator", "ChoiceGenerator", "Stream", "prompt_state"]
 
 STALE_RETRIES = 3  # a call found stale reruns at most this often (Generator._run_alone)
 
@@ -97,6 +97,14 @@ class Stream:
     def result(self):
         """The final value, as the (non-streaming) generator call would return it."""
         return self._finalize(self.state)
+
+
+def prompt_state(model, prompts: Prompt) -> SequenceState:
+    """The state of ``prompts``; in a ``run_batch`` program, one prompt is tokenized when first read, or with every
+    other instance's by the joint call that stacks them (``state/deferred.Prompt``)."""
+    if isinstance(prompts, str) and lockstep.current() is not None:
+        return deferred.prompt(model, prompts)
+    return SequenceState.from_prompts(model, prompts)
 
 
 def _streamed(state: SequenceState):
@@ -227,7 +235,7 @@ class Generator:
         raise AssertionError("unreachable")
 
     def _prompt_state(self, prompts: Prompt) -> SequenceState:
-        return SequenceState.from_prompts(self.model, prompts)
+        return prompt_state(self.model, prompts)
 
     @staticmethod
     def _shape_for(prompts: Prompt, samples: int) -> Callable[[list[str]], Any]:

@@ -6,7 +6,9 @@ per caller (for one row ~90 us of small tensor operations: 128 callers 11.7 ms o
 the sums (~6 ms), where a lockstep list call makes ONE sum of all its rows (0.7 ms). So the sum of a caller's rows
 is recorded here (:class:`Deferred`: its real rows known, its tensors not made) and built when anything reads its
 tensors; :func:`rejoin` stacks the sums of every caller of one joint call, in the order that call handed out its
-rows, as ONE sum on the joint result: the rows, tokens and cache a lockstep list call has (``combine.stack``).
+rows, as ONE sum on the joint result: the rows, tokens and cache a lockstep list call has (``combine.stack``). A
+program's prompt is the same (:class:`Prompt`): every instance's, stacked by its first joint call, are tokenized and
+laid out at once, as a list call's prompts.
 
 Example:
     >>> s = text(inputs, max_tokens=8) + "\\nMood:"   # in each program: a Deferred of its rows    # doctest: +SKIP
@@ -22,11 +24,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..models.tokenizer import check_encodable
 from .core import SequenceState
 from .laststep import LastStep
 from .layout import rebuild
 
-__all__ = ["ORIGIN", "Deferred", "added", "rejoin", "mark"]
+__all__ = ["ORIGIN", "Deferred", "Prompt", "added", "prompt", "rejoin", "mark"]
 
 ORIGIN = "joint"  # a caller's rows of a joint call: its ``_cache[ORIGIN]`` is ``(joint result, first row, rows)``
 _SLOTS = {name: SequenceState.__dict__[name] for name in ("_ids", "_mask", "_logprobs", "_kv")}
@@ -37,45 +40,80 @@ _lock = threading.RLock()  # (one build of a sum, whichever thread reads it firs
 def _built(name: str) -> property:
     slot = _SLOTS[name]
 
-    def get(self: Deferred):
-        if self._recipe is not None:
+    def get(self: _Lazy):
+        if self._pending:
             self._build()
         return slot.__get__(self)
 
     return property(get, slot.__set__, doc=f"``{name}``, built from the recipe when first read")
 
 
-class Deferred(SequenceState):
-    """``base + text`` where ``base`` is a caller's rows of a joint call: the per-row views (real tokens, texts) are
-    known; the tensors and cache are :func:`~continuum.state.layout.rebuild`'s, made when first read."""
+class _Lazy(SequenceState):
+    """A state whose tensors and cache are made when first read (``_make()``'s)."""
 
-    __slots__ = ("_recipe", "_plan")
-    _recipe: _Recipe | None  # (None once built)
-    _plan: _Recipe  # (kept: what rejoin reads)
+    __slots__ = ("_pending",)
+    _pending: bool
 
     _ids = _built("_ids")
     _mask = _built("_mask")
     _logprobs = _built("_logprobs")
     _kv = _built("_kv")
 
+    def _make(self) -> SequenceState:
+        raise NotImplementedError
+
     def _build(self) -> None:
         with _lock:
-            if self._recipe is None:
+            if not self._pending:
                 return
-            base, keep, tails, weights, last = self._recipe
-            out = rebuild(base, keep, tails, weights, last)
+            out = self._make()
             for slot in _SLOTS.values():
                 slot.__set__(self, slot.__get__(out))
             for key, value in out._cache.items():
                 self._cache.setdefault(key, value)
-            self._recipe = None
+            self._pending = False
+
+
+class Deferred(_Lazy):
+    """``base + text`` where ``base`` is a caller's rows of a joint call: the per-row views (real tokens, texts) are
+    known; the tensors and cache are :func:`~continuum.state.layout.rebuild`'s, made when first read."""
+
+    __slots__ = ("_plan",)
+    _plan: _Recipe
+
+    def _make(self) -> SequenceState:
+        return rebuild(*self._plan)
 
     def to_model(self, model) -> SequenceState:
         # (unbuilt, it is where its base is: the same device and cache; checked on the base, nothing built)
         base = self._plan[0]
-        if self._recipe is not None and self._model is model and base.to_model(model) is base:
+        if self._pending and self._model is model and base.to_model(model) is base:
             return self
         return super().to_model(model)
+
+
+class Prompt(_Lazy):
+    """A prompt of a ``run_batch`` program, tokenized when first read, or with every other instance's by the joint
+    call that stacks them (:func:`rejoin`: one tokenizer call and one layout for all, as a list call's prompts)."""
+
+    __slots__ = ("_text",)
+    _text: str
+
+    def _make(self) -> SequenceState:
+        return SequenceState.from_prompts(self._model, self._text)
+
+    def to_model(self, model) -> SequenceState:
+        # (unbuilt, it will be made on the model's own device)
+        return self if self._pending and self._model is model else super().to_model(model)
+
+
+def prompt(model, text: str) -> SequenceState:
+    """``SequenceState.from_prompts(model, text)``, tokenized when first read (:class:`Prompt`)."""
+    check_encodable(text, "prompt")  # (refused at the call, as from_prompts does)
+    out = object.__new__(Prompt)
+    out._model, out._weights, out.batch, out.samples, out._last = model, torch.zeros(1), 1, 1, None
+    out._cache, out._text, out._pending = {}, text, True
+    return out
 
 
 def added(base: SequenceState, keep: list[int], tails: list[tuple[list[int], list[float]]],
@@ -89,7 +127,7 @@ def added(base: SequenceState, keep: list[int], tails: list[tuple[list[int], lis
     real = base._real_rows()
     out._cache = {"real": [(ids[:k] + t, lps[:k] + array("f", p).tolist())  # (as rebuild records them)
                            for (ids, lps), k, (t, p) in zip(real, keep, tails)]}
-    out._recipe = out._plan = (base, keep, tails, base._weights, last)
+    out._plan, out._pending = (base, keep, tails, base._weights, last), True
     return out
 
 
@@ -98,6 +136,9 @@ def rejoin(states: Sequence[SequenceState]) -> SequenceState | None:
     as it was or with text added (:func:`added`): the joint result itself, or ONE sum on it (what a list call over the
     same rows makes), instead of a sum per caller and a stack. None otherwise."""
     first = states[0]
+    if isinstance(first, Prompt):  # (every instance's prompt: one tokenizer call and one layout for all)
+        texts = [s._text for s in states if isinstance(s, Prompt) and s._model is first._model]
+        return SequenceState.from_prompts(first._model, texts) if len(texts) == len(states) else None
     origin = _origin(first._plan[0] if isinstance(first, Deferred) else first)
     if origin is None:
         return None
