@@ -195,16 +195,31 @@ class Program:
                 parts = [state[b, :, :] for b in range(state.batch)] + [state[0, :, :]]
                 gen = continuous(generate.text(model, samplers.greedy()))
                 outs = continuum.run_batch(lambda s, k=k, gen=gen: gen(s, max_tokens=k), parts, concurrency=len(parts))
-                keep = self.draw(st.sampled_from(["stack", "first", "last"]), "keep")
+                keep = self.draw(st.sampled_from(["stack", "first", "last", "all", "sums"]), "keep")
                 if keep == "stack":
                     new = SequenceState.stack(outs[:state.batch])
+                elif keep in ("all", "sums"):
+                    # every caller in order: the joint result itself, or (text added to each: built when read,
+                    # state/deferred.py) ONE sum on it; the drawn order may also be shuffled: each built and stacked
+                    order = self.draw(st.permutations(range(len(outs))), "order")
+                    extra = self.draw(st.lists(texts, min_size=len(outs), max_size=len(outs)), "texts") \
+                        if keep == "sums" else [""] * len(outs)
+                    ins = [outs[i] + extra[i] if extra[i] else outs[i] for i in order]
+                    new = SequenceState.stack(ins)
+                    assert all(added_text_ok(model, ids, t, x, got) for (ids, _), t, x, got
+                               in zip([r for i in order for r in outs[i]._real_rows()], [list(outs[i])[0] for i in order],
+                                      [extra[i] for i in order], new)), list(new)
+                    assert new.cached_tokens.flatten().tolist() == [c for i in order
+                                                                    for c in outs[i].cached_tokens.flatten().tolist()]
+                    if offset is not None:
+                        offset = torch.cat([offset, offset[:1]])[list(order)]
                 else:
                     new = outs[0] if keep == "first" else outs[-1]
                     offset = offset[:1] if offset is not None else None
                 assert list(outs[-1]) == list(outs[0])  # (row 0 twice: the same rows of the joint call)
                 for out in outs:  # (each caller's views came from the joint result's rows: its own, not another's)
                     check_views(out)
-                what = f"joint(max_tokens={k}, {keep})"
+                what = f"joint(max_tokens={k}, {keep}{', ' + str(list(order)) if keep in ('all', 'sums') else ''})"
             elif op == "fork":
                 n = self.draw(st.integers(2, 3), "n")
                 beam = self.draw(st.booleans(), "beam")
