@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from array import array
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +26,7 @@ import torch
 from ..models.tokenizer import check_encodable
 from .core import SequenceState
 from .laststep import LastStep
-from .layout import rebuild
+from .layout import kept_rows, rebuild
 
 __all__ = ["ORIGIN", "Deferred", "Prompt", "added", "prompt", "rejoin", "mark"]
 
@@ -124,9 +123,7 @@ def added(base: SequenceState, keep: list[int], tails: list[tuple[list[int], lis
         return None
     out = object.__new__(Deferred)
     out._model, out._weights, out.batch, out.samples, out._last = base._model, base._weights, base.batch, base.samples, last
-    real = base._real_rows()
-    out._cache = {"real": [(ids[:k] + t, lps[:k] + array("f", p).tolist())  # (as rebuild records them)
-                           for (ids, lps), k, (t, p) in zip(real, keep, tails)]}
+    out._cache = {"real": kept_rows(base._real_rows(), keep, tails)}
     out._plan, out._pending = (base, keep, tails, base._weights, last), True
     return out
 

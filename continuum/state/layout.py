@@ -10,7 +10,7 @@ import torch
 
 from ..models import kv as kvcache
 
-__all__ = ["right_aligned", "rebuild", "NAN"]
+__all__ = ["right_aligned", "rebuild", "kept_rows", "NAN"]
 
 NAN = float("nan")
 
@@ -31,6 +31,13 @@ def right_aligned(rows: Sequence[Sequence[int]], lps: Sequence[Sequence[float]],
             mask[i, width - len(r):] = 1
             lp[i, width - len(r):] = torch.tensor(row_lps, dtype=torch.float32)
     return ids.to(device), mask.to(device), lp.to(device)
+
+
+def kept_rows(real: Sequence[tuple[list[int], list[float]]], keep: Sequence[int],
+              tails: Sequence[tuple[list[int], list[float]]]) -> list[tuple[list[int], list[float]]]:
+    """The real rows (ids, log-probs) of :func:`rebuild`'s result: each row's first ``keep[r]`` real tokens, then its
+    tail, the tail's log-probs rounded as the float32 tensor holds them (a client may send any float)."""
+    return [(ids[:k] + t, lps[:k] + array("f", p).tolist()) for (ids, lps), k, (t, p) in zip(real, keep, tails)]
 
 
 def rebuild(state, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], list[float]]], weights: torch.Tensor,
@@ -76,11 +83,9 @@ def rebuild(state, keep_cached: Sequence[int], tails: Sequence[tuple[list[int], 
     # (compact only what a cut made smaller: appending keeps what this state viewed, e.g. a joint call's rows)
     out = state._new(model=state._model, ids=ids, mask=mask, logprobs=lp, weights=weights,
                      kv=kvcache.compact(kv) if C2 < C else kv, batch=state.batch, samples=state.samples, last=last)
-    # (its real rows are the kept prefixes and the tails, by construction, not read back from the tensors, the tails'
-    # log-probs rounded as the float32 tensor holds them: a client may send any float; and where every cached column
+    # (its real rows are known by construction, not read back from the tensors; and where every cached column
     # stayed, the cache covers what it covered before)
-    out._cache["real"] = [(ids_r[:k] + t, lps_r[:k] + array("f", p).tolist())
-                          for (ids_r, lps_r), k, (t, p) in zip(real, keep, tails)]
+    out._cache["real"] = kept_rows(real, keep, tails)
     if kept is None and C2 == C:
         out._cache["cached"] = keep
     return out
