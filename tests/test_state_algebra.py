@@ -192,6 +192,37 @@ def test_a_joint_calls_rows_stack_back_as_they_were(model):
         assert_reuse_exact(p)
 
 
+def test_a_joint_calls_parts_are_made_when_read_as_their_rows_of_it(model):
+    """A caller's rows of a joint call (``state/deferred.Part``) make no tensor until read; handed back to the model
+    they stay unbuilt. Read, each part's tensors are its rows of the joint result's (real tokens, log-probs, mask),
+    its cached counts its rows', its cache reused exactly (a fresh forward over its tokens); reading one changes
+    neither the joint result nor another part."""
+    from continuum.loop.coalesce import _split
+    from continuum.state.deferred import Part
+
+    g = greedy_c(model)
+    prompts = ["Once upon a time there was a very long story about", "The dog", "Le café 東京 🤗", "Hi"]
+    joint = g(prompts, max_tokens=3)
+    before = (joint._ids.clone(), joint._mask.clone(), joint._logprobs.clone(), [t.clone() for t in kv_layers(joint)[0]])
+    parts = _split(joint, [SequenceState.from_prompts(model, [p]) for p in prompts])
+    assert all(type(p) is Part and p._pending for p in parts)
+    assert all(p.to_model(model) is p and p._pending for p in parts)  # (the next call's check builds nothing)
+    assert [list(p) for p in parts] == [[t] for t in joint]
+    cached = joint.cached_tokens.tolist()
+    for i, p in enumerate(parts):
+        real, mine = joint._mask[i].bool(), p._mask[0].bool()
+        assert not p._pending
+        assert p._ids[0][mine].tolist() == joint._ids[i][real].tolist()
+        torch.testing.assert_close(p._logprobs[0][mine], joint._logprobs[i][real], equal_nan=True, rtol=0, atol=0)
+        assert p.cached_tokens.tolist() == [cached[i]] and torch.equal(p.weights, joint.weights[i:i + 1])
+        assert all(q._pending for q in parts[i + 1:])  # (one read builds one part)
+        assert_reuse_exact(p)
+    ids, mask, logprobs, (k, v) = before  # invariant 2
+    assert torch.equal(joint._ids, ids) and torch.equal(joint._mask, mask)
+    assert torch.equal(joint._logprobs.nan_to_num(), logprobs.nan_to_num())
+    assert torch.equal(kv_layers(joint)[0][0], k) and torch.equal(kv_layers(joint)[0][1], v)
+
+
 def test_text_added_to_every_caller_stacks_as_one_sum_on_the_joint_result(model):
     """``part + text`` on a joint call's caller is built when first read (``state/deferred.py``); stacked with every
     other caller's, in order, it is ONE sum on the joint result (run_batch's next joint call). Either way each row

@@ -192,10 +192,8 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
     out = []
     for s, (row, n, lead), kv in zip(states, spans, kvs):
         last = joint._last.select(range(row, row + n)) if joint._last is not None else None
-        part = SequenceState(model=joint._model, ids=joint._ids[row:row + n, lead:], mask=joint._mask[row:row + n, lead:],
-                             logprobs=joint._logprobs[row:row + n, lead:], weights=joint._weights[row:row + n], kv=kv,
-                             batch=s.batch, samples=samples, last=last)
-        out.append(part._memo_from(joint, slice(row, row + n)))  # (the columns dropped hold no real token in its rows)
+        # (tensors made when first read; the columns dropped hold no real token in its rows)
+        out.append(deferred.part(joint, row, n, lead, kv, s.batch, last))
     deferred.mark(out, joint, [(row, n) for row, n, _ in spans], own)
     return out
 

@@ -89,13 +89,18 @@ def _unchanged(state: SequenceState, model, where: tuple | None = None) -> bool:
     """Whether ``state`` (of ``model``) is where ``model`` computes now (``where``: :func:`_where`, read once by a
     caller checking many states): its ids on the model's device, its cache (if any) of the model's KV dtype on its
     layers' devices. A backend's opaque handle is checked the long way."""
-    kv = state._kv
+    return unchanged_at(state._ids.device, state._kv, model, where)
+
+
+def unchanged_at(device, kv, model, where: tuple | None = None) -> bool:
+    """:func:`_unchanged` of a state whose ids are on ``device`` and whose cache is ``kv`` (a state not built yet:
+    ``deferred.Part``)."""
     if kv is None:
-        return state._ids.device == model.device
+        return device == model.device
     if kvcache.opaque(kv):
         return False
     dev, kv_dtype, layers = where or _where(model)
-    return state._ids.device == dev and kvcache.dtype(kv) == kv_dtype and kvcache.devices(kv) == layers
+    return device == dev and kvcache.dtype(kv) == kv_dtype and kvcache.devices(kv) == layers
 
 
 def to_model_all(states: list[SequenceState], model) -> list[SequenceState]:

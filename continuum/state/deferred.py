@@ -24,11 +24,12 @@ from collections.abc import Sequence
 import torch
 
 from ..models.tokenizer import check_encodable
+from .convert import unchanged_at
 from .core import SequenceState
 from .laststep import LastStep
 from .layout import kept_rows, rebuild
 
-__all__ = ["ORIGIN", "Deferred", "Prompt", "added", "prompt", "rejoin", "mark"]
+__all__ = ["ORIGIN", "Deferred", "Part", "Prompt", "added", "part", "prompt", "rejoin", "mark"]
 
 ORIGIN = "joint"  # a caller's rows of a joint call: its ``_cache[ORIGIN]`` is ``(joint result, first row, rows)``
 _SLOTS = {name: SequenceState.__dict__[name] for name in ("_ids", "_mask", "_logprobs", "_kv")}
@@ -104,6 +105,40 @@ class Prompt(_Lazy):
     def to_model(self, model) -> SequenceState:
         # (unbuilt, it will be made on the model's own device)
         return self if self._pending and self._model is model else super().to_model(model)
+
+
+class Part(_Lazy):
+    """A caller's rows of a joint call's result (``coalesce._split``): its ids, mask and log-probs are views of the
+    joint result's, made when first read. A ``run_batch`` program mostly adds text to its part or hands it on, and
+    :func:`rejoin` then works on the joint result: 4 slices per caller (~25 us; 3 ms per 128 callers) never made."""
+
+    __slots__ = ("_view",)
+    _view: tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice, slice]
+
+    _kv = _SLOTS["_kv"]  # (known at once: the joint cache's rows, ``kv.split_rows``; reading it builds nothing)
+
+    def _make(self) -> SequenceState:
+        ids, mask, logprobs, rows, cols = self._view
+        return SequenceState(model=self._model, ids=ids[rows, cols], mask=mask[rows, cols], logprobs=logprobs[rows, cols],
+                             weights=self._weights, kv=self._kv, batch=self.batch, samples=self.samples, last=self._last)
+
+    def to_model(self, model) -> SequenceState:
+        # (unbuilt, it is where the joint result is: checked on the joint ids' device and its own cache)
+        if self._pending and self._model is model and unchanged_at(self._view[0].device, self._kv, model):
+            return self
+        return super().to_model(model)
+
+
+def part(joint: SequenceState, row: int, n: int, lead: int, kv, batch: int, last: LastStep | None) -> SequenceState:
+    """The rows ``row:row + n`` of ``joint`` from column ``lead`` on, with cache ``kv``, unbuilt (:class:`Part`); it
+    takes ``joint``'s memoised per-row views of those rows."""
+    out = object.__new__(Part)
+    rows = slice(row, row + n)
+    out._model, out._weights, out.batch, out.samples, out._last = joint._model, joint._weights[rows], batch, joint.samples, last
+    out._cache, out._pending = {}, True
+    out._view = (joint._ids, joint._mask, joint._logprobs, rows, slice(lead, None))
+    _SLOTS["_kv"].__set__(out, kv)
+    return out._memo_from(joint, rows)
 
 
 def prompt(model, text: str) -> SequenceState:
