@@ -131,7 +131,11 @@ class TensorKV:
         """:meth:`rows` for each ``(start, n, lead)`` of ``spans``; those marked ``own`` in storage of their own,
         shared by them only and made by ONE gather per tensor (a short caller must not keep the joint call's long
         rows alive; copied one by one, that was ~0.1 ms per caller)."""
-        out = [self.rows(*span) for span in spans]
+        if type(self._layers) is Rows:
+            out = [self.rows(*span) for span in spans]
+        else:  # (the joint call's own tensors: read once for all callers)
+            parent, end = self.tensors(), self.length()
+            out = [TensorKV(Rows(parent, start, n, lead, end)) for start, n, lead in spans]
         mine = [i for i, o in enumerate(own) if o]
         if not mine:
             return out
