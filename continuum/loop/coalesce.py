@@ -189,11 +189,12 @@ def _split(joint: SequenceState, states: list[SequenceState]) -> list[SequenceSt
         at = [i for i, c in enumerate(cached) if c]
         for i, kv in zip(at, kvcache.split_rows(joint._kv, [spans[i] for i in at], [own[i] for i in at])):
             kvs[i] = kv
-    lasts = joint._last.spans([(row, n) for row, n, _ in spans]) if joint._last is not None else [None] * len(states)
+    rows = [(row, n) for row, n, _ in spans]
+    lasts = joint._last.spans(rows) if joint._last is not None else [None] * len(states)
     # (tensors made when first read; the columns dropped hold no real token in its rows)
     out = [deferred.part(joint, row, n, lead, kv, s.batch, last)
            for s, (row, n, lead), kv, last in zip(states, spans, kvs, lasts)]
-    deferred.mark(out, joint, [(row, n) for row, n, _ in spans], own)
+    deferred.mark(out, joint, rows, own)
     return out
 
 

@@ -44,23 +44,16 @@ class LastStep:
 
     def select(self, rows: Sequence[int]) -> LastStep:
         if isinstance(rows, range) and rows.step == 1:  # (a joint call's caller: its rows one after another)
-            return self._span(rows.start, rows.stop)
+            return self.spans([(rows.start, len(rows))])[0]
 
         def pick(t: Any) -> Any:  # any per-row tuple field, or None
             return tuple(t[r] for r in rows) if t is not None else None
 
         return self._with(**{name: pick(getattr(self, name)) for name in _ROW_FIELDS})
 
-    def _span(self, start: int, stop: int) -> LastStep:
-        """``select(range(start, stop))`` by slicing each per-row field (once per caller of a joint call)."""
-        def cut(t: Any) -> Any:
-            return None if t is None else t[start:stop] if type(t) is tuple else tuple(t[start:stop])
-
-        return self._with(**{name: cut(getattr(self, name)) for name in _ROW_FIELDS})
-
     def spans(self, spans: Sequence[tuple[int, int]]) -> list[LastStep]:
         """``[select(range(row, row + n)) for row, n in spans]``: a joint call's callers' steps, each field read once
-        for all of them (~4 us a caller, where one ``_span`` each took ~12)."""
+        for all of them (~4 us a caller, where one ``select`` each took ~12)."""
         fields = [(name, t if t is None or type(t) is tuple else tuple(t)) for name in _ROW_FIELDS
                   for t in (getattr(self, name),)]
         out = []
